@@ -1,0 +1,193 @@
+"""Admin API under /tracetap/: episodes, rewards, policy version, health and metrics."""
+
+from __future__ import annotations
+
+import hmac
+import math
+import secrets
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from proxy.errors import ProxyError, bad_request, not_found, unauthorized
+from proxy.headers import bearer
+from proxy.ids import uuid7
+from proxy.keys import STATE
+from proxy.metrics import CONTENT_TYPE
+from proxy.tagging import KEY_PREFIX, hash_key, validate_episode_id
+from storage import queries
+
+
+class Harness(msgspec.Struct, forbid_unknown_fields=True):
+    name: str | None = None
+    config: dict[str, Any] | None = None
+
+
+class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
+    id: str | None = None
+    group_id: str | None = None
+    task_id: str | None = None
+    harness: Harness | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
+    reward: float | None = None
+    rewards: dict[str, float] | None = None
+    outcome: str | None = None
+    info: dict[str, Any] | None = None
+
+
+class PolicyUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    version: str
+
+
+_LIMITS = {"group_id": 128, "task_id": 256, "outcome": 256, "version": 128}
+
+
+async def _decode(request: web.Request, kind: type):
+    body = await request.read()
+    try:
+        value = msgspec.json.decode(body or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid {kind.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    for field, limit in _LIMITS.items():
+        text = getattr(value, field, None)
+        if text is not None and len(text) > limit:
+            raise bad_request(f"{field} is longer than {limit} characters")
+    return value
+
+
+def _require_admin(request: web.Request) -> None:
+    token = request.app[STATE].settings.admin_token
+    if token is None:
+        return
+    given = bearer(request.headers) or ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise unauthorized("this endpoint needs the proxy's admin token")
+
+
+def _errors(handler):
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProxyError as error:
+            return error.response()
+
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+@_errors
+async def create_episode(request: web.Request) -> web.Response:
+    _require_admin(request)
+    state = request.app[STATE]
+    spec = await _decode(request, EpisodeCreate)
+    episode_id = validate_episode_id(spec.id) if spec.id is not None else uuid7()
+    if spec.group_id is not None:
+        validate_episode_id(spec.group_id)
+    api_key = KEY_PREFIX + secrets.token_urlsafe(32)
+    key_hash = hash_key(api_key)
+    harness = spec.harness or Harness()
+    try:
+        await queries.create_episode(
+            state.engine, episode_id=episode_id, key_hash=key_hash, group_id=spec.group_id,
+            task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
+            metadata=spec.metadata,
+        )
+    except queries.EpisodeExists as exc:
+        raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
+                         "episode_exists") from exc
+    state.tagger.remember(episode_id, key_hash)
+    base_url = f"{state.settings.base_url}/episodes/{episode_id}/v1"
+    return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
+                             status=201)
+
+
+@_errors
+async def finish_episode(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    episode_id = validate_episode_id(request.match_info["episode"])
+    key = bearer(request.headers) or ""
+    own_key = key.startswith(KEY_PREFIX) and await state.tagger.owns(key, episode_id)
+    if not own_key:
+        _require_admin(request)
+    spec = await _decode(request, EpisodeFinish)
+    values = [spec.reward, *(spec.rewards or {}).values()]
+    if any(v is not None and not math.isfinite(v) for v in values):
+        raise bad_request("rewards must be finite numbers")
+    await queries.finish_episode(state.engine, episode_id, reward=spec.reward,
+                                 rewards=spec.rewards, outcome=spec.outcome, info=spec.info)
+    return web.json_response({"id": episode_id, "finished": True})
+
+
+@_errors
+async def get_episode(request: web.Request) -> web.Response:
+    _require_admin(request)
+    episode_id = validate_episode_id(request.match_info["episode"])
+    episode = await queries.get_episode(request.app[STATE].engine, episode_id)
+    if episode is None:
+        raise not_found(f"no episode {episode_id!r}")
+    return web.json_response(episode)
+
+
+@_errors
+async def list_episodes(request: web.Request) -> web.Response:
+    _require_admin(request)
+    query = request.query
+    try:
+        limit = min(max(int(query.get("limit", 100)), 1), 1000)
+        offset = max(int(query.get("offset", 0)), 0)
+    except ValueError as exc:
+        raise bad_request("limit and offset must be integers") from exc
+    finished = {"true": True, "false": False}.get(query.get("finished", "").lower())
+    group = query.get("group_id")
+    if group is not None:
+        validate_episode_id(group)
+    page = await queries.list_episodes(request.app[STATE].engine, limit=limit, offset=offset,
+                                       group_id=group, finished=finished)
+    return web.json_response(page)
+
+
+@_errors
+async def put_policy(request: web.Request) -> web.Response:
+    _require_admin(request)
+    spec = await _decode(request, PolicyUpdate)
+    if not spec.version:
+        raise bad_request("version must not be empty")
+    request.app[STATE].policy_version = spec.version
+    return web.json_response({"version": spec.version})
+
+
+@_errors
+async def get_policy(request: web.Request) -> web.Response:
+    _require_admin(request)
+    return web.json_response({"version": request.app[STATE].policy_version})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the upstream answers; the journal backlog is reported, the DB is not asked."""
+    state = request.app[STATE]
+    models = await state.upstream.get_json("/v1/models", timeout=2.0)
+    ready = models is not None
+    body = {
+        "ready": ready,
+        "upstream": {"url": state.upstream.base_url, "reachable": ready},
+        "journal": {"bytes": state.writer.journal.bytes, "pending_records": state.writer.pending},
+        "database_writes_ok": state.writer.db_healthy,
+    }
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.metrics.queue_depth.set(state.writer.pending)
+    state.metrics.journal_bytes.set(state.writer.journal.bytes)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

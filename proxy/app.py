@@ -1,0 +1,88 @@
+"""The aiohttp application: routes, and the lifecycle of storage, writer and upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+
+from aiohttp import web
+
+from proxy import admin, flavor, handlers
+from proxy.keys import STATE
+from proxy.metrics import Metrics
+from proxy.settings import Settings
+from proxy.state import ProxyState
+from proxy.tagging import Tagger
+from proxy.upstream import Upstream
+from storage import queries
+from storage.engine import create_engine
+from storage.journal import Journal
+from storage.writer import Writer
+
+log = logging.getLogger("tracetap")
+SETTINGS = web.AppKey("settings", Settings)
+
+
+def build_app(settings: Settings) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body)
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_lifecycle)
+    r = app.router
+    r.add_post("/tracetap/episodes", admin.create_episode)
+    r.add_get("/tracetap/episodes", admin.list_episodes)
+    r.add_get("/tracetap/episodes/{episode}", admin.get_episode)
+    r.add_post("/tracetap/episodes/{episode}/finish", admin.finish_episode)
+    r.add_put("/tracetap/policy", admin.put_policy)
+    r.add_get("/tracetap/policy", admin.get_policy)
+    r.add_get("/metrics", admin.metrics)
+    r.add_get("/healthz", admin.healthz)
+    r.add_get("/readyz", admin.readyz)
+    r.add_route("*", "/episodes/{episode}/v1/{tail:.*}", handlers.agent_request)
+    r.add_route("*", "/v1/{tail:.*}", handlers.agent_request)
+    r.add_route("*", "/{tail:.*}", handlers.unscoped)
+    return app
+
+
+async def _lifecycle(app: web.Application):
+    settings = app[SETTINGS]
+    engine = create_engine(settings.database_url)
+    metrics = Metrics()
+    journal = Journal(settings.journal_dir, settings.journal_max_bytes)
+    writer = Writer(engine, journal, observer=metrics)
+    upstream = Upstream(settings.upstream_base, timeout=settings.upstream_timeout,
+                        connect_timeout=settings.connect_timeout,
+                        max_connections=settings.max_connections)
+    await upstream.start()
+    tagger = Tagger(
+        key_owner=functools.partial(queries.key_owner, engine),
+        is_registered=functools.partial(queries.is_registered, engine),
+        require_episode=settings.require_episode,
+        require_registered=settings.require_registered,
+    )
+    state = ProxyState(settings, engine=engine, writer=writer, upstream=upstream,
+                       tagger=tagger, metrics=metrics)
+    app[STATE] = state
+    writer.start()
+    detecting = None
+    if settings.upstream_flavor == "auto":
+        found = await flavor.detect(upstream)
+        if found is not None:
+            state.flavor = found
+            log.info("upstream flavor: %s", found)
+        else:
+            detecting = asyncio.create_task(
+                flavor.keep_detecting(upstream, functools.partial(setattr, state, "flavor")))
+    try:
+        yield
+    finally:
+        if detecting is not None:
+            detecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await detecting
+        await writer.close(timeout=settings.drain_timeout)
+        await upstream.close()
+        await engine.dispose()
+        log.info("tracetap stopped; %d records left in the journal for the next start",
+                 writer.pending)

@@ -1,0 +1,207 @@
+"""Upstream replies (one body, or stream chunks) → what storage keeps of each choice.
+
+Token ids, in order of trust: engine ids (``token_ids``), ids carried by logprob
+entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from proxy.inject import CHAT
+from proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
+from storage.records import ChoiceRecord
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+class _Choice:
+    """One choice's pieces as they arrive."""
+
+    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "text",
+                 "tokens", "tools", "tops")
+
+    def __init__(self) -> None:
+        self.role: str | None = None
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tools: dict[int, dict[str, Any]] = {}
+        self.engine_ids: list[int] | None = None
+        self.logprobs: list[float | None] = []
+        self.tokens: list[str | None] = []
+        self.ids: list[int | None] = []
+        self.tops: list[Any] = []
+        self.finish_reason: str | None = None
+
+
+class Capture:
+    """Accumulates an upstream reply; ``choices()`` turns it into choice records."""
+
+    def __init__(self, endpoint: str, *, keep_top_logprobs: bool = False):
+        self.endpoint = endpoint
+        self.keep_top = keep_top_logprobs
+        self._decode = decode_chat if endpoint == CHAT else decode_completion
+        self._choices: dict[int, _Choice] = {}
+        self.model: str | None = None
+        self.response_id: str | None = None
+        self.created: int | None = None
+        self.usage: Usage | None = None
+        self.prompt_ids: list[int] | None = None
+        self.errors: list[str] = []
+        self.logprobs_missing = 0
+
+    def add(self, data: bytes) -> None:
+        """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
+        try:
+            body = self._decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if len(self.errors) < 5:
+                self.errors.append(f"unparseable upstream data: {exc}")
+            return
+        self.model = body.model or self.model
+        self.response_id = body.id or self.response_id
+        self.created = body.created or self.created
+        if body.usage is not None:
+            self.usage = body.usage
+        if getattr(body, "prompt_token_ids", None) is not None:
+            self.prompt_ids = body.prompt_token_ids
+        for choice in body.choices:
+            acc = self._choices.get(choice.index)
+            if acc is None:
+                acc = self._choices[choice.index] = _Choice()
+            if isinstance(choice, ChatChoice):
+                self._add_chat(acc, choice)
+            else:
+                self._add_completion(acc, choice)
+
+    def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
+        message = choice.message or choice.delta
+        if message is not None:
+            acc.role = message.role or acc.role
+            if message.content:
+                acc.text.append(message.content)
+            if message.reasoning_content:
+                acc.reasoning.append(message.reasoning_content)
+            for position, call in enumerate(message.tool_calls or ()):
+                index = call.index if call.index is not None else position
+                tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
+                                                    "arguments": []})
+                tool["id"] = call.id or tool["id"]
+                tool["type"] = call.type or tool["type"]
+                if call.function is not None:
+                    tool["name"] = call.function.name or tool["name"]
+                    if call.function.arguments:
+                        tool["arguments"].append(call.function.arguments)
+        if choice.logprobs is not None and choice.logprobs.content:
+            for entry in choice.logprobs.content:
+                acc.logprobs.append(entry.logprob)
+                acc.tokens.append(entry.token)
+                acc.ids.append(entry.id)
+                if self.keep_top:
+                    acc.tops.append([{"token": t.token, "logprob": t.logprob}
+                                     for t in entry.top_logprobs or ()])
+        self._add_common(acc, choice.token_ids, choice.finish_reason)
+
+    def _add_completion(self, acc: _Choice, choice: CompletionChoice) -> None:
+        if choice.text:
+            acc.text.append(choice.text)
+        if choice.prompt_token_ids is not None:
+            self.prompt_ids = choice.prompt_token_ids
+        lp = choice.logprobs
+        if lp is not None and lp.tokens is not None:
+            acc.tokens.extend(lp.tokens)
+            acc.ids.extend([None] * len(lp.tokens))
+            values = lp.token_logprobs or []
+            acc.logprobs.extend(values[: len(lp.tokens)])
+            acc.logprobs.extend([None] * (len(lp.tokens) - len(values)))
+            if self.keep_top:
+                acc.tops.extend(lp.top_logprobs or [None] * len(lp.tokens))
+        self._add_common(acc, choice.token_ids, choice.finish_reason)
+
+    @staticmethod
+    def _add_common(acc: _Choice, token_ids: list[int] | None, finish: str | None) -> None:
+        if token_ids is not None:
+            if acc.engine_ids is None:
+                acc.engine_ids = []
+            acc.engine_ids.extend(token_ids)
+        if finish is not None:
+            acc.finish_reason = finish
+
+    def choices(self) -> list[ChoiceRecord]:
+        records = []
+        for index in sorted(self._choices):
+            acc = self._choices[index]
+            ids, source = _completion_ids(acc)
+            logprobs = None
+            if acc.logprobs and all(v is not None for v in acc.logprobs):
+                logprobs = acc.logprobs
+            if logprobs is not None and ids is not None and len(ids) != len(logprobs):
+                logprobs = None
+            if logprobs is None and (ids or acc.text):
+                self.logprobs_missing += 1
+            records.append(ChoiceRecord(
+                index=index,
+                finish_reason=acc.finish_reason,
+                text="".join(acc.text) if acc.text else None,
+                completion_ids=ids,
+                completion_logprobs=logprobs,
+                top_logprobs=acc.tops if self.keep_top and acc.tops else None,
+                token_source=source,
+            ))
+        return records
+
+    def reassembled(self, *, with_logprobs: bool) -> dict[str, Any]:
+        """A stream put back together in the shape of the non-streaming reply."""
+        chat = self.endpoint == CHAT
+        choices = []
+        for index in sorted(self._choices):
+            acc = self._choices[index]
+            text = "".join(acc.text) if acc.text else None
+            out: dict[str, Any] = {"index": index}
+            if chat:
+                message: dict[str, Any] = {"role": acc.role or "assistant", "content": text}
+                if acc.reasoning:
+                    message["reasoning_content"] = "".join(acc.reasoning)
+                if acc.tools:
+                    message["tool_calls"] = [
+                        {"id": t["id"], "type": t["type"] or "function",
+                         "function": {"name": t["name"], "arguments": "".join(t["arguments"])}}
+                        for _, t in sorted(acc.tools.items())
+                    ]
+                out["message"] = message
+            else:
+                out["text"] = text or ""
+            out["logprobs"] = _logprobs_view(acc, chat) if with_logprobs else None
+            out["finish_reason"] = acc.finish_reason
+            choices.append(out)
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.usage is not None:
+            body["usage"] = msgspec.to_builtins(self.usage)
+        return body
+
+
+def _completion_ids(acc: _Choice) -> tuple[list[int] | None, str]:
+    if acc.engine_ids is not None:
+        return acc.engine_ids, "engine"
+    if acc.tokens and all(t is not None and t.startswith(_TOKEN_ID_PREFIX) for t in acc.tokens):
+        try:
+            return [int(t[len(_TOKEN_ID_PREFIX):]) for t in acc.tokens], "logprobs"
+        except ValueError:
+            pass
+    if acc.ids and all(i is not None for i in acc.ids):
+        return list(acc.ids), "logprobs"
+    return None, "none"
+
+
+def _logprobs_view(acc: _Choice, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"content": [{"token": t, "logprob": lp} for t, lp in zip(acc.tokens, acc.logprobs)]}
+    return {"tokens": acc.tokens, "token_logprobs": acc.logprobs}

@@ -1,0 +1,168 @@
+"""One model call being captured: request in, reply relayed, record out.
+
+The record is submitted in the handler's ``finally``, so a cancelled handler (client
+gone) still stores what it saw.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from proxy.assemble import Capture
+from proxy.errors import ProxyError, bad_request
+from proxy.inject import COMPLETIONS, Injected, prepare, strip_body, strip_chunk
+from proxy.sse import Event, encode_event
+from proxy.state import ProxyState
+from proxy.wire import decode_object, encode
+from storage.records import CallRecord
+
+
+class ModelCall:
+    def __init__(self, state: ProxyState, endpoint: str, call_id: str):
+        self.state = state
+        self.endpoint = endpoint
+        self.call_id = call_id
+        self.t_start = time.time()
+        self.perf_start = time.perf_counter()
+        self.episode_id: str | None = None
+        self.request_text: str | None = None
+        self.payload: dict[str, Any] = {}
+        self.injected = Injected()
+        self.capture = Capture(endpoint)
+        self.stream = False
+        self.status = "ok"
+        self.http_status = 0
+        self.error: str | None = None
+        self.t_first_byte: float | None = None
+        self.perf_upstream_start: float | None = None
+        self.perf_upstream_end: float | None = None
+        self.perf_first_content: float | None = None
+        self.client_body: bytes | None = None
+
+    # -- request side -----------------------------------------------------------
+    def parse_request(self, body: bytes) -> bytes:
+        """Validate the client's JSON and return the body to send upstream."""
+        self.request_text = body.decode("utf-8", "replace")
+        try:
+            payload = decode_object(body)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
+        except msgspec.ValidationError as exc:
+            raise bad_request("request body must be a JSON object", "invalid_json") from exc
+        self.payload = payload
+        self.stream = payload.get("stream") is True
+        self.injected = prepare(payload, self.endpoint, self.state.flavor)
+        self.capture = Capture(self.endpoint,
+                               keep_top_logprobs=self.injected.client_top_logprobs > 0)
+        return encode(payload) if self.injected.any else body
+
+    def fail(self, error: ProxyError, status: str) -> web.Response:
+        self.status = status
+        self.http_status = error.status
+        self.error = error.message
+        return error.response()
+
+    # -- reply side ---------------------------------------------------------------
+    def upstream_started(self) -> None:
+        self.perf_upstream_start = time.perf_counter()
+
+    def upstream_done(self) -> None:
+        self.perf_upstream_end = time.perf_counter()
+
+    def first_byte(self) -> None:
+        if self.t_first_byte is None:
+            self.t_first_byte = time.time()
+
+    def client_view(self, body: bytes, ok: bool) -> bytes:
+        """A whole reply: capture it, and return what the client should receive."""
+        if not ok:
+            self.client_body = body
+            return body
+        self.capture.add(body)
+        if self.injected.any:
+            try:
+                obj = decode_object(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.client_body = body
+                return body
+            strip_body(obj, self.injected)
+            body = encode(obj)
+        self.client_body = body
+        return body
+
+    def on_event(self, event: Event) -> bytes:
+        """One SSE event: capture it; return the bytes the client should get for it."""
+        data = event.data
+        if data is None or data == b"[DONE]":
+            return event.raw
+        if self.perf_first_content is None:
+            self.perf_first_content = time.perf_counter()
+        self.capture.add(data)
+        if not self.injected.any:
+            return event.raw
+        try:
+            chunk = decode_object(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return event.raw  # relayed as is; capture noted the bad chunk
+        if not strip_chunk(chunk, self.injected):
+            return b""
+        return encode_event(encode(chunk))
+
+    # -- record ---------------------------------------------------------------------
+    def record(self) -> CallRecord:
+        state = self.state
+        capture = self.capture
+        choices = capture.choices()
+        if capture.errors and self.error is None:
+            self.error = "; ".join(capture.errors)
+        if self.stream and capture.response_id is not None:
+            response = encode(capture.reassembled(with_logprobs=not self.injected.logprobs))
+        else:
+            response = self.client_body
+        usage = capture.usage
+        prompt_ids = capture.prompt_ids
+        if prompt_ids is None and self.endpoint == COMPLETIONS:
+            prompt_ids = _token_prompt(self.payload.get("prompt"))
+        model = capture.model or _str(self.payload.get("model"))
+        upstream_latency = None
+        if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
+            upstream_latency = self.perf_upstream_end - self.perf_upstream_start
+        return CallRecord(
+            call_id=self.call_id,
+            episode_id=self.episode_id,
+            seq=state.next_seq(self.episode_id),
+            instance=state.instance,
+            endpoint=self.endpoint,
+            model=model,
+            policy_version=state.policy_version,
+            stream=self.stream,
+            upstream=state.upstream.base_url,
+            request=self.request_text,
+            response=None if response is None else response.decode("utf-8", "replace"),
+            status=self.status,
+            http_status=self.http_status,
+            error=self.error,
+            t_start=self.t_start,
+            t_first_byte=self.t_first_byte,
+            t_end=time.time(),
+            upstream_latency=upstream_latency,
+            prompt_tokens=None if usage is None else usage.prompt_tokens,
+            completion_tokens=None if usage is None else usage.completion_tokens,
+            prompt_ids=prompt_ids,
+            choices=choices,
+        )
+
+
+def _token_prompt(prompt: Any) -> list[int] | None:
+    """A completions prompt given as token ids is the prompt's ids."""
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,86 @@
+"""The ``tracetap`` command: serve, db upgrade, export, demo, mock-engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from proxy import __version__
+from proxy.settings import add_serve_arguments, settings_from_args
+
+log = logging.getLogger("tracetap")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tracetap", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tracetap {__version__}")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the capture proxy")
+    add_serve_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+    db = commands.add_parser("db", help="database schema")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser("upgrade", help="apply Alembic migrations")
+    upgrade.add_argument("--db", required=False, help="SQLAlchemy URL (or TRACETAP_DB)")
+    upgrade.add_argument("--data-dir", default=None)
+    upgrade.set_defaults(run=_db_upgrade)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except (ValueError, OSError) as exc:
+        print(f"tracetap: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from proxy.app import build_app
+    from storage.engine import redact_url, upgrade
+
+    settings = settings_from_args(args)
+    upgrade(settings.database_url)
+    app = build_app(settings)
+    print(
+        f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
+        f"-> upstream {settings.upstream_base}; storing in {redact_url(settings.database_url)} "
+        f"(journal {settings.journal_dir})",
+        flush=True,
+    )
+    web.run_app(app, host=settings.host, port=settings.port, print=None,
+                shutdown_timeout=settings.drain_timeout, loop=_new_loop(),
+                access_log=None)
+    return 0
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    import os
+
+    from storage.engine import redact_url, upgrade
+
+    url = args.db or os.environ.get("TRACETAP_DB")
+    if not url:
+        raise ValueError("--db (or TRACETAP_DB) is required")
+    upgrade(url)
+    print(f"schema of {redact_url(url)} is up to date")
+    return 0
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

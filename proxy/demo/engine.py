@@ -1,0 +1,351 @@
+"""HTTP side of the mock engine: vLLM-like /v1 endpoints, streaming and fault injection.
+
+Per-request fault injection (extra body fields, accepted by every flavor): ``mock_delay_s``,
+``mock_chunk_delay_s``, ``mock_fail_after_chunks``, ``mock_status``, ``mock_completion_tokens``,
+``mock_garbage``, ``mock_tool_rounds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from proxy.demo import tokenizer as tok
+from proxy.demo.generate import TOP_LOGPROBS_MAX, Sampling, generate_chat, generate_text
+from proxy.demo.wire import (
+    OPENAI_FIELDS,
+    ChatRequest,
+    CompletionRequest,
+    EngineRequest,
+    Flavor,
+    Shape,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    error_body,
+)
+
+VLLM_VERSION = "0.11.0"
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    flavor: Flavor = "vllm"
+    model: str = "mock-model"
+    max_tokens_default: int = 256  # byte-level tool calls are ~50 tokens: keep headroom
+    tool_rounds: int = 2
+    chunk_delay_s: float = 0.0
+    max_model_len: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.flavor not in ("vllm", "openai", "llamacpp"):
+            raise ValueError(f"unknown engine flavor {self.flavor!r}")
+
+
+CONFIG = web.AppKey("engine_config", EngineConfig)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    data = msgspec.json.encode(body)
+    return web.Response(body=data, status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        flavor = request.app[CONFIG].flavor
+        return _json(error_body(flavor, exc.status, exc.message, exc.param), exc.status)
+
+
+async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
+    """Decode and check the body, then apply ``mock_delay_s`` and ``mock_status``."""
+    try:
+        raw = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    if request.app[CONFIG].flavor == "openai":
+        for key in raw:
+            if key not in OPENAI_FIELDS[kind] and not key.startswith("mock_"):
+                raise ApiError(400, f"Unrecognized request argument supplied: {key}")
+    try:
+        req = msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, str(exc)) from None
+    if req.mock_delay_s > 0:
+        await asyncio.sleep(req.mock_delay_s)
+    if req.mock_status is not None:
+        if not 400 <= req.mock_status <= 599:
+            raise ApiError(400, "mock_status must be between 400 and 599", "mock_status")
+        raise ApiError(req.mock_status, f"Injected failure (mock_status={req.mock_status})")
+    return req
+
+
+def _sampling(req: EngineRequest, max_tokens: int | None, default: int) -> Sampling:
+    max_tokens = default if max_tokens is None else max_tokens
+    for value, param in (
+        (max_tokens, "max_tokens"),
+        (req.n, "n"),
+        (req.mock_completion_tokens, "mock_completion_tokens"),
+    ):
+        if value is not None and value < 1:
+            raise ApiError(400, f"{param} must be at least 1, got {value}", param)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return Sampling(max_tokens, req.seed or 0, stop, req.mock_completion_tokens)
+
+
+def _shape(request: web.Request, req: EngineRequest, prefix: str, top_k: int | None) -> Shape:
+    config = request.app[CONFIG]
+    if top_k is not None and not 0 <= top_k <= TOP_LOGPROBS_MAX:
+        raise ApiError(400, f"logprobs must be between 0 and {TOP_LOGPROBS_MAX}", "logprobs")
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    return Shape(config.flavor, req, req.model or config.model, rid, int(time.time()), top_k)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    req: ChatRequest = await _parse(request, ChatRequest)
+    if not req.messages:
+        raise ApiError(400, "messages must contain at least one message", "messages")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    sampling = _sampling(req, max_tokens, config.max_tokens_default)
+    shape = _shape(request, req, "chatcmpl", (req.top_logprobs or 0) if req.logprobs else None)
+    prompt_ids = tok.apply_chat_template(req.messages, req.tools)
+    rounds = config.tool_rounds if req.mock_tool_rounds is None else req.mock_tool_rounds
+    completions = [
+        generate_chat(prompt_ids, req.messages, req.tools, req.tool_choice, i, sampling, rounds)
+        for i in range(req.n or 1)
+    ]
+    if req.stream:
+        return await _send_stream(request, shape, chat_chunks(shape, prompt_ids, completions))
+    return await _send(request, shape, chat_body(shape, prompt_ids, completions))
+
+
+def _prompts(prompt: Any) -> list[list[int]]:
+    """A string, a list of ids, or a batch (list) of either."""
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        batch = [tok.encode(p) if isinstance(p, str) else p for p in prompt]
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a batch", "prompt")
+    for ids in batch:
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a batch")
+        if any(not 0 <= t < tok.VOCAB_SIZE for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {tok.VOCAB_SIZE})", "prompt")
+    return batch
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    req: CompletionRequest = await _parse(request, CompletionRequest)
+    sampling = _sampling(req, req.max_tokens, config.max_tokens_default)
+    shape = _shape(request, req, "cmpl", req.logprobs)
+    batch = _prompts(req.prompt)
+    results = [(p, generate_text(p, j, sampling)) for p in batch for j in range(req.n or 1)]
+    prompt_tokens = sum(len(p) for p in batch)
+    if req.stream:
+        return await _send_stream(request, shape, completion_chunks(shape, results, prompt_tokens))
+    return await _send(request, shape, completion_body(shape, results, prompt_tokens))
+
+
+# ---- sending, with fault injection ------------------------------------------------------
+
+
+def _abort(request: web.Request) -> None:
+    """Drop the connection mid-body: the client sees a truncated response."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+async def _send(request: web.Request, shape: Shape, body: dict) -> web.StreamResponse:
+    data = msgspec.json.encode(body)
+    if shape.req.mock_garbage:
+        return web.Response(body=data[: len(data) // 2], content_type="application/json")
+    if shape.req.mock_fail_after_chunks is None:
+        return web.Response(body=data, content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    await resp.write(data[: len(data) // 2])
+    _abort(request)
+    return resp
+
+
+async def _send_stream(request: web.Request, shape: Shape, chunks: Iterator[dict]) -> Any:
+    req, delay = shape.req, request.app[CONFIG].chunk_delay_s
+    delay = delay if req.mock_chunk_delay_s is None else req.mock_chunk_delay_s
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    try:
+        for count, chunk in enumerate(chunks):
+            if count == req.mock_fail_after_chunks:
+                _abort(request)
+                return resp
+            if req.mock_garbage and count == 2:
+                await resp.write(b"data: {this is not json\n\n")
+            await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away; nothing to clean up
+        pass
+    return resp
+
+
+# ---- other endpoints ---------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    owner = {"vllm": "vllm", "openai": "openai", "llamacpp": "llamacpp"}[config.flavor]
+    card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": owner}
+    if config.flavor == "vllm":
+        card |= {"root": config.model, "parent": None, "max_model_len": config.max_model_len}
+    return _json({"object": "list", "data": [card]})
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": VLLM_VERSION})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    try:
+        body = msgspec.json.decode(await request.read(), type=dict[str, Any])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if isinstance(body.get("content"), str):  # llama.cpp's /tokenize
+        return _json({"tokens": tok.encode(body["content"])})
+    if isinstance(body.get("messages"), list):
+        gen = body.get("add_generation_prompt", True)
+        ids = tok.apply_chat_template(body["messages"], body.get("tools"), gen)
+    elif isinstance(body.get("prompt"), str):
+        ids = tok.encode(body["prompt"])
+    else:
+        raise ApiError(400, "tokenize needs a prompt string or a messages list")
+    body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
+    return _json(body | {"token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    try:
+        body = msgspec.json.decode(await request.read(), type=dict[str, list[int]])
+        return _json({"prompt": tok.decode(body["tokens"])})
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, ValueError) as exc:
+        raise ApiError(400, f"detokenize needs a tokens list: {exc}") from None
+
+
+def make_engine_app(config: EngineConfig | None = None) -> web.Application:
+    config = config or EngineConfig()
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app[CONFIG] = config
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    if config.flavor == "vllm":
+        app.router.add_get("/version", version)
+        app.router.add_post("/detokenize", detokenize)
+    if config.flavor != "openai":
+        app.router.add_post("/tokenize", tokenize)
+    return app
+
+
+class EngineServer:
+    """Runs the engine inside the current event loop: ``async with EngineServer() as s``."""
+
+    def __init__(
+        self, config: EngineConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.host, self.port = host, port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL, ending in /v1."""
+        return self.base_url + "/v1"
+
+    async def start(self) -> EngineServer:
+        self._runner = web.AppRunner(make_engine_app(self.config), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> EngineServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+async def serve_engine(host: str, port: int, config: EngineConfig | None = None) -> None:
+    """Serve until cancelled."""
+    async with EngineServer(config, host, port):
+        await asyncio.Event().wait()
+
+
+def run_engine(host: str, port: int, config: EngineConfig | None = None) -> None:
+    """Blocking: serve until interrupted (Ctrl-C / SIGTERM)."""
+    web.run_app(make_engine_app(config), host=host, port=port, access_log=None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tracetap mock-engine", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--flavor", choices=("vllm", "openai", "llamacpp"), default="vllm")
+    parser.add_argument("--model", default="mock-model")
+    parser.add_argument("--tool-rounds", type=int, default=2)
+    parser.add_argument("--max-tokens-default", type=int, default=256)
+    parser.add_argument("--chunk-delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    config = EngineConfig(
+        flavor=args.flavor,
+        model=args.model,
+        tool_rounds=args.tool_rounds,
+        max_tokens_default=args.max_tokens_default,
+        chunk_delay_s=args.chunk_delay_s,
+    )
+    run_engine(args.host, args.port, config)
+
+
+if __name__ == "__main__":
+    main()

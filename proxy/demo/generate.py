@@ -1,0 +1,225 @@
+"""Deterministic completions for the mock engine: text answers, tool calls and logprobs.
+
+Everything is a pure function of (prompt ids, choice index, seed): the same request always
+yields the same tokens, the same stream events and the same logprob values.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import random
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from proxy.demo import tokenizer as tok
+
+TOP_LOGPROBS_MAX = 20
+ARGS_TOKENS_PER_EVENT = 4
+_ALT_IDS = tuple(range(32, 127))  # printable ASCII: alternatives never collide as strings
+_WORDS = (
+    "amber",
+    "answer",
+    "bright",
+    "careful",
+    "circuit",
+    "cloud",
+    "echo",
+    "engine",
+    "forest",
+    "garden",
+    "gentle",
+    "harbor",
+    "lantern",
+    "little",
+    "model",
+    "morning",
+    "north",
+    "orange",
+    "paper",
+    "patient",
+    "quiet",
+    "reason",
+    "river",
+    "signal",
+    "silver",
+    "simple",
+    "steady",
+    "stone",
+    "the",
+    "token",
+    "travel",
+    "window",
+)
+
+EventKind = Literal["content", "tool_head", "tool_args", "hidden"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The request parameters that shape a completion."""
+
+    max_tokens: int
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    forced_tokens: int | None = None  # mock_completion_tokens
+
+
+@dataclass(frozen=True)
+class Event:
+    """One streamed step: the tokens it carries and what they add to the message."""
+
+    start: int  # position of the first token within the completion
+    ids: list[int]
+    kind: EventKind
+    text: str = ""  # content text, or a fragment of tool-call arguments
+    tool_index: int = 0
+
+
+@dataclass
+class Completion:
+    key: bytes
+    token_ids: list[int]
+    events: list[Event]
+    finish_reason: str
+    stop_reason: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LogprobRow:
+    logprob: float
+    top: list[tuple[int, float]]  # TOP_LOGPROBS_MAX (id, logprob), best first, sampled included
+
+
+def choice_key(prompt_ids: Sequence[int], index: int, seed: int) -> bytes:
+    digest = hashlib.blake2b(array("I", prompt_ids).tobytes(), digest_size=16)
+    digest.update(f"|{index}|{seed}".encode())
+    return digest.digest()
+
+
+def logprob_rows(key: bytes, token_ids: Sequence[int], start: int = 0) -> list[LogprobRow]:
+    """Logprobs of completion tokens; position-keyed so a stream slice equals the whole."""
+    rows = []
+    for pos, token_id in enumerate(token_ids, start):
+        rng = random.Random(key + pos.to_bytes(4, "little"))
+        rank = 0 if rng.random() < 0.75 else rng.randint(1, 4)
+        values, value = [], -rng.random() * 0.4
+        for _ in range(TOP_LOGPROBS_MAX):
+            values.append(value)
+            value -= rng.random() * 1.5 + 1e-3
+        alts = rng.sample([i for i in _ALT_IDS if i != token_id], TOP_LOGPROBS_MAX - 1)
+        ranked = [*alts[:rank], token_id, *alts[rank:]]
+        rows.append(LogprobRow(values[rank], list(zip(ranked, values))))
+    return rows
+
+
+def _sentence(rng: random.Random) -> str:
+    text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 9)))
+    return text[0].upper() + text[1:] + "."
+
+
+def _content_events(ids: Sequence[int], start: int = 0) -> list[Event]:
+    """One event per token; the incremental decoder holds back split UTF-8 characters."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return [
+        Event(pos, [token_id], "content", decoder.decode(tok.token_bytes(token_id)))
+        for pos, token_id in enumerate(ids, start)
+    ]
+
+
+def _visible(events: Sequence[Event]) -> str:
+    return "".join(e.text for e in events if e.kind == "content")
+
+
+def _text_completion(key: bytes, rng: random.Random, sampling: Sampling) -> Completion:
+    text = " ".join(_sentence(rng) for _ in range(rng.randint(1, 2)))
+    forced, finish = sampling.forced_tokens, "stop"
+    while forced is not None and len(text) < forced:  # ASCII text: one token per character
+        text += " " + _sentence(rng)
+    if forced is None:
+        ids = [*tok.encode(text), tok.EOS]
+    elif forced >= sampling.max_tokens:
+        ids, finish = tok.encode(text)[: sampling.max_tokens], "length"
+    else:
+        ids = [*tok.encode(text)[: max(forced - 1, 0)], tok.EOS]
+    if len(ids) > sampling.max_tokens:
+        ids, finish = ids[: sampling.max_tokens], "length"
+    body = ids[:-1] if ids and ids[-1] == tok.EOS else ids
+    visible = tok.decode(body)
+    hits = [(visible.find(s), s) for s in sampling.stop if s and s in visible]
+    if hits:  # like vLLM: the stop string's tokens stay in token_ids, not in the text
+        pos, stop = min(hits)
+        shown, ids = tok.encode(visible[:pos]), tok.encode(visible[: pos + len(stop)])
+        events = _content_events(shown)
+        if len(ids) > len(shown):
+            events.append(Event(len(shown), ids[len(shown) :], "hidden"))
+        return Completion(key, ids, events, "stop", stop, _visible(events))
+    events = _content_events(body)
+    if len(ids) > len(body):
+        events.append(Event(len(body), ids[len(body) :], "hidden"))
+    return Completion(key, ids, events, finish, None, _visible(events))
+
+
+def _tool_completion(
+    key: bytes, rng: random.Random, sampling: Sampling, name: str, step: int
+) -> Completion:
+    preface = _sentence(rng) + "\n" if rng.random() < 0.5 else ""
+    arguments = tok.canonical_json({"step": step})
+    call_id = f"chatcmpl-tool-{rng.getrandbits(128):032x}"
+    head, args, tail = (tok.encode(part) for part in tok.tool_call_parts(name, arguments))
+    pre = tok.encode(preface)
+    ids = [*pre, *head, *args, *tail, tok.EOS]
+    if len(ids) > sampling.max_tokens:  # a cut-off call is plain text, as a parser would see it
+        ids = ids[: sampling.max_tokens]
+        events = _content_events(ids)
+        return Completion(key, ids, events, "length", None, _visible(events))
+    events = _content_events(pre)
+    pos = len(pre)
+    events.append(Event(pos, head, "tool_head"))
+    pos += len(head)
+    for i in range(0, len(args), ARGS_TOKENS_PER_EVENT):
+        chunk = args[i : i + ARGS_TOKENS_PER_EVENT]
+        events.append(Event(pos, chunk, "tool_args", tok.decode(chunk)))
+        pos += len(chunk)
+    events.append(Event(pos, [*tail, tok.EOS], "hidden"))
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return Completion(key, ids, events, "tool_calls", None, preface or None, [call])
+
+
+def _tool_name(tools: Sequence[Any] | None, tool_choice: Any) -> str | None:
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        if name:
+            return str(name)
+    first = tools[0] if isinstance(tools[0], Mapping) else {}
+    return str((first.get("function") or {}).get("name", "tool"))
+
+
+def generate_chat(
+    prompt_ids: Sequence[int],
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None,
+    tool_choice: Any,
+    index: int,
+    sampling: Sampling,
+    tool_rounds: int,
+) -> Completion:
+    """A tool call while fewer than ``tool_rounds`` tool results are in the conversation."""
+    key = choice_key(prompt_ids, index, sampling.seed)
+    rng = random.Random(key)
+    name = _tool_name(tools, tool_choice)
+    done = sum(1 for m in messages if m.get("role") == "tool")
+    if name is not None and done < tool_rounds and sampling.forced_tokens is None:
+        return _tool_completion(key, rng, sampling, name, done + 1)
+    return _text_completion(key, rng, sampling)
+
+
+def generate_text(prompt_ids: Sequence[int], index: int, sampling: Sampling) -> Completion:
+    key = choice_key(prompt_ids, index, sampling.seed)
+    return _text_completion(key, random.Random(key), sampling)

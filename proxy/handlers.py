@@ -1,0 +1,205 @@
+"""HTTP handlers for agent traffic: tag → forward → relay → hand the record off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from proxy.capture import ModelCall
+from proxy.errors import ProxyError, too_large
+from proxy.headers import OVERHEAD_HEADER, response_headers, upstream_request_headers
+from proxy.ids import uuid7
+from proxy.inject import CHAT, COMPLETIONS
+from proxy.keys import STATE
+from proxy.sse import SSEParser
+from proxy.upstream import Reply, UpstreamBroken
+
+_ROUTE = {CHAT: "chat_completions", COMPLETIONS: "completions"}
+_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+_STATUS_BY_CODE = {
+    "upstream_timeout": "upstream_timeout",
+    "upstream_unreachable": "upstream_unreachable",
+    "upstream_error": "upstream_error",
+}
+
+
+def _endpoint(tail: str) -> str | None:
+    tail = tail.rstrip("/")
+    if tail == "chat/completions":
+        return CHAT
+    if tail == "completions":
+        return COMPLETIONS
+    return None
+
+
+async def agent_request(request: web.Request) -> web.StreamResponse:
+    """Everything under /v1 and /episodes/{id}/v1: captured or relayed."""
+    tail = request.match_info.get("tail", "")
+    endpoint = _endpoint(tail) if request.method == "POST" else None
+    if endpoint is None:
+        return await passthrough(request, "/v1/" + tail)
+    return await model_call(request, endpoint, "/v1/" + tail)
+
+
+async def model_call(request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    metrics = state.metrics
+    call = ModelCall(state, endpoint, uuid7())
+    route = _ROUTE[endpoint]
+    metrics.inflight.inc()
+    try:
+        try:
+            call.episode_id = await state.tagger.episode_for(
+                request.headers, request.match_info.get("episode"))
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge as exc:
+                raise too_large(state.settings.max_body) from exc
+            upstream_body = call.parse_request(body)
+            headers = upstream_request_headers(
+                request.headers,
+                api_key=state.settings.upstream_api_key,
+                forward_client_auth=state.settings.forward_client_auth,
+                identity=True,
+            )
+            call.upstream_started()
+            reply = await state.upstream.send("POST", _with_query(path, request), headers,
+                                              upstream_body)
+            call.http_status = reply.status
+            if call.stream and reply.content_type == "text/event-stream":
+                return await _relay_stream(request, reply, call)
+            return await _relay_body(request, reply, call)
+        except ProxyError as error:
+            return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
+    finally:
+        metrics.inflight.dec()
+        record = call.record()
+        _observe(call, route)
+        state.submit(record)
+
+
+async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
+    try:
+        body = await reply.read()
+    except UpstreamBroken as exc:
+        call.status, call.error = "upstream_error", str(exc)
+        raise ProxyError(502, f"upstream failed mid-reply: {exc}", "upstream_error",
+                         "upstream_error") from exc
+    finally:
+        reply.close()
+    call.upstream_done()
+    call.first_byte()
+    body = call.client_view(body, ok=reply.status == 200)
+    response = web.Response(status=reply.status, body=body,
+                            headers=response_headers(reply.headers.items()))
+    if call.state.settings.overhead_header:
+        overhead = (time.perf_counter() - call.perf_start) - (
+            call.perf_upstream_end - call.perf_upstream_start)
+        response.headers[OVERHEAD_HEADER] = f"{overhead * 1000:.3f}"
+    return response
+
+
+async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
+    response = web.StreamResponse(status=reply.status,
+                                  headers=response_headers(reply.headers.items()))
+    parser = SSEParser()
+    relay_raw = not call.injected.any
+    try:
+        await response.prepare(request)
+        async for data in reply.iter_chunks():
+            call.first_byte()
+            if relay_raw:
+                # Bytes go to the client first; capture parses its copy afterwards.
+                await response.write(data)
+                for event in parser.feed(data):
+                    call.on_event(event)
+            else:
+                out = b"".join(call.on_event(event) for event in parser.feed(data))
+                if out:
+                    await response.write(out)
+        tail = parser.flush()
+        if tail is not None:
+            out = call.on_event(tail)
+            if out and not relay_raw:
+                await response.write(out)
+        call.upstream_done()
+        await response.write_eof()
+    except UpstreamBroken as exc:
+        call.upstream_done()
+        call.status, call.error = "upstream_error", str(exc)
+        # End the client's stream the way the upstream ended ours: abruptly.
+        if request.transport is not None:
+            request.transport.abort()
+    except _CLIENT_GONE:
+        call.upstream_done()
+        call.status, call.error = "client_disconnected", "client went away mid-stream"
+        raise
+    finally:
+        reply.close()
+    return response
+
+
+async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
+    """Any other path: relayed untouched, streamed both ways, not captured."""
+    state = request.app[STATE]
+    headers = upstream_request_headers(
+        request.headers,
+        api_key=state.settings.upstream_api_key,
+        forward_client_auth=state.settings.forward_client_auth,
+        identity=False,
+    )
+    body = request.content if request.body_exists else None
+    try:
+        reply = await state.upstream.send(request.method, _with_query(path, request), headers,
+                                          body)
+    except ProxyError as error:
+        state.metrics.requests.labels("passthrough", str(error.status)).inc()
+        return error.response()
+    response = web.StreamResponse(status=reply.status,
+                                  headers=response_headers(reply.headers.items()))
+    try:
+        await response.prepare(request)
+        async for data in reply.iter_chunks():
+            await response.write(data)
+        await response.write_eof()
+    except UpstreamBroken:
+        if request.transport is not None:
+            request.transport.abort()
+    finally:
+        reply.close()
+    state.metrics.requests.labels("passthrough", str(reply.status)).inc()
+    return response
+
+
+async def unscoped(request: web.Request) -> web.StreamResponse:
+    """Paths outside /v1 (e.g. /tokenize, /version): relayed to the upstream's origin."""
+    return await passthrough(request, request.path)
+
+
+def _with_query(path: str, request: web.Request) -> str:
+    return f"{path}?{request.query_string}" if request.query_string else path
+
+
+def _observe(call: ModelCall, route: str) -> None:
+    metrics = call.state.metrics
+    elapsed = time.perf_counter() - call.perf_start
+    stream = "true" if call.stream else "false"
+    metrics.requests.labels(route, str(call.http_status or 499)).inc()
+    metrics.duration.labels(route, stream).observe(elapsed)
+    if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
+        upstream = call.perf_upstream_end - call.perf_upstream_start
+        metrics.upstream.labels(route).observe(upstream)
+        metrics.overhead.labels(route, stream).observe(max(0.0, elapsed - upstream))
+    if call.stream and call.perf_first_content is not None:
+        metrics.ttft.labels(route).observe(call.perf_first_content - call.perf_start)
+    if call.capture.logprobs_missing:
+        metrics.logprobs_missing.inc(call.capture.logprobs_missing)
+    usage = call.capture.usage
+    if usage is not None:
+        model = metrics.model(call.capture.model)
+        if usage.prompt_tokens:
+            metrics.tokens.labels("prompt", model).inc(usage.prompt_tokens)
+        if usage.completion_tokens:
+            metrics.tokens.labels("completion", model).inc(usage.completion_tokens)

@@ -1,0 +1,115 @@
+"""Configuration for ``tracetap serve``, read once from flags and TRACETAP_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from pathlib import Path
+
+import msgspec
+
+FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    upstream: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    upstream_api_key: str | None = None
+    upstream_flavor: str = "auto"
+    upstream_timeout: float = 600.0
+    connect_timeout: float = 10.0
+    max_connections: int = 1024
+    forward_client_auth: bool = False
+    db: str | None = None
+    data_dir: str = "./tracetap-data"
+    max_body: int = 64 << 20
+    journal_max_bytes: int = 1 << 30
+    drain_timeout: float = 30.0
+    admin_token: str | None = None
+    require_episode: bool = False
+    require_registered: bool = False
+    overhead_header: bool = True
+    public_url: str | None = None
+
+    @property
+    def upstream_base(self) -> str:
+        return self.upstream.rstrip("/")
+
+    @property
+    def database_url(self) -> str:
+        if self.db:
+            return self.db
+        return f"sqlite:///{Path(self.data_dir).resolve() / 'tracetap.db'}"
+
+    @property
+    def journal_dir(self) -> Path:
+        return Path(self.data_dir) / "journal"
+
+    @property
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"--upstream must be an http(s) URL, got {self.upstream!r}")
+        if self.upstream_flavor not in FLAVORS:
+            raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
+        if not is_loopback(self.host) and not self.admin_token:
+            raise ValueError(
+                f"refusing to listen on {self.host} without --admin-token: the admin API "
+                "would be open to the network"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _env(name: str, default=None):
+    return os.environ.get("TRACETAP_" + name.upper().replace("-", "_"), default)
+
+
+def _env_bool(name: str, default: bool = False) -> bool:
+    value = _env(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Settings(upstream="http://unset")  # defaults, one place
+    a = parser.add_argument
+    a("--upstream", default=_env("upstream"), help="model server base URL, e.g. http://127.0.0.1:8000/v1")
+    a("--host", default=_env("host", d.host))
+    a("--port", type=int, default=int(_env("port", d.port)))
+    a("--upstream-api-key", default=_env("upstream_api_key"), help="sent upstream; never stored")
+    a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS)
+    a("--upstream-timeout", type=float, default=float(_env("upstream_timeout", d.upstream_timeout)),
+      help="seconds to wait for each upstream read (no total limit on streams)")
+    a("--connect-timeout", type=float, default=float(_env("connect_timeout", d.connect_timeout)))
+    a("--max-connections", type=int, default=int(_env("max_connections", d.max_connections)))
+    a("--forward-client-auth", action="store_true", default=_env_bool("forward_client_auth"),
+      help="pass the client's own Authorization header upstream")
+    a("--db", default=_env("db"), help="SQLAlchemy URL (default: SQLite in --data-dir)")
+    a("--data-dir", default=_env("data_dir", d.data_dir))
+    a("--max-body", type=int, default=int(_env("max_body", d.max_body)))
+    a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)))
+    a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)))
+    a("--admin-token", default=_env("admin_token"))
+    a("--require-episode", action="store_true", default=_env_bool("require_episode"))
+    a("--require-registered", action="store_true", default=_env_bool("require_registered"))
+    a("--no-overhead-header", dest="overhead_header", action="store_false",
+      default=not _env_bool("no_overhead_header"))
+    a("--public-url", default=_env("public_url"), help="base URL agents reach the proxy at")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    if not args.upstream:
+        raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
+    fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
+    return Settings(**fields)

@@ -1,0 +1,63 @@
+"""Incremental Server-Sent Events parser: bytes in, complete events out."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+
+
+class Event(NamedTuple):
+    raw: bytes  # the event exactly as received, boundary included
+    data: bytes | None  # joined ``data:`` lines; None for comments and non-data events
+
+
+class SSEParser:
+    """Splits a byte stream into events; survives events split across reads."""
+
+    def __init__(self, max_event_bytes: int = 16 << 20):
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+        self.oversized = 0
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        buffer = self._buffer
+        start = max(0, len(buffer) - 3)  # a boundary may straddle two reads
+        buffer += chunk
+        events = []
+        consumed = 0
+        for match in _BOUNDARY.finditer(buffer, start):
+            if match.start() < consumed:
+                continue
+            raw = bytes(buffer[consumed : match.end()])
+            events.append(Event(raw, _data(raw)))
+            consumed = match.end()
+        del buffer[:consumed]
+        if len(buffer) > self.max_event_bytes:
+            # Never grow without bound on a stream that has no boundaries.
+            self.oversized += 1
+            events.append(Event(bytes(buffer), None))
+            buffer.clear()
+        return events
+
+    def flush(self) -> Event | None:
+        """What is left when the stream ends: an unterminated last event, if any."""
+        if not self._buffer:
+            return None
+        raw = bytes(self._buffer)
+        self._buffer.clear()
+        return Event(raw, _data(raw))
+
+
+def _data(raw: bytes) -> bytes | None:
+    parts = []
+    for line in raw.splitlines():
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None
+
+
+def encode_event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"

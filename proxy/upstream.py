@@ -1,0 +1,121 @@
+"""The upstream model server: one pooled aiohttp client, its errors mapped to ours.
+
+This is the only module that touches aiohttp's client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
+
+log = logging.getLogger("tracetap.upstream")
+
+
+class UpstreamBroken(Exception):
+    """The upstream failed after its reply had started (mid-body)."""
+
+
+class Reply:
+    """An upstream response whose body the caller reads and must close."""
+
+    def __init__(self, response: aiohttp.ClientResponse):
+        self._response = response
+        self.status = response.status
+        self.headers = response.headers
+        self.content_type = response.content_type
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise UpstreamBroken(_describe(exc)) from exc
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Bytes as they arrive; raises UpstreamBroken if the upstream dies mid-body."""
+        try:
+            async for data in self._response.content.iter_any():
+                yield data
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise UpstreamBroken(_describe(exc)) from exc
+
+    def close(self) -> None:
+        # release() would drain the body; close() drops the connection, which is what
+        # a cancelled stream needs (the upstream stops generating).
+        self._response.close()
+
+
+class Upstream:
+    def __init__(self, base_url: str, *, timeout: float, connect_timeout: float,
+                 max_connections: int):
+        self.base_url = base_url.rstrip("/")
+        parts = urlsplit(self.base_url)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self._base_path = parts.path  # e.g. "/v1"
+        self.timeout = timeout
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout, sock_read=timeout
+        )
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+                                         keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._client_timeout,
+            auto_decompress=False,  # relay bytes as they are
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def url_for(self, path_qs: str) -> str:
+        """Client path → upstream URL: ``/v1/x`` maps under the base URL, others to its origin."""
+        if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
+            return self.base_url + path_qs[3:]
+        return self.origin + path_qs
+
+    async def send(self, method: str, path_qs: str, headers: dict[str, str], body) -> Reply:
+        """Send a request; connection failures and timeouts become ProxyErrors."""
+        assert self._session is not None, "Upstream.start() not called"
+        try:
+            response = await self._session.request(
+                method, self.url_for(path_qs), headers=headers, data=body,
+                allow_redirects=False,
+            )
+        except asyncio.TimeoutError as exc:
+            raise upstream_timeout(self.timeout) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise upstream_unreachable(_describe(exc)) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise upstream_unreachable(_describe(exc)) from exc
+        return Reply(response)
+
+    async def get_json(self, path_qs: str, timeout: float = 5.0):
+        """Small GET for probes (health, flavor detection); None on any failure."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                self.url_for(path_qs), timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                if response.status != 200:
+                    return None
+                return await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+__all__ = ["ProxyError", "Reply", "Upstream", "UpstreamBroken"]

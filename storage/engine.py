@@ -1,0 +1,87 @@
+"""Database URLs, async engines and schema upgrades (Alembic is the only way in)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+import migrations
+
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+
+
+class DatabaseURLError(ValueError):
+    """The --db value is not a URL tracetap can store into."""
+
+
+def async_url(url: str) -> str:
+    """Map a user-facing URL (``sqlite:///x.db``, ``postgresql://...``) to its async driver."""
+    try:
+        parsed = make_url(url)
+    except Exception as exc:
+        raise DatabaseURLError(f"not a database URL: {redact_url(url)}") from exc
+    backend = parsed.get_backend_name()
+    if backend not in _ASYNC_DRIVERS:
+        raise DatabaseURLError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
+    return parsed.set(drivername=_ASYNC_DRIVERS[backend]).render_as_string(hide_password=False)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password masked, for log lines."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable database URL>"
+
+
+def is_sqlite(url: str) -> bool:
+    return async_url(url).startswith("sqlite")
+
+
+def create_engine(url: str, **kwargs) -> AsyncEngine:
+    target = async_url(url)
+    if target.startswith("sqlite"):
+        path = make_url(target).database
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(target, **kwargs)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(target, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL lets the exporter read while the proxy writes; NORMAL sync is durable
+    # enough because the journal holds every record until its batch commits.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    # Escape % for ConfigParser interpolation (passwords may contain it).
+    config.set_main_option("sqlalchemy.url", async_url(url).replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the schema at ``url`` up to ``revision``. Call from sync code only."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+async def upgrade_async(url: str) -> None:
+    """The same, from inside a running event loop (Alembic's env runs its own loop)."""
+    await asyncio.to_thread(upgrade, url)

@@ -1,0 +1,200 @@
+"""Reads and admin writes: episodes and their calls. Not on the model-call path."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from storage.codec import unpack_ids, unpack_logprobs
+from storage.rows import insert_ignoring_duplicates
+from storage.tables import Call, Choice, Episode
+
+_json = msgspec.json.encode
+
+
+class EpisodeExists(Exception):
+    pass
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else _json(value).decode()
+
+
+def _loads(value: str | None) -> Any:
+    return None if value is None else msgspec.json.decode(value)
+
+
+async def create_episode(
+    engine: AsyncEngine,
+    *,
+    episode_id: str,
+    key_hash: str,
+    group_id: str | None,
+    task_id: str | None,
+    harness_name: str | None,
+    harness_config: Any,
+    metadata: Any,
+) -> None:
+    """Register an episode. An id first seen through calls may be registered once."""
+    values = {
+        Episode.group_id: group_id,
+        Episode.task_id: task_id,
+        Episode.harness_name: harness_name,
+        Episode.harness_config: _dumps(harness_config),
+        Episode.meta: _dumps(metadata),
+        Episode.api_key_hash: key_hash,
+        Episode.registered: True,
+    }
+    async with engine.begin() as conn:
+        stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
+        await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
+                                   "registered": False}])
+        result = await conn.execute(
+            update(Episode)
+            .where(Episode.id == episode_id, Episode.registered.is_(False))
+            .values(values)
+        )
+        if result.rowcount != 1:
+            raise EpisodeExists(episode_id)
+
+
+async def finish_episode(
+    engine: AsyncEngine,
+    episode_id: str,
+    *,
+    reward: float | None,
+    rewards: dict[str, float] | None,
+    outcome: str | None,
+    info: Any,
+) -> None:
+    """Record the episode's result (creating the row if calls have not yet)."""
+    async with engine.begin() as conn:
+        stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
+        await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
+                                   "registered": False}])
+        await conn.execute(
+            update(Episode)
+            .where(Episode.id == episode_id)
+            .values(finished_at=time.time(), reward=reward, rewards=_dumps(rewards),
+                    outcome=outcome, info=_dumps(info))
+        )
+
+
+def _episode_dict(row) -> dict[str, Any]:
+    m = row._mapping
+    return {
+        "id": row.id,
+        "group_id": row.group_id,
+        "task_id": row.task_id,
+        "harness": {"name": row.harness_name, "config": _loads(row.harness_config)}
+        if row.harness_name or row.harness_config else None,
+        "metadata": _loads(m["metadata"]),
+        "registered": row.registered,
+        "created_at": row.created_at,
+        "finished_at": row.finished_at,
+        "reward": row.reward,
+        "rewards": _loads(row.rewards),
+        "outcome": row.outcome,
+        "info": _loads(row.info),
+    }
+
+
+async def get_episode(engine: AsyncEngine, episode_id: str) -> dict[str, Any] | None:
+    """One episode with a summary of each stored call, in arrival order."""
+    async with engine.connect() as conn:
+        row = (await conn.execute(select(Episode).where(Episode.id == episode_id))).first()
+        if row is None:
+            return None
+        calls = (
+            await conn.execute(
+                select(Call.call_id, Call.seq, Call.endpoint, Call.model, Call.policy_version,
+                       Call.stream, Call.status, Call.http_status, Call.t_start, Call.t_end,
+                       Call.prompt_tokens, Call.completion_tokens)
+                .where(Call.episode_id == episode_id)
+                .order_by(Call.t_start, Call.seq)
+            )
+        ).all()
+    episode = _episode_dict(row)
+    episode["calls"] = [dict(c._mapping) for c in calls]
+    return episode
+
+
+async def list_episodes(
+    engine: AsyncEngine,
+    *,
+    limit: int,
+    offset: int,
+    group_id: str | None = None,
+    finished: bool | None = None,
+) -> dict[str, Any]:
+    query = select(Episode)
+    if group_id is not None:
+        query = query.where(Episode.group_id == group_id)
+    if finished is not None:
+        query = query.where(
+            Episode.finished_at.is_not(None) if finished else Episode.finished_at.is_(None)
+        )
+    async with engine.connect() as conn:
+        total = (await conn.execute(select(func.count()).select_from(query.subquery()))).scalar()
+        rows = (
+            await conn.execute(query.order_by(Episode.created_at, Episode.id)
+                               .limit(limit).offset(offset))
+        ).all()
+    return {"data": [_episode_dict(r) for r in rows], "total": total,
+            "limit": limit, "offset": offset}
+
+
+async def key_owner(engine: AsyncEngine, key_hash: str) -> str | None:
+    async with engine.connect() as conn:
+        return (
+            await conn.execute(select(Episode.id).where(Episode.api_key_hash == key_hash))
+        ).scalar()
+
+
+async def is_registered(engine: AsyncEngine, episode_id: str) -> bool:
+    async with engine.connect() as conn:
+        return bool(
+            (await conn.execute(select(Episode.registered).where(Episode.id == episode_id)))
+            .scalar()
+        )
+
+
+async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str, Any]]:
+    """Full stored calls of one episode (None: untagged calls), choices decoded."""
+    async with engine.connect() as conn:
+        condition = Call.episode_id.is_(None) if episode_id is None else (
+            Call.episode_id == episode_id)
+        calls = (
+            await conn.execute(select(Call).where(condition).order_by(Call.t_start, Call.seq))
+        ).all()
+        ids = [c.call_id for c in calls]
+        choices = (
+            await conn.execute(select(Choice).where(Choice.call_id.in_(ids))
+                               .order_by(Choice.call_id, Choice.choice_index))
+        ).all() if ids else []
+    by_call: dict[str, list[dict[str, Any]]] = {}
+    for ch in choices:
+        by_call.setdefault(ch.call_id, []).append({
+            "index": ch.choice_index,
+            "finish_reason": ch.finish_reason,
+            "text": ch.text,
+            "completion_ids": unpack_ids(ch.completion_ids),
+            "completion_logprobs": unpack_logprobs(ch.completion_logprobs),
+            "top_logprobs": _loads(ch.top_logprobs),
+            "token_source": ch.token_source,
+        })
+    out = []
+    for c in calls:
+        row = dict(c._mapping)
+        row["prompt_ids"] = unpack_ids(row["prompt_ids"])
+        row["choices"] = by_call.get(c.call_id, [])
+        out.append(row)
+    return out
+
+
+__all__ = ["EpisodeExists", "IntegrityError"]

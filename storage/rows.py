@@ -1,0 +1,89 @@
+"""Records to rows, inserted idempotently (replaying a journal twice stores once)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from storage.codec import pack_ids, pack_logprobs
+from storage.records import CallRecord
+from storage.tables import Call, Choice, Episode
+
+_json = msgspec.json.encode
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+
+def insert_ignoring_duplicates(dialect: str, table):
+    return _INSERTS[dialect](table).on_conflict_do_nothing()
+
+
+def call_row(record: CallRecord, stored_at: float) -> dict:
+    return {
+        "call_id": record.call_id,
+        "episode_id": record.episode_id,
+        "seq": record.seq,
+        "instance": record.instance,
+        "endpoint": record.endpoint,
+        "model": record.model,
+        "policy_version": record.policy_version,
+        "stream": record.stream,
+        "upstream": record.upstream,
+        "request": record.request,
+        "response": record.response,
+        "status": record.status,
+        "http_status": record.http_status,
+        "error": record.error,
+        "t_start": record.t_start,
+        "t_first_byte": record.t_first_byte,
+        "t_end": record.t_end,
+        "upstream_latency": record.upstream_latency,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "prompt_ids": pack_ids(record.prompt_ids),
+        "stored_at": stored_at,
+    }
+
+
+def choice_rows(record: CallRecord) -> list[dict]:
+    return [
+        {
+            "call_id": record.call_id,
+            "choice_index": choice.index,
+            "finish_reason": choice.finish_reason,
+            "text": choice.text,
+            "completion_ids": pack_ids(choice.completion_ids),
+            "completion_logprobs": pack_logprobs(choice.completion_logprobs),
+            "top_logprobs": None if choice.top_logprobs is None
+            else _json(choice.top_logprobs).decode(),
+            "token_source": choice.token_source,
+        }
+        for choice in record.choices
+    ]
+
+
+def episode_rows(records: list[CallRecord]) -> list[dict]:
+    """Episodes first seen through a call: created on first use, never overwritten."""
+    first: dict[str, float] = {}
+    for record in records:
+        if record.episode_id is not None:
+            t = first.get(record.episode_id)
+            first[record.episode_id] = record.t_start if t is None else min(t, record.t_start)
+    return [{"id": eid, "created_at": t, "registered": False} for eid, t in first.items()]
+
+
+async def insert_calls(engine: AsyncEngine, records: list[CallRecord]) -> None:
+    """Insert calls, their choices and any new episodes in one transaction."""
+    dialect = engine.dialect.name
+    stored_at = time.time()
+    calls = [call_row(r, stored_at) for r in records]
+    choices = [row for r in records for row in choice_rows(r)]
+    episodes = episode_rows(records)
+    async with engine.begin() as conn:
+        if episodes:
+            await conn.execute(insert_ignoring_duplicates(dialect, Episode.__table__), episodes)
+        await conn.execute(insert_ignoring_duplicates(dialect, Call.__table__), calls)
+        if choices:
+            await conn.execute(insert_ignoring_duplicates(dialect, Choice.__table__), choices)

@@ -1,0 +1,82 @@
+"""SQLAlchemy models. Alembic migrations create these; a test keeps the two in sync."""
+
+from __future__ import annotations
+
+from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Episode(Base):
+    __tablename__ = "episodes"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    group_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    task_id: Mapped[str | None] = mapped_column(String(256))
+    harness_name: Mapped[str | None] = mapped_column(String(256))
+    harness_config: Mapped[str | None] = mapped_column(Text)  # JSON
+    meta: Mapped[str | None] = mapped_column("metadata", Text)  # JSON
+    # sha256 of the per-episode API key; the key itself is never stored.
+    api_key_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    registered: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, index=True)
+    reward: Mapped[float | None] = mapped_column(Float)
+    rewards: Mapped[str | None] = mapped_column(Text)  # JSON {name: value}
+    outcome: Mapped[str | None] = mapped_column(String(256))
+    info: Mapped[str | None] = mapped_column(Text)  # JSON
+
+
+class Call(Base):
+    __tablename__ = "calls"
+
+    call_id: Mapped[str] = mapped_column(String(36), primary_key=True)  # UUIDv7
+    episode_id: Mapped[str | None] = mapped_column(String(128))
+    seq: Mapped[int] = mapped_column(Integer)
+    instance: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(256))
+    policy_version: Mapped[str | None] = mapped_column(String(128))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    upstream: Mapped[str | None] = mapped_column(String(512))
+    request: Mapped[str | None] = mapped_column(Text)
+    response: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(32))
+    http_status: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    t_start: Mapped[float] = mapped_column(Float)
+    t_first_byte: Mapped[float | None] = mapped_column(Float)
+    t_end: Mapped[float | None] = mapped_column(Float)
+    upstream_latency: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
+    # When the writer committed the row: the watermark for incremental export.
+    stored_at: Mapped[float] = mapped_column(Float, index=True)
+
+    __table_args__ = (Index(None, "episode_id", "t_start"),)
+
+
+class Choice(Base):
+    __tablename__ = "choices"
+
+    call_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    choice_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    text: Mapped[str | None] = mapped_column(Text)
+    completion_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
+    completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
+    top_logprobs: Mapped[str | None] = mapped_column(Text)  # JSON
+    token_source: Mapped[str] = mapped_column(String(16))
+
+
+metadata = Base.metadata

@@ -1,0 +1,170 @@
+"""Write-behind writer: journal first, then batched idempotent inserts.
+
+``submit`` is synchronous and never touches the database, so the request path only
+pays for one journal append. A background task seals journal segments and writes
+each in one transaction; a segment is deleted only after its commit. While the
+database is down, segments accumulate on disk and are replayed when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from storage.journal import Journal, read_segment
+from storage.records import CallRecord
+from storage.rows import insert_calls
+
+log = logging.getLogger("tracetap.writer")
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(CallRecord).decode
+
+
+class WriterObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def records(self, outcome: str, count: int) -> None: ...
+
+    def db_write(self, seconds: float, count: int) -> None: ...
+
+
+class Writer:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        journal: Journal,
+        *,
+        flush_interval: float = 0.05,
+        observer: WriterObserver | None = None,
+        cache_records: int = 50_000,
+    ):
+        self.engine = engine
+        self.journal = journal
+        self.flush_interval = flush_interval
+        self.observer = observer or WriterObserver()
+        self.cache_records = cache_records
+        self.db_healthy = True
+        self.dropped = 0
+        # Decoded records of the active and sealed segments, so the happy path never
+        # re-reads the disk; None for segments only on disk (recovered or evicted).
+        self._active: list[CallRecord] = []
+        self._cache: dict[Path, list[CallRecord] | None] = {
+            p: None for p in journal.recovered()
+        }
+        self._failed: set[Path] = set(self._cache)
+        self._wake = asyncio.Event()
+        self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
+        self._task: asyncio.Task | None = None
+        self._pending_count = 0
+
+    @property
+    def pending(self) -> int:
+        """Records accepted but not yet committed (this process's view)."""
+        return self._pending_count
+
+    def submit(self, record: CallRecord) -> bool:
+        """Journal a finished record; False (and counted) if the journal is full."""
+        if not self.journal.append(_encode(record)):
+            self.dropped += 1
+            self.observer.records("dropped", 1)
+            log.error(
+                "JOURNAL FULL (%d bytes): call %s of episode %s DROPPED; raise "
+                "--journal-max-bytes or bring the database back",
+                self.journal.bytes,
+                record.call_id,
+                record.episode_id,
+            )
+            return False
+        self._active.append(record)
+        self._pending_count += 1
+        if self.journal.active_full:
+            self._seal()
+        self._wake.set()
+        return True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="tracetap-writer")
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Flush what can be flushed within ``timeout``; the rest stays journaled."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        try:
+            await asyncio.wait_for(self.flush(), timeout)
+        except (asyncio.TimeoutError, OSError, Exception) as exc:
+            log.warning("writer closed with %d records still journaled: %s", self.pending, exc)
+        self.journal.close()
+
+    async def flush(self) -> None:
+        """Write everything journaled so far; raises if the database refuses."""
+        async with self._flushing:
+            self._seal()
+            for segment in self.journal.pending():
+                await self._write_segment(segment)
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.db_healthy:
+                    log.error("database write failed, journaling until it is back: %s", exc)
+                self.db_healthy = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if not self.db_healthy:
+                log.warning("database is back; journal replayed")
+            self.db_healthy = True
+            backoff = 0.2
+
+    def _seal(self) -> None:
+        segment = self.journal.seal()
+        if segment is None:
+            return
+        self._cache[segment] = self._active
+        self._active = []
+        cached = sum(len(r) for r in self._cache.values() if r)
+        for path, records in self._cache.items():
+            if cached <= self.cache_records:
+                break
+            if records:
+                cached -= len(records)
+                self._cache[path] = None
+
+    async def _write_segment(self, segment: Path) -> None:
+        records = self._cache.get(segment)
+        if records is None:
+            records = [_decode(payload) for payload in read_segment(segment)]
+        started = time.perf_counter()
+        try:
+            if records:
+                await insert_calls(self.engine, records)
+        except Exception:
+            if segment not in self._failed:
+                self._failed.add(segment)
+                self.observer.records("spilled", len(records))
+            raise
+        self.observer.db_write(time.perf_counter() - started, len(records))
+        replayed = segment in self._failed
+        self.observer.records("replayed" if replayed else "written", len(records))
+        self._failed.discard(segment)
+        self._cache.pop(segment, None)
+        self.journal.remove(segment)
+        self._pending_count = max(0, self._pending_count - len(records))

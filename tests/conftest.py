@@ -1,0 +1,206 @@
+"""Shared fixtures: a real Postgres (or SQLite), the mock engine, the running proxy.
+
+Servers run on an event loop in a background thread so tests can drive them with the
+real (sync or async) ``openai`` SDK. Storage tests run against the real Postgres on
+127.0.0.1:5432; they skip only when it is unreachable and CI is not set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.demo.engine import EngineConfig, EngineServer
+from proxy.keys import STATE
+from proxy.settings import Settings
+from storage import queries
+from storage.engine import upgrade
+
+PG_ADMIN = os.environ.get("TRACETAP_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+class LoopThread:
+    """An event loop running in a daemon thread; ``run`` executes a coroutine on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proxy:
+    """A running tracetap app (and its engine) on a background loop."""
+
+    def __init__(self, loop: LoopThread, settings: Settings):
+        self.loop = loop
+        self.settings = settings
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def episode_url(self, episode_id: str) -> str:
+        return f"{self.url}/episodes/{episode_id}/v1"
+
+    @property
+    def state(self):
+        return self.runner.app[STATE]
+
+    def start(self) -> Proxy:
+        async def _start():
+            self.runner = web.AppRunner(build_app(self.settings), access_log=None)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.settings.port).start()
+
+        self.loop.run(_start())
+        return self
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.loop.run(self.runner.cleanup())
+            self.runner = None
+
+    def flush(self) -> None:
+        """Commit everything captured so far (the writer's own flush, not a sleep)."""
+        self.loop.run(self.state.writer.flush())
+
+    def calls(self, episode_id: str | None) -> list[dict]:
+        self.flush()
+        return self.loop.run(queries.calls_of(self.state.engine, episode_id))
+
+    def episode(self, episode_id: str) -> dict | None:
+        return self.loop.run(queries.get_episode(self.state.engine, episode_id))
+
+
+def _postgres_available() -> bool:
+    async def probe():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN), timeout=3)
+        await conn.close()
+
+    try:
+        asyncio.run(probe())
+        return True
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+        return False
+
+
+def _asyncpg_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+def create_postgres_database() -> str:
+    """A new, empty database on the test server; returns its URL."""
+    name = f"tracetap_test_{uuid.uuid4().hex[:12]}"
+
+    async def create():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN))
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+
+
+def drop_postgres_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+
+    async def drop():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN))
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
+@pytest.fixture(scope="session")
+def postgres_ok() -> bool:
+    ok = _postgres_available()
+    if not ok and os.environ.get("CI"):
+        pytest.fail(f"Postgres is required in CI and is not reachable at {PG_ADMIN}")
+    return ok
+
+
+@pytest.fixture
+def fresh_postgres(postgres_ok) -> Iterator[str]:
+    if not postgres_ok:
+        pytest.skip("no Postgres reachable (allowed only outside CI)")
+    url = create_postgres_database()
+    try:
+        yield url
+    finally:
+        drop_postgres_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path: Path) -> Iterator[str]:
+    """An empty, migrated database of each kind."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+        upgrade(url)
+        yield url
+    else:
+        url = request.getfixturevalue("fresh_postgres")
+        upgrade(url)
+        yield url
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def engine_config() -> EngineConfig:
+    return EngineConfig(flavor="vllm")
+
+
+@pytest.fixture
+def engine(loop_thread, engine_config) -> Iterator[EngineServer]:
+    server = EngineServer(engine_config)
+    loop_thread.run(server.start())
+    yield server
+    loop_thread.run(server.close())
+
+
+@pytest.fixture
+def proxy_settings(engine, db_url, tmp_path) -> Settings:
+    return Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "data"),
+                    port=free_port(), upstream_flavor="auto")
+
+
+@pytest.fixture
+def proxy(loop_thread, proxy_settings) -> Iterator[Proxy]:
+    p = Proxy(loop_thread, proxy_settings).start()
+    yield p
+    p.stop()
