@@ -30,9 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     upgrade.add_argument("--data-dir", default=None)
     upgrade.set_defaults(run=_db_upgrade)
 
-    args = parser.parse_args(argv)
+    mock = commands.add_parser("mock-engine", add_help=False,
+                               help="run the deterministic vLLM-like test engine")
+    mock.set_defaults(run=_mock_engine)
+
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "mock-engine" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
         return args.run(args) or 0
     except (ValueError, OSError) as exc:
@@ -71,6 +79,13 @@ def _db_upgrade(args: argparse.Namespace) -> int:
         raise ValueError("--db (or TRACETAP_DB) is required")
     upgrade(url)
     print(f"schema of {redact_url(url)} is up to date")
+    return 0
+
+
+def _mock_engine(args: argparse.Namespace) -> int:
+    from proxy.demo.engine import main as engine_main
+
+    engine_main(args.extra)
     return 0
 
 

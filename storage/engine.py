@@ -18,6 +18,10 @@ class DatabaseURLError(ValueError):
     """The --db value is not a URL tracetap can store into."""
 
 
+class DatabaseUnavailable(OSError):
+    """The database could not be reached or migrated (a clear message for the CLI)."""
+
+
 def async_url(url: str) -> str:
     """Map a user-facing URL (``sqlite:///x.db``, ``postgresql://...``) to its async driver."""
     try:
@@ -45,14 +49,18 @@ def is_sqlite(url: str) -> bool:
 def create_engine(url: str, **kwargs) -> AsyncEngine:
     target = async_url(url)
     if target.startswith("sqlite"):
-        path = make_url(target).database
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _ensure_sqlite_dir(target)
         engine = create_async_engine(target, **kwargs)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(target, **kwargs)
+
+
+def _ensure_sqlite_dir(target: str) -> None:
+    path = make_url(target).database
+    if path and path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -78,8 +86,17 @@ def alembic_config(url: str):
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the schema at ``url`` up to ``revision``. Call from sync code only."""
     from alembic import command
+    from sqlalchemy.exc import SQLAlchemyError
 
-    command.upgrade(alembic_config(url), revision)
+    target = async_url(url)
+    if target.startswith("sqlite"):
+        _ensure_sqlite_dir(target)
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except (SQLAlchemyError, OSError) as exc:
+        raise DatabaseUnavailable(
+            f"cannot migrate {redact_url(url)}: {getattr(exc, 'orig', None) or exc}"
+        ) from exc
 
 
 async def upgrade_async(url: str) -> None:

@@ -19,40 +19,14 @@ from proxy.demo import tokenizer as tok
 TOP_LOGPROBS_MAX = 20
 ARGS_TOKENS_PER_EVENT = 4
 _ALT_IDS = tuple(range(32, 127))  # printable ASCII: alternatives never collide as strings
+# fmt: off
 _WORDS = (
-    "amber",
-    "answer",
-    "bright",
-    "careful",
-    "circuit",
-    "cloud",
-    "echo",
-    "engine",
-    "forest",
-    "garden",
-    "gentle",
-    "harbor",
-    "lantern",
-    "little",
-    "model",
-    "morning",
-    "north",
-    "orange",
-    "paper",
-    "patient",
-    "quiet",
-    "reason",
-    "river",
-    "signal",
-    "silver",
-    "simple",
-    "steady",
-    "stone",
-    "the",
-    "token",
-    "travel",
-    "window",
+    "amber", "answer", "bright", "careful", "circuit", "cloud", "echo", "engine", "forest",
+    "garden", "gentle", "harbor", "lantern", "little", "model", "morning", "north", "orange",
+    "paper", "patient", "quiet", "reason", "river", "signal", "silver", "simple", "steady",
+    "stone", "the", "token", "travel", "window",
 )
+# fmt: on
 
 EventKind = Literal["content", "tool_head", "tool_args", "hidden"]
 
@@ -92,7 +66,7 @@ class Completion:
 @dataclass(frozen=True)
 class LogprobRow:
     logprob: float
-    top: list[tuple[int, float]]  # TOP_LOGPROBS_MAX (id, logprob), best first, sampled included
+    top: list[tuple[int, float]]  # (id, logprob) best first; the sampled token where it ranks
 
 
 def choice_key(prompt_ids: Sequence[int], index: int, seed: int) -> bytes:
@@ -101,19 +75,25 @@ def choice_key(prompt_ids: Sequence[int], index: int, seed: int) -> bytes:
     return digest.digest()
 
 
-def logprob_rows(key: bytes, token_ids: Sequence[int], start: int = 0) -> list[LogprobRow]:
-    """Logprobs of completion tokens; position-keyed so a stream slice equals the whole."""
-    rows = []
+def logprob_rows(key: bytes, token_ids: Sequence[int], start: int, k: int) -> list[LogprobRow]:
+    """Logprobs of completion tokens with the top ``k`` alternatives.
+
+    Seeded by position, and slot by slot, so a stream slice equals the same span of the
+    whole response and a smaller ``k`` gives a prefix of a larger one.
+    """
+    rows, base = [], int.from_bytes(key, "little")
     for pos, token_id in enumerate(token_ids, start):
-        rng = random.Random(key + pos.to_bytes(4, "little"))
-        rank = 0 if rng.random() < 0.75 else rng.randint(1, 4)
-        values, value = [], -rng.random() * 0.4
-        for _ in range(TOP_LOGPROBS_MAX):
-            values.append(value)
+        rng = random.Random(base + (pos << 128))
+        rank = 0 if rng.random() < 0.75 else rng.randint(1, 4)  # the sampled token's rank
+        top, seen, value = [], {token_id}, -rng.random() * 0.4
+        for slot in range(max(k, rank + 1)):
+            alt = token_id
+            while slot != rank and alt in seen:
+                alt = rng.choice(_ALT_IDS)
+            seen.add(alt)
+            top.append((alt, value))
             value -= rng.random() * 1.5 + 1e-3
-        alts = rng.sample([i for i in _ALT_IDS if i != token_id], TOP_LOGPROBS_MAX - 1)
-        ranked = [*alts[:rank], token_id, *alts[rank:]]
-        rows.append(LogprobRow(values[rank], list(zip(ranked, values))))
+        rows.append(LogprobRow(top[rank][1], top[:k]))
     return rows
 
 

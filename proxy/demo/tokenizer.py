@@ -90,7 +90,10 @@ def render_message(message: Mapping[str, Any]) -> str:
     text = _content_text(message.get("content"))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        text += render_tool_call(str(function.get("name", "")), str(function.get("arguments", "")))
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):  # some harnesses send the object, not the string
+            arguments = canonical_json(arguments)
+        text += render_tool_call(str(function.get("name", "")), arguments)
     return f"<|im_start|>{message.get('role', 'user')}\n{text}<|im_end|>\n"
 
 

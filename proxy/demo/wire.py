@@ -116,8 +116,11 @@ class Shape:
 
     def usage(self, prompt_tokens: int, completions: Sequence[Completion]) -> dict[str, Any]:
         out = sum(len(c.token_ids) for c in completions)
-        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + out}
-        usage["completion_tokens"] = out
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + out,
+            "completion_tokens": out,
+        }
         return usage | ({"prompt_tokens_details": None} if self.vllm else {})
 
     def usage_chunk(self, obj: str, prompt_tokens: int, completions: Sequence[Completion]) -> dict:
@@ -139,9 +142,9 @@ def chat_logprobs(shape: Shape, c: Completion, start: int, ids: Sequence[int]) -
         return None
     llamacpp = shape.flavor == "llamacpp"
     content = []
-    for token_id, row in zip(ids, logprob_rows(c.key, ids, start)):
+    for token_id, row in zip(ids, logprob_rows(c.key, ids, start, shape.top_k)):
         entry = _chat_entry(token_id, row.logprob, llamacpp)
-        entry["top_logprobs"] = [_chat_entry(t, lp, llamacpp) for t, lp in row.top[: shape.top_k]]
+        entry["top_logprobs"] = [_chat_entry(t, lp, llamacpp) for t, lp in row.top]
         content.append(entry)
     return {"content": content}
 
@@ -150,14 +153,14 @@ def completion_logprobs(shape: Shape, c: Completion, start: int, ids: Sequence[i
     """vLLM's legacy shape: each dict holds the sampled token plus the top k (k=0: 1 entry)."""
     if shape.top_k is None:
         return None
-    rows = logprob_rows(c.key, ids, start)
+    rows = logprob_rows(c.key, ids, start, shape.top_k)
     offset = sum(len(tok.token_str(t)) for t in c.token_ids[:start])
     tokens, offsets = [tok.token_str(t) for t in ids], []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     top = [
-        {tok.token_str(t): lp for t, lp in [(i, row.logprob), *row.top[: shape.top_k]]}
+        {tok.token_str(t): lp for t, lp in [(i, row.logprob), *row.top]}
         for i, row in zip(ids, rows)
     ]
     token_logprobs = [r.logprob for r in rows]

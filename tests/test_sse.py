@@ -1,0 +1,44 @@
+"""The incremental SSE parser yields the same events however the bytes are split."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.sse import SSEParser
+
+STREAM = (b'data: {"a": 1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\r\n\r\n'
+          b"event: x\ndata: [DONE]\n\n")
+
+
+def _parse(pieces: list[bytes]) -> list:
+    parser = SSEParser()
+    events = [e for piece in pieces for e in parser.feed(piece)]
+    tail = parser.flush()
+    return events + ([tail] if tail else [])
+
+
+def test_events_and_data():
+    events = _parse([STREAM])
+    assert [e.data for e in events] == [b'{"a": 1}', None, b'{"b":\n2}', b"[DONE]"]
+    assert b"".join(e.raw for e in events) == STREAM
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
+def test_any_split_gives_the_same_events(cuts):
+    cuts = sorted(set(cuts))
+    pieces = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)])]
+    assert _parse(pieces) == _parse([STREAM])
+
+
+def test_unterminated_tail_is_flushed():
+    parser = SSEParser()
+    assert parser.feed(b"data: 1\n\ndata: 2") == [(b"data: 1\n\n", b"1")]
+    assert parser.flush() == (b"data: 2", b"2")
+
+
+def test_an_event_without_boundary_does_not_grow_without_bound():
+    parser = SSEParser(max_event_bytes=100)
+    events = parser.feed(b"data: " + b"x" * 500)
+    assert parser.oversized == 1 and events[0].data is None
+    assert parser.feed(b"\n\ndata: ok\n\n")[-1].data == b"ok"
