@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.errors import ProxyError, bad_request, not_found, unauthorized
+from proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
 from proxy.headers import bearer
 from proxy.ids import uuid7
 from proxy.keys import STATE
@@ -62,10 +62,13 @@ async def _decode(request: web.Request, kind: type):
 
 
 def _require_admin(request: web.Request) -> None:
+    given = bearer(request.headers) or ""
+    if given.startswith(KEY_PREFIX):
+        # An episode key is an agent's credential: it never opens the admin API.
+        raise forbidden("episode API keys cannot use the admin API")
     token = request.app[STATE].settings.admin_token
     if token is None:
         return
-    given = bearer(request.headers) or ""
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise unauthorized("this endpoint needs the proxy's admin token")
 

@@ -42,6 +42,8 @@ class ModelCall:
         self.perf_upstream_end: float | None = None
         self.perf_first_content: float | None = None
         self.client_body: bytes | None = None
+        self.done = False  # the upstream sent its end-of-stream marker
+        self.submitted = False
 
     # -- request side -----------------------------------------------------------
     def parse_request(self, body: bytes) -> bytes:
@@ -71,7 +73,8 @@ class ModelCall:
         self.perf_upstream_start = time.perf_counter()
 
     def upstream_done(self) -> None:
-        self.perf_upstream_end = time.perf_counter()
+        if self.perf_upstream_end is None:
+            self.perf_upstream_end = time.perf_counter()
 
     def first_byte(self) -> None:
         if self.t_first_byte is None:
@@ -97,7 +100,11 @@ class ModelCall:
     def on_event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
         data = event.data
-        if data is None or data == b"[DONE]":
+        if data == b"[DONE]":
+            self.done = True
+            self.upstream_done()
+            return event.raw
+        if data is None:
             return event.raw
         if self.perf_first_content is None:
             self.perf_first_content = time.perf_counter()
@@ -113,6 +120,13 @@ class ModelCall:
         return encode_event(encode(chunk))
 
     # -- record ---------------------------------------------------------------------
+    def submit(self) -> None:
+        """Journal the record, once. Streams do this before the client sees [DONE], so a
+        call that completed for the client is on disk even if the process dies next."""
+        if not self.submitted:
+            self.submitted = True
+            self.state.submit(self.record())
+
     def record(self) -> CallRecord:
         state = self.state
         capture = self.capture

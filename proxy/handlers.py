@@ -17,7 +17,6 @@ from proxy.sse import SSEParser
 from proxy.upstream import Reply, UpstreamBroken
 
 _ROUTE = {CHAT: "chat_completions", COMPLETIONS: "completions"}
-_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",
     "upstream_unreachable": "upstream_unreachable",
@@ -75,9 +74,8 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
     finally:
         metrics.inflight.dec()
-        record = call.record()
+        call.submit()
         _observe(call, route)
-        state.submit(record)
 
 
 async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
@@ -110,15 +108,19 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
         await response.prepare(request)
         async for data in reply.iter_chunks():
             call.first_byte()
-            if relay_raw:
+            if relay_raw and b"[DONE]" not in data:
                 # Bytes go to the client first; capture parses its copy afterwards.
                 await response.write(data)
                 for event in parser.feed(data):
                     call.on_event(event)
-            else:
-                out = b"".join(call.on_event(event) for event in parser.feed(data))
-                if out:
-                    await response.write(out)
+                continue
+            out = b"".join(call.on_event(event) for event in parser.feed(data))
+            if call.done:
+                call.submit()
+            if relay_raw:
+                await response.write(data)
+            elif out:
+                await response.write(out)
         tail = parser.flush()
         if tail is not None:
             out = call.on_event(tail)
@@ -132,10 +134,12 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
         # End the client's stream the way the upstream ended ours: abruptly.
         if request.transport is not None:
             request.transport.abort()
-    except _CLIENT_GONE:
+    except (ConnectionResetError, asyncio.CancelledError) as exc:
         call.upstream_done()
-        call.status, call.error = "client_disconnected", "client went away mid-stream"
-        raise
+        if not call.submitted:
+            call.status, call.error = "client_disconnected", "client went away mid-stream"
+        if isinstance(exc, asyncio.CancelledError):
+            raise
     finally:
         reply.close()
     return response

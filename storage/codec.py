@@ -40,3 +40,21 @@ def pack_logprobs(values: list[float] | None) -> bytes | None:
 
 def unpack_logprobs(data: bytes | None) -> list[float] | None:
     return None if data is None else _unpack("d", bytes(data))
+
+
+def _native(code: str, data: bytes) -> array:
+    arr = array(code)
+    arr.frombytes(data)
+    if _SWAP:
+        arr.byteswap()
+    return arr
+
+
+def ids_array(data: bytes | None) -> array | None:
+    """Like unpack_ids, as an ``array('i')``: bulk readers (export) skip per-token ints."""
+    return None if data is None else _native("i", data)
+
+
+def logprobs_array(data: bytes | None) -> array | None:
+    """Like unpack_logprobs, as an ``array('d')``."""
+    return None if data is None else _native("d", data)

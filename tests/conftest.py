@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +29,7 @@ from proxy.demo.engine import EngineConfig, EngineServer
 from proxy.keys import STATE
 from proxy.settings import Settings
 from storage import queries
-from storage.engine import upgrade
+from storage.engine import create_engine, upgrade
 
 PG_ADMIN = os.environ.get("TRACETAP_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -204,3 +209,92 @@ def proxy(loop_thread, proxy_settings) -> Iterator[Proxy]:
     p = Proxy(loop_thread, proxy_settings).start()
     yield p
     p.stop()
+
+
+class ProxyProcess:
+    """``tracetap serve`` as a real subprocess, for signals, restarts and RSS."""
+
+    def __init__(self, *, upstream: str, db: str, data_dir: Path, log: Path,
+                 extra: tuple[str, ...] = (), env: dict | None = None):
+        self.port = free_port()
+        self.args = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream,
+                     "--db", db, "--data-dir", str(data_dir), "--port", str(self.port), *extra]
+        self.log = log
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def episode_url(self, episode_id: str) -> str:
+        return f"{self.url}/episodes/{episode_id}/v1"
+
+    def start(self, timeout: float = 30.0) -> ProxyProcess:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"proxy exited early:\n{self.log.read_text()}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)  # polling for readiness, not waiting for a result
+        raise RuntimeError(f"proxy did not start:\n{self.log.read_text()}")
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def rss_bytes(self) -> int:
+        assert self.process is not None
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def stored_calls(db: str, episode_id: str | None) -> list[dict]:
+    """Calls as stored, read with a fresh engine (the proxy may be another process)."""
+
+    async def read():
+        engine = create_engine(db)
+        try:
+            return await queries.calls_of(engine, episode_id)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def run_proxy(tmp_path) -> Iterator:
+    """Factory for subprocess proxies; all are stopped at the end of the test."""
+    started: list[ProxyProcess] = []
+
+    def factory(upstream: str, db: str, *extra: str, data_dir: Path | None = None,
+                env: dict | None = None) -> ProxyProcess:
+        proc = ProxyProcess(upstream=upstream, db=db, data_dir=data_dir or tmp_path / "data",
+                            log=tmp_path / f"proxy-{len(started)}.log", extra=extra, env=env)
+        started.append(proc)
+        return proc.start()
+
+    yield factory
+    for proc in started:
+        proc.stop()

@@ -8,8 +8,8 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import Proxy, free_port
 
+from conftest import Proxy, free_port
 from proxy.settings import Settings
 
 
