@@ -53,7 +53,8 @@ async def _lifecycle(app: web.Application):
     writer = Writer(engine, journal, observer=metrics)
     upstream = Upstream(settings.upstream_base, timeout=settings.upstream_timeout,
                         connect_timeout=settings.connect_timeout,
-                        max_connections=settings.max_connections)
+                        max_connections=settings.max_connections,
+                        api_key=settings.upstream_api_key)
     await upstream.start()
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),

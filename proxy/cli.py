@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from proxy import __version__
@@ -16,7 +17,7 @@ log = logging.getLogger("tracetap")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tracetap", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracetap {__version__}")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=os.environ.get("TRACETAP_LOG_LEVEL", "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the capture proxy")
@@ -70,8 +71,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    import os
-
     from storage.engine import redact_url, upgrade
 
     url = args.db or os.environ.get("TRACETAP_DB")

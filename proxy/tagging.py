@@ -75,7 +75,8 @@ class Tagger:
                 )
             return None
         validate_episode_id(episode)
-        if key_episode is not None and episode != key_episode:
+        named = {e for e in (path_episode, header_episode) if e is not None}
+        if key_episode is not None and named - {key_episode}:
             raise forbidden("this API key belongs to another episode")
         registered = key_episode is not None or not self.require_registered
         if not registered and not await self._registered_id(episode):

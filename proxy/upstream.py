@@ -52,8 +52,10 @@ class Reply:
 
 class Upstream:
     def __init__(self, base_url: str, *, timeout: float, connect_timeout: float,
-                 max_connections: int):
+                 max_connections: int, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        # Probes (health, flavor detection) authenticate like forwarded calls do.
+        self._probe_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         parts = urlsplit(self.base_url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self._base_path = parts.path  # e.g. "/v1"
@@ -105,7 +107,8 @@ class Upstream:
         assert self._session is not None
         try:
             async with self._session.get(
-                self.url_for(path_qs), timeout=aiohttp.ClientTimeout(total=timeout)
+                self.url_for(path_qs), headers=self._probe_headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as response:
                 if response.status != 200:
                     return None

@@ -1,0 +1,206 @@
+"""Faults on either side: client gone, upstream dies, slow client, garbage from upstream."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+from aiohttp import web
+
+from conftest import Proxy, free_port, stored_calls
+from proxy.settings import Settings
+from storage.engine import upgrade
+
+
+def _stream_request(port: int, path: str, body: dict) -> socket.socket:
+    """Send a streaming request by hand and return the socket, unread."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def _poll_calls(proxy: Proxy, episode: str, timeout: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        calls = proxy.calls(episode)
+        if calls:
+            return calls
+        time.sleep(0.05)  # the handler finishes when it notices the client is gone
+    raise AssertionError(f"no call stored for {episode}")
+
+
+def test_client_disconnect_mid_stream_stores_the_partial_call(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1])
+    sock = _stream_request(port, "/episodes/gone/v1/chat/completions", {
+        "model": "mock-model", "stream": True, "messages": [{"role": "user", "content": "x"}],
+        "mock_completion_tokens": 500, "mock_chunk_delay_s": 0.01})
+    received = b""
+    while received.count(b"data: ") < 5:
+        received += sock.recv(65536)
+    sock.close()
+    [call] = _poll_calls(proxy, "gone")
+    assert call["status"] == "client_disconnected"
+    ids = call["choices"][0]["completion_ids"]
+    assert 0 < len(ids) < 500  # the tokens received so far, and the upstream was cut off
+    assert len(call["choices"][0]["completion_logprobs"]) == len(ids)
+
+
+def test_upstream_failing_mid_stream_ends_the_client_stream_and_is_recorded(proxy):
+    client = openai.OpenAI(base_url=proxy.episode_url("upfail"), api_key="x", max_retries=0)
+    chunks = []
+    with client, pytest.raises(openai.APIError):
+        for chunk in client.chat.completions.create(
+                model="mock-model", messages=[{"role": "user", "content": "x"}], stream=True,
+                extra_body={"mock_fail_after_chunks": 6, "mock_completion_tokens": 50}):
+            chunks.append(chunk)
+    assert 0 < len(chunks) <= 6
+    [call] = proxy.calls("upfail")
+    assert call["status"] == "upstream_error" and call["error"]
+    relayed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert call["choices"][0]["text"] == relayed
+
+
+def test_garbage_in_the_upstream_stream_is_relayed_and_recorded(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", "/episodes/garbage/v1/chat/completions", body=json.dumps({
+        "model": "mock-model", "stream": True, "max_tokens": 8, "mock_garbage": True,
+        "messages": [{"role": "user", "content": "x"}]}),
+        headers={"Content-Type": "application/json"})
+    body = conn.getresponse().read()
+    conn.close()
+    assert b"data: {this is not json" in body and body.rstrip().endswith(b"data: [DONE]")
+    [call] = proxy.calls("garbage")
+    assert call["status"] == "ok" and "unparseable" in call["error"]
+    assert len(call["choices"][0]["completion_ids"]) == 8
+
+
+def test_truncated_non_stream_reply_is_a_clear_error(proxy):
+    client = openai.OpenAI(base_url=proxy.episode_url("trunc"), api_key="x", max_retries=0)
+    with client, pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="mock-model", messages=[
+            {"role": "user", "content": "x"}], extra_body={"mock_fail_after_chunks": 1})
+    assert info.value.status_code == 502
+    [call] = proxy.calls("trunc")
+    assert call["status"] == "upstream_error"
+
+
+def _text_only_upstream() -> web.Application:
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"id": "x", "object": "chat.completion", "model": "plain",
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant",
+                                                           "content": "hi"}}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def test_missing_logprobs_are_counted(loop_thread, db_url, tmp_path):
+    runner = web.AppRunner(_text_only_upstream())
+    port = free_port()
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    loop_thread.run(start())
+    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", db=db_url,
+                        data_dir=str(tmp_path / "d"), port=free_port(), upstream_flavor="openai")
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("plain"), api_key="x")
+        with client:
+            reply = client.chat.completions.create(model="plain", messages=[
+                {"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content == "hi"
+        [call] = proxy.calls("plain")
+        choice = call["choices"][0]
+        assert choice["token_source"] == "none" and choice["completion_logprobs"] is None
+        with urllib.request.urlopen(proxy.url + "/metrics") as resp:
+            assert "tracetap_logprobs_missing_total 1.0" in resp.read().decode()
+    finally:
+        proxy.stop()
+        loop_thread.run(runner.cleanup())
+
+
+def _firehose(total_events: int, event_bytes: int, sent: list[int]) -> web.Application:
+    """An upstream that streams large events as fast as it is allowed to."""
+    content = "x" * event_bytes
+    event = ("data: " + json.dumps({"id": "f", "model": "f", "choices": [
+        {"index": 0, "delta": {"content": content}, "finish_reason": None}]}) + "\n\n").encode()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(total_events):
+            await response.write(event)
+            sent[0] += len(event)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def test_slow_client_applies_backpressure_with_bounded_memory(
+        loop_thread, fresh_postgres, run_proxy):
+    upgrade(fresh_postgres)
+    sent = [0]
+    total_events, event_bytes = 600, 64 * 1024  # ~38 MiB if nothing pushed back
+    runner = web.AppRunner(_firehose(total_events, event_bytes, sent))
+    port = free_port()
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    loop_thread.run(start())
+    try:
+        proxy = run_proxy(f"http://127.0.0.1:{port}/v1", fresh_postgres,
+                          "--upstream-flavor", "openai")
+        baseline = proxy.rss_bytes()
+        sock = _stream_request(proxy.port, "/episodes/slow/v1/chat/completions", {
+            "model": "f", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+        # Wait until the upstream is blocked: its byte count stops moving.
+        last, still_since = -1, time.monotonic()
+        deadline = time.monotonic() + 30
+        while time.monotonic() - still_since < 1.0:
+            assert time.monotonic() < deadline, "upstream never stalled"
+            if sent[0] != last:
+                last, still_since = sent[0], time.monotonic()
+            time.sleep(0.05)
+        stalled_rss = proxy.rss_bytes()
+        assert sent[0] < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
+        assert stalled_rss - baseline < 16 * 1024 * 1024
+
+        received = 0
+        sock.settimeout(30)
+        tail = b""
+        while not tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            data = sock.recv(1 << 20)
+            if not data:
+                break
+            received += len(data)
+            tail = (tail + data)[-64:]
+        sock.close()
+        assert received > total_events * event_bytes
+    finally:
+        loop_thread.run(runner.cleanup())
+    deadline = time.monotonic() + 20
+    while not (calls := stored_calls(fresh_postgres, "slow")):
+        assert time.monotonic() < deadline, "the slow call was never stored"
+        time.sleep(0.1)  # the subprocess's writer commits within its flush interval
+    assert calls[0]["status"] == "ok"
+    assert len(calls[0]["choices"][0]["text"]) == total_events * event_bytes

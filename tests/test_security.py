@@ -1,0 +1,156 @@
+"""Who may do what: admin token, per-episode keys, registered ids, and the upstream key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp import web
+
+from conftest import Proxy, free_port
+from proxy.demo.engine import EngineConfig, make_engine_app
+from proxy.settings import Settings
+from storage.engine import upgrade
+
+SECRET = "sk-upstream-SECRET-3f9a1c"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _request(method, url, body=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers,
+                                                           method=method)) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture
+def guarded(loop_thread, engine, db_url, tmp_path):
+    settings = Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "d"),
+                        port=free_port(), admin_token="admin-T", require_registered=True)
+    proxy = Proxy(loop_thread, settings).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_admin_api_needs_the_admin_token(guarded):
+    url = guarded.url + "/tracetap/episodes"
+    assert _request("POST", url, {"id": "a"})[0] == 401
+    assert _request("POST", url, {"id": "a"}, token="wrong")[0] == 401
+    assert _request("GET", url)[0] == 401
+    assert _request("PUT", guarded.url + "/tracetap/policy", {"version": "v"})[0] == 401
+    assert _request("POST", url, {"id": "a"}, token="admin-T")[0] == 201
+    assert _request("GET", url, token="admin-T")[0] == 200
+
+
+def test_an_episode_key_tags_only_its_own_episode(guarded):
+    admin = "admin-T"
+    _, a = _request("POST", guarded.url + "/tracetap/episodes", {"id": "ep-a"}, token=admin)
+    _request("POST", guarded.url + "/tracetap/episodes", {"id": "ep-b"}, token=admin)
+    key_a = a["api_key"]
+
+    client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key_a, max_retries=0)
+    into_b = openai.OpenAI(base_url=guarded.episode_url("ep-b"), api_key=key_a, max_retries=0)
+    via_header = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key_a, max_retries=0,
+                               default_headers={"X-Tracetap-Episode": "ep-b"})
+    with client, into_b, via_header:
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        for other in (into_b, via_header):
+            with pytest.raises(openai.PermissionDeniedError):
+                other.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    # The key cannot read or administer anything, even its own episode.
+    assert _request("GET", guarded.url + "/tracetap/episodes", token=key_a)[0] == 403
+    assert _request("GET", guarded.url + "/tracetap/episodes/ep-a", token=key_a)[0] == 403
+    assert _request("POST", guarded.url + "/tracetap/episodes", {}, token=key_a)[0] == 403
+    assert _request("POST", guarded.url + "/tracetap/episodes/ep-b/finish", {"reward": 1},
+                    token=key_a)[0] == 403
+    # ...but it may report its own episode's result.
+    assert _request("POST", guarded.url + "/tracetap/episodes/ep-a/finish", {"reward": 1},
+                    token=key_a)[0] == 200
+    assert len(guarded.calls("ep-a")) == 1
+    assert guarded.calls("ep-b") == []  # refused calls are recorded untagged, not in B
+    assert [c["http_status"] for c in guarded.calls(None)] == [403, 403]
+    assert _request("GET", guarded.url + "/tracetap/episodes/ep-b", token=admin)[1][
+        "finished_at"] is None
+
+
+def test_unknown_keys_and_unregistered_episodes_are_refused(guarded):
+    bad_key = openai.OpenAI(base_url=guarded.url + "/v1", api_key="tt-forged", max_retries=0)
+    unregistered = openai.OpenAI(base_url=guarded.episode_url("nobody"), api_key="x",
+                                 max_retries=0)
+    with bad_key, unregistered:
+        with pytest.raises(openai.AuthenticationError):
+            bad_key.chat.completions.create(model="m", messages=MESSAGES)
+        with pytest.raises(openai.NotFoundError):
+            unregistered.chat.completions.create(model="m", messages=MESSAGES)
+
+
+def test_serve_refuses_a_public_bind_without_an_admin_token(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9/v1",
+         "--host", "0.0.0.0", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "--admin-token" in result.stderr
+
+
+def _recording_engine(seen: list[str]) -> web.Application:
+    @web.middleware
+    async def record(request, handler):
+        seen.append(request.headers.get("Authorization", ""))
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig())
+    app.middlewares.append(record)
+    return app
+
+
+def test_upstream_key_reaches_only_the_upstream(loop_thread, fresh_postgres, run_proxy,
+                                                tmp_path):
+    upgrade(fresh_postgres)
+    seen: list[str] = []
+    runner = web.AppRunner(_recording_engine(seen))
+    port = free_port()
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    loop_thread.run(start())
+    try:
+        proxy = run_proxy(f"http://127.0.0.1:{port}/v1", fresh_postgres,
+                          env={"TRACETAP_UPSTREAM_API_KEY": SECRET, "TRACETAP_LOG_LEVEL": "DEBUG"})
+        client = openai.OpenAI(base_url=proxy.episode_url("secret"), api_key="sk-client-own",
+                               max_retries=0)
+        with client:
+            reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+            stream = list(client.chat.completions.create(model="m", messages=MESSAGES,
+                                                         max_tokens=4, stream=True))
+            client.models.list()
+        assert SECRET not in reply.model_dump_json() and stream
+        assert seen and set(seen) == {f"Bearer {SECRET}"}  # the client's own key never passed
+        episode = _request("GET", proxy.url + "/tracetap/episodes/secret")[1]
+        assert len(episode["calls"]) == 2
+    finally:
+        loop_thread.run(runner.cleanup())
+    proxy.stop()
+    dump = subprocess.run(["pg_dump", "--data-only", fresh_postgres], capture_output=True,
+                          text=True, check=True).stdout
+    assert "sk-client-own" not in dump and SECRET not in dump
+    assert '"content":"hi"' in dump.replace(" ", "") or "hi" in dump  # the dump has the data
+    journal = b"".join(p.read_bytes() for p in Path(tmp_path / "data" / "journal").glob("*"))
+    logs = b"".join(p.read_bytes() for p in tmp_path.glob("proxy-*.log"))
+    for blob in (journal, logs):
+        assert SECRET.encode() not in blob and b"sk-client-own" not in blob
+    assert b"listening on" in logs
