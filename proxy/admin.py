@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 import secrets
@@ -171,18 +172,60 @@ async def get_policy(request: web.Request) -> web.Response:
     return web.json_response({"version": request.app[STATE].policy_version})
 
 
+class Pause(msgspec.Struct, forbid_unknown_fields=True):
+    wait: bool = True  # return once the calls in flight have finished
+    timeout: float = 60.0
+
+
+class Resume(msgspec.Struct, forbid_unknown_fields=True):
+    policy_version: str | None = None
+
+
+@_errors
+async def pause(request: web.Request) -> web.Response:
+    """Hold new model calls (for a weight sync); in-flight calls finish."""
+    _require_admin(request)
+    spec = await _decode(request, Pause)
+    state = request.app[STATE]
+    state.running.clear()
+    drained = True
+    if spec.wait:
+        try:
+            await asyncio.wait_for(state.idle.wait(), max(0.0, spec.timeout))
+        except asyncio.TimeoutError:
+            drained = False
+    return web.json_response({"paused": True, "drained": drained, "inflight": state.inflight,
+                              "policy_version": state.policy_version})
+
+
+@_errors
+async def resume(request: web.Request) -> web.Response:
+    """Stamp the new policy version, then release the held calls."""
+    _require_admin(request)
+    spec = await _decode(request, Resume)
+    if spec.policy_version is not None and not 0 < len(spec.policy_version) <= 128:
+        raise bad_request("policy_version must be 1-128 characters")
+    state = request.app[STATE]
+    if spec.policy_version is not None:
+        state.policy_version = spec.policy_version
+    state.running.set()
+    return web.json_response({"paused": False, "policy_version": state.policy_version})
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the upstream answers; the journal backlog is reported, the DB is not asked."""
+    """Ready when an upstream answers; the journal backlog is reported, the DB is not asked."""
     state = request.app[STATE]
-    models = await state.upstream.get_json("/v1/models", timeout=2.0)
-    ready = models is not None
+    await state.pool.check_health()
+    upstreams = state.pool.describe()
+    ready = any(u["healthy"] for u in upstreams)
     body = {
         "ready": ready,
-        "upstream": {"url": state.upstream.base_url, "reachable": ready},
+        "paused": not state.running.is_set(),
+        "upstreams": upstreams,
         "journal": {"bytes": state.writer.journal.bytes, "pending_records": state.writer.pending},
         "database_writes_ok": state.writer.db_healthy,
     }

@@ -12,10 +12,11 @@ from aiohttp import web
 from proxy import admin, flavor, handlers
 from proxy.keys import STATE
 from proxy.metrics import Metrics
+from proxy.pool import Pool
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.tagging import Tagger
-from proxy.upstream import Upstream
+from proxy.upstream import UpstreamClient
 from storage import queries
 from storage.engine import create_engine
 from storage.journal import Journal
@@ -36,6 +37,8 @@ def build_app(settings: Settings) -> web.Application:
     r.add_post("/tracetap/episodes/{episode}/finish", admin.finish_episode)
     r.add_put("/tracetap/policy", admin.put_policy)
     r.add_get("/tracetap/policy", admin.get_policy)
+    r.add_post("/tracetap/pause", admin.pause)
+    r.add_post("/tracetap/resume", admin.resume)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
     r.add_get("/readyz", admin.readyz)
@@ -51,39 +54,46 @@ async def _lifecycle(app: web.Application):
     metrics = Metrics()
     journal = Journal(settings.journal_dir, settings.journal_max_bytes)
     writer = Writer(engine, journal, observer=metrics)
-    upstream = Upstream(settings.upstream_base, timeout=settings.upstream_timeout,
-                        connect_timeout=settings.connect_timeout,
-                        max_connections=settings.max_connections,
-                        api_key=settings.upstream_api_key)
-    await upstream.start()
+    client = UpstreamClient(timeout=settings.upstream_timeout,
+                            connect_timeout=settings.connect_timeout,
+                            max_connections=settings.max_connections,
+                            api_key=settings.upstream_api_key)
+    await client.start()
+    pool = Pool(settings.upstreams, client)
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),
         is_registered=functools.partial(queries.is_registered, engine),
         require_episode=settings.require_episode,
         require_registered=settings.require_registered,
     )
-    state = ProxyState(settings, engine=engine, writer=writer, upstream=upstream,
+    state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics)
     app[STATE] = state
     writer.start()
-    detecting = None
+    background = []
+    if len(pool.targets) > 1:
+        background.append(asyncio.create_task(pool.keep_checking()))
     if settings.upstream_flavor == "auto":
-        found = await flavor.detect(upstream)
+        # Engines behind one proxy are assumed to be of one kind: ask the first.
+        found = await flavor.detect(client, pool.primary)
         if found is not None:
             state.flavor = found
             log.info("upstream flavor: %s", found)
         else:
-            detecting = asyncio.create_task(
-                flavor.keep_detecting(upstream, functools.partial(setattr, state, "flavor")))
+            background.append(asyncio.create_task(flavor.keep_detecting(
+                client, pool.primary, functools.partial(setattr, state, "flavor"))))
     try:
         yield
     finally:
-        if detecting is not None:
-            detecting.cancel()
+        for task in background:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await detecting
+                await task
         await writer.close(timeout=settings.drain_timeout)
-        await upstream.close()
-        await engine.dispose()
+        await client.close()
+        try:
+            await asyncio.wait_for(engine.dispose(), 10)
+        except asyncio.TimeoutError:
+            log.warning("database connections did not close in time")
         log.info("tracetap stopped; %d records left in the journal for the next start",
                  writer.pending)

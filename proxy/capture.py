@@ -42,6 +42,9 @@ class ModelCall:
         self.perf_upstream_end: float | None = None
         self.perf_first_content: float | None = None
         self.client_body: bytes | None = None
+        self.policy_version: str | None = None
+        self.upstream_url: str | None = None
+        self.admitted = False
         self.done = False  # the upstream sent its end-of-stream marker
         self.submitted = False
 
@@ -61,6 +64,10 @@ class ModelCall:
         self.capture = Capture(self.endpoint,
                                keep_top_logprobs=self.injected.client_top_logprobs > 0)
         return encode(payload) if self.injected.any else body
+
+    @property
+    def model(self) -> str | None:
+        return _str(self.payload.get("model"))
 
     def fail(self, error: ProxyError, status: str) -> web.Response:
         self.status = status
@@ -152,9 +159,9 @@ class ModelCall:
             instance=state.instance,
             endpoint=self.endpoint,
             model=model,
-            policy_version=state.policy_version,
+            policy_version=self.policy_version,
             stream=self.stream,
-            upstream=state.upstream.base_url,
+            upstream=self.upstream_url,
             request=self.request_text,
             response=None if response is None else response.decode("utf-8", "replace"),
             status=self.status,

@@ -58,9 +58,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     upgrade(settings.database_url)
     app = build_app(settings)
+    upstreams = ", ".join(spec.url for spec in settings.upstreams)
     print(
         f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
-        f"-> upstream {settings.upstream_base}; storing in {redact_url(settings.database_url)} "
+        f"-> upstream {upstreams}; storing in {redact_url(settings.database_url)} "
         f"(journal {settings.journal_dir})",
         flush=True,
     )

@@ -5,30 +5,32 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from proxy.upstream import Upstream
+from proxy.pool import Target
+from proxy.upstream import UpstreamClient
 
 log = logging.getLogger("tracetap.flavor")
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "llama.cpp": "llamacpp"}
 
 
-async def detect(upstream: Upstream) -> str | None:
+async def detect(client: UpstreamClient, target: Target) -> str | None:
     """Guess from ``/v1/models`` owners or vLLM's ``/version``; None if unreachable."""
-    models = await upstream.get_json("/v1/models")
+    models = await client.get_json(target.url_for("/v1/models"))
     if isinstance(models, dict):
         for model in models.get("data") or ():
             owner = str(model.get("owned_by", "")).lower() if isinstance(model, dict) else ""
             if owner in _OWNERS:
                 return _OWNERS[owner]
-    version = await upstream.get_json("/version")
+    version = await client.get_json(target.url_for("/version"))
     if isinstance(version, dict) and "version" in version:
         return "vllm"
     return "openai" if models is not None else None
 
 
-async def keep_detecting(upstream: Upstream, apply, interval: float = 5.0) -> None:
+async def keep_detecting(client: UpstreamClient, target: Target, apply,
+                         interval: float = 5.0) -> None:
     """Retry until the upstream answers (it may start after the proxy)."""
     while True:
-        flavor = await detect(upstream)
+        flavor = await detect(client, target)
         if flavor is not None:
             apply(flavor)
             log.info("upstream flavor: %s", flavor)

@@ -57,6 +57,10 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             except web.HTTPRequestEntityTooLarge as exc:
                 raise too_large(state.settings.max_body) from exc
             upstream_body = call.parse_request(body)
+            await state.admit()
+            call.admitted = True
+            # Stamped after any pause: a call released by a resume runs on the new weights.
+            call.policy_version = state.policy_version
             headers = upstream_request_headers(
                 request.headers,
                 api_key=state.settings.upstream_api_key,
@@ -64,8 +68,10 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
                 identity=True,
             )
             call.upstream_started()
-            reply = await state.upstream.send("POST", _with_query(path, request), headers,
-                                              upstream_body)
+            target, reply = await state.pool.send(
+                "POST", _with_query(path, request), headers, upstream_body,
+                episode_id=call.episode_id, model=call.model)
+            call.upstream_url = target.base_url
             call.http_status = reply.status
             if call.stream and reply.content_type == "text/event-stream":
                 return await _relay_stream(request, reply, call)
@@ -74,6 +80,8 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
     finally:
         metrics.inflight.dec()
+        if call.admitted:
+            state.release()
         call.submit()
         _observe(call, route)
 
@@ -156,8 +164,9 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
     )
     body = request.content if request.body_exists else None
     try:
-        reply = await state.upstream.send(request.method, _with_query(path, request), headers,
-                                          body)
+        _, reply = await state.pool.send(request.method, _with_query(path, request), headers,
+                                         body, episode_id=request.match_info.get("episode"),
+                                         retry=body is None)
     except ProxyError as error:
         state.metrics.requests.labels("passthrough", str(error.status)).inc()
         return error.response()

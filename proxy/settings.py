@@ -12,8 +12,13 @@ import msgspec
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 
 
+class UpstreamSpec(msgspec.Struct, frozen=True):
+    url: str
+    model: str | None = None  # only this model's calls go here
+
+
 class Settings(msgspec.Struct, kw_only=True):
-    upstream: str
+    upstream: list[str]
     host: str = "127.0.0.1"
     port: int = 8080
     upstream_api_key: str | None = None
@@ -32,10 +37,11 @@ class Settings(msgspec.Struct, kw_only=True):
     require_registered: bool = False
     overhead_header: bool = True
     public_url: str | None = None
+    pause_timeout: float = 120.0
 
     @property
-    def upstream_base(self) -> str:
-        return self.upstream.rstrip("/")
+    def upstreams(self) -> list[UpstreamSpec]:
+        return parse_upstreams(self.upstream)
 
     @property
     def database_url(self) -> str:
@@ -52,8 +58,9 @@ class Settings(msgspec.Struct, kw_only=True):
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     def __post_init__(self) -> None:
-        if not self.upstream.startswith(("http://", "https://")):
-            raise ValueError(f"--upstream must be an http(s) URL, got {self.upstream!r}")
+        if isinstance(self.upstream, str):
+            self.upstream = [self.upstream]
+        parse_upstreams(self.upstream)  # fail at start, with the flag's name
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
         if not is_loopback(self.host) and not self.admin_token:
@@ -61,6 +68,31 @@ class Settings(msgspec.Struct, kw_only=True):
                 f"refusing to listen on {self.host} without --admin-token: the admin API "
                 "would be open to the network"
             )
+
+
+def parse_upstreams(values: list[str]) -> list[UpstreamSpec]:
+    """``URL`` or ``model=NAME,url=URL`` entries; a flag value may hold several URLs."""
+    specs = []
+    for value in values:
+        tokens = [t.strip() for t in value.split(",") if t.strip()]
+        i = 0
+        while i < len(tokens):
+            token = tokens[i]
+            if token.startswith(("model=", "url=")):
+                fields = dict(t.split("=", 1) for t in tokens[i:i + 2])
+                if set(fields) != {"model", "url"}:
+                    raise ValueError(f"--upstream {value!r}: use model=NAME,url=URL")
+                specs.append(UpstreamSpec(url=fields["url"], model=fields["model"]))
+                i += 2
+            else:
+                specs.append(UpstreamSpec(url=token))
+                i += 1
+    for spec in specs:
+        if not spec.url.startswith(("http://", "https://")):
+            raise ValueError(f"--upstream must be an http(s) URL, got {spec.url!r}")
+    if not specs:
+        raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
+    return specs
 
 
 def is_loopback(host: str) -> bool:
@@ -82,9 +114,11 @@ def _env_bool(name: str, default: bool = False) -> bool:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    d = Settings(upstream="http://unset")  # defaults, one place
+    d = Settings(upstream=["http://unset"])  # defaults, one place
     a = parser.add_argument
-    a("--upstream", default=_env("upstream"), help="model server base URL, e.g. http://127.0.0.1:8000/v1")
+    a("--upstream", action="append", default=None,
+      help="model server base URL, e.g. http://127.0.0.1:8000/v1; repeat for several, or "
+           "model=NAME,url=URL to send one model to its own server")
     a("--host", default=_env("host", d.host))
     a("--port", type=int, default=int(_env("port", d.port)))
     a("--upstream-api-key", default=_env("upstream_api_key"), help="sent upstream; never stored")
@@ -106,9 +140,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-overhead-header", dest="overhead_header", action="store_false",
       default=not _env_bool("no_overhead_header"))
     a("--public-url", default=_env("public_url"), help="base URL agents reach the proxy at")
+    a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
+      help="seconds a call waits while paused (POST /tracetap/pause) before a 503")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    if not args.upstream and _env("upstream"):
+        args.upstream = [_env("upstream")]  # flags win over the environment
     if not args.upstream:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}

@@ -5,15 +5,17 @@ One instance per app (under an AppKey), so there is no module-level mutable stat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.errors import ProxyError
 from proxy.ids import instance_id
 from proxy.metrics import Metrics
+from proxy.pool import Pool
 from proxy.settings import Settings
 from proxy.tagging import Tagger
-from proxy.upstream import Upstream
 from storage.records import CallRecord
 from storage.writer import Writer
 
@@ -22,17 +24,40 @@ log = logging.getLogger("tracetap")
 
 class ProxyState:
     def __init__(self, settings: Settings, *, engine: AsyncEngine, writer: Writer,
-                 upstream: Upstream, tagger: Tagger, metrics: Metrics):
+                 pool: Pool, tagger: Tagger, metrics: Metrics):
         self.settings = settings
         self.engine = engine
         self.writer = writer
-        self.upstream = upstream
+        self.pool = pool
         self.tagger = tagger
         self.metrics = metrics
         self.instance = instance_id()
         self.flavor = "openai" if settings.upstream_flavor == "auto" else settings.upstream_flavor
         self.policy_version: str | None = None
         self._seq: dict[str | None, int] = {}
+        # Weight sync: while paused, new model calls wait; in-flight ones finish.
+        self.running = asyncio.Event()
+        self.running.set()
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def admit(self) -> None:
+        """Wait while paused (bounded), then count the call as in flight."""
+        if not self.running.is_set():
+            try:
+                await asyncio.wait_for(self.running.wait(), self.settings.pause_timeout)
+            except asyncio.TimeoutError:
+                raise ProxyError(503, "the proxy is paused for a weight update; retry shortly",
+                                 "server_error", "paused",
+                                 headers={"Retry-After": "5"}) from None
+        self.inflight += 1
+        self.idle.clear()
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
 
     def next_seq(self, episode_id: str | None) -> int:
         """Arrival order within an episode, for this process (replicas add t_start)."""

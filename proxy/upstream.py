@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -29,6 +28,7 @@ class Reply:
         self.status = response.status
         self.headers = response.headers
         self.content_type = response.content_type
+        self.on_close = None  # set by the pool to count in-flight calls per target
 
     async def read(self) -> bytes:
         try:
@@ -48,18 +48,23 @@ class Reply:
         # release() would drain the body; close() drops the connection, which is what
         # a cancelled stream needs (the upstream stops generating).
         self._response.close()
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
 
 
-class Upstream:
-    def __init__(self, base_url: str, *, timeout: float, connect_timeout: float,
-                 max_connections: int, api_key: str | None = None):
-        self.base_url = base_url.rstrip("/")
+class ConnectFailed(ProxyError):
+    """Nothing reached the upstream (connection refused or no route): safe to retry."""
+
+
+class UpstreamClient:
+    """One pooled HTTP client shared by every upstream target."""
+
+    def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int,
+                 api_key: str | None = None):
+        self.timeout = timeout
         # Probes (health, flavor detection) authenticate like forwarded calls do.
         self._probe_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        parts = urlsplit(self.base_url)
-        self.origin = f"{parts.scheme}://{parts.netloc}"
-        self._base_path = parts.path  # e.g. "/v1"
-        self.timeout = timeout
         self._client_timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout, sock_read=timeout
         )
@@ -80,35 +85,28 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    def url_for(self, path_qs: str) -> str:
-        """Client path → upstream URL: ``/v1/x`` maps under the base URL, others to its origin."""
-        if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
-            return self.base_url + path_qs[3:]
-        return self.origin + path_qs
-
-    async def send(self, method: str, path_qs: str, headers: dict[str, str], body) -> Reply:
+    async def send(self, method: str, url: str, headers: dict[str, str], body) -> Reply:
         """Send a request; connection failures and timeouts become ProxyErrors."""
-        assert self._session is not None, "Upstream.start() not called"
+        assert self._session is not None, "UpstreamClient.start() not called"
         try:
             response = await self._session.request(
-                method, self.url_for(path_qs), headers=headers, data=body,
-                allow_redirects=False,
+                method, url, headers=headers, data=body, allow_redirects=False,
             )
         except asyncio.TimeoutError as exc:
             raise upstream_timeout(self.timeout) from exc
         except aiohttp.ClientConnectorError as exc:
-            raise upstream_unreachable(_describe(exc)) from exc
+            error = upstream_unreachable(_describe(exc))
+            raise ConnectFailed(error.status, error.message, error.type, error.code) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise upstream_unreachable(_describe(exc)) from exc
         return Reply(response)
 
-    async def get_json(self, path_qs: str, timeout: float = 5.0):
+    async def get_json(self, url: str, timeout: float = 5.0):
         """Small GET for probes (health, flavor detection); None on any failure."""
         assert self._session is not None
         try:
             async with self._session.get(
-                self.url_for(path_qs), headers=self._probe_headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                url, headers=self._probe_headers, timeout=aiohttp.ClientTimeout(total=timeout),
             ) as response:
                 if response.status != 200:
                     return None
@@ -121,4 +119,4 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-__all__ = ["ProxyError", "Reply", "Upstream", "UpstreamBroken"]
+__all__ = ["ConnectFailed", "Reply", "UpstreamBroken", "UpstreamClient"]

@@ -61,6 +61,7 @@ class Writer:
         self._wake = asyncio.Event()
         self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
         self._task: asyncio.Task | None = None
+        self._closing = False
         self._pending_count = 0
 
     @property
@@ -93,9 +94,16 @@ class Writer:
 
     async def close(self, timeout: float = 30.0) -> None:
         """Flush what can be flushed within ``timeout``; the rest stays journaled."""
+        # Let the loop finish its current batch: cancelling a database write midway can
+        # leave the driver's connection wedged, and the batch would be rewritten anyway.
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            except asyncio.TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         try:
             await asyncio.wait_for(self.flush(), timeout)
@@ -112,11 +120,13 @@ class Writer:
 
     async def _run(self) -> None:
         backoff = 0.2
-        while True:
+        while not self._closing:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval)
             except asyncio.TimeoutError:
                 pass
+            if self._closing:
+                return
             self._wake.clear()
             try:
                 await self.flush()
@@ -126,7 +136,10 @@ class Writer:
                 if self.db_healthy:
                     log.error("database write failed, journaling until it is back: %s", exc)
                 self.db_healthy = False
-                await asyncio.sleep(backoff)
+                try:  # back off, but wake at once for close()
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                except asyncio.TimeoutError:
+                    pass
                 backoff = min(backoff * 2, 5.0)
                 continue
             if not self.db_healthy:

@@ -1,0 +1,110 @@
+"""Several model servers behind one proxy: affinity, load, health and failover.
+
+An episode's calls stick to one upstream (rendezvous hashing of the episode id, stable
+across proxy replicas) so the engine's prefix cache is reused; untagged calls go to the
+least-loaded upstream. An upstream that refuses connections or fails its health check
+is taken out and probed until it answers again; its episodes move meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from urllib.parse import urlsplit
+
+from proxy.settings import UpstreamSpec
+from proxy.upstream import ConnectFailed, Reply, UpstreamClient
+
+log = logging.getLogger("tracetap.pool")
+
+
+class Target:
+    def __init__(self, spec: UpstreamSpec):
+        self.base_url = spec.url.rstrip("/")
+        self.model = spec.model
+        parts = urlsplit(self.base_url)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.healthy = True
+        self.inflight = 0
+
+    def url_for(self, path_qs: str) -> str:
+        """Client path → upstream URL: ``/v1/x`` maps under the base URL, others to its origin."""
+        if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
+            return self.base_url + path_qs[3:]
+        return self.origin + path_qs
+
+    def finished(self) -> None:
+        self.inflight -= 1
+
+    def weight(self, key: str) -> int:
+        digest = hashlib.blake2b(f"{key}|{self.base_url}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+
+class Pool:
+    def __init__(self, specs: list[UpstreamSpec], client: UpstreamClient, *,
+                 health_interval: float = 5.0):
+        self.targets = [Target(spec) for spec in specs]
+        self.client = client
+        self.health_interval = health_interval
+
+    @property
+    def primary(self) -> Target:
+        return self.targets[0]
+
+    def candidates(self, episode_id: str | None, model: str | None) -> list[Target]:
+        """Targets to try, best first: healthy ones, then the rest as a last resort."""
+        pool = [t for t in self.targets if model is not None and t.model == model]
+        if not pool:
+            pool = [t for t in self.targets if t.model is None] or self.targets
+        if episode_id is not None:
+            ordered = sorted(pool, key=lambda t: t.weight(episode_id), reverse=True)
+        else:
+            ordered = sorted(pool, key=lambda t: t.inflight)
+        return [t for t in ordered if t.healthy] + [t for t in ordered if not t.healthy]
+
+    async def send(self, method: str, path_qs: str, headers: dict[str, str], body, *,
+                   episode_id: str | None = None, model: str | None = None,
+                   retry: bool = True) -> tuple[Target, Reply]:
+        """Send to the best target; move on to the next only when nothing was sent."""
+        candidates = self.candidates(episode_id, model)
+        for attempt, target in enumerate(candidates):
+            try:
+                reply = await self.client.send(method, target.url_for(path_qs), headers, body)
+            except ConnectFailed:
+                self.mark_down(target)
+                if not retry or attempt == len(candidates) - 1:
+                    raise
+                continue
+            target.inflight += 1
+            reply.on_close = target.finished
+            return target, reply
+        raise AssertionError("a pool always has a target")
+
+    def mark_down(self, target: Target) -> None:
+        if target.healthy:
+            log.warning("upstream %s is down; its episodes move until it answers again",
+                        target.base_url)
+        target.healthy = False
+
+    async def probe(self, target: Target) -> bool:
+        return await self.client.get_json(target.url_for("/v1/models"), timeout=2.0) is not None
+
+    async def check_health(self) -> None:
+        results = await asyncio.gather(*(self.probe(t) for t in self.targets))
+        for target, ok in zip(self.targets, results):
+            if ok and not target.healthy:
+                log.warning("upstream %s is back in service", target.base_url)
+            if not ok:
+                self.mark_down(target)
+            target.healthy = ok
+
+    async def keep_checking(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await self.check_health()
+
+    def describe(self) -> list[dict]:
+        return [{"url": t.base_url, "model": t.model, "healthy": t.healthy,
+                 "inflight": t.inflight} for t in self.targets]
