@@ -21,6 +21,7 @@ _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",
     "upstream_unreachable": "upstream_unreachable",
     "upstream_error": "upstream_error",
+    "paused": "paused",
 }
 
 

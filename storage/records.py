@@ -64,4 +64,5 @@ STATUSES = (
     "upstream_unreachable",
     "upstream_timeout",
     "bad_request",
+    "paused",
 )
