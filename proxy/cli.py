@@ -53,10 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from proxy.app import build_app
-    from storage.engine import redact_url, upgrade
+    from storage.engine import prepare_schema, redact_url
 
     settings = settings_from_args(args)
-    upgrade(settings.database_url)
+    prepare_schema(settings.database_url)
     app = build_app(settings)
     upstreams = ", ".join(spec.url for spec in settings.upstreams)
     print(

@@ -99,6 +99,42 @@ def upgrade(url: str, revision: str = "head") -> None:
         ) from exc
 
 
+def prepare_schema(url: str) -> None:
+    """On start: migrate the embedded SQLite; require an up-to-date Postgres.
+
+    Postgres is shared by replicas, so its schema changes only through an explicit
+    ``tracetap db upgrade`` (two replicas migrating at once would race).
+    """
+    if is_sqlite(url):
+        upgrade(url)
+        return
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    current = asyncio.run(_current_revision(url))
+    if current != head:
+        raise DatabaseUnavailable(
+            f"the schema of {redact_url(url)} is at revision {current or 'none'}, not {head}: "
+            f"run `tracetap db upgrade --db {redact_url(url)}` first"
+        )
+
+
+async def _current_revision(url: str) -> str | None:
+    from alembic.migration import MigrationContext
+    from sqlalchemy.exc import SQLAlchemyError
+
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(
+                lambda sync: MigrationContext.configure(sync).get_current_revision())
+    except (SQLAlchemyError, OSError) as exc:
+        raise DatabaseUnavailable(
+            f"cannot reach {redact_url(url)}: {getattr(exc, 'orig', None) or exc}") from exc
+    finally:
+        await engine.dispose()
+
+
 async def upgrade_async(url: str) -> None:
     """The same, from inside a running event loop (Alembic's env runs its own loop)."""
     await asyncio.to_thread(upgrade, url)
