@@ -61,6 +61,9 @@ class Settings(msgspec.Struct, kw_only=True):
         if isinstance(self.upstream, str):
             self.upstream = [self.upstream]
         parse_upstreams(self.upstream)  # fail at start, with the flag's name
+        if not 0 < self.port < 65536:
+            # Episode base URLs carry the port, so it must be the one agents will use.
+            raise ValueError(f"--port must be 1-65535, got {self.port}")
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
         if not is_loopback(self.host) and not self.admin_token:

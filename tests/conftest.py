@@ -298,3 +298,25 @@ def run_proxy(tmp_path) -> Iterator:
     yield factory
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def serve_app(loop_thread) -> Iterator:
+    """Factory: run a small aiohttp app (a custom upstream) and return its base URL."""
+    runners: list[web.AppRunner] = []
+
+    def start(app: web.Application) -> str:
+        runner = web.AppRunner(app, access_log=None)
+        port = free_port()
+
+        async def go():
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+
+        loop_thread.run(go())
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        loop_thread.run(runner.cleanup())

@@ -106,16 +106,9 @@ def _text_only_upstream() -> web.Application:
     return app
 
 
-def test_missing_logprobs_are_counted(loop_thread, db_url, tmp_path):
-    runner = web.AppRunner(_text_only_upstream())
-    port = free_port()
-
-    async def start():
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    loop_thread.run(start())
-    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", db=db_url,
+def test_missing_logprobs_are_counted(loop_thread, serve_app, db_url, tmp_path):
+    upstream = serve_app(_text_only_upstream())
+    settings = Settings(upstream=upstream + "/v1", db=db_url,
                         data_dir=str(tmp_path / "d"), port=free_port(), upstream_flavor="openai")
     proxy = Proxy(loop_thread, settings).start()
     try:
@@ -131,7 +124,6 @@ def test_missing_logprobs_are_counted(loop_thread, db_url, tmp_path):
             assert "tracetap_logprobs_missing_total 1.0" in resp.read().decode()
     finally:
         proxy.stop()
-        loop_thread.run(runner.cleanup())
 
 
 def _firehose(total_events: int, event_bytes: int, sent: list[int]) -> web.Application:
@@ -155,49 +147,38 @@ def _firehose(total_events: int, event_bytes: int, sent: list[int]) -> web.Appli
 
 
 def test_slow_client_applies_backpressure_with_bounded_memory(
-        loop_thread, fresh_postgres, run_proxy):
+        serve_app, fresh_postgres, run_proxy):
     upgrade(fresh_postgres)
     sent = [0]
     total_events, event_bytes = 600, 64 * 1024  # ~38 MiB if nothing pushed back
-    runner = web.AppRunner(_firehose(total_events, event_bytes, sent))
-    port = free_port()
+    upstream = serve_app(_firehose(total_events, event_bytes, sent))
+    proxy = run_proxy(upstream + "/v1", fresh_postgres, "--upstream-flavor", "openai")
+    baseline = proxy.rss_bytes()
+    sock = _stream_request(proxy.port, "/episodes/slow/v1/chat/completions", {
+        "model": "f", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+    # Wait until the upstream is blocked: its byte count stops moving.
+    last, still_since = -1, time.monotonic()
+    deadline = time.monotonic() + 30
+    while time.monotonic() - still_since < 1.0:
+        assert time.monotonic() < deadline, "upstream never stalled"
+        if sent[0] != last:
+            last, still_since = sent[0], time.monotonic()
+        time.sleep(0.05)
+    stalled_rss = proxy.rss_bytes()
+    assert sent[0] < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
+    assert stalled_rss - baseline < 16 * 1024 * 1024
 
-    async def start():
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    loop_thread.run(start())
-    try:
-        proxy = run_proxy(f"http://127.0.0.1:{port}/v1", fresh_postgres,
-                          "--upstream-flavor", "openai")
-        baseline = proxy.rss_bytes()
-        sock = _stream_request(proxy.port, "/episodes/slow/v1/chat/completions", {
-            "model": "f", "stream": True, "messages": [{"role": "user", "content": "x"}]})
-        # Wait until the upstream is blocked: its byte count stops moving.
-        last, still_since = -1, time.monotonic()
-        deadline = time.monotonic() + 30
-        while time.monotonic() - still_since < 1.0:
-            assert time.monotonic() < deadline, "upstream never stalled"
-            if sent[0] != last:
-                last, still_since = sent[0], time.monotonic()
-            time.sleep(0.05)
-        stalled_rss = proxy.rss_bytes()
-        assert sent[0] < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
-        assert stalled_rss - baseline < 16 * 1024 * 1024
-
-        received = 0
-        sock.settimeout(30)
-        tail = b""
-        while not tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
-            data = sock.recv(1 << 20)
-            if not data:
-                break
-            received += len(data)
-            tail = (tail + data)[-64:]
-        sock.close()
-        assert received > total_events * event_bytes
-    finally:
-        loop_thread.run(runner.cleanup())
+    received = 0
+    sock.settimeout(30)
+    tail = b""
+    while not tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        data = sock.recv(1 << 20)
+        if not data:
+            break
+        received += len(data)
+        tail = (tail + data)[-64:]
+    sock.close()
+    assert received > total_events * event_bytes
     deadline = time.monotonic() + 20
     while not (calls := stored_calls(fresh_postgres, "slow")):
         assert time.monotonic() < deadline, "the slow call was never stored"

@@ -116,34 +116,24 @@ def _recording_engine(seen: list[str]) -> web.Application:
     return app
 
 
-def test_upstream_key_reaches_only_the_upstream(loop_thread, fresh_postgres, run_proxy,
+def test_upstream_key_reaches_only_the_upstream(serve_app, fresh_postgres, run_proxy,
                                                 tmp_path):
     upgrade(fresh_postgres)
     seen: list[str] = []
-    runner = web.AppRunner(_recording_engine(seen))
-    port = free_port()
-
-    async def start():
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    loop_thread.run(start())
-    try:
-        proxy = run_proxy(f"http://127.0.0.1:{port}/v1", fresh_postgres,
-                          env={"TRACETAP_UPSTREAM_API_KEY": SECRET, "TRACETAP_LOG_LEVEL": "DEBUG"})
-        client = openai.OpenAI(base_url=proxy.episode_url("secret"), api_key="sk-client-own",
-                               max_retries=0)
-        with client:
-            reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
-            stream = list(client.chat.completions.create(model="m", messages=MESSAGES,
-                                                         max_tokens=4, stream=True))
-            client.models.list()
-        assert SECRET not in reply.model_dump_json() and stream
-        assert seen and set(seen) == {f"Bearer {SECRET}"}  # the client's own key never passed
-        episode = _request("GET", proxy.url + "/tracetap/episodes/secret")[1]
-        assert len(episode["calls"]) == 2
-    finally:
-        loop_thread.run(runner.cleanup())
+    upstream = serve_app(_recording_engine(seen))
+    proxy = run_proxy(upstream + "/v1", fresh_postgres,
+                      env={"TRACETAP_UPSTREAM_API_KEY": SECRET, "TRACETAP_LOG_LEVEL": "DEBUG"})
+    client = openai.OpenAI(base_url=proxy.episode_url("secret"), api_key="sk-client-own",
+                           max_retries=0)
+    with client:
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+        stream = list(client.chat.completions.create(model="m", messages=MESSAGES,
+                                                     max_tokens=4, stream=True))
+        client.models.list()
+    assert SECRET not in reply.model_dump_json() and stream
+    assert seen and set(seen) == {f"Bearer {SECRET}"}  # the client's own key never passed
+    episode = _request("GET", proxy.url + "/tracetap/episodes/secret")[1]
+    assert len(episode["calls"]) == 2
     proxy.stop()
     dump = subprocess.run(["pg_dump", "--data-only", fresh_postgres], capture_output=True,
                           text=True, check=True).stdout
