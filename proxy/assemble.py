@@ -131,6 +131,7 @@ class Capture:
 
     def choices(self) -> list[ChoiceRecord]:
         records = []
+        self.logprobs_missing = 0
         for index in sorted(self._choices):
             acc = self._choices[index]
             ids, source = _completion_ids(acc)

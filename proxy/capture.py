@@ -42,6 +42,7 @@ class ModelCall:
         self.perf_upstream_end: float | None = None
         self.perf_first_content: float | None = None
         self.client_body: bytes | None = None
+        self.seq: int | None = None
         self.policy_version: str | None = None
         self.upstream_url: str | None = None
         self.admitted = False
@@ -95,12 +96,9 @@ class ModelCall:
         self.capture.add(body)
         if self.injected.any:
             try:
-                obj = decode_object(body)
+                body = strip_body(body, self.injected)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                self.client_body = body
-                return body
-            strip_body(obj, self.injected)
-            body = encode(obj)
+                pass  # not the JSON we expected: the client gets it as it came
         self.client_body = body
         return body
 
@@ -119,12 +117,10 @@ class ModelCall:
         if not self.injected.any:
             return event.raw
         try:
-            chunk = decode_object(data)
+            chunk = strip_chunk(data, self.injected)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
-        if not strip_chunk(chunk, self.injected):
-            return b""
-        return encode_event(encode(chunk))
+        return b"" if chunk is None else encode_event(chunk)
 
     # -- record ---------------------------------------------------------------------
     def submit(self) -> None:
@@ -155,7 +151,7 @@ class ModelCall:
         return CallRecord(
             call_id=self.call_id,
             episode_id=self.episode_id,
-            seq=state.next_seq(self.episode_id),
+            seq=state.next_seq(self.episode_id) if self.seq is None else self.seq,
             instance=state.instance,
             endpoint=self.endpoint,
             model=model,

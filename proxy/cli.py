@@ -31,6 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     upgrade.add_argument("--data-dir", default=None)
     upgrade.set_defaults(run=_db_upgrade)
 
+    export = commands.add_parser("export", help="write episodes as Parquet for RL trainers")
+    from exporters import command as export_command  # cheap: pyarrow loads only in its run
+
+    export_command.add_arguments(export)
+    export.set_defaults(run=export_command.run)
+
+    demo = commands.add_parser("demo", help="the whole loop locally, no GPU: mock engine, "
+                               "proxy, scripted openai-SDK agent, Parquet export")
+    from proxy.demo import runner as demo_runner  # cheap: servers load only in its run
+
+    demo_runner.add_arguments(demo)
+    demo.set_defaults(run=demo_runner.run)
+
     mock = commands.add_parser("mock-engine", add_help=False,
                                help="run the deterministic vLLM-like test engine")
     mock.set_defaults(run=_mock_engine)

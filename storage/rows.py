@@ -13,6 +13,7 @@ from storage.records import CallRecord
 from storage.tables import Call, Choice, Episode
 
 _json = msgspec.json.encode
+_EPISODE_NULLS = dict.fromkeys(c.name for c in Episode.__table__.columns)
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
@@ -71,7 +72,22 @@ def episode_rows(records: list[CallRecord]) -> list[dict]:
         if record.episode_id is not None:
             t = first.get(record.episode_id)
             first[record.episode_id] = record.t_start if t is None else min(t, record.t_start)
-    return [{"id": eid, "created_at": t, "registered": False} for eid, t in first.items()]
+    # Every column given, so one INSERT shape serves both databases.
+    return [{**_EPISODE_NULLS, "id": eid, "created_at": t, "registered": False}
+            for eid, t in first.items()]
+
+
+def _postgres_insert(table) -> tuple[str, list[str]]:
+    names = [c.name for c in table.columns]
+    columns = ", ".join(f'"{n}"' for n in names)
+    values = ", ".join(f"${i}" for i in range(1, len(names) + 1))
+    return (f'INSERT INTO "{table.name}" ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING',
+            names)
+
+
+# On Postgres the batch goes straight to asyncpg's executemany: the same SQL SQLAlchemy
+# would send, at a third of the CPU (measured by bench/writer_bench.py).
+_PG_INSERTS = [_postgres_insert(t.__table__) for t in (Episode, Call, Choice)]
 
 
 async def insert_calls(engine: AsyncEngine, records: list[CallRecord]) -> None:
@@ -81,6 +97,14 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord]) -> None:
     calls = [call_row(r, stored_at) for r in records]
     choices = [row for r in records for row in choice_rows(r)]
     episodes = episode_rows(records)
+    if dialect == "postgresql":
+        async with engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            async with raw.transaction():
+                for (sql, names), rows in zip(_PG_INSERTS, (episodes, calls, choices)):
+                    if rows:
+                        await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
+        return
     async with engine.begin() as conn:
         if episodes:
             await conn.execute(insert_ignoring_duplicates(dialect, Episode.__table__), episodes)

@@ -2,15 +2,14 @@
 
 Memory is bounded by the page (a few hundred episodes and their calls), never by the
 database. Pages are keyed by episode id, so each query is an index range, not an OFFSET.
-Token arrays come back as ``array`` objects (one memcpy from the stored bytes): the
-exporter slices, compares and concatenates them without a Python int per token.
+Token arrays come back as typed ``memoryview``s over the stored bytes (no copy, no
+Python int per token): the exporter slices, compares and concatenates them in C.
 """
 
 from __future__ import annotations
 
 import contextlib
-from array import array
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -19,7 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.codec import ids_array, logprobs_array
+from storage.codec import ids_view, logprobs_view
 from storage.engine import DatabaseURLError, async_url, create_engine, redact_url
 from storage.tables import Call, Choice, Episode
 
@@ -44,8 +43,8 @@ class EpisodeFilter(msgspec.Struct, kw_only=True):
 class ScannedChoice(msgspec.Struct, kw_only=True):
     index: int = 0
     finish_reason: str | None = None
-    completion_ids: array | None = None  # array('i')
-    completion_logprobs: array | None = None  # array('d'), as stored
+    completion_ids: Sequence[int] | None = None  # int32 view
+    completion_logprobs: Sequence[float] | None = None  # float64 view, as stored
     token_source: str = "none"
 
 
@@ -66,7 +65,7 @@ class ScannedCall(msgspec.Struct, kw_only=True):
     t_end: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    prompt_ids: array | None = None  # array('i')
+    prompt_ids: Sequence[int] | None = None  # int32 view
     choices: list[ScannedChoice] = []
 
 
@@ -93,8 +92,6 @@ _CALL_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.en
                  Call.prompt_ids)
 _CHOICE_COLUMNS = (Choice.call_id, Choice.choice_index, Choice.finish_reason,
                    Choice.completion_ids, Choice.completion_logprobs, Choice.token_source)
-# Arrival order within an episode (DESIGN: t_start, then the replica, then its sequence).
-_ARRIVAL = (Call.t_start, Call.instance, Call.seq)
 
 
 class Reader:
@@ -114,7 +111,11 @@ class Reader:
                 if path and path != ":memory:" and not Path(path).exists():
                     raise ScanError(f"no database at {path}")
             self._engine = create_engine(self.url)
-        await self._check_schema()
+        try:
+            await self._check_schema()
+        except BaseException:
+            await self.__aexit__()  # __aexit__ is not called when __aenter__ raises
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -131,11 +132,15 @@ class Reader:
     async def count(self, filt: EpisodeFilter) -> int:
         """Episodes matching ``filt`` (for progress; ``skip`` is not subtracted)."""
         query = select(func.count()).select_from(Episode).where(*_conditions(filt))
-        if filt.episode_ids:
-            query = query.where(Episode.id.in_(sorted(set(filt.episode_ids))))
+        ids = sorted(set(filt.episode_ids))
+        chunks = [ids[i:i + self.page_size] for i in range(0, len(ids), self.page_size)]
+        total = 0
         with self._translated():
             async with self.engine.connect() as conn:
-                return int((await conn.execute(query)).scalar() or 0)
+                for chunk in chunks or [None]:
+                    counted = query if chunk is None else query.where(Episode.id.in_(chunk))
+                    total += int((await conn.execute(counted)).scalar() or 0)
+        return total
 
     async def episodes(self, filt: EpisodeFilter) -> AsyncIterator[list[ScannedEpisode]]:
         """Pages of matching episodes in id order, each with its calls in arrival order."""
@@ -151,7 +156,7 @@ class Reader:
         """Calls that carried no episode, by t_start (``since``/``until`` apply to it)."""
         after: tuple[float, str] | None = None
         while True:
-            query = select(*self._call_columns()).where(Call.episode_id.is_(None))
+            query = select(Call.call_id, Call.t_start).where(Call.episode_id.is_(None))
             if filt.since is not None:
                 query = query.where(Call.t_start >= filt.since)
             if filt.until is not None:
@@ -159,17 +164,16 @@ class Reader:
             if after is not None:
                 query = query.where((Call.t_start > after[0])
                                     | ((Call.t_start == after[0]) & (Call.call_id > after[1])))
-            query = query.order_by(Call.t_start, Call.call_id).limit(self.page_size * 8)
+            query = query.order_by(Call.t_start, Call.call_id).limit(self.page_size * 2)
             with self._translated():
                 async with self.engine.connect() as conn:
                     rows = (await conn.execute(query)).all()
                     if not rows:
                         return
-                    calls = [_call(row, self.with_bodies) for row in rows]
-                    await self._attach_choices(conn, calls, Call.call_id.in_(
-                        [c.call_id for c in calls]))
+                    calls = await self._with_choices(conn, Call.call_id.in_(
+                        [row.call_id for row in rows]))
             after = (rows[-1].t_start, rows[-1].call_id)
-            yield calls
+            yield sorted(calls, key=_arrival)
 
     # -- internals -------------------------------------------------------------------
 
@@ -208,31 +212,37 @@ class Reader:
 
     async def _attach_calls(self, page: list[ScannedEpisode]) -> None:
         by_id = {e.id: e for e in page}
-        in_page = Call.episode_id.in_(list(by_id))
-        query = select(*self._call_columns()).where(in_page).order_by(Call.episode_id, *_ARRIVAL)
         with self._translated():
             async with self.engine.connect() as conn:
-                calls = [_call(row, self.with_bodies)
-                         for row in (await conn.execute(query)).all()]
-                await self._attach_choices(conn, calls, in_page)
+                calls = await self._with_choices(conn, Call.episode_id.in_(list(by_id)))
+        calls.sort(key=_arrival)
         for call in calls:
             by_id[call.episode_id].calls.append(call)
 
-    @staticmethod
-    async def _attach_choices(conn, calls: list[ScannedCall], calls_condition) -> None:
-        query = (select(*_CHOICE_COLUMNS).join(Call, Call.call_id == Choice.call_id)
-                 .where(calls_condition).order_by(Choice.call_id, Choice.choice_index))
-        by_call: dict[str, list[ScannedChoice]] = {}
+    async def _with_choices(self, conn, condition) -> list[ScannedCall]:
+        """Calls matching ``condition`` with their choices: one query, a row per choice.
+
+        No ORDER BY: SQLite would copy every token blob through a sort; the caller
+        sorts the (small) keys instead.
+        """
+        columns = self._call_columns()
+        query = (select(*columns, *_CHOICE_COLUMNS[1:])
+                 .outerjoin(Choice, Choice.call_id == Call.call_id).where(condition))
+        calls: dict[str, ScannedCall] = {}
+        split = len(columns)
         for row in (await conn.execute(query)).all():
-            by_call.setdefault(row.call_id, []).append(ScannedChoice(
-                index=row.choice_index,
-                finish_reason=row.finish_reason,
-                completion_ids=ids_array(row.completion_ids),
-                completion_logprobs=logprobs_array(row.completion_logprobs),
-                token_source=row.token_source,
-            ))
-        for call in calls:
-            call.choices = by_call.get(call.call_id, [])
+            call = calls.get(row[0])
+            if call is None:
+                call = calls[row[0]] = _call(row[:split])
+            index, finish, ids, logprobs, source = row[split:]
+            if index is not None:  # a call without choices (an error) has one null row
+                call.choices.append(ScannedChoice(
+                    index=index, finish_reason=finish, completion_ids=ids_view(ids),
+                    completion_logprobs=logprobs_view(logprobs), token_source=source))
+        for call in calls.values():
+            if len(call.choices) > 1:
+                call.choices.sort(key=_choice_index)
+        return list(calls.values())
 
     async def _check_schema(self) -> None:
         with self._translated():
@@ -252,7 +262,7 @@ class Reader:
         except (SQLAlchemyError, OSError) as exc:
             detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             hint = ""
-            if "no such table" in detail or "does not exist" in detail:
+            if "no such table" in detail or ("relation" in detail and "does not exist" in detail):
                 hint = " (is the schema there? run `tracetap db upgrade --db URL`)"
             raise ScanError(f"cannot read {redact_url(self.url)}: {detail}{hint}") from exc
 
@@ -281,14 +291,25 @@ def _episode(row) -> ScannedEpisode:
     )
 
 
-def _call(row, with_bodies: bool) -> ScannedCall:
+def _call(row) -> ScannedCall:
+    # Positional: the columns of _CALL_COLUMNS, then request and response when selected.
+    (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
+     http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
+     *bodies) = row
+    request, response = bodies if bodies else (None, None)
     return ScannedCall(
-        call_id=row.call_id, episode_id=row.episode_id, seq=row.seq, instance=row.instance,
-        endpoint=row.endpoint, model=row.model, policy_version=row.policy_version,
-        request=row.request if with_bodies else None,
-        response=row.response if with_bodies else None,
-        status=row.status, http_status=row.http_status, error=row.error,
-        t_start=row.t_start, t_end=row.t_end, prompt_tokens=row.prompt_tokens,
-        completion_tokens=row.completion_tokens, prompt_ids=ids_array(row.prompt_ids),
-        choices=[],
+        call_id=call_id, episode_id=episode_id, seq=seq, instance=instance,
+        endpoint=endpoint, model=model, policy_version=policy_version, request=request,
+        response=response, status=status, http_status=http_status, error=error,
+        t_start=t_start, t_end=t_end, prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens, prompt_ids=ids_view(prompt_ids), choices=[],
     )
+
+
+def _arrival(call: ScannedCall) -> tuple:
+    # Arrival order within an episode (DESIGN: t_start, then the replica, then its seq).
+    return (call.episode_id or "", call.t_start, call.instance, call.seq)
+
+
+def _choice_index(choice: ScannedChoice) -> int:
+    return choice.index

@@ -43,12 +43,14 @@ class Writer:
         flush_interval: float = 0.05,
         observer: WriterObserver | None = None,
         cache_records: int = 50_000,
+        batch_records: int = 256,
     ):
         self.engine = engine
         self.journal = journal
         self.flush_interval = flush_interval
         self.observer = observer or WriterObserver()
         self.cache_records = cache_records
+        self.batch_records = batch_records
         self.db_healthy = True
         self.dropped = 0
         # Decoded records of the active and sealed segments, so the happy path never
@@ -86,7 +88,10 @@ class Writer:
         self._pending_count += 1
         if self.journal.active_full:
             self._seal()
-        self._wake.set()
+        # A transaction per record would cost more CPU than the request itself: wake the
+        # writer for a full batch, otherwise its flush interval collects what came.
+        if len(self._active) >= self.batch_records:
+            self._wake.set()
         return True
 
     def start(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from proxy.inject import CHAT, COMPLETIONS, prepare, strip_body, strip_chunk
 
 
@@ -28,21 +30,20 @@ def test_what_the_client_asked_for_is_left_alone():
     assert body["logprobs"] == 3
 
 
-def test_strip_body_nulls_added_fields():
-    body = {"messages": []}
-    injected = prepare(body, CHAT, "vllm")
-    reply = {"prompt_token_ids": [1], "choices": [{"logprobs": {"content": []},
-                                                   "token_ids": [2]}]}
-    strip_body(reply, injected)
-    assert reply == {"prompt_token_ids": None, "choices": [{"logprobs": None,
-                                                            "token_ids": None}]}
+def test_strip_body_nulls_added_fields_and_keeps_other_bytes():
+    injected = prepare({"messages": []}, CHAT, "vllm")
+    reply = (b'{"id":"x","prompt_token_ids":[1],"choices":[{"message":{"content":"1.50"},'
+             b'"logprobs":{"content":[]},"token_ids":[2]}],"usage":{"x":1.0e-05}}')
+    stripped = strip_body(reply, injected)
+    assert json.loads(stripped) == {"id": "x", "prompt_token_ids": None, "choices": [
+        {"message": {"content": "1.50"}, "logprobs": None, "token_ids": None}],
+        "usage": {"x": 1e-05}}
+    assert b'"usage":{"x":1.0e-05}' in stripped  # untouched values keep their bytes
 
 
 def test_strip_chunk_drops_the_added_usage_chunk():
-    body = {"messages": [], "stream": True}
-    injected = prepare(body, CHAT, "vllm")
-    assert strip_chunk({"choices": [], "usage": {"prompt_tokens": 1}}, injected) is False
-    chunk = {"choices": [{"delta": {"content": "a"}, "token_ids": [5], "logprobs": {}}],
-             "usage": None, "prompt_token_ids": [1]}
-    assert strip_chunk(chunk, injected) is True
-    assert chunk == {"choices": [{"delta": {"content": "a"}, "logprobs": None}]}
+    injected = prepare({"messages": [], "stream": True}, CHAT, "vllm")
+    assert strip_chunk(b'{"choices":[],"usage":{"prompt_tokens":1}}', injected) is None
+    chunk = strip_chunk(b'{"choices":[{"delta":{"content":"a"},"token_ids":[5],"logprobs":{}}],'
+                        b'"usage":null,"prompt_token_ids":[1]}', injected)
+    assert json.loads(chunk) == {"choices": [{"delta": {"content": "a"}, "logprobs": None}]}

@@ -1,0 +1,196 @@
+"""Proxy benchmark: direct vs a bare aiohttp relay vs tracetap (Postgres, SQLite), one run.
+
+    python bench/proxy_bench.py                  # ~1.5-2 min on 2 cores
+    python bench/proxy_bench.py --rounds 3 --seconds 8 --requests 500
+    python bench/proxy_bench.py --client rl      # the client asks for logprobs itself
+
+Starts, each in its own process (uvloop everywhere): the fast upstream (bench/upstream.py),
+the bare relay (bench/relay.py), ``tracetap serve`` on a fresh Postgres database
+``tracetap_bench_<random>`` (dropped at the end) and ``tracetap serve`` on SQLite. The load
+generator (bench/loadgen.py) runs in this process. c=1 runs go in short blocks per target,
+the order rotating each block; c=32 runs go one target at a time, the order rotating each
+round. Samples of all rounds are pooled. What each figure means: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import uvloop
+from loadgen import Report, Target, drain, interleaved, saturate, warm_up
+from report import print_report
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from storage.engine import upgrade  # noqa: E402
+
+PG_ADMIN = os.environ.get("TRACETAP_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACETAP_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen,
+                     log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited early:\n{log.read_text()[-3000:]}")
+        try:
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()  # SIGTERM: tracetap drains its writer
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def bench(targets: list[Target], upstream: Target, args: argparse.Namespace,
+                logs: dict[str, Path]) -> None:
+    reports = {t.name: Report() for t in targets}
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     auto_decompress=False) as session:
+        for t in [upstream, *targets]:
+            if t.process is not None:
+                health = "/healthz" if t.metrics else "/v1/models"
+                await wait_ready(session, t.base + health, t.process, logs[t.name])
+        reference: dict[bool, bytes] = {}
+        for t in targets:
+            await warm_up(session, t, reports[t.name], reference, args.client)
+            if t.metrics:
+                await drain(session, t, reports[t.name].sent)
+                reports[t.name].rss_warm = t.rss_mib()
+        for r in range(args.rounds):
+            order = targets[r % len(targets):] + targets[: r % len(targets)]
+            print(f"round {r + 1}/{args.rounds}: {', '.join(t.name for t in order)}",
+                  flush=True)
+            await interleaved(session, order, reports, "c1", False, args.requests, args.client)
+            await interleaved(session, order, reports, "c1_stream", True, args.requests // 2,
+                              args.client)
+            for t in order:
+                rep = reports[t.name]
+                await saturate(session, t, upstream, rep, "c32", False, args.seconds,
+                               args.client)
+                await saturate(session, t, upstream, rep, "c32_stream", True,
+                               args.seconds / 2, args.client)
+        finals = {}
+        for t in targets:
+            if t.metrics:
+                reports[t.name].rss_after = t.rss_mib()
+                finals[t.name] = await drain(session, t, reports[t.name].sent)
+    print_report(targets, reports, finals, args)
+
+
+async def _admin(sql: str) -> None:
+    conn = await asyncpg.connect(PG_ADMIN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def create_database() -> str:
+    name = f"tracetap_bench_{secrets.token_hex(6)}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+
+
+def drop_database(url: str) -> None:
+    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0,
+                        help="length of each c=32 run, per target and round (streams: half)")
+    parser.add_argument("--requests", type=int, default=300,
+                        help="requests of each c=1 run, per target and round (streams: half)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--client", choices=("plain", "rl"), default="plain",
+                        help="plain: a black-box harness asking for nothing (tracetap injects "
+                             "and strips logprobs, token ids, usage); rl: the client asks for "
+                             "them itself (tracetap relays bytes untouched)")
+    parser.add_argument("--only", nargs="*", choices=("tracetap-pg", "tracetap-sqlite"),
+                        help="tracetap variants to run (default both)")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="tracetap-bench-"))
+    ports = {name: free_port() for name in ("upstream", "relay", "tracetap-pg",
+                                            "tracetap-sqlite")}
+    origin = f"http://127.0.0.1:{ports['upstream']}"
+    logs = {name: work / f"{name}.log" for name in ports}
+    upstream = Target("direct", origin)
+    targets = [upstream, Target("relay", f"http://127.0.0.1:{ports['relay']}")]
+    variants = args.only or ["tracetap-pg", "tracetap-sqlite"]
+    pg_url = None
+    try:
+        upstream.process = spawn([str(ROOT / "bench/upstream.py"), "--port",
+                                  str(ports["upstream"])], logs["upstream"])
+        logs["direct"] = logs["upstream"]
+        targets[1].process = spawn([str(ROOT / "bench/relay.py"), "--port", str(ports["relay"]),
+                                    "--upstream", origin], logs["relay"])
+        for name in variants:
+            if name == "tracetap-pg":
+                pg_url = create_database()
+                db = pg_url
+            else:
+                db = f"sqlite:///{work / 'sqlite' / 'tracetap.db'}"
+                (work / "sqlite").mkdir()
+            upgrade(db)
+            target = Target(name, f"http://127.0.0.1:{ports[name]}", episode_path=True,
+                            metrics=True)
+            target.process = spawn(["-m", "proxy.cli", "--log-level", "WARNING", "serve",
+                                    "--upstream", origin + "/v1", "--port", str(ports[name]),
+                                    "--db", db, "--data-dir", str(work / name)], logs[name])
+            targets.append(target)
+        uvloop.run(bench(targets, upstream, args, logs))
+    finally:
+        for t in reversed(targets):
+            stop(t.process)
+        if pg_url is not None:
+            drop_database(pg_url)
+        if args.keep_logs:
+            print(f"logs in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Trajectory rows → the per-sample fields RL trainers expect: one small function each.
+
+A row is any mapping with the ``trajectories/`` columns: ``Table.to_pylist()`` items,
+a ``datasets`` example, or ``DataFrame.iloc[i]`` (list columns may be numpy arrays).
+Nothing here pads or batches; each trainer does that itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _ints(values: Sequence[int] | None) -> list[int]:
+    return [] if values is None else [int(v) for v in values]
+
+
+def _floats(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else [float(v) for v in values]
+
+
+def to_verl(row: Mapping[str, Any]) -> dict[str, Any]:
+    """verl agent-loop output: response_mask 1 = LLM token; rollout_log_probs aligned."""
+    return {
+        "prompt_ids": _ints(row["prompt_ids"]),
+        "response_ids": _ints(row["response_ids"]),
+        "response_mask": _ints(row["response_mask"]),
+        "rollout_log_probs": _floats(row["response_logprobs"]),
+        "reward": row["reward"],
+    }
+
+
+def to_trl(row: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL GRPO ``rollout_func`` fields: env_mask 1 = model token (kept in the loss)."""
+    return {
+        "prompt_ids": _ints(row["prompt_ids"]),
+        "completion_ids": _ints(row["response_ids"]),
+        "logprobs": _floats(row["response_logprobs"]),
+        "env_mask": _ints(row["response_mask"]),
+    }
+
+
+def to_slime(row: Mapping[str, Any]) -> dict[str, Any]:
+    """slime ``Sample``: tokens = prompt + response; loss_mask covers the response."""
+    response = _ints(row["response_ids"])
+    return {
+        "tokens": _ints(row["prompt_ids"]) + response,
+        "response_length": len(response),
+        "loss_mask": _ints(row["response_mask"]),
+        "rollout_log_probs": _floats(row["response_logprobs"]),
+        "reward": row["reward"],
+    }
+
+
+def to_openrlhf(row: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenRLHF agent sample: action_ranges are [start, end) spans of model tokens in
+    ``sequences`` (prompt + response), one per trainable run of the mask."""
+    prompt = _ints(row["prompt_ids"])
+    mask = _ints(row["response_mask"])
+    ranges: list[tuple[int, int]] = []
+    start = None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            ranges.append((len(prompt) + start, len(prompt) + i))
+            start = None
+    return {
+        "sequences": prompt + _ints(row["response_ids"]),
+        "action_ranges": ranges,
+        "rollout_log_probs": _floats(row["response_logprobs"]),
+        "reward": row["reward"],
+    }
+
+
+ADAPTERS = {"verl": to_verl, "trl": to_trl, "slime": to_slime, "openrlhf": to_openrlhf}

@@ -1,0 +1,112 @@
+"""``tracetap export``: flags, a progress bar on a terminal, one summary line at the end.
+
+Importing this module is cheap (no pyarrow, no SQLAlchemy): the CLI builds its parser
+for every subcommand, and ``tracetap serve`` should not pay for the exporter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+DATASET_CHOICES = ("calls", "trajectories", "all")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--out", required=True, metavar="DIR",
+      help="output directory: DIR/calls/ and DIR/trajectories/ Parquet datasets")
+    a("--db", default=os.environ.get("TRACETAP_DB"),
+      help="SQLAlchemy URL (or TRACETAP_DB; default: the SQLite file in --data-dir)")
+    a("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR", "./tracetap-data"))
+    a("--since", type=timestamp, metavar="TIME",
+      help="episodes created at or after TIME (ISO 8601, UTC if no zone; or epoch seconds)")
+    a("--until", type=timestamp, metavar="TIME", help="episodes created before TIME")
+    a("--episode", action="append", default=[], metavar="ID",
+      help="only this episode (repeatable)")
+    a("--group", metavar="ID", help="only episodes of this group")
+    a("--finished-only", action=argparse.BooleanOptionalAction, default=True,
+      help="only episodes finished with POST /tracetap/episodes/{id}/finish (default: on)")
+    a("--dataset", choices=DATASET_CHOICES, default="all")
+    a("--incremental", action="store_true",
+      help="append only episodes finished since the last run (watermark in DIR/_manifest.json)")
+    a("--overwrite", action="store_true", help="replace an existing export in DIR")
+    a("--no-progress", dest="progress", action="store_false",
+      help="no progress bar (it is shown only on a terminal anyway)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from exporters.pipeline import ExportError, export  # pyarrow is loaded only from here
+
+    db = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+    datasets = ("calls", "trajectories") if args.dataset == "all" else (args.dataset,)
+    bar = ProgressBar(sys.stderr) if args.progress and sys.stderr.isatty() else None
+    try:
+        summary = export(
+            db, args.out, since=args.since, until=args.until, episodes=args.episode,
+            group=args.group, finished_only=args.finished_only, datasets=datasets,
+            incremental=args.incremental, overwrite=args.overwrite,
+            progress=bar.update if bar else None,
+        )
+    except ExportError as exc:
+        print(f"tracetap export: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"exported {summary.episodes} episodes: {summary.calls} calls, "
+          f"{summary.trajectories} trajectories, {summary.tokens} tokens, "
+          f"{len(summary.files)} files in {summary.seconds:.1f}s -> {args.out}")
+    return 0
+
+
+def timestamp(text: str) -> float:
+    """ISO 8601 (naive means UTC) or epoch seconds → epoch seconds."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (use ISO 8601 like 2025-01-31T12:00:00Z, or epoch seconds)"
+        ) from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+class ProgressBar:
+    """One redrawn line on a terminal, at most ten times a second."""
+
+    WIDTH = 24
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self._last = 0.0
+        self._drawn = False
+
+    def update(self, p) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and p.episodes < p.episodes_total:
+            return
+        self._last = now
+        total = max(p.episodes_total, 1)
+        filled = min(self.WIDTH, self.WIDTH * p.episodes // total)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(
+            f"\r[{bar}] {p.episodes}/{p.episodes_total} episodes  {p.calls} calls  "
+            f"{p.trajectories} trajectories  {p.tokens / 1e6:.1f}M tokens  {p.seconds:.1f}s")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()

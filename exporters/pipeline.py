@@ -1,0 +1,293 @@
+"""One export run: pages of episodes in, trajectories built, both datasets streamed, commit.
+
+Incremental runs keep a watermark in the manifest: the finished_at below which every
+episode has been exported. It trails the newest exported episode by SETTLE_SECONDS, so
+an episode whose finish committed late (its finished_at is stamped before its
+transaction commits) is still picked up; episodes exported inside that window are
+remembered by (id, finished_at) so they are never written twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+from exporters.parquet import (
+    DATASETS,
+    DatasetWriter,
+    ExportDir,
+    ExportError,
+    Manifest,
+    RunRecord,
+    Selection,
+    run_id,
+)
+from exporters.schema import SCHEMA_VERSION, calls_batch, trajectories_batch
+from exporters.trajectories import build_trajectories
+from proxy import __version__
+from storage.scan import EpisodeFilter, Reader, ScanError, ScannedCall, ScannedEpisode
+
+SETTLE_SECONDS = 60.0
+_BUILDERS = {"calls": calls_batch, "trajectories": trajectories_batch}
+
+
+class Progress(msgspec.Struct, kw_only=True):
+    episodes: int
+    episodes_total: int
+    calls: int
+    trajectories: int
+    tokens: int
+    seconds: float
+
+
+class ExportSummary(msgspec.Struct, kw_only=True):
+    """What a run wrote. ``tokens`` counts every token id written, in both datasets."""
+
+    out: str
+    episodes: int = 0
+    calls: int = 0
+    call_rows: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    files: list[str] = []
+    seconds: float = 0.0
+    watermark: float | None = None
+
+
+def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
+    """Blocking export (runs its own event loop); see ``export_async`` for the options."""
+    return asyncio.run(export_async(db, out, **options))
+
+
+async def export_async(
+    db: str,
+    out: str | os.PathLike,
+    *,
+    since: float | datetime | None = None,
+    until: float | datetime | None = None,
+    episodes: Iterable[str] = (),
+    group: str | None = None,
+    finished_only: bool = True,
+    datasets: Iterable[str] = DATASETS,
+    incremental: bool = False,
+    overwrite: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    page_size: int = 256,
+) -> ExportSummary:
+    """Export episodes from database ``db`` (a SQLAlchemy URL) into directory ``out``.
+
+    ``incremental`` appends only episodes finished since the last run into ``out``;
+    without it an existing export is an error unless ``overwrite`` replaces it.
+    """
+    selection = Selection(since=_epoch(since), until=_epoch(until),
+                          episode_ids=tuple(sorted(set(episodes))), group_id=group,
+                          finished_only=finished_only, datasets=_datasets(datasets))
+    if incremental and not finished_only:
+        raise ExportError("--incremental needs --finished-only: an unfinished episode can "
+                          "still grow, so it cannot be exported once and for all")
+    if incremental and overwrite:
+        raise ExportError("--incremental and --overwrite contradict each other")
+    started, clock = time.time(), time.perf_counter()
+    try:
+        # The database first: a bad URL or schema leaves no trace in the output directory.
+        async with Reader(db, page_size=page_size,
+                          with_bodies="calls" in selection.datasets) as reader:
+            return await _run(reader, Path(out), selection, incremental, overwrite, progress,
+                              started, clock)
+    except ScanError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+async def _run(reader: Reader, out: Path, selection: Selection, incremental: bool,
+               overwrite: bool, progress: Callable[[Progress], None] | None, started: float,
+               clock: float) -> ExportSummary:
+    target = ExportDir(out).open()
+    writers: dict[str, DatasetWriter] = {}
+    try:
+        previous = _previous(target.manifest, selection, incremental, overwrite)
+        summary = ExportSummary(out=str(out))
+        recent = _Recent(previous.watermark if previous else None,
+                         previous.recent if previous else {})
+        rid = run_id(started)
+        writers = {name: DatasetWriter(target.root, name, rid, __version__, _BUILDERS[name])
+                   for name in selection.datasets}
+        await _stream(reader, selection, previous, writers, summary, recent, progress, clock)
+        kept = previous.files if previous else []
+        for name, writer in writers.items():
+            empty = not any(f.startswith(name + "/") for f in kept)
+            summary.files += writer.finish(ensure_file=empty)
+        watermark, overlap = recent.result() if selection.finished_only else (None, {})
+        summary.watermark = watermark
+        run = RunRecord(run_id=rid, started_at=started, seconds=time.perf_counter() - clock,
+                        episodes=summary.episodes, calls=summary.calls,
+                        trajectories=summary.trajectories, tokens=summary.tokens,
+                        files=summary.files)
+        replaced = target.manifest if target.manifest is not previous else None
+        target.commit(Manifest(
+            schema_version=SCHEMA_VERSION, tracetap_version=__version__, selection=selection,
+            watermark=watermark, recent=overlap,
+            runs=[*(previous.runs if previous else ()), run],
+            obsolete=[*replaced.files, *replaced.obsolete] if replaced else [],
+        ))
+        summary.seconds = time.perf_counter() - clock
+        return summary
+    except BaseException as exc:
+        if not target.committed:  # after the commit point the next run finishes the job
+            for writer in writers.values():
+                writer.abort()
+        if isinstance(exc, OSError):
+            raise ExportError(f"cannot write to {out}: {exc}") from exc
+        raise
+    finally:
+        target.close()
+
+
+async def _stream(reader: Reader, selection: Selection, previous: Manifest | None,
+                  writers: dict[str, DatasetWriter], summary: ExportSummary, recent: _Recent,
+                  progress: Callable[[Progress], None] | None, clock: float) -> None:
+    filt = EpisodeFilter(
+        since=selection.since, until=selection.until, episode_ids=selection.episode_ids,
+        group_id=selection.group_id, finished_only=selection.finished_only,
+        finished_from=previous.watermark if previous else None,
+        skip=dict(previous.recent) if previous else {},
+    )
+    calls, trajectories = writers.get("calls"), writers.get("trajectories")
+    total = await reader.count(filt)
+
+    def report() -> None:
+        if progress is not None:
+            progress(Progress(episodes=summary.episodes, episodes_total=total,
+                              calls=summary.calls, trajectories=summary.trajectories,
+                              tokens=summary.tokens, seconds=time.perf_counter() - clock))
+
+    report()
+    async for page in _prefetched(reader.episodes(filt)):
+        for episode in page:
+            # Buffered rows keep only the episode's own fields, not all its calls'
+            # token buffers: memory stays at about a row group per dataset.
+            meta = msgspec.structs.replace(episode, calls=[])
+            if calls is not None:
+                _add_calls(calls, meta, episode.calls, summary)
+            if trajectories is not None:
+                _add_trajectories(trajectories, meta, episode.calls, summary)
+            summary.episodes += 1
+            if episode.finished_at is not None:
+                recent.add(episode.id, episode.finished_at)
+            await asyncio.sleep(0)  # lets the prefetched page's queries move on
+        report()
+    # Calls outside any episode never finish; they belong only to a whole-table export.
+    if calls is not None and not (selection.finished_only or selection.episode_ids
+                                  or selection.group_id):
+        async for page in reader.untagged_calls(filt):
+            _add_calls(calls, None, page, summary)
+        report()
+
+
+def _add_calls(writer: DatasetWriter, episode: ScannedEpisode | None,
+               calls: list[ScannedCall], summary: ExportSummary) -> None:
+    for call in calls:
+        summary.calls += 1
+        prompt = len(call.prompt_ids) if call.prompt_ids is not None else 0
+        body = len(call.request or "") + len(call.response or "")
+        for choice in call.choices or (None,):
+            completion = 0
+            if choice is not None and choice.completion_ids is not None:
+                completion = len(choice.completion_ids)
+            writer.add((episode, call, choice), 4 * prompt + 12 * completion + body)
+            summary.call_rows += 1
+            summary.tokens += prompt + completion
+
+
+def _add_trajectories(writer: DatasetWriter, episode: ScannedEpisode,
+                      calls: list[ScannedCall], summary: ExportSummary) -> None:
+    for trajectory in build_trajectories(calls):
+        prompt, response = len(trajectory.prompt_ids), len(trajectory.response_ids)
+        writer.add((episode, trajectory), 4 * prompt + 13 * response)
+        summary.trajectories += 1
+        summary.tokens += prompt + response
+
+
+async def _prefetched(pages: AsyncIterator) -> AsyncIterator:
+    """Read the next page while the current one is turned into rows."""
+    iterator = pages.__aiter__()
+    pending = asyncio.ensure_future(iterator.__anext__())
+    try:
+        while True:
+            try:
+                page = await pending
+            except StopAsyncIteration:
+                return
+            pending = asyncio.ensure_future(iterator.__anext__())
+            yield page
+    finally:
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await iterator.aclose()
+
+
+def _previous(manifest: Manifest | None, selection: Selection, incremental: bool,
+              overwrite: bool) -> Manifest | None:
+    """The manifest this run extends (incremental), or None for a fresh export."""
+    if manifest is None or overwrite:
+        return None
+    if not incremental:
+        raise ExportError("the output directory already holds an export; add --incremental "
+                          "to append what is new, or --overwrite to replace it")
+    if manifest.selection != selection:
+        ours, theirs = msgspec.structs.asdict(selection), msgspec.structs.asdict(manifest.selection)
+        diff = ", ".join(f"{k}: {theirs[k]!r} then, {ours[k]!r} now"
+                         for k in ours if ours[k] != theirs[k])
+        raise ExportError(f"--incremental must select what the existing export did ({diff})")
+    return manifest
+
+
+class _Recent:
+    """The watermark's overlap, kept small: exported episodes within SETTLE of the newest."""
+
+    def __init__(self, watermark: float | None, recent: dict[str, float]):
+        self.floor = watermark
+        self.newest = max(recent.values(), default=watermark)
+        self.items = dict(recent)
+        self.heap = [(f, i) for i, f in recent.items()]
+        heapq.heapify(self.heap)
+
+    def add(self, episode_id: str, finished_at: float) -> None:
+        self.items[episode_id] = finished_at
+        heapq.heappush(self.heap, (finished_at, episode_id))
+        if self.newest is None or finished_at > self.newest:
+            self.newest = finished_at
+        cutoff = self.newest - SETTLE_SECONDS
+        while self.heap and self.heap[0][0] < cutoff:
+            f, i = heapq.heappop(self.heap)
+            if self.items.get(i) == f:
+                del self.items[i]
+
+    def result(self) -> tuple[float | None, dict[str, float]]:
+        if self.newest is None:
+            return self.floor, {}
+        watermark = self.newest - SETTLE_SECONDS
+        if self.floor is not None:
+            watermark = max(watermark, self.floor)
+        return watermark, {i: f for i, f in self.items.items() if f >= watermark}
+
+
+def _epoch(value: float | datetime | None) -> float | None:
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return None if value is None else float(value)
+
+
+def _datasets(names: Iterable[str]) -> tuple[str, ...]:
+    names = [names] if isinstance(names, str) else list(names)
+    chosen = tuple(n for n in DATASETS if n in set(names))
+    unknown = set(names) - set(DATASETS)
+    if unknown or not chosen:
+        raise ExportError(f"datasets must be among {', '.join(DATASETS)}; got {sorted(names)}")
+    return chosen

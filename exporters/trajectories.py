@@ -1,0 +1,279 @@
+"""One episode's calls → training trajectories, by exact token prefix (pure: no I/O).
+
+Nodes are (call, choice) pairs. Node c extends node p when p finished before c started
+and c's prompt starts with p's prompt + p's completion; of those, the longest p is the
+parent (ties: the most recent). Every leaf of the resulting forest is one row: the
+root's prompt, then per edge the observation gap (mask 0) and the completion (mask 1).
+
+A completion shared by several leaves is trainable (mask 1, its logprobs) in exactly one
+row: the leaf reached by always following the earliest child. Elsewhere it is context
+(mask 0, logprob 0). Text is never re-tokenized: a call without token ids becomes a
+single-turn row of its own and is never stitched.
+
+split_reason says why a row is not the episode's main line, at the highest point where
+it leaves it (the top of its trainable part):
+  None            the main line: the episode's first root, earliest child at every step
+  "sample"        a later choice of the same request (n > 1)
+  "retry"         a request whose prompt equals an earlier request's prompt
+  "branch"        a later, different continuation of the same context
+  "non_prefix"    a new root: the prompt extends no earlier completion (context rewritten,
+                  summarised, a sub-agent)
+  "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched
+Calls that did not succeed (status != "ok" or HTTP status != 200) are left out.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import insort
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import msgspec
+
+SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids")
+
+
+class ChoiceLike(Protocol):
+    index: int
+    finish_reason: str | None
+    completion_ids: Sequence[int] | None
+    completion_logprobs: Sequence[float] | None
+
+
+class CallLike(Protocol):
+    call_id: str
+    seq: int
+    instance: str
+    t_start: float
+    t_end: float | None
+    status: str
+    http_status: int
+    policy_version: str | None
+    prompt_ids: Sequence[int] | None
+    choices: Sequence[ChoiceLike]
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    """One row. Token arrays are ``array`` objects: ``list(x)`` for plain lists."""
+
+    trajectory_id: str
+    call_ids: list[str]
+    choice_indices: list[int]
+    prompt_ids: array  # array('i')
+    response_ids: array  # array('i')
+    response_mask: array  # array('b'): 1 = sampled by the model and trainable here
+    response_logprobs: array | None  # array('d'), 0 where mask is 0; None: not captured
+    policy_versions: list[str | None]
+    split_reason: str | None
+    finish_reason: str | None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.call_ids)
+
+
+class _Node:
+    __slots__ = ("call", "children", "choice", "completion", "end", "logprobs", "parent",
+                 "prompt")
+
+    def __init__(self, call: CallLike, choice: ChoiceLike):
+        self.call = call
+        self.choice = choice
+        self.prompt = _ids(call.prompt_ids)
+        self.completion = _ids(choice.completion_ids)
+        self.logprobs = _logprobs(choice.completion_logprobs, len(self.completion))
+        self.end = len(self.prompt) + len(self.completion)
+        self.parent: _Node | None = None
+        self.children: list[_Node] = []
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[pos] if pos < n else self.completion[pos - n]
+
+    def is_prefix_of(self, ids: Sequence[int]) -> bool:
+        """ids starts with this node's prompt + completion."""
+        n, end = len(self.prompt), self.end
+        if end > len(ids) or end == 0:
+            return end == 0
+        # Cheap probe in the middle first: chat templates make the ends of unrelated
+        # contexts look alike, the middles do not.
+        mid = end // 2
+        if ids[mid] != self.token_at(mid):
+            return False
+        return ids[:n] == self.prompt and ids[n:end] == self.completion
+
+
+def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
+    """All rows of one episode: the prefix forest's leaves, then untokenized calls."""
+    ordered = sorted(calls, key=lambda c: (c.t_start, c.instance, c.seq))
+    nodes: list[_Node] = []
+    untokenized: list[Trajectory] = []
+    for call in ordered:
+        if call.status != "ok" or call.http_status != 200:
+            continue
+        for choice in sorted(call.choices, key=lambda ch: ch.index):
+            if call.prompt_ids is None or choice.completion_ids is None:
+                untokenized.append(_single_turn(call, choice))
+            else:
+                nodes.append(_Node(call, choice))
+    _link(nodes)
+    rows = _tree_rows(nodes)
+    for node in nodes:  # parent <-> children cycles would keep token buffers until a GC pass
+        node.parent, node.children = None, []
+    return [*rows, *untokenized]
+
+
+def _link(nodes: list[_Node]) -> None:
+    """Give each node its parent: the longest finished earlier node its prompt extends."""
+    by_end: dict[int, list[_Node]] = {}
+    ends: list[int] = []  # distinct node ends, ascending
+    for node in nodes:
+        node.parent = _parent_of(node, by_end, ends)
+        if node.parent is not None:
+            node.parent.children.append(node)
+        if node.end not in by_end:
+            by_end[node.end] = []
+            insort(ends, node.end)
+        by_end[node.end].append(node)
+
+
+def _parent_of(node: _Node, by_end: dict[int, list[_Node]], ends: list[int]) -> _Node | None:
+    prompt, start, call = node.prompt, node.call.t_start, node.call
+    for i in range(len(ends) - 1, -1, -1):
+        if ends[i] > len(prompt):
+            continue
+        for candidate in reversed(by_end[ends[i]]):  # the most recent first
+            t_end = candidate.call.t_end
+            if candidate.call is call or t_end is None or t_end > start:
+                continue
+            if candidate.is_prefix_of(prompt):
+                return candidate
+    return None
+
+
+def _tree_rows(nodes: list[_Node]) -> list[Trajectory]:
+    roots = [n for n in nodes if n.parent is None]
+    first_of_call: dict[str, _Node] = {}
+    for node in nodes:
+        first_of_call.setdefault(node.call.call_id, node)
+    order = {id(n): i for i, n in enumerate(nodes)}
+    rows = []
+    stack = list(reversed(roots))
+    while stack:  # depth first, earliest child first: rows come out in a stable order
+        node = stack.pop()
+        if node.children:
+            stack.extend(reversed(node.children))
+            continue
+        path = [node]
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        path.reverse()
+        top = len(path) - 1  # path[top:] is trainable in this row
+        while top > 0 and path[top - 1].children[0] is path[top]:
+            top -= 1
+        reason = _reason(path[top], roots[0], first_of_call, nodes, order)
+        rows.append(_row(path, top, reason))
+    return rows
+
+
+def _reason(top: _Node, first_root: _Node, first_of_call: dict[str, _Node],
+            nodes: list[_Node], order: dict[int, int]) -> str | None:
+    if top is first_root:
+        return None
+    if first_of_call[top.call.call_id] is not top:
+        return "sample"
+    earlier = nodes[:order[id(top)]]
+    if any(len(n.prompt) == len(top.prompt) and n.prompt == top.prompt for n in earlier):
+        return "retry"
+    return "non_prefix" if top.parent is None else "branch"
+
+
+def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
+    root, leaf = path[0], path[-1]
+    # Every edge is an exact prefix, so the response is the leaf's context past the root.
+    response = _copy(leaf.prompt[len(root.prompt):])
+    response.frombytes(_raw(leaf.completion))
+    mask = array("b")
+    logprobs: array | None = array("d")
+    previous_end = len(root.prompt)
+    for i, node in enumerate(path):
+        gap = len(node.prompt) - previous_end
+        n = len(node.completion)
+        previous_end = node.end
+        mask.frombytes(bytes(gap))
+        if i >= top:
+            mask.frombytes(b"\x01" * n)
+        else:
+            mask.frombytes(bytes(n))
+        if logprobs is None:
+            continue
+        logprobs.frombytes(bytes(8 * gap))
+        if i < top:
+            logprobs.frombytes(bytes(8 * n))
+        elif node.logprobs is not None:
+            logprobs.frombytes(_raw(node.logprobs))
+        else:  # a trainable turn without captured logprobs: say "unknown", never guess
+            logprobs = None
+    return Trajectory(
+        trajectory_id=f"{leaf.call.call_id}:{leaf.choice.index}",
+        call_ids=[n.call.call_id for n in path],
+        choice_indices=[n.choice.index for n in path],
+        prompt_ids=_copy(root.prompt),
+        response_ids=response,
+        response_mask=mask,
+        response_logprobs=logprobs,
+        policy_versions=[n.call.policy_version for n in path],
+        split_reason=reason,
+        finish_reason=leaf.choice.finish_reason,
+    )
+
+
+def _single_turn(call: CallLike, choice: ChoiceLike) -> Trajectory:
+    response = _copy(_ids(choice.completion_ids))
+    logprobs = _logprobs(choice.completion_logprobs, len(response))
+    return Trajectory(
+        trajectory_id=f"{call.call_id}:{choice.index}",
+        call_ids=[call.call_id],
+        choice_indices=[choice.index],
+        prompt_ids=_copy(_ids(call.prompt_ids)),
+        response_ids=response,
+        response_mask=array("b", b"\x01" * len(response)),
+        response_logprobs=None if logprobs is None else _copy(logprobs, "d"),
+        policy_versions=[call.policy_version],
+        split_reason="no_token_ids",
+        finish_reason=choice.finish_reason,
+    )
+
+
+# Token sequences stay what storage handed over (typed memoryviews over the stored bytes,
+# or arrays): slicing and comparing them runs in C. Anything else is converted once.
+def _typed(values: Sequence | None, code: str) -> Sequence:
+    if isinstance(values, array) and values.typecode == code:
+        return values
+    if isinstance(values, memoryview) and values.format == code:
+        return values
+    return array(code, values or ())
+
+
+def _ids(values: Sequence[int] | None) -> Sequence[int]:
+    return _typed(values, "i")
+
+
+def _logprobs(values: Sequence[float] | None, n: int) -> Sequence[float] | None:
+    if n == 0:
+        return array("d")
+    if values is None or len(values) != n:
+        return None
+    return _typed(values, "d")
+
+
+def _raw(values: Sequence) -> memoryview:
+    """The bytes under a typed sequence, for one memcpy into an array."""
+    return memoryview(values).cast("B")
+
+
+def _copy(values: Sequence, code: str = "i") -> array:
+    out = array(code)
+    out.frombytes(_raw(values))
+    return out

@@ -1,0 +1,303 @@
+"""``tracetap demo``: the whole loop in one process, no GPU: engine, proxy, agent, Parquet.
+
+On free local ports, in one event loop: the deterministic mock engine, the real tracetap
+proxy in front of it (embedded SQLite in the data dir), and the scripted ``openai`` SDK
+agent. Episodes are registered and finished through the admin API, the proxy is stopped
+(its writer flushes), and the exporter writes ``<data-dir>/export``.
+
+Importing this module is cheap (the CLI builds every subcommand's parser): the servers,
+the SDK and pyarrow load only inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+
+MODEL = "mock-model"
+CAPTURE_TIMEOUT_S = 10.0
+_CREATED = ("tracetap.db", "tracetap.db-wal", "tracetap.db-shm", "journal", "export")
+
+
+class DemoError(Exception):
+    """The demo could not complete; the message says what went wrong."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--data-dir", metavar="DIR",
+      help="where the SQLite database, journal and export go (kept); default: a temp dir")
+    a("--keep", action="store_true",
+      help="keep the data dir for inspection (the default unless --clean)")
+    a("--clean", action="store_true", help="remove what the demo wrote to the data dir at the end")
+    a("--episodes", type=int, default=3, metavar="N",
+      help="append-only multi-turn episodes to run (default 3); the context-rewrite episode "
+           "and the group of 4 always run")
+    a("--quiet", action="store_true", help="print only the final table")
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: str
+    variant: str  # "append-only", "context-rewrite", "group"
+    task: Any  # agent.Task
+    tool_rounds: int
+    seed: int = 0
+    rewrite_at: int | None = None
+    group_id: str | None = None
+
+
+def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
+    """Phases of episodes; the episodes of a phase run concurrently (a GRPO group)."""
+    from proxy.demo.agent import TASKS
+
+    prefix = f"demo-{run_id}"
+    solo = [[Plan(f"{prefix}-solo-{k}", "append-only", TASKS[(k - 1) % 3], 2 + (k - 1) % 3)]
+            for k in range(1, append_only + 1)]
+    rewrite = [Plan(f"{prefix}-rewrite", "context-rewrite", TASKS[3], 2, rewrite_at=3)]
+    group = [Plan(f"{prefix}-group-{k}", "group", TASKS[1], 2, seed=k, group_id=f"{prefix}-g")
+             for k in range(1, 5)]
+    return [*solo, rewrite, group]
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if args.episodes < 0:
+        print("tracetap demo: error: --episodes must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        import openai  # noqa: F401  (the agent is written with the SDK)
+    except ImportError:
+        print("tracetap demo: error: the demo's agent needs the openai SDK: pip install openai",
+              file=sys.stderr)
+        return 1
+    root = logging.getLogger()
+    if root.level == logging.INFO:  # the default: the demo prints its own story instead
+        root.setLevel(logging.WARNING)
+    given = args.data_dir is not None
+    data_dir = Path(args.data_dir) if given else Path(tempfile.mkdtemp(prefix="tracetap-demo-"))
+    existed = {name for name in _CREATED if (data_dir / name).exists()}
+    dir_existed = given and data_dir.exists()
+    keep = args.keep or not args.clean
+    say = (lambda *_: None) if args.quiet else _say
+    try:
+        _run_loop(_demo(data_dir.resolve(), args.episodes, say, keep, started))
+    except KeyboardInterrupt:
+        print("tracetap demo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # any failure: one clear line, then a non-zero exit
+        print(f"tracetap demo: error: {_describe(exc)}", file=sys.stderr)
+        if keep and data_dir.is_dir():
+            print(f"tracetap demo: what it wrote is in {data_dir}", file=sys.stderr)
+        return 1
+    finally:
+        if not keep:
+            _remove(data_dir, existed, dir_existed)
+    return 0
+
+
+async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: float) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    from exporters import ExportError, export_async
+    from proxy.app import build_app
+    from proxy.demo.engine import EngineConfig, EngineServer
+    from proxy.settings import Settings
+    from storage.engine import upgrade_async
+
+    run_id = uuid.uuid4().hex[:6]
+    phases = plan_episodes(run_id, append_only)
+    say(f"tracetap demo: data dir {data_dir}")
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(EngineServer(EngineConfig(model=MODEL)))
+        say(f"  engine  deterministic vLLM-like mock engine at {engine.url}")
+        sock = socket.socket()
+        stack.callback(sock.close)  # the server closes it too; closing twice is harmless
+        sock.bind(("127.0.0.1", 0))
+        settings = Settings(upstream=[engine.url], data_dir=str(data_dir),
+                            port=sock.getsockname()[1], upstream_flavor="auto")
+        await upgrade_async(settings.database_url)
+        proxy = web.AppRunner(build_app(settings), access_log=None)
+        await proxy.setup()
+        proxy_up = True
+
+        async def stop_proxy() -> None:
+            nonlocal proxy_up
+            if proxy_up:
+                proxy_up = False
+                await proxy.cleanup()  # drains the writer: every record is committed
+
+        stack.push_async_callback(stop_proxy)
+        await web.SockSite(proxy, sock).start()
+        say(f"  proxy   tracetap at {settings.base_url} -> {engine.url}, "
+            f"storing in {settings.database_url}")
+        say("  agent   scripted tool-using agent on the openai SDK (AsyncOpenAI)")
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        admin = Admin(session, settings.base_url)
+        totals = {"episodes": 0, "calls": 0, "generated": 0}
+        for phase in phases:
+            say("")
+            results = await asyncio.gather(*(_episode(admin, p, say) for p in phase),
+                                           return_exceptions=True)  # let the others finish
+            for calls in results:
+                if isinstance(calls, BaseException):
+                    raise calls
+                totals["episodes"] += 1
+                totals["calls"] += len(calls)
+                totals["generated"] += sum(c["completion_tokens"] or 0 for c in calls)
+        written = await admin.records_written()
+        await stop_proxy()
+        say(f"\nproxy stopped; /metrics counted {written} records written to the database")
+        out = data_dir / "export"
+        ids = [p.id for phase in phases for p in phase]
+        try:
+            summary = await export_async(settings.database_url, out, episodes=ids,
+                                         overwrite=True)
+        except ExportError as exc:
+            raise DemoError(f"export failed: {exc}") from exc
+    if summary.episodes != totals["episodes"] or summary.calls != totals["calls"]:
+        raise DemoError(f"the export holds {summary.episodes} episodes and {summary.calls} "
+                        f"calls; the demo ran {totals['episodes']} and {totals['calls']}")
+    _table(summary, totals, out, keep, time.perf_counter() - started)
+
+
+async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
+    from openai import AsyncOpenAI
+
+    from proxy.demo.agent import run_agent
+
+    harness = {"name": "tracetap-demo-agent",
+               "config": {"variant": plan.variant, "seed": plan.seed,
+                          "tool_rounds": plan.tool_rounds, "rewrite_at": plan.rewrite_at}}
+    created = await admin.post("/tracetap/episodes", {
+        "id": plan.id, "group_id": plan.group_id, "task_id": plan.task.id,
+        "harness": harness, "metadata": {"demo": True}})
+    group = f", group {plan.group_id} seed {plan.seed}" if plan.group_id else ""
+    say(f"> {plan.id:<22} started   {plan.variant}, task {plan.task.id}{group}")
+    client = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"],
+                         max_retries=0, timeout=30)
+    async with client:
+        result = await run_agent(client, plan.task, model=MODEL, seed=plan.seed,
+                                 rewrite_at=plan.rewrite_at,
+                                 extra_body={"mock_tool_rounds": plan.tool_rounds})
+    reward = result.reward()
+    await admin.post(f"/tracetap/episodes/{plan.id}/finish", {
+        "reward": reward, "rewards": {"keywords": reward}, "outcome": result.outcome(),
+        "info": {"turns": len(result.turns), "lookups": result.lookups,
+                 "answer": result.answer}})
+    calls = await admin.captured(plan.id, len(result.turns))
+    streamed = sum(t.streamed for t in result.turns)
+    rewrite = f", context rewritten at turn {result.rewritten_at}" if result.rewritten_at else ""
+    say(f"< {plan.id:<22} finished  {len(result.turns)} turns ({streamed} streamed), "
+        f"{result.lookups} lookups{rewrite}, reward {reward:.1f} ({result.outcome()}); "
+        f"{len(calls)} calls captured")
+    say(f"  {'':<22} answer: {result.answer!r}")
+    return calls
+
+
+class Admin:
+    """The proxy's admin API, as an orchestrator (a trainer's rollout loop) would use it."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str):
+        self.session, self.url = session, url
+
+    async def post(self, path: str, body: dict) -> dict:
+        async with self.session.post(self.url + path, json=body) as reply:
+            if reply.status >= 300:
+                raise DemoError(f"POST {path} answered {reply.status}: {await reply.text()}")
+            return await reply.json()
+
+    async def captured(self, episode_id: str, expected: int) -> list[dict]:
+        """The episode's stored calls, once the write-behind writer has committed them all."""
+        deadline = time.monotonic() + CAPTURE_TIMEOUT_S
+        while True:
+            async with self.session.get(f"{self.url}/tracetap/episodes/{episode_id}") as reply:
+                if reply.status != 200:
+                    raise DemoError(f"GET episode {episode_id} answered {reply.status}")
+                calls = (await reply.json())["calls"]
+            if len(calls) >= expected:
+                return calls
+            if time.monotonic() > deadline:
+                raise DemoError(f"only {len(calls)} of {expected} calls of {episode_id} reached "
+                                f"the database within {CAPTURE_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.02)  # the writer commits every 50 ms
+
+    async def records_written(self) -> int:
+        async with self.session.get(self.url + "/metrics") as reply:
+            text = await reply.text()
+        for line in text.splitlines():
+            if line.startswith('tracetap_records_total{outcome="written"}'):
+                return int(float(line.split()[-1]))
+        return 0
+
+
+def _table(summary, totals: dict, out: Path, keep: bool, seconds: float) -> None:
+    trajectories = out / "trajectories"
+    rows = [
+        ("episodes", f"{summary.episodes}"),
+        ("calls", f"{summary.calls}"),
+        ("trajectories", f"{summary.trajectories}"),
+        ("tokens", f"{totals['generated']} generated by the model, "
+                   f"{summary.tokens} token ids written"),
+        ("calls/", f"{out / 'calls'}"),
+        ("trajectories/", f"{trajectories}"),
+    ]
+    print(f"\nexported in {summary.seconds:.2f}s; the whole demo took {seconds:.1f}s")
+    for name, value in rows:
+        print(f"  {name:<14} {value}")
+    print("\nload them with pyarrow:")
+    print("  import pyarrow.parquet as pq")
+    print(f"  rows = pq.read_table({str(trajectories)!r}).to_pylist()")
+    print('  for r in rows: print(r["episode_id"], r["split_reason"], r["num_turns"], '
+          'len(r["response_ids"]), sum(r["response_mask"]), r["reward"])')
+    if keep:
+        print(f"\ndata kept in {out.parent}")
+    else:
+        print("\nthe demo's files are removed now (--clean)")
+    sys.stdout.flush()
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, (DemoError, OSError)) else f"{type(exc).__name__}: {text}"
+
+
+def _remove(data_dir: Path, existed: set[str], dir_existed: bool) -> None:
+    """Remove what the demo created; never a file or directory that was there before."""
+    if not dir_existed:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return
+    for name in set(_CREATED) - existed:
+        path = data_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _run_loop(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)

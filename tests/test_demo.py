@@ -1,0 +1,205 @@
+"""``tracetap demo`` and ``tracetap mock-engine`` as a user runs them: real subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import free_port, stored_calls
+from proxy.demo import tokenizer as tok
+
+CLI = [sys.executable, "-m", "proxy.cli"]
+DEMO_TIMEOUT_S = 120
+
+
+def run_demo(*flags: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([*CLI, "demo", *flags], capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
+    assert done.returncode == 0, f"demo failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+class Demo:
+    def __init__(self, data_dir: Path, stdout: str):
+        self.data_dir, self.stdout = data_dir, stdout
+        self.db = f"sqlite:///{data_dir / 'tracetap.db'}"
+        self.calls = pq.read_table(data_dir / "export" / "calls").to_pylist()
+        self.trajectories = pq.read_table(data_dir / "export" / "trajectories").to_pylist()
+
+    def variant(self, row: dict) -> str:
+        return json.loads(row["harness_config"])["variant"]
+
+    def rows(self, variant: str) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for row in self.trajectories:
+            if self.variant(row) == variant:
+                out.setdefault(row["episode_id"], []).append(row)
+        return out
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Demo:
+    data_dir = tmp_path_factory.mktemp("demo")
+    return Demo(data_dir, run_demo("--data-dir", str(data_dir)).stdout)
+
+
+def test_demo_exports_every_episode_and_prints_the_table(demo):
+    assert len({r["episode_id"] for r in demo.calls}) == 8
+    assert len({r["episode_id"] for r in demo.trajectories}) == 8
+    assert len(demo.trajectories) == 9  # 3 + 2 (the rewrite splits) + 4
+    assert len(demo.calls) == 29  # tool rounds 2, 3, 4; 5 around the rewrite; 4 x 3
+    assert {r["status"] for r in demo.calls} == {"ok"}
+    assert all(r["reward"] is not None and r["outcome"] for r in demo.trajectories)
+    for line in ("episodes       8", "calls          29", "trajectories   9"):
+        assert line in demo.stdout
+    assert str(demo.data_dir / "export" / "trajectories") in demo.stdout
+    assert demo.stdout.count("calls captured") == 8
+
+
+def test_the_printed_pyarrow_snippet_loads_the_trajectories(demo):
+    lines = demo.stdout.split("load them with pyarrow:\n", 1)[1].splitlines()[:3]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec("\n".join(line.strip() for line in lines), {})  # the user's three lines
+    assert printed.getvalue().strip()
+
+
+def test_append_only_episodes_are_exactly_the_engines_token_sequences(demo):
+    episodes = demo.rows("append-only")
+    assert len(episodes) == 3
+    for episode_id, [row] in episodes.items():
+        calls = stored_calls(demo.db, episode_id)
+        assert row["split_reason"] is None and row["num_turns"] == len(calls) >= 3
+        assert row["call_ids"] == [c["call_id"] for c in calls]
+        last = calls[-1]
+        completion = last["choices"][0]["completion_ids"]
+        sequence = row["prompt_ids"] + row["response_ids"]
+        assert sequence == last["prompt_ids"] + completion
+        # Independently: re-render the whole conversation with the engine's chat template.
+        request = json.loads(last["request"])
+        answer = json.loads(last["response"])["choices"][0]["message"]
+        conversation = [*request["messages"], {"role": "assistant", "content": answer["content"]}]
+        rendered = tok.apply_chat_template(conversation, request["tools"],
+                                           add_generation_prompt=False)
+        assert sequence == rendered[:-1]  # the completion ends at <|im_end|>, before its "\n"
+        assert row["prompt_ids"] == calls[0]["prompt_ids"]
+        sampled = sum(len(c["choices"][0]["completion_ids"]) for c in calls)
+        assert sum(row["response_mask"]) == sampled
+        assert len(row["response_logprobs"]) == len(row["response_ids"])
+
+
+def test_the_context_rewrite_splits_into_a_non_prefix_root(demo):
+    [rows] = demo.rows("context-rewrite").values()
+    assert [r["split_reason"] for r in rows] == [None, "non_prefix"]
+    assert [r["num_turns"] for r in rows] == [2, 3]
+
+
+def test_the_group_is_four_samples_of_one_task_that_differ(demo):
+    group = demo.rows("group")
+    assert len(group) == 4
+    rows = [row for [row] in group.values()]
+    assert len({(r["group_id"], r["task_id"]) for r in rows}) == 1
+    assert len({tuple(r["prompt_ids"]) for r in rows}) == 1  # the same task prompt...
+    assert len({tuple(r["response_ids"]) for r in rows}) == 4  # ...sampled four ways
+
+
+def test_clean_removes_only_what_the_demo_wrote(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("keep me")
+    done = run_demo("--data-dir", str(tmp_path), "--episodes", "0", "--clean", "--quiet")
+    assert "episodes       5" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+# ---- tracetap mock-engine ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mock_engine(tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with log.open("wb") as out, subprocess.Popen(
+        [*CLI, "mock-engine", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT
+    ) as process:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert process.poll() is None, f"mock-engine exited:\n{log.read_text()}"
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1):
+                        break
+                except OSError:
+                    assert time.monotonic() < deadline, f"no mock-engine:\n{log.read_text()}"
+                    time.sleep(0.05)  # polling for readiness, not waiting for a result
+            yield url + "/v1"
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+@pytest.fixture
+def client(mock_engine) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=mock_engine, api_key="unused", max_retries=0,
+                       timeout=10) as c:
+        yield c
+
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+IDS = {"return_token_ids": True}
+
+
+def test_mock_engine_answers_chat_with_and_without_streaming(client):
+    reply = client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                           logprobs=True, extra_body=IDS)
+    [choice] = reply.choices
+    assert choice.finish_reason == "stop" and choice.message.content
+    assert reply.model_extra["prompt_token_ids"] == tok.apply_chat_template(MESSAGES)
+    ids = choice.model_extra["token_ids"]
+    assert tok.decode(ids) == choice.message.content + "<|im_end|>"
+    assert len(choice.logprobs.content) == len(ids)
+
+    stream = client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                            stream=True, extra_body=IDS)
+    with stream:
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # deterministic: the same tokens either way
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get(
+        "token_ids") or ()] == ids
+
+
+def test_mock_engine_answers_a_tool_call(client):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    reply = client.chat.completions.create(model="mock-model", messages=MESSAGES, tools=tools)
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "lookup" and json.loads(call.function.arguments) == {"step": 1}
+
+
+def test_mock_engine_answers_completions_with_and_without_streaming(client):
+    reply = client.completions.create(model="mock-model", prompt="Once upon a time",
+                                      logprobs=2, extra_body=IDS)
+    [choice] = reply.choices
+    assert choice.text and choice.finish_reason == "stop"
+    assert choice.model_extra["prompt_token_ids"] == tok.encode("Once upon a time")
+    assert len(choice.logprobs.tokens) == len(choice.model_extra["token_ids"])
+
+    stream = client.completions.create(model="mock-model", prompt="Once upon a time",
+                                       stream=True)
+    with stream:
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == choice.text
+    counts = Counter(m.id for m in client.models.list().data)
+    assert counts == {"mock-model": 1}
