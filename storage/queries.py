@@ -7,7 +7,6 @@ from typing import Any
 
 import msgspec
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from storage.codec import unpack_ids, unpack_logprobs
@@ -196,5 +195,3 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
         out.append(row)
     return out
 
-
-__all__ = ["EpisodeExists", "IntegrityError"]

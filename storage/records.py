@@ -48,13 +48,6 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     choices: list[ChoiceRecord] = []
 
 
-class EpisodeSeen(msgspec.Struct, kw_only=True):
-    """An episode the proxy saw a call for; the writer creates it if it is new."""
-
-    episode_id: str
-    t_first: float
-
-
 # Statuses a stored call can have. "ok" covers any upstream reply, 4xx/5xx included
 # (the HTTP status says which); the rest mean the exchange did not complete normally.
 STATUSES = (

@@ -138,7 +138,8 @@ def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
         during = [pool.submit(stream, f"during-{i}") for i in range(4)]
         result = paused.result(30)
         assert result["drained"] and result["inflight"] == 0
-        assert all(f.done() for f in before) and not any(f.done() for f in during)
+        assert [f.result(10) for f in before] == ["stop"] * 4  # finished while paused
+        assert not any(f.done() for f in during)  # held until the resume
         _post(proxy.url + "/tracetap/resume", {"policy_version": "v2"})
         assert [f.result(30) for f in before + during] == ["stop"] * 8
     calls = proxy.calls("pause")
