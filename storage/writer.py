@@ -66,6 +66,8 @@ class Writer:
         self._closing = False
         self._pending_count = 0
 
+    encode = staticmethod(_encode)  # the journal's record format
+
     @property
     def pending(self) -> int:
         """Records accepted but not yet committed (this process's view)."""
