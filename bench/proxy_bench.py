@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -26,17 +25,15 @@ import time
 from pathlib import Path
 
 import aiohttp
-import asyncpg
 import uvloop
 from loadgen import Report, Target, drain, interleaved, saturate, warm_up
+from pgtemp import create_database, drop_database
 from report import print_report
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from storage.engine import upgrade  # noqa: E402
-
-PG_ADMIN = os.environ.get("TRACETAP_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 def free_port() -> int:
@@ -116,24 +113,6 @@ async def bench(targets: list[Target], upstream: Target, args: argparse.Namespac
                 reports[t.name].rss_after = t.rss_mib()
                 finals[t.name] = await drain(session, t, reports[t.name].sent)
     print_report(targets, reports, finals, args)
-
-
-async def _admin(sql: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-def create_database() -> str:
-    name = f"tracetap_bench_{secrets.token_hex(6)}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-
-
-def drop_database(url: str) -> None:
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import os
 import random
-import secrets
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import asyncpg
 import msgspec
 import uvloop
+from pgtemp import create_database, drop_database
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,7 +37,6 @@ from storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from storage.rows import call_row, choice_rows, episode_rows  # noqa: E402
 from storage.writer import Writer  # noqa: E402
 
-PG_ADMIN = os.environ.get("TRACETAP_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 TOKENS = 256
 
 
@@ -142,24 +141,10 @@ async def count_rows(url: str) -> tuple[int, int]:
         await conn.close()
 
 
-async def _admin(sql: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
 def fresh_database() -> str:
-    name = f"tracetap_bench_{secrets.token_hex(6)}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    url = create_database()
     upgrade(url)
     return url
-
-
-def drop_database(url: str) -> None:
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
 
 
 def main(argv: list[str] | None = None) -> int:
