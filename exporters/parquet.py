@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,38 +86,45 @@ class Manifest(msgspec.Struct, kw_only=True):
 
 
 class DatasetWriter:
-    """Rows in, row groups out: buffers one group, rolls files, writes under temp names.
+    """Batches in, row groups out: packs batches into groups, rolls files, writes temps.
 
     Encoding and compressing a row group (pyarrow, without the GIL) runs on a thread of
-    its own while the next group is read and built; at most one group is in flight, so
+    its own while the next page is read and built; at most one group is in flight, so
     memory stays at about two groups per dataset.
     """
 
-    def __init__(self, root: Path, dataset: str, run_id: str, tracetap_version: str,
-                 build: Callable[[list, pa.Schema], pa.RecordBatch]):
+    def __init__(self, root: Path, dataset: str, run_id: str, tracetap_version: str):
         self.root = root
         self.dataset = dataset
         self.run_id = run_id
         self.schema = with_metadata(SCHEMAS[dataset], dataset, tracetap_version)
-        self.build = build
         self.rows = 0
         self.files: list[str] = []  # relative final names, written as temps
-        self._buffer: list = []
-        self._buffered_bytes = 0
+        self._group: list[pa.RecordBatch] = []
+        self._group_rows = 0
+        self._group_bytes = 0
         self._writer: pq.ParquetWriter | None = None
         self._file_rows = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tracetap-{dataset}")
         self._in_flight: Future | None = None
 
-    def add(self, row: Any, nbytes: int) -> None:
-        self._buffer.append(row)
-        self._buffered_bytes += nbytes
-        if (len(self._buffer) >= ROW_GROUP_ROWS[self.dataset]
-                or self._buffered_bytes >= ROW_GROUP_BYTES):
-            self._flush()
+    def add(self, batch: pa.RecordBatch) -> None:
+        """Queue ``batch`` (of ``self.schema``); each full row group goes to disk."""
+        rows, nbytes = batch.num_rows, batch.nbytes
+        # A batch larger than a group is cut into group-sized slices (zero copy).
+        step = min(ROW_GROUP_ROWS[self.dataset],
+                   max(1, rows * ROW_GROUP_BYTES // nbytes) if nbytes else rows)
+        for start in range(0, rows, max(step, 1)):
+            part = batch.slice(start, step)
+            self._group.append(part)
+            self._group_rows += part.num_rows
+            self._group_bytes += nbytes * part.num_rows // rows
+            if (self._group_rows >= ROW_GROUP_ROWS[self.dataset]
+                    or self._group_bytes >= ROW_GROUP_BYTES):
+                self._flush()
 
     def finish(self, *, ensure_file: bool) -> list[str]:
-        """Write what is buffered and close; an empty dataset still gets a file if asked."""
+        """Write what is queued and close; an empty dataset still gets a file if asked."""
         try:
             self._flush()
             if self._writer is None and ensure_file:
@@ -137,17 +143,18 @@ class DatasetWriter:
                 temp_path(self.root / name).unlink()
 
     def _flush(self) -> None:
-        if not self._buffer:
+        if not self._group:
             return
-        batch = self.build(self._buffer, self.schema)
-        self._buffer, self._buffered_bytes = [], 0
+        group = pa.Table.from_batches(self._group, self.schema)
+        self._group, self._group_rows, self._group_bytes = [], 0, 0
         self._wait()
         if self._writer is None or self._file_rows >= FILE_ROWS[self.dataset]:
             self._close()
             self._open()
-        self._in_flight = self._thread.submit(self._writer.write_batch, batch)
-        self._file_rows += batch.num_rows
-        self.rows += batch.num_rows
+        self._in_flight = self._thread.submit(self._writer.write_table, group,
+                                              row_group_size=group.num_rows)
+        self._file_rows += group.num_rows
+        self.rows += group.num_rows
 
     def _wait(self) -> None:
         """Let the group in flight finish; its error, if any, is raised here."""

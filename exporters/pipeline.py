@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 import msgspec
+import pyarrow.compute as pc
 
 from exporters.parquet import (
     DATASETS,
@@ -32,10 +33,9 @@ from exporters.parquet import (
 from exporters.schema import SCHEMA_VERSION, calls_batch, trajectories_batch
 from exporters.trajectories import build_trajectories
 from proxy import __version__
-from storage.scan import EpisodeFilter, Reader, ScanError, ScannedCall, ScannedEpisode
+from storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
 
 SETTLE_SECONDS = 60.0
-_BUILDERS = {"calls": calls_batch, "trajectories": trajectories_batch}
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -98,7 +98,8 @@ async def export_async(
     try:
         # The database first: a bad URL or schema leaves no trace in the output directory.
         async with Reader(db, page_size=page_size,
-                          with_bodies="calls" in selection.datasets) as reader:
+                          with_bodies="calls" in selection.datasets,
+                          with_calls="trajectories" in selection.datasets) as reader:
             return await _run(reader, Path(out), selection, incremental, overwrite, progress,
                               started, clock)
     except ScanError as exc:
@@ -116,7 +117,7 @@ async def _run(reader: Reader, out: Path, selection: Selection, incremental: boo
         recent = _Recent(previous.watermark if previous else None,
                          previous.recent if previous else {})
         rid = run_id(started)
-        writers = {name: DatasetWriter(target.root, name, rid, __version__, _BUILDERS[name])
+        writers = {name: DatasetWriter(target.root, name, rid, __version__)
                    for name in selection.datasets}
         await _stream(reader, selection, previous, writers, summary, recent, progress, clock)
         kept = previous.files if previous else []
@@ -169,49 +170,44 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
 
     report()
     async for page in _prefetched(reader.episodes(filt)):
-        for episode in page:
-            # Buffered rows keep only the episode's own fields, not all its calls'
-            # token buffers: memory stays at about a row group per dataset.
-            meta = msgspec.structs.replace(episode, calls=[])
-            if calls is not None:
-                _add_calls(calls, meta, episode.calls, summary)
-            if trajectories is not None:
-                _add_trajectories(trajectories, meta, episode.calls, summary)
-            summary.episodes += 1
+        if calls is not None:
+            _add_calls(calls, page, summary)
+            await asyncio.sleep(0)  # lets the prefetched page's queries move on
+        if trajectories is not None:
+            _add_trajectories(trajectories, page, summary)
+        summary.episodes += len(page.episodes)
+        for episode in page.episodes:
             if episode.finished_at is not None:
                 recent.add(episode.id, episode.finished_at)
-            await asyncio.sleep(0)  # lets the prefetched page's queries move on
         report()
     # Calls outside any episode never finish; they belong only to a whole-table export.
     if calls is not None and not (selection.finished_only or selection.episode_ids
                                   or selection.group_id):
         async for page in reader.untagged_calls(filt):
-            _add_calls(calls, None, page, summary)
+            _add_calls(calls, page, summary)
         report()
 
 
-def _add_calls(writer: DatasetWriter, episode: ScannedEpisode | None,
-               calls: list[ScannedCall], summary: ExportSummary) -> None:
-    for call in calls:
-        summary.calls += 1
-        prompt = len(call.prompt_ids) if call.prompt_ids is not None else 0
-        body = len(call.request or "") + len(call.response or "")
-        for choice in call.choices or (None,):
-            completion = 0
-            if choice is not None and choice.completion_ids is not None:
-                completion = len(choice.completion_ids)
-            writer.add((episode, call, choice), 4 * prompt + 12 * completion + body)
-            summary.call_rows += 1
-            summary.tokens += prompt + completion
+def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
+    batch = calls_batch(page.rows, page.episodes, writer.schema)
+    writer.add(batch)
+    summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
+    summary.call_rows += batch.num_rows
+    summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
 
 
-def _add_trajectories(writer: DatasetWriter, episode: ScannedEpisode,
-                      calls: list[ScannedCall], summary: ExportSummary) -> None:
-    for trajectory in build_trajectories(calls):
-        prompt, response = len(trajectory.prompt_ids), len(trajectory.response_ids)
-        writer.add((episode, trajectory), 4 * prompt + 13 * response)
-        summary.trajectories += 1
-        summary.tokens += prompt + response
+def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
+    rows = [(episode, t) for episode in page.episodes
+            for t in build_trajectories(episode.calls)]
+    batch = trajectories_batch(rows, writer.schema)
+    writer.add(batch)
+    summary.trajectories += batch.num_rows
+    summary.tokens += _tokens(batch, "prompt_ids", "response_ids")
+
+
+def _tokens(batch, *columns: str) -> int:
+    """Token ids in ``columns`` (list columns of a freshly built batch)."""
+    return sum(len(batch.column(name).values) for name in columns)
 
 
 async def _prefetched(pages: AsyncIterator) -> AsyncIterator:

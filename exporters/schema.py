@@ -1,7 +1,7 @@
 """The Arrow shapes of the two datasets, in one place, and the builders that fill them.
 
-Token columns are built straight from the ``array`` buffers storage hands over (one
-concatenation per batch, no Python int per token); logprobs are stored as float64 and
+Token columns are built straight from the bytes storage hands over (one concatenation
+per batch, no Python int per token); logprobs are stored as float64 and
 narrowed to float32 here, once.
 """
 
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import accumulate
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from exporters.trajectories import Trajectory
-from storage.scan import ScannedCall, ScannedChoice, ScannedEpisode
+from storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
@@ -76,8 +77,11 @@ TRAJECTORIES = pa.schema([
 ])
 
 SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
+# Calls columns copied as they are from the scanned rows.
+_CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
+                "policy_version", "request", "response", "token_source", "finish_reason",
+                "status", "http_status", "error", "prompt_tokens", "completion_tokens")
 
-CallRow = tuple[ScannedEpisode | None, ScannedCall, ScannedChoice | None]
 TrajectoryRow = tuple[ScannedEpisode, Trajectory]
 
 
@@ -89,40 +93,32 @@ def with_metadata(schema: pa.Schema, dataset: str, tracetap_version: str) -> pa.
     })
 
 
-def calls_batch(rows: Sequence[CallRow], schema: pa.Schema = CALLS) -> pa.RecordBatch:
-    episodes = [e for e, _, _ in rows]
-    calls = [c for _, c, _ in rows]
-    choices = [ch for _, _, ch in rows]
-    columns = {
-        "call_id": [c.call_id for c in calls],
-        "choice_index": [None if ch is None else ch.index for ch in choices],
-        "episode_id": [c.episode_id for c in calls],
-        "group_id": [None if e is None else e.group_id for e in episodes],
-        "task_id": [None if e is None else e.task_id for e in episodes],
-        "seq": [c.seq for c in calls],
-        "t_start": _times([c.t_start for c in calls]),
-        "t_end": _times([c.t_end for c in calls]),
-        "endpoint": [c.endpoint for c in calls],
-        "model": [c.model for c in calls],
-        "policy_version": [c.policy_version for c in calls],
-        "request": [c.request for c in calls],
-        "response": [c.response for c in calls],
-        "prompt_ids": list_column([c.prompt_ids for c in calls], pa.int32()),
-        "completion_ids": list_column(
-            [None if ch is None else ch.completion_ids for ch in choices], pa.int32()),
-        "completion_logprobs": list_column(
-            [None if ch is None else ch.completion_logprobs for ch in choices], pa.float64(),
-            pa.float32()),
-        "token_source": [None if ch is None else ch.token_source for ch in choices],
-        "finish_reason": [None if ch is None else ch.finish_reason for ch in choices],
-        "status": [c.status for c in calls],
-        "http_status": [c.http_status for c in calls],
-        "error": [c.error for c in calls],
-        "prompt_tokens": [c.prompt_tokens for c in calls],
-        "completion_tokens": [c.completion_tokens for c in calls],
-        "reward": [None if e is None else e.reward for e in episodes],
+def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
+                schema: pa.Schema = CALLS) -> pa.RecordBatch:
+    """Scanned rows (storage.scan.ROW, one per call and choice) → the calls dataset.
+
+    Column by column: the rows are transposed once, in C, and no Python code runs per row
+    but for the lookup of each row's episode fields.
+    """
+    columns = dict(zip(ROW, zip(*rows))) if rows else dict.fromkeys(ROW, ())
+    episode_ids = columns["episode_id"]
+
+    def of_episode(field: str) -> list:
+        return list(map({e.id: getattr(e, field) for e in episodes}.get, episode_ids))
+
+    built = {
+        **{name: columns[name] for name in _CALL_FIELDS},
+        "group_id": of_episode("group_id"),
+        "task_id": of_episode("task_id"),
+        "reward": of_episode("reward"),
+        "t_start": _times(columns["t_start"]),
+        "t_end": _times(columns["t_end"]),
+        "prompt_ids": list_column(columns["prompt_ids"], pa.int32()),
+        "completion_ids": list_column(columns["completion_ids"], pa.int32()),
+        "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
+                                           pa.float32()),
     }
-    return _batch(columns, schema)
+    return _batch(built, schema)
 
 
 def trajectories_batch(rows: Sequence[TrajectoryRow],
@@ -154,35 +150,30 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
     return _batch(columns, schema)
 
 
-def list_column(values: Sequence[array | None], stored: pa.DataType,
+def list_column(values: Sequence[bytes | array | None], stored: pa.DataType,
                 exported: pa.DataType | None = None) -> pa.Array:
-    """A list column from native arrays (None: a null list) with one buffer copy."""
-    offsets = array("i", [0])
-    total = 0
-    nulls = False
-    for value in values:
-        if value is None:
-            nulls = True
-        else:
-            total += len(value)
-        offsets.append(total)
-    data = b"".join(v for v in values if v is not None)
-    flat = pa.Array.from_buffers(stored, total, [None, pa.py_buffer(data)])
+    """A list column with one buffer copy, from bytes of ``stored`` values in native order
+    or from ``array``s of them (not a mix); None is a null list."""
+    present = [v for v in values if v is not None] if None in values else values
+    lengths = map(len, values) if present is values else (
+        0 if v is None else len(v) for v in values)
+    ends = array("q", accumulate(lengths, initial=0))
+    offsets = pa.Array.from_buffers(pa.int64(), len(ends), [None, pa.py_buffer(ends)])
+    if present and type(present[0]) is bytes:  # lengths were in bytes
+        offsets = pc.divide(offsets, stored.bit_width // 8)
+    data = pa.py_buffer(b"".join(present))
+    flat = pa.Array.from_buffers(stored, len(data) * 8 // stored.bit_width, [None, data])
     if exported is not None and exported != stored:
         flat = pc.cast(flat, exported, safe=False)  # float64 → float32: rounding, on purpose
-    mask = pa.array([v is None for v in values], pa.bool_()) if nulls else None
-    offsets_array = pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)])
-    return pa.ListArray.from_arrays(offsets_array, flat, mask=mask)
+    mask = pa.array([v is None for v in values], pa.bool_()) if present is not values else None
+    return pa.ListArray.from_arrays(pc.cast(offsets, pa.int32()), flat, mask=mask)
 
 
-def _times(seconds: list[float | None]) -> pa.Array:
-    # From raw buffers on purpose: pa.array / cast / view to a zoned timestamp type make
-    # pyarrow import pandas (half a second) just to look at the zone.
-    micros = array("q", [0 if s is None else round(s * 1_000_000) for s in seconds])
-    validity = None
-    if None in seconds:
-        validity = pa.array([s is not None for s in seconds], pa.bool_()).buffers()[1]
-    return pa.Array.from_buffers(_TIME, len(seconds), [validity, pa.py_buffer(micros)])
+def _times(seconds: Sequence[float | None]) -> pa.Array:
+    micros = pc.cast(pc.round(pc.multiply(pa.array(seconds, pa.float64()), 1e6)), pa.int64())
+    # From raw buffers on purpose: cast / view to a zoned timestamp type make pyarrow
+    # import pandas (half a second) just to look at the zone.
+    return pa.Array.from_buffers(_TIME, len(micros), micros.buffers(), micros.null_count)
 
 
 def _batch(columns: dict, schema: pa.Schema) -> pa.RecordBatch:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from array import array
 from bisect import insort
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from typing import Protocol
 
 import msgspec
@@ -37,8 +38,9 @@ SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids"
 class ChoiceLike(Protocol):
     index: int
     finish_reason: str | None
-    completion_ids: Sequence[int] | None
-    completion_logprobs: Sequence[float] | None
+    # int32 / float64 bytes in native order (storage.codec.native_ids), or any sequence
+    completion_ids: bytes | Sequence[int] | None
+    completion_logprobs: bytes | Sequence[float] | None
 
 
 class CallLike(Protocol):
@@ -50,11 +52,11 @@ class CallLike(Protocol):
     status: str
     http_status: int
     policy_version: str | None
-    prompt_ids: Sequence[int] | None
+    prompt_ids: bytes | Sequence[int] | None
     choices: Sequence[ChoiceLike]
 
 
-class Trajectory(msgspec.Struct, kw_only=True):
+class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycles
     """One row. Token arrays are ``array`` objects: ``list(x)`` for plain lists."""
 
     trajectory_id: str
@@ -73,46 +75,44 @@ class Trajectory(msgspec.Struct, kw_only=True):
         return len(self.call_ids)
 
 
+_arrival = attrgetter("t_start", "instance", "seq")
+_index = attrgetter("index")
+
+
 class _Node:
+    """A (call, choice). Token arrays stay bytes: lengths and positions are in bytes
+    (4 per id), and prefix tests are memcmp."""
+
     __slots__ = ("call", "children", "choice", "completion", "end", "logprobs", "parent",
                  "prompt")
 
     def __init__(self, call: CallLike, choice: ChoiceLike):
         self.call = call
         self.choice = choice
-        self.prompt = _ids(call.prompt_ids)
-        self.completion = _ids(choice.completion_ids)
-        self.logprobs = _logprobs(choice.completion_logprobs, len(self.completion))
+        self.prompt = _packed(call.prompt_ids, "i")
+        self.completion = _packed(choice.completion_ids, "i")
+        self.logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None),
+                                  len(self.completion))
         self.end = len(self.prompt) + len(self.completion)
         self.parent: _Node | None = None
         self.children: list[_Node] = []
 
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt)
-        return self.prompt[pos] if pos < n else self.completion[pos - n]
-
-    def is_prefix_of(self, ids: Sequence[int]) -> bool:
+    def is_prefix_of(self, ids: bytes) -> bool:
         """ids starts with this node's prompt + completion."""
-        n, end = len(self.prompt), self.end
-        if end > len(ids) or end == 0:
-            return end == 0
-        # Cheap probe in the middle first: chat templates make the ends of unrelated
-        # contexts look alike, the middles do not.
-        mid = end // 2
-        if ids[mid] != self.token_at(mid):
-            return False
-        return ids[:n] == self.prompt and ids[n:end] == self.completion
+        return (self.end <= len(ids) and ids.startswith(self.prompt)
+                and ids.startswith(self.completion, len(self.prompt)))
 
 
 def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
     """All rows of one episode: the prefix forest's leaves, then untokenized calls."""
-    ordered = sorted(calls, key=lambda c: (c.t_start, c.instance, c.seq))
+    ordered = sorted(calls, key=_arrival)
     nodes: list[_Node] = []
     untokenized: list[Trajectory] = []
     for call in ordered:
         if call.status != "ok" or call.http_status != 200:
             continue
-        for choice in sorted(call.choices, key=lambda ch: ch.index):
+        choices = call.choices
+        for choice in choices if len(choices) < 2 else sorted(choices, key=_index):
             if call.prompt_ids is None or choice.completion_ids is None:
                 untokenized.append(_single_turn(call, choice))
             else:
@@ -184,7 +184,7 @@ def _reason(top: _Node, first_root: _Node, first_of_call: dict[str, _Node],
     if first_of_call[top.call.call_id] is not top:
         return "sample"
     earlier = nodes[:order[id(top)]]
-    if any(len(n.prompt) == len(top.prompt) and n.prompt == top.prompt for n in earlier):
+    if any(n.prompt == top.prompt for n in earlier):
         return "retry"
     return "non_prefix" if top.parent is None else "branch"
 
@@ -192,14 +192,14 @@ def _reason(top: _Node, first_root: _Node, first_of_call: dict[str, _Node],
 def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
     root, leaf = path[0], path[-1]
     # Every edge is an exact prefix, so the response is the leaf's context past the root.
-    response = _copy(leaf.prompt[len(root.prompt):])
-    response.frombytes(_raw(leaf.completion))
+    response = array("i", leaf.prompt[len(root.prompt):])
+    response.frombytes(leaf.completion)
     mask = array("b")
     logprobs: array | None = array("d")
     previous_end = len(root.prompt)
     for i, node in enumerate(path):
-        gap = len(node.prompt) - previous_end
-        n = len(node.completion)
+        gap = (len(node.prompt) - previous_end) // 4  # in tokens from here on
+        n = len(node.completion) // 4
         previous_end = node.end
         mask.frombytes(bytes(gap))
         if i >= top:
@@ -212,14 +212,14 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
         if i < top:
             logprobs.frombytes(bytes(8 * n))
         elif node.logprobs is not None:
-            logprobs.frombytes(_raw(node.logprobs))
+            logprobs.frombytes(node.logprobs)
         else:  # a trainable turn without captured logprobs: say "unknown", never guess
             logprobs = None
     return Trajectory(
         trajectory_id=f"{leaf.call.call_id}:{leaf.choice.index}",
         call_ids=[n.call.call_id for n in path],
         choice_indices=[n.choice.index for n in path],
-        prompt_ids=_copy(root.prompt),
+        prompt_ids=array("i", root.prompt),
         response_ids=response,
         response_mask=mask,
         response_logprobs=logprobs,
@@ -230,50 +230,35 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
 
 
 def _single_turn(call: CallLike, choice: ChoiceLike) -> Trajectory:
-    response = _copy(_ids(choice.completion_ids))
-    logprobs = _logprobs(choice.completion_logprobs, len(response))
+    response = array("i", _packed(choice.completion_ids, "i"))
+    logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None), len(response) * 4)
     return Trajectory(
         trajectory_id=f"{call.call_id}:{choice.index}",
         call_ids=[call.call_id],
         choice_indices=[choice.index],
-        prompt_ids=_copy(_ids(call.prompt_ids)),
+        prompt_ids=array("i", _packed(call.prompt_ids, "i")),
         response_ids=response,
         response_mask=array("b", b"\x01" * len(response)),
-        response_logprobs=None if logprobs is None else _copy(logprobs, "d"),
+        response_logprobs=None if logprobs is None else array("d", logprobs),
         policy_versions=[call.policy_version],
         split_reason="no_token_ids",
         finish_reason=choice.finish_reason,
     )
 
 
-# Token sequences stay what storage handed over (typed memoryviews over the stored bytes,
-# or arrays): slicing and comparing them runs in C. Anything else is converted once.
-def _typed(values: Sequence | None, code: str) -> Sequence:
-    if isinstance(values, array) and values.typecode == code:
+def _logprobs(values: bytes | None, id_bytes: int) -> bytes | None:
+    """The logprobs of a completion of ``id_bytes``; None unless they pair one to one
+    with its ids (an empty completion has all of its none)."""
+    if id_bytes == 0:
+        return b""
+    return values if values is not None and len(values) == 2 * id_bytes else None
+
+
+def _packed(values: bytes | Sequence | None, code: str, none: bytes | None = b"") -> bytes | None:
+    """Token data as bytes of C type ``code`` (native order): storage's bytes as they are,
+    any other sequence (plain lists from Python callers) packed once."""
+    if values is None:
+        return none
+    if type(values) is bytes:
         return values
-    if isinstance(values, memoryview) and values.format == code:
-        return values
-    return array(code, values or ())
-
-
-def _ids(values: Sequence[int] | None) -> Sequence[int]:
-    return _typed(values, "i")
-
-
-def _logprobs(values: Sequence[float] | None, n: int) -> Sequence[float] | None:
-    if n == 0:
-        return array("d")
-    if values is None or len(values) != n:
-        return None
-    return _typed(values, "d")
-
-
-def _raw(values: Sequence) -> memoryview:
-    """The bytes under a typed sequence, for one memcpy into an array."""
-    return memoryview(values).cast("B")
-
-
-def _copy(values: Sequence, code: str = "i") -> array:
-    out = array(code)
-    out.frombytes(_raw(values))
-    return out
+    return array(code, values).tobytes()

@@ -9,7 +9,7 @@ import struct
 import sys
 from array import array
 
-_SWAP = sys.byteorder != "little"
+SWAPPED = sys.byteorder != "little"  # stored bytes are little-endian
 
 
 def _pack(code: str, values: list) -> bytes:
@@ -20,7 +20,7 @@ def _pack(code: str, values: list) -> bytes:
 def _unpack(code: str, data: bytes) -> list:
     arr = array(code)
     arr.frombytes(data)
-    if _SWAP:
+    if SWAPPED:
         arr.byteswap()
     return arr.tolist()
 
@@ -41,21 +41,22 @@ def unpack_logprobs(data: bytes | None) -> list[float] | None:
     return None if data is None else _unpack("d", bytes(data))
 
 
-def _view(code: str, data: bytes) -> memoryview | array:
-    if _SWAP:
-        arr = array(code)
-        arr.frombytes(data)
-        arr.byteswap()
-        return arr
-    return memoryview(data).cast(code)
+def _native(code: str, data: bytes | None) -> bytes | None:
+    if data is None or not SWAPPED:
+        return data
+    arr = array(code)
+    arr.frombytes(data)
+    arr.byteswap()
+    return arr.tobytes()
 
 
-def ids_view(data: bytes | None) -> memoryview | array | None:
-    """Like unpack_ids, without a Python int per token: a typed view over the stored
-    bytes (an ``array`` copy on big-endian hosts). For bulk readers (export)."""
-    return None if data is None else _view("i", data)
+def native_ids(data: bytes | None) -> bytes | None:
+    """Stored ids as int32 bytes in this host's byte order: the stored bytes themselves
+    on little-endian hosts. For bulk readers (export), which compare, slice and join
+    token arrays as bytes without a Python int per token."""
+    return _native("i", data)
 
 
-def logprobs_view(data: bytes | None) -> memoryview | array | None:
-    """Like unpack_logprobs, as a typed view (see ids_view)."""
-    return None if data is None else _view("d", data)
+def native_logprobs(data: bytes | None) -> bytes | None:
+    """Stored logprobs as float64 bytes in this host's byte order (see native_ids)."""
+    return _native("d", data)

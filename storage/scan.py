@@ -2,23 +2,28 @@
 
 Memory is bounded by the page (a few hundred episodes and their calls), never by the
 database. Pages are keyed by episode id, so each query is an index range, not an OFFSET.
-Token arrays come back as typed ``memoryview``s over the stored bytes (no copy, no
-Python int per token): the exporter slices, compares and concatenates them in C.
+Token arrays come back as the stored bytes (int32 / float64, native order; no Python
+int per token): the exporter compares and concatenates them in C. SQLAlchemy writes the
+SQL; rows come straight from the driver as tuples, which is 3x faster than SQLAlchemy's
+result rows on the blob-heavy join.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+import operator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
-from sqlalchemy import func, select
+from sqlalchemy import event, func, null, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql import Select
 
-from storage.codec import ids_view, logprobs_view
+from storage.codec import SWAPPED as _SWAPPED
+from storage.codec import native_ids, native_logprobs
 from storage.engine import DatabaseURLError, async_url, create_engine, redact_url
 from storage.tables import Call, Choice, Episode
 
@@ -40,15 +45,17 @@ class EpisodeFilter(msgspec.Struct, kw_only=True):
     skip: dict[str, float] = {}
 
 
-class ScannedChoice(msgspec.Struct, kw_only=True):
+# gc=False: scanned structs hold data and never form cycles, so the cyclic collector
+# need not track the hundreds of thousands an export creates.
+class ScannedChoice(msgspec.Struct, kw_only=True, gc=False):
     index: int = 0
     finish_reason: str | None = None
-    completion_ids: Sequence[int] | None = None  # int32 view
-    completion_logprobs: Sequence[float] | None = None  # float64 view, as stored
+    completion_ids: bytes | None = None  # int32, native byte order
+    completion_logprobs: bytes | None = None  # float64, native byte order (as stored)
     token_source: str = "none"
 
 
-class ScannedCall(msgspec.Struct, kw_only=True):
+class ScannedCall(msgspec.Struct, kw_only=True, gc=False):
     call_id: str
     episode_id: str | None = None
     seq: int = 0
@@ -65,11 +72,11 @@ class ScannedCall(msgspec.Struct, kw_only=True):
     t_end: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    prompt_ids: Sequence[int] | None = None  # int32 view
+    prompt_ids: bytes | None = None  # int32, native byte order
     choices: list[ScannedChoice] = []
 
 
-class ScannedEpisode(msgspec.Struct, kw_only=True):
+class ScannedEpisode(msgspec.Struct, kw_only=True, gc=False):
     id: str
     group_id: str | None = None
     task_id: str | None = None
@@ -83,24 +90,44 @@ class ScannedEpisode(msgspec.Struct, kw_only=True):
     calls: list[ScannedCall] = []
 
 
+class ScanPage(msgspec.Struct):
+    """Episodes in id order, and their calls as rows (see ROW) in arrival order."""
+
+    episodes: list[ScannedEpisode]
+    rows: list  # tuples (asyncpg Records on Postgres)
+
+
 _EPISODE_COLUMNS = (Episode.id, Episode.group_id, Episode.task_id, Episode.harness_name,
                     Episode.harness_config, Episode.created_at, Episode.finished_at,
                     Episode.reward, Episode.rewards, Episode.outcome)
-_CALL_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.endpoint,
-                 Call.model, Call.policy_version, Call.status, Call.http_status, Call.error,
-                 Call.t_start, Call.t_end, Call.prompt_tokens, Call.completion_tokens,
-                 Call.prompt_ids)
-_CHOICE_COLUMNS = (Choice.call_id, Choice.choice_index, Choice.finish_reason,
-                   Choice.completion_ids, Choice.completion_logprobs, Choice.token_source)
+_ROW_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.endpoint,
+                Call.model, Call.policy_version, Call.status, Call.http_status, Call.error,
+                Call.t_start, Call.t_end, Call.prompt_tokens, Call.completion_tokens,
+                Call.prompt_ids, Call.request, Call.response, Choice.choice_index,
+                Choice.finish_reason, Choice.completion_ids, Choice.completion_logprobs,
+                Choice.token_source)
+# A row: a call joined with one of its choices (choice columns null when it has none).
+# Token columns are raw stored bytes; request/response are null unless read with bodies.
+ROW = tuple(c.name for c in _ROW_COLUMNS)
+_COL = {name: i for i, name in enumerate(ROW)}
+_BODIES = (_COL["request"], _COL["response"])
+_arrival = operator.itemgetter(_COL["episode_id"], _COL["t_start"], _COL["instance"],
+                               _COL["seq"], _COL["choice_index"])
 
 
 class Reader:
-    """``async with Reader(url) as r``: counts and pages of episodes from one database."""
+    """``async with Reader(url) as r``: counts and pages of episodes from one database.
 
-    def __init__(self, url: str, *, page_size: int = 256, with_bodies: bool = True):
+    ``with_calls`` also gives each page's episodes their calls as ScannedCall structs
+    (what the trajectory builder walks); rows alone serve the calls dataset.
+    """
+
+    def __init__(self, url: str, *, page_size: int = 256, with_bodies: bool = True,
+                 with_calls: bool = True):
         self.url = url
         self.page_size = page_size
         self.with_bodies = with_bodies
+        self.with_calls = with_calls
         self._engine: AsyncEngine | None = None
 
     async def __aenter__(self) -> Reader:
@@ -111,6 +138,8 @@ class Reader:
                 if path and path != ":memory:" and not Path(path).exists():
                     raise ScanError(f"no database at {path}")
             self._engine = create_engine(self.url)
+            if target.startswith("sqlite"):
+                event.listen(self._engine.sync_engine, "connect", _bulk_read_cache)
         try:
             await self._check_schema()
         except BaseException:
@@ -142,17 +171,24 @@ class Reader:
                     total += int((await conn.execute(counted)).scalar() or 0)
         return total
 
-    async def episodes(self, filt: EpisodeFilter) -> AsyncIterator[list[ScannedEpisode]]:
-        """Pages of matching episodes in id order, each with its calls in arrival order."""
+    async def episodes(self, filt: EpisodeFilter) -> AsyncIterator[ScanPage]:
+        """Pages of matching episodes in id order, with their calls in arrival order."""
         for_page = self._pages_by_ids if filt.episode_ids else self._pages_by_key
         async for rows in for_page(filt):
             page = [_episode(row) for row in rows
-                    if filt.skip.get(row.id, -1.0) != row.finished_at]
+                    if filt.skip.get(row[0], -1.0) != row[6]]  # id, finished_at
             if page:
-                await self._attach_calls(page)
-                yield page
+                with self._translated():
+                    async with self.engine.connect() as conn:
+                        calls = await self._rows(
+                            conn, Call.episode_id.in_([e.id for e in page]))
+                if self.with_calls:
+                    by_id = {e.id: e for e in page}
+                    for call in _calls(calls):
+                        by_id[call.episode_id].calls.append(call)
+                yield ScanPage(page, calls)
 
-    async def untagged_calls(self, filt: EpisodeFilter) -> AsyncIterator[list[ScannedCall]]:
+    async def untagged_calls(self, filt: EpisodeFilter) -> AsyncIterator[ScanPage]:
         """Calls that carried no episode, by t_start (``since``/``until`` apply to it)."""
         after: tuple[float, str] | None = None
         while True:
@@ -167,13 +203,12 @@ class Reader:
             query = query.order_by(Call.t_start, Call.call_id).limit(self.page_size * 2)
             with self._translated():
                 async with self.engine.connect() as conn:
-                    rows = (await conn.execute(query)).all()
-                    if not rows:
+                    keys = await _fetch(conn, query)
+                    if not keys:
                         return
-                    calls = await self._with_choices(conn, Call.call_id.in_(
-                        [row.call_id for row in rows]))
-            after = (rows[-1].t_start, rows[-1].call_id)
-            yield sorted(calls, key=_arrival)
+                    rows = await self._rows(conn, Call.call_id.in_([k[0] for k in keys]))
+            after = (keys[-1][1], keys[-1][0])
+            yield ScanPage([], rows)
 
     # -- internals -------------------------------------------------------------------
 
@@ -186,10 +221,10 @@ class Reader:
             query = query.order_by(Episode.id).limit(self.page_size)
             with self._translated():
                 async with self.engine.connect() as conn:
-                    rows = (await conn.execute(query)).all()
+                    rows = await _fetch(conn, query)
             if not rows:
                 return
-            last = rows[-1].id
+            last = rows[-1][0]
             yield rows
 
     async def _pages_by_ids(self, filt: EpisodeFilter) -> AsyncIterator[list]:
@@ -201,48 +236,27 @@ class Reader:
                      .order_by(Episode.id))
             with self._translated():
                 async with self.engine.connect() as conn:
-                    rows = (await conn.execute(query)).all()
+                    rows = await _fetch(conn, query)
             if rows:
                 yield rows
 
-    def _call_columns(self) -> tuple:
-        if self.with_bodies:
-            return (*_CALL_COLUMNS, Call.request, Call.response)
-        return _CALL_COLUMNS
+    async def _rows(self, conn: AsyncConnection, condition) -> list:
+        """Rows (ROW) of the calls matching ``condition``, in arrival order.
 
-    async def _attach_calls(self, page: list[ScannedEpisode]) -> None:
-        by_id = {e.id: e for e in page}
-        with self._translated():
-            async with self.engine.connect() as conn:
-                calls = await self._with_choices(conn, Call.episode_id.in_(list(by_id)))
-        calls.sort(key=_arrival)
-        for call in calls:
-            by_id[call.episode_id].calls.append(call)
-
-    async def _with_choices(self, conn, condition) -> list[ScannedCall]:
-        """Calls matching ``condition`` with their choices: one query, a row per choice.
-
-        No ORDER BY: SQLite would copy every token blob through a sort; the caller
-        sorts the (small) keys instead.
+        No ORDER BY: SQLite would copy every token blob through a sort; the (small)
+        keys are sorted here instead.
         """
-        columns = self._call_columns()
-        query = (select(*columns, *_CHOICE_COLUMNS[1:])
-                 .outerjoin(Choice, Choice.call_id == Call.call_id).where(condition))
-        calls: dict[str, ScannedCall] = {}
-        split = len(columns)
-        for row in (await conn.execute(query)).all():
-            call = calls.get(row[0])
-            if call is None:
-                call = calls[row[0]] = _call(row[:split])
-            index, finish, ids, logprobs, source = row[split:]
-            if index is not None:  # a call without choices (an error) has one null row
-                call.choices.append(ScannedChoice(
-                    index=index, finish_reason=finish, completion_ids=ids_view(ids),
-                    completion_logprobs=logprobs_view(logprobs), token_source=source))
-        for call in calls.values():
-            if len(call.choices) > 1:
-                call.choices.sort(key=_choice_index)
-        return list(calls.values())
+        columns = list(_ROW_COLUMNS)
+        if not self.with_bodies:
+            for i in _BODIES:
+                columns[i] = null().label(ROW[i])
+        query = (select(*columns).outerjoin(Choice, Choice.call_id == Call.call_id)
+                 .where(condition))
+        rows = await _fetch(conn, query)
+        if _SWAPPED:
+            rows = [_native_row(row) for row in rows]
+        rows.sort(key=_arrival)
+        return rows
 
     async def _check_schema(self) -> None:
         with self._translated():
@@ -267,6 +281,13 @@ class Reader:
             raise ScanError(f"cannot read {redact_url(self.url)}: {detail}{hint}") from exc
 
 
+def _bulk_read_cache(dbapi_connection, _record) -> None:
+    # 16 MiB of page cache instead of 2: the calls ⋈ choices pages read ~12% faster.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA cache_size=-16384")
+    cursor.close()
+
+
 def _conditions(filt: EpisodeFilter) -> list:
     conditions = []
     if filt.finished_only or filt.finished_from is not None:
@@ -282,34 +303,55 @@ def _conditions(filt: EpisodeFilter) -> list:
     return conditions
 
 
+async def _fetch(conn: AsyncConnection, query: Select) -> list:
+    """``query``'s rows as tuples (asyncpg Records on Postgres), from the driver itself."""
+    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    params = [compiled.params[name] for name in compiled.positiontup or ()]
+    driver = (await conn.get_raw_connection()).driver_connection
+    if conn.dialect.name == "postgresql":
+        return await driver.fetch(str(compiled), *params)
+    return list(await driver.execute_fetchall(str(compiled), params))
+
+
 def _episode(row) -> ScannedEpisode:
+    # Positional: the columns of _EPISODE_COLUMNS.
+    (id_, group_id, task_id, harness_name, harness_config, created_at, finished_at,
+     reward, rewards, outcome) = row
     return ScannedEpisode(
-        id=row.id, group_id=row.group_id, task_id=row.task_id, harness_name=row.harness_name,
-        harness_config=row.harness_config, created_at=row.created_at,
-        finished_at=row.finished_at, reward=row.reward, rewards=row.rewards,
-        outcome=row.outcome, calls=[],
+        id=id_, group_id=group_id, task_id=task_id, harness_name=harness_name,
+        harness_config=harness_config, created_at=created_at, finished_at=finished_at,
+        reward=reward, rewards=rewards, outcome=outcome, calls=[],
     )
 
 
-def _call(row) -> ScannedCall:
-    # Positional: the columns of _CALL_COLUMNS, then request and response when selected.
-    (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
-     http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
-     *bodies) = row
-    request, response = bodies if bodies else (None, None)
-    return ScannedCall(
-        call_id=call_id, episode_id=episode_id, seq=seq, instance=instance,
-        endpoint=endpoint, model=model, policy_version=policy_version, request=request,
-        response=response, status=status, http_status=http_status, error=error,
-        t_start=t_start, t_end=t_end, prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens, prompt_ids=ids_view(prompt_ids), choices=[],
-    )
+def _calls(rows: list) -> list[ScannedCall]:
+    """ScannedCall structs from rows in arrival order (a call's choices are adjacent)."""
+    calls: list[ScannedCall] = []
+    last_id = None
+    for (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
+         http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
+         request, response, index, finish, ids, logprobs, source) in rows:
+        if call_id != last_id:
+            last_id = call_id
+            calls.append(ScannedCall(
+                call_id=call_id, episode_id=episode_id, seq=seq, instance=instance,
+                endpoint=endpoint, model=model, policy_version=policy_version,
+                request=request, response=response, status=status, http_status=http_status,
+                error=error, t_start=t_start, t_end=t_end, prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens, prompt_ids=prompt_ids, choices=[]))
+        if index is not None:  # a call without choices (an error) has one null row
+            calls[-1].choices.append(ScannedChoice(
+                index=index, finish_reason=finish, completion_ids=ids,
+                completion_logprobs=logprobs, token_source=source))
+    return calls
 
 
-def _arrival(call: ScannedCall) -> tuple:
-    # Arrival order within an episode (DESIGN: t_start, then the replica, then its seq).
-    return (call.episode_id or "", call.t_start, call.instance, call.seq)
+_TOKENS = ((_COL["prompt_ids"], native_ids), (_COL["completion_ids"], native_ids),
+           (_COL["completion_logprobs"], native_logprobs))
 
 
-def _choice_index(choice: ScannedChoice) -> int:
-    return choice.index
+def _native_row(row) -> tuple:
+    row = list(row)
+    for i, convert in _TOKENS:
+        row[i] = convert(row[i])
+    return tuple(row)

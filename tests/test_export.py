@@ -138,8 +138,11 @@ def segments(row: dict, calls: list[dict]) -> list[tuple[tuple[str, int], int]]:
 
 def test_append_only_episode_is_one_exact_trajectory(proxy, tmp_path):
     calls = run_episode(proxy, "five", 5, tool_rounds=4, finish={"reward": 1.0})
-    export(proxy.settings.db, tmp_path)
+    summary = export(proxy.settings.db, tmp_path)
     [row] = read(tmp_path, "trajectories", "five")
+    # The summary counts every token id written, in both datasets.
+    assert summary.tokens == len(row["prompt_ids"]) + len(row["response_ids"]) + sum(
+        len(r["prompt_ids"]) + len(r["completion_ids"]) for r in read(tmp_path, "calls"))
     last = calls[-1]
     assert row["prompt_ids"] + row["response_ids"] == (
         last["prompt_ids"] + last["choices"][0]["completion_ids"])
@@ -347,6 +350,26 @@ def test_finished_only_is_the_default(proxy, tmp_path):
     rows = {r["episode_id"]: r for r in read(tmp_path / "b", "trajectories")}
     assert set(rows) == {"done", "running"} and rows["running"]["reward"] is None
     assert not (tmp_path / "b" / "calls").exists()
+
+
+def test_a_whole_table_export_includes_calls_outside_any_episode(proxy, tmp_path):
+    run_episode(proxy, "tagged", 1, finish={"reward": 1.0})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x")
+    with client:
+        for _ in range(2):
+            turn(client, [{"role": "user", "content": "No episode here."}])
+    [stored, *_] = untagged = proxy.calls(None)
+    assert len(untagged) == 2
+    summary = export(proxy.settings.db, tmp_path / "all", finished_only=False)
+    rows = read(tmp_path / "all", "calls")
+    assert sorted(r["call_id"] for r in rows if r["episode_id"] is None) == sorted(
+        c["call_id"] for c in untagged)
+    row = next(r for r in rows if r["call_id"] == stored["call_id"])
+    assert row["prompt_ids"] == stored["prompt_ids"] and row["group_id"] is None
+    assert row["completion_ids"] == stored["choices"][0]["completion_ids"]
+    assert summary.calls == 3 and summary.trajectories == 1  # untagged calls: no trajectory
+    export(proxy.settings.db, tmp_path / "finished")  # finished only: episodes' calls only
+    assert {r["episode_id"] for r in read(tmp_path / "finished", "calls")} == {"tagged"}
 
 
 def test_episode_group_and_time_filters_select_episodes(proxy, tmp_path):

@@ -19,16 +19,16 @@ def make_call(call_id, t_start, prompt, completions, *, t_end=None, logprobs=Tru
     for index, completion in enumerate(completions):
         lp = None
         if completion is not None and logprobs:
-            lp = array("d", [-(k + 1) / 8 - index for k in range(len(completion))])
+            lp = array("d", [-(k + 1) / 8 - index for k in range(len(completion))]).tobytes()
         choices.append(ScannedChoice(
             index=index, finish_reason=finish_reason, completion_logprobs=lp,
-            completion_ids=None if completion is None else array("i", completion),
+            completion_ids=None if completion is None else array("i", completion).tobytes(),
             token_source="engine" if completion is not None else "none"))
     return ScannedCall(
         call_id=call_id, seq=seq, instance=instance, t_start=t_start,
         t_end=t_start + 1 if t_end is None else t_end, status=status, http_status=http_status,
         policy_version=policy_version,
-        prompt_ids=None if prompt is None else array("i", prompt), choices=choices)
+        prompt_ids=None if prompt is None else array("i", prompt).tobytes(), choices=choices)
 
 
 def rows(calls):
@@ -202,6 +202,10 @@ def episodes(draw):
     return draw(st.permutations(calls))  # input order must not matter
 
 
+def ids(data: bytes) -> list[int]:
+    return array("i", data).tolist()
+
+
 def _nodes(calls):
     """Eligible tokenized nodes in arrival order: ((call_id, index) → (call, choice))."""
     ordered = sorted(calls, key=lambda c: (c.t_start, c.instance, c.seq))
@@ -216,10 +220,10 @@ def _oracle_parent(nodes, key):
     best = None
     for rank, other in enumerate(keys[:keys.index(key)]):
         p_call, p_choice = nodes[other]
-        full = list(p_call.prompt_ids) + list(p_choice.completion_ids)
+        full = ids(p_call.prompt_ids) + ids(p_choice.completion_ids)
         if p_call is call or p_call.t_end > call.t_start:
             continue
-        extends = len(full) <= len(call.prompt_ids) and list(call.prompt_ids[:len(full)]) == full
+        extends = ids(call.prompt_ids)[:len(full)] == full
         if extends and (best is None or (len(full), rank) >= best[0]):
             best = ((len(full), rank), other)
     return None if best is None else best[1]
@@ -243,14 +247,14 @@ def test_every_row_is_exact_and_every_sampled_token_is_trained_once(calls):
         logprobs = None if t.response_logprobs is None else list(t.response_logprobs)
         assert len(response) == len(mask) and (logprobs is None or len(logprobs) == len(mask))
         root_call, _ = nodes[path[0]]
-        assert list(t.prompt_ids) == list(root_call.prompt_ids)
-        at, previous_end, unknown = 0, len(root_call.prompt_ids), False
+        assert list(t.prompt_ids) == ids(root_call.prompt_ids)
+        at, previous_end, unknown = 0, len(ids(root_call.prompt_ids)), False
         for key in path:  # the row is exactly: gap, completion, gap, completion, ...
             call, choice = nodes[key]
-            gap = list(call.prompt_ids[previous_end:])
+            gap = ids(call.prompt_ids)[previous_end:]
             assert response[at:at + len(gap)] == gap and not any(mask[at:at + len(gap)])
             at += len(gap)
-            completion = list(choice.completion_ids)
+            completion = ids(choice.completion_ids)
             assert response[at:at + len(completion)] == completion
             bits = set(mask[at:at + len(completion)])
             assert len(bits) <= 1
@@ -258,16 +262,17 @@ def test_every_row_is_exact_and_every_sampled_token_is_trained_once(calls):
                 trained[key] += 1
                 unknown |= choice.completion_logprobs is None and bool(completion)
                 if logprobs is not None:
-                    assert logprobs[at:at + len(completion)] == list(choice.completion_logprobs)
+                    stored = array("d", choice.completion_logprobs).tolist()
+                    assert logprobs[at:at + len(completion)] == stored
             elif logprobs is not None:
                 assert not any(logprobs[at:at + len(completion)])
             at += len(completion)
-            previous_end = len(call.prompt_ids) + len(completion)
+            previous_end = len(ids(call.prompt_ids)) + len(completion)
         assert at == len(response)
         assert (logprobs is None) == unknown  # null only when a trained turn had none
         leaf_call, leaf_choice = nodes[path[-1]]
         assert (list(t.prompt_ids) + response
-                == list(leaf_call.prompt_ids) + list(leaf_choice.completion_ids))
+                == ids(leaf_call.prompt_ids) + ids(leaf_choice.completion_ids))
     for key, count in trained.items():
         if len(nodes[key][1].completion_ids):
             assert count == 1, key  # every sampled token is mask 1 in exactly one row
