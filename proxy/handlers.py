@@ -238,22 +238,23 @@ def _with_query(path: str, request: web.Request) -> str:
 
 def _observe(call: ModelCall, route: str, elapsed: float) -> None:
     metrics = call.state.metrics
+    child = metrics.child
     stream = "true" if call.stream else "false"
     gone = call.status == "client_disconnected" or not call.http_status
-    metrics.requests.labels(route, "499" if gone else str(call.http_status)).inc()
-    metrics.duration.labels(route, stream).observe(elapsed)
+    child(metrics.requests, route, "499" if gone else str(call.http_status)).inc()
+    child(metrics.duration, route, stream).observe(elapsed)
     if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
         upstream = call.perf_upstream_end - call.perf_upstream_start
-        metrics.upstream.labels(route).observe(upstream)
-        metrics.overhead.labels(route, stream).observe(max(0.0, elapsed - upstream))
+        child(metrics.upstream, route).observe(upstream)
+        child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
     if call.stream and call.perf_first_content is not None:
-        metrics.ttft.labels(route).observe(call.perf_first_content - call.perf_start)
+        child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
     if call.capture.logprobs_missing:
         metrics.logprobs_missing.inc(call.capture.logprobs_missing)
     usage = call.capture.usage
     if usage is not None:
         model = metrics.model(call.capture.model)
         if usage.prompt_tokens:
-            metrics.tokens.labels("prompt", model).inc(usage.prompt_tokens)
+            child(metrics.tokens, "prompt", model).inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            metrics.tokens.labels("completion", model).inc(usage.completion_tokens)
+            child(metrics.tokens, "completion", model).inc(usage.completion_tokens)

@@ -22,6 +22,7 @@ class Metrics(WriterObserver):
         self.registry = r = CollectorRegistry()
         self.max_models = max_models
         self._models: set[str] = set()
+        self._children: dict[tuple, object] = {}
         self.requests = Counter("tracetap_requests_total", "Requests answered, by route and status",
                                 ["route", "code"], registry=r)
         self.duration = Histogram("tracetap_request_duration_seconds",
@@ -67,6 +68,15 @@ class Metrics(WriterObserver):
             self._models.add(name)
             return name
         return OTHER
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once: labels are few and fixed, and
+        prometheus_client's own lookup takes a lock and revalidates on every call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     # WriterObserver
     def records(self, outcome: str, count: int) -> None:

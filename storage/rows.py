@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from collections.abc import Iterator
 
 import msgspec
 from sqlalchemy.dialects import postgresql, sqlite
@@ -85,29 +87,54 @@ def _postgres_insert(table) -> tuple[str, list[str]]:
             names)
 
 
-# On Postgres the batch goes straight to asyncpg's executemany: the same SQL SQLAlchemy
-# would send, at a third of the CPU (measured by bench/writer_bench.py).
-_PG_INSERTS = [_postgres_insert(t.__table__) for t in (Episode, Call, Choice)]
+def _sqlite_inserts(table, rows: list[dict]) -> Iterator[tuple[str, list]]:
+    """Multi-row INSERTs, as few as SQLite's variable limit allows.
+
+    One statement is one step, so aiosqlite's thread takes the GIL once per statement
+    instead of once per row: under load the event loop holds the GIL, and a thread
+    waiting for it per row wrote ten times slower than the proxy produced records.
+    """
+    names = [c.name for c in table.columns]
+    columns = ", ".join(f'"{n}"' for n in names)
+    row = "(" + ", ".join("?" * len(names)) + ")"
+    most = 1 << ((_SQLITE_VARIABLES // len(names)).bit_length() - 1)
+    start = 0
+    while start < len(rows):
+        # Power-of-two chunks: a few statement shapes, so sqlite3's statement cache
+        # holds a handful of prepared statements, not one per batch size.
+        size = min(most, 1 << ((len(rows) - start).bit_length() - 1))
+        chunk = rows[start:start + size]
+        start += size
+        yield (f'INSERT INTO "{table.name}" ({columns}) VALUES {", ".join([row] * size)} '
+               "ON CONFLICT DO NOTHING", [r[n] for r in chunk for n in names])
+
+
+# Postgres batches go straight to asyncpg's executemany: the same SQL SQLAlchemy would
+# send, at a third of the CPU (measured by bench/writer_bench.py).
+_TABLES = (Episode, Call, Choice)
+_PG_INSERTS = [_postgres_insert(t.__table__) for t in _TABLES]
+_SQLITE_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
 async def insert_calls(engine: AsyncEngine, records: list[CallRecord]) -> None:
     """Insert calls, their choices and any new episodes in one transaction."""
-    dialect = engine.dialect.name
     stored_at = time.time()
-    calls = [call_row(r, stored_at) for r in records]
-    choices = [row for r in records for row in choice_rows(r)]
-    episodes = episode_rows(records)
-    if dialect == "postgresql":
-        async with engine.connect() as conn:
-            raw = (await conn.get_raw_connection()).driver_connection
+    batches = (episode_rows(records), [call_row(r, stored_at) for r in records],
+               [row for r in records for row in choice_rows(r)])
+    async with engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        if engine.dialect.name == "postgresql":
             async with raw.transaction():
-                for (sql, names), rows in zip(_PG_INSERTS, (episodes, calls, choices)):
+                for (sql, names), rows in zip(_PG_INSERTS, batches):
                     if rows:
                         await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
-        return
-    async with engine.begin() as conn:
-        if episodes:
-            await conn.execute(insert_ignoring_duplicates(dialect, Episode.__table__), episodes)
-        await conn.execute(insert_ignoring_duplicates(dialect, Call.__table__), calls)
-        if choices:
-            await conn.execute(insert_ignoring_duplicates(dialect, Choice.__table__), choices)
+            return
+        # aiosqlite: sqlite3 opens the transaction at the first INSERT; commit or undo here.
+        try:
+            for table, rows in zip(_TABLES, batches):
+                for sql, params in _sqlite_inserts(table.__table__, rows):
+                    await raw.execute(sql, params)
+            await raw.commit()
+        except BaseException:
+            await raw.rollback()
+            raise

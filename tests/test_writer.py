@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+
+import pytest
+from asyncpg.exceptions import IntegrityConstraintViolationError
 
 from proxy.ids import uuid7
 from storage import queries
 from storage.engine import create_engine
 from storage.journal import Journal
 from storage.records import CallRecord, ChoiceRecord
+from storage.rows import insert_calls
 from storage.writer import Writer, WriterObserver
 
 
@@ -70,3 +75,33 @@ def test_a_journal_left_behind_is_replayed_once(db_url, tmp_path):
     outcomes, calls, left = asyncio.run(crash_then_restart())
     assert outcomes == {"replayed": 4}
     assert len(calls) == 4 and left == 0
+
+
+def test_a_large_batch_is_stored_whole_once_or_not_at_all(db_url):
+    # 1,500 calls: more rows than one SQLite statement takes (it is cut in chunks) and
+    # more episodes than one page of anything.
+    records = [_record(f"big-{i % 7}", i) for i in range(1500)]
+    records[700].choices.append(ChoiceRecord(index=1, completion_ids=[9],
+                                             completion_logprobs=[-1.0]))
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            await insert_calls(engine, records)
+            await insert_calls(engine, records[:900])  # a replay stores nothing twice
+            poisoned = [_record("atomic", 0), _record("atomic", 1)]
+            poisoned[1].seq = None  # NOT NULL: the database refuses the batch
+            with pytest.raises((sqlite3.IntegrityError, IntegrityConstraintViolationError)):
+                await insert_calls(engine, poisoned)
+            stored = [await queries.calls_of(engine, f"big-{k}") for k in range(7)]
+            return stored, await queries.calls_of(engine, "atomic")
+        finally:
+            await engine.dispose()
+
+    stored, atomic = asyncio.run(run())
+    calls = {c["call_id"]: c for episode in stored for c in episode}
+    assert len(calls) == 1500 and set(calls) == {r.call_id for r in records}
+    assert all(c["prompt_ids"] == [1, 2, 3] for c in calls.values())
+    two = calls[records[700].call_id]["choices"]
+    assert [ch["index"] for ch in two] == [0, 1] and two[1]["completion_ids"] == [9]
+    assert atomic == []  # nothing of the refused batch, not even its episode's first call
