@@ -5,11 +5,13 @@
 
 1. Builds (or reuses, by shape) a SQLite database under --workdir through storage's own
    bulk insert (``storage.rows.insert_calls``) and ``queries.finish_episode``.
-2. Exports it in a child process, so its peak RSS is the exporter's alone (``wait4``).
+2. Exports it in a child process, so its peak RSS is the exporter's alone (VmHWM).
 3. Reads both exported datasets back into memory and times pyarrow writing those same
    tables with the same writer settings: the ceiling for the write half of the job.
-Reported: token ids written per second, peak RSS, and ratio = pyarrow-only / export time
-(1.0 would mean reading the database and building trajectories cost nothing).
+Reported over --rounds rounds (export and baseline alternated, for a shared machine's
+moods): token ids written per second, peak RSS, and ratio = pyarrow-only / export time
+(1.0 would mean reading the database and building trajectories cost nothing), each
+round's and the median.
 Peak RSS should not grow with --episodes: compare a run at 1,000 and one at 10,000.
 """
 
@@ -46,6 +48,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--completion-tokens", type=int, default=256)
     parser.add_argument("--observation-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="exports and baselines, alternated; medians are reported")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(),
                                                           "tracetap-export-bench"))
     parser.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
@@ -111,18 +115,26 @@ def _export_child(args) -> None:
     seconds = time.perf_counter() - started
     print(json.dumps({"seconds": seconds, "episodes": summary.episodes,
                       "calls": summary.call_rows, "trajectories": summary.trajectories,
-                      "tokens": summary.tokens, "files": summary.files}))
+                      "tokens": summary.tokens, "files": summary.files,
+                      "peak_rss_mib": _peak_rss_mib()}))
+
+
+def _peak_rss_mib() -> float:
+    # VmHWM is this process image's own peak; getrusage's ru_maxrss would also carry the
+    # parent's peak across fork and exec (the baseline holds whole tables in memory).
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _measure_export(url: str, out: Path) -> tuple[dict, float]:
     cmd = [sys.executable, __file__, "--export-only", "--db", url, "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"export failed ({proc.returncode})")
-    return json.loads(output), usage.ru_maxrss / 1024  # KiB → MiB on Linux
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"export failed ({done.returncode})")
+    result = json.loads(done.stdout)
+    return result, result["peak_rss_mib"]
 
 
 def _pyarrow_only(out: Path, scratch: Path) -> float:
@@ -165,24 +177,32 @@ def main() -> None:
               f"{time.perf_counter() - started:.1f}s")
     out = workdir / "out"
     scratch = workdir / "pyarrow-only"
-    for path in (out, scratch):
-        shutil.rmtree(path, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    result, peak_mib = _measure_export(url, out)
-    baseline = _pyarrow_only(out, scratch)
+    # Rounds alternate export and baseline, so both see the machine in the same moods;
+    # the ratio reported is the median of the rounds' ratios.
+    rounds = []
+    for _ in range(args.rounds):
+        for path in (out, scratch):
+            shutil.rmtree(path, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        result, peak_mib = _measure_export(url, out)
+        rounds.append((result, peak_mib, _pyarrow_only(out, scratch)))
+    ratios = sorted(baseline / result["seconds"] for result, _, baseline in rounds)
+    result = sorted((r for r, _, _ in rounds), key=lambda r: r["seconds"])[len(rounds) // 2]
     seconds = result["seconds"]
     written = sum(f.stat().st_size for f in out.rglob("*.parquet"))
     print(json.dumps({
         "episodes": result["episodes"], "call_rows": result["calls"],
         "trajectories": result["trajectories"], "token_ids_written": result["tokens"],
-        "export_seconds": round(seconds, 2),
-        "tokens_per_second": round(result["tokens"] / seconds),
-        "peak_rss_mib": round(peak_mib),
+        "rounds": args.rounds,
+        "export_seconds_each": [round(r["seconds"], 2) for r, _, _ in rounds],
+        "pyarrow_only_seconds_each": [round(b, 2) for _, _, b in rounds],
+        "export_seconds_median": round(seconds, 2),
+        "tokens_per_second_median": round(result["tokens"] / seconds),
+        "peak_rss_mib_max": round(max(peak for _, peak, _ in rounds)),
         "parquet_mib": round(written / 2**20),
-        "pyarrow_only_seconds": round(baseline, 2),
-        "ratio_pyarrow_only_over_export": round(baseline / seconds, 2),
+        "ratio_pyarrow_only_over_export_each": [round(r, 2) for r in ratios],
+        "ratio_pyarrow_only_over_export_median": round(ratios[len(ratios) // 2], 2),
     }, indent=2))
-
 
 if __name__ == "__main__":
     main()
