@@ -10,6 +10,7 @@ chunk as they arrive (the same shapes tracetap uses), no parsing, no storage.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import aiohttp
 from aiohttp import web
@@ -68,6 +69,9 @@ def main() -> None:
     args = parser.parse_args()
     import uvloop
 
+    # The same collector settings as `tracetap serve`, so the floor is a fair one.
+    gc.freeze()
+    gc.set_threshold(50_000)
     web.run_app(make_app(args.upstream), host=args.host, port=args.port, print=None,
                 access_log=None, loop=uvloop.new_event_loop())
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 
-class View(msgspec.Struct, kw_only=True):
+class View(msgspec.Struct, kw_only=True, gc=False):
     pass
 
 
