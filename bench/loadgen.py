@@ -167,16 +167,21 @@ class Report:
 
 async def interleaved(session: aiohttp.ClientSession, targets: list[Target],
                       reports: dict[str, Report], scenario: str, stream: bool, count: int,
-                      client: str, block: int = 25) -> None:
+                      client: str, block: int = 25, warm: int = 2) -> None:
     """c=1 in short blocks per target, the order rotating each block, so every target
     sees the same machine. The pause after a block lets that target's background work
-    (the writer's commit) finish on its own time rather than on the next target's."""
+    (the writer's commit) finish on its own time rather than on the next target's; the
+    first ``warm`` requests of a block are not counted, as the pause lets the processes
+    involved go cold (idle CPUs, caches), more of them the more processes a path has."""
     body = request_body(stream, client)
     samples = {t.name: Sample() for t in targets}
+    warmups = {t.name: Sample() for t in targets}
     for b in range(-(-count // block)):
         shift = b % len(targets)
         for t in targets[shift:] + targets[:shift]:
             sample = Sample()
+            for _ in range(warm):
+                await one(session, t.url(0), body, stream, warmups[t.name])
             cpu = t.cpu_seconds()
             for _ in range(min(block, count - b * block)):
                 await one(session, t.url(0), body, stream, sample)
@@ -187,8 +192,10 @@ async def interleaved(session: aiohttp.ClientSession, targets: list[Target],
                 sample.blocks.append(timings[len(timings) // 2])
             samples[t.name].merge(sample)
     for t in targets:
+        samples[t.name].errors += warmups[t.name].errors
         reports[t.name].samples[scenario].merge(samples[t.name])
-        reports[t.name].sent += samples[t.name].done + samples[t.name].errors
+        reports[t.name].sent += (samples[t.name].done + warmups[t.name].done
+                                 + samples[t.name].errors)
 
 
 async def saturate(session: aiohttp.ClientSession, target: Target, upstream: Target,
