@@ -1,0 +1,71 @@
+"""The benchmarks stay runnable: each runs briefly and its correctness checks hold.
+
+Nothing here asserts a speed (a noisy machine would make that flaky); the figures are
+for people to read. What is asserted is what must be true at any speed: replies through
+the proxy are byte-identical to direct ones, every record sent is written, the export
+writes exactly the tokens the synthetic database holds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run(script: str, *args: str, timeout: float = 240) -> str:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture
+def postgres(postgres_ok):
+    if not postgres_ok:
+        pytest.skip("no Postgres reachable (allowed only outside CI)")
+
+
+def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postgres):
+    out = run("proxy_bench.py", "--rounds", "1", "--seconds", "0.5", "--requests", "25")
+    for variant in ("tracetap-pg", "tracetap-sqlite"):
+        summary = re.search(rf"^{variant}: .*\n  records sent (\d+), written (\d+), "
+                            rf"dropped (\d+); .*replies byte-identical to direct: (\w+)$",
+                            out, re.MULTILINE)
+        assert summary, out
+        sent, written, dropped, identical = summary.groups()
+        assert int(sent) > 0 and written == sent and dropped == "0" and identical == "True"
+        assert re.search(rf"\[PASS\] {variant} +zero errors", out), out
+    assert re.search(r"^ +relay +\d+", out, re.MULTILINE), out
+
+
+def test_export_bench_writes_exactly_the_tokens_it_built(tmp_path):
+    episodes, turns, completion, observation, prompt = 30, 3, 16, 4, 8
+    out = run("export_bench.py", "--episodes", str(episodes), "--turns", str(turns),
+              "--completion-tokens", str(completion), "--observation-tokens",
+              str(observation), "--prompt-tokens", str(prompt), "--rounds", "2",
+              "--workdir", str(tmp_path))
+    result = json.loads(out[out.index("{"):])
+    step = completion + observation
+    prompts = [prompt + turn * step for turn in range(turns)]
+    per_episode = sum(p + completion for p in prompts) + prompts[-1] + completion
+    assert result["episodes"] == episodes and result["trajectories"] == episodes
+    assert result["call_rows"] == episodes * turns
+    assert result["token_ids_written"] == episodes * per_episode
+    assert len(result["ratio_pyarrow_only_over_export_each"]) == 2
+    assert result["peak_rss_mib_max"] > 0
+
+
+def test_capture_cost_prints_every_step(postgres):
+    out = run("capture_cost.py", "--repeat", "20", "--batches", "1")
+    rows = dict(re.findall(r"^(\S.*?)\s+(\d+\.\d)\s+\d+\.\d$", out, re.MULTILINE))
+    assert {"uuid7 call id", "reply: capture + strip", "journal: encode + write(2)",
+            "database: insert (Postgres)", "database: insert (SQLite)",
+            "total, storing in Postgres"} <= set(rows), out
+    assert all(float(v) > 0 for v in rows.values())
