@@ -89,10 +89,13 @@ class _Node:
     def __init__(self, call: CallLike, choice: ChoiceLike):
         self.call = call
         self.choice = choice
-        self.prompt = _packed(call.prompt_ids, "i")
-        self.completion = _packed(choice.completion_ids, "i")
-        self.logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None),
-                                  len(self.completion))
+        prompt, completion, logprobs = (call.prompt_ids, choice.completion_ids,
+                                        choice.completion_logprobs)
+        self.prompt = prompt if type(prompt) is bytes else _packed(prompt, "i")
+        self.completion = completion if type(completion) is bytes else _packed(completion, "i")
+        if type(logprobs) is not bytes:
+            logprobs = _packed(logprobs, "d", None)
+        self.logprobs = _logprobs(logprobs, len(self.completion))
         self.end = len(self.prompt) + len(self.completion)
         self.parent: _Node | None = None
         self.children: list[_Node] = []
@@ -157,7 +160,6 @@ def _tree_rows(nodes: list[_Node]) -> list[Trajectory]:
     first_of_call: dict[str, _Node] = {}
     for node in nodes:
         first_of_call.setdefault(node.call.call_id, node)
-    order = {id(n): i for i, n in enumerate(nodes)}
     rows = []
     stack = list(reversed(roots))
     while stack:  # depth first, earliest child first: rows come out in a stable order
@@ -172,18 +174,18 @@ def _tree_rows(nodes: list[_Node]) -> list[Trajectory]:
         top = len(path) - 1  # path[top:] is trainable in this row
         while top > 0 and path[top - 1].children[0] is path[top]:
             top -= 1
-        reason = _reason(path[top], roots[0], first_of_call, nodes, order)
+        reason = _reason(path[top], roots[0], first_of_call, nodes)
         rows.append(_row(path, top, reason))
     return rows
 
 
 def _reason(top: _Node, first_root: _Node, first_of_call: dict[str, _Node],
-            nodes: list[_Node], order: dict[int, int]) -> str | None:
+            nodes: list[_Node]) -> str | None:
     if top is first_root:
         return None
     if first_of_call[top.call.call_id] is not top:
         return "sample"
-    earlier = nodes[:order[id(top)]]
+    earlier = nodes[:nodes.index(top)]
     if any(n.prompt == top.prompt for n in earlier):
         return "retry"
     return "non_prefix" if top.parent is None else "branch"
@@ -194,25 +196,22 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
     # Every edge is an exact prefix, so the response is the leaf's context past the root.
     response = array("i", leaf.prompt[len(root.prompt):])
     response.frombytes(leaf.completion)
-    mask = array("b")
-    logprobs: array | None = array("d")
+    mask: list[bytes] = []
+    logprobs: list[bytes] | None = []
     previous_end = len(root.prompt)
     for i, node in enumerate(path):
         gap = (len(node.prompt) - previous_end) // 4  # in tokens from here on
         n = len(node.completion) // 4
         previous_end = node.end
-        mask.frombytes(bytes(gap))
-        if i >= top:
-            mask.frombytes(b"\x01" * n)
-        else:
-            mask.frombytes(bytes(n))
+        mask.append(bytes(gap))
+        mask.append(b"\x01" * n if i >= top else bytes(n))
         if logprobs is None:
             continue
-        logprobs.frombytes(bytes(8 * gap))
+        logprobs.append(bytes(8 * gap))
         if i < top:
-            logprobs.frombytes(bytes(8 * n))
+            logprobs.append(bytes(8 * n))
         elif node.logprobs is not None:
-            logprobs.frombytes(node.logprobs)
+            logprobs.append(node.logprobs)
         else:  # a trainable turn without captured logprobs: say "unknown", never guess
             logprobs = None
     return Trajectory(
@@ -221,8 +220,8 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
         choice_indices=[n.choice.index for n in path],
         prompt_ids=array("i", root.prompt),
         response_ids=response,
-        response_mask=mask,
-        response_logprobs=logprobs,
+        response_mask=array("b", b"".join(mask)),
+        response_logprobs=None if logprobs is None else array("d", b"".join(logprobs)),
         policy_versions=[n.call.policy_version for n in path],
         split_reason=reason,
         finish_reason=leaf.choice.finish_reason,
