@@ -30,7 +30,7 @@ from exporters.parquet import (
     Selection,
     run_id,
 )
-from exporters.schema import SCHEMA_VERSION, calls_batch, trajectories_batch
+from exporters.schema import SCHEMA_VERSION, calls_batches, trajectories_batch
 from exporters.trajectories import build_trajectories
 from proxy import __version__
 from storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
@@ -189,11 +189,11 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
 
 
 def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
-    batch = calls_batch(page.rows, page.episodes, writer.schema)
-    writer.add(batch)
-    summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
-    summary.call_rows += batch.num_rows
-    summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
+    for batch in calls_batches(page.rows, page.episodes, writer.schema):
+        writer.add(batch)
+        summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
+        summary.call_rows += batch.num_rows
+        summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
 
 
 def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:

@@ -8,7 +8,7 @@ narrowed to float32 here, once.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate
 
 import pyarrow as pa
@@ -77,6 +77,9 @@ TRAJECTORIES = pa.schema([
 ])
 
 SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
+# Characters of request + response text per calls batch: at most 4 UTF-8 bytes each, so
+# a batch's string columns stay under Arrow's 2 GiB per array.
+BODY_CHARS_PER_BATCH = 256 << 20
 # Calls columns copied as they are from the scanned rows.
 _CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
                 "policy_version", "request", "response", "token_source", "finish_reason",
@@ -91,6 +94,23 @@ def with_metadata(schema: pa.Schema, dataset: str, tracetap_version: str) -> pa.
         METADATA_TRACETAP_VERSION: tracetap_version.encode(),
         METADATA_DATASET: dataset.encode(),
     })
+
+
+def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
+                  schema: pa.Schema = CALLS) -> Iterator[pa.RecordBatch]:
+    """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
+    one Arrow string array (2 GiB): a page of long agent episodes resends the whole
+    conversation in every request."""
+    call_id, request, response = (ROW.index(n) for n in ("call_id", "request", "response"))
+    start, chars = 0, 0
+    for i, row in enumerate(rows):
+        size = len(row[request] or "") + len(row[response] or "")
+        new_call = i > start and row[call_id] != rows[i - 1][call_id]
+        if new_call and chars + size > BODY_CHARS_PER_BATCH:
+            yield calls_batch(rows[start:i], episodes, schema)
+            start, chars = i, 0
+        chars += size
+    yield calls_batch(rows[start:], episodes, schema)
 
 
 def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],

@@ -24,6 +24,7 @@ import pytest
 
 import exporters
 from exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
+from exporters import schema as export_schema
 from exporters.adapters import to_openrlhf, to_slime, to_trl, to_verl
 from exporters.command import ProgressBar, timestamp
 from proxy import __version__, cli
@@ -253,6 +254,25 @@ def test_calls_have_one_row_per_choice_and_failures_stay_out_of_trajectories(pro
     assert len(failed) == 1 and failed[0]["completion_ids"] is None
     exported = {c for r in read(tmp_path, "trajectories", "rows") for c in r["call_ids"]}
     assert failed[0]["call_id"] not in exported and len(exported) == 2
+
+
+def test_long_bodies_are_cut_into_batches_between_calls(proxy, tmp_path, monkeypatch):
+    client = openai.OpenAI(base_url=proxy.episode_url("long"), api_key="x")
+    messages = [{"role": "user", "content": "Hi."}]
+    with client:
+        turn(client, messages, n=2)
+        turn(client, messages)
+        turn(client, messages, stream=True)
+    admin(proxy, "POST", "/tracetap/episodes/long/finish", {})
+    assert len(proxy.calls("long")) == 3  # flushed to the database
+    whole = export(proxy.settings.db, tmp_path / "whole")
+    # Every call's bodies over the limit: a batch per call, never one per choice.
+    monkeypatch.setattr(export_schema, "BODY_CHARS_PER_BATCH", 1)
+    cut = export(proxy.settings.db, tmp_path / "cut")
+    assert (cut.calls, cut.call_rows, cut.tokens) == (whole.calls, whole.call_rows,
+                                                      whole.tokens)
+    assert (cut.calls, cut.call_rows) == (3, 4)
+    assert read(tmp_path / "cut", "calls") == read(tmp_path / "whole", "calls")
 
 
 @pytest.mark.parametrize("engine_config", [EngineConfig(flavor="openai")])
