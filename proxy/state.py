@@ -21,6 +21,12 @@ from storage.writer import Writer
 
 log = logging.getLogger("tracetap")
 
+# Episodes whose arrival counter is kept; beyond that the least recently used is dropped,
+# so a proxy serving millions of episodes does not keep one entry for each forever. An
+# episode idle that long restarts at 0, which orders nothing wrongly: arrival order is
+# (t_start, instance, seq), and seq only separates calls that start in the same instant.
+SEQ_EPISODES = 100_000
+
 
 class ProxyState:
     def __init__(self, settings: Settings, *, engine: AsyncEngine, writer: Writer,
@@ -61,8 +67,10 @@ class ProxyState:
 
     def next_seq(self, episode_id: str | None) -> int:
         """Arrival order within an episode, for this process (replicas add t_start)."""
-        seq = self._seq.get(episode_id, 0)
-        self._seq[episode_id] = seq + 1
+        seq = self._seq.pop(episode_id, 0)
+        self._seq[episode_id] = seq + 1  # re-inserted last: the dict's order is recency
+        if len(self._seq) > SEQ_EPISODES:
+            del self._seq[next(iter(self._seq))]
         return seq
 
     def submit(self, record: CallRecord) -> None:
