@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import msgspec
 from sqlalchemy import event, func, null, select
 from sqlalchemy.engine import make_url
@@ -106,6 +108,9 @@ _ROW_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.end
                 Call.prompt_ids, Call.request, Call.response, Choice.choice_index,
                 Choice.finish_reason, Choice.completion_ids, Choice.completion_logprobs,
                 Choice.token_source)
+# Bulk reads run on the driver connection, so its own errors come through unwrapped.
+_READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
+                asyncpg.InterfaceError)
 # A row: a call joined with one of its choices (choice columns null when it has none).
 # Token columns are raw stored bytes; request/response are null unless read with bodies.
 ROW = tuple(c.name for c in _ROW_COLUMNS)
@@ -273,7 +278,7 @@ class Reader:
             raise
         except DatabaseURLError as exc:
             raise ScanError(str(exc)) from exc
-        except (SQLAlchemyError, OSError) as exc:
+        except _READ_ERRORS as exc:
             detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             hint = ""
             if "no such table" in detail or ("relation" in detail and "does not exist" in detail):

@@ -5,6 +5,7 @@ Every test runs on SQLite and on Postgres (the ``db_url`` fixture behind ``proxy
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import subprocess
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from sqlalchemy import text
 
 import exporters
 from exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
@@ -29,6 +31,8 @@ from exporters.adapters import to_openrlhf, to_slime, to_trl, to_verl
 from exporters.command import ProgressBar, timestamp
 from proxy import __version__, cli
 from proxy.demo.engine import EngineConfig
+from storage import queries
+from storage.engine import create_engine
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {"step": {"type": "integer"}}},
@@ -468,6 +472,26 @@ def test_an_unreachable_or_unmigrated_database_is_a_clear_error(tmp_path, capsys
     assert cli_export(f"sqlite:///{tmp_path / 'blank.db'}", tmp_path / "out") == 1
     assert "tracetap db upgrade" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # the database is checked before anything is made
+
+
+def test_a_driver_error_while_reading_is_a_clear_error_and_leaves_nothing(db_url, tmp_path,
+                                                                          capsys):
+    async def finished_episode_without_calls_table():
+        engine = create_engine(db_url)
+        try:
+            await queries.finish_episode(engine, "e", reward=1.0, rewards=None, outcome=None,
+                                         info=None)
+            async with engine.begin() as conn:
+                await conn.execute(text("DROP TABLE calls"))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(finished_episode_without_calls_table())
+    assert cli_export(db_url, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "calls" in err and "Traceback" not in err
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+    assert not (tmp_path / "out" / "_manifest.json").exists()
 
 
 # ---- surface -------------------------------------------------------------------------------
