@@ -89,13 +89,10 @@ class _Node:
     def __init__(self, call: CallLike, choice: ChoiceLike):
         self.call = call
         self.choice = choice
-        prompt, completion, logprobs = (call.prompt_ids, choice.completion_ids,
-                                        choice.completion_logprobs)
-        self.prompt = prompt if type(prompt) is bytes else _packed(prompt, "i")
-        self.completion = completion if type(completion) is bytes else _packed(completion, "i")
-        if type(logprobs) is not bytes:
-            logprobs = _packed(logprobs, "d", None)
-        self.logprobs = _logprobs(logprobs, len(self.completion))
+        self.prompt = _packed(call.prompt_ids, "i")
+        self.completion = _packed(choice.completion_ids, "i")
+        self.logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None),
+                                  len(self.completion))
         self.end = len(self.prompt) + len(self.completion)
         self.parent: _Node | None = None
         self.children: list[_Node] = []

@@ -155,9 +155,14 @@ def postgres_ok() -> bool:
 
 
 @pytest.fixture
-def fresh_postgres(postgres_ok) -> Iterator[str]:
+def postgres(postgres_ok) -> None:
+    """Skips the test when no Postgres is reachable (postgres_ok fails it in CI)."""
     if not postgres_ok:
         pytest.skip("no Postgres reachable (allowed only outside CI)")
+
+
+@pytest.fixture
+def fresh_postgres(postgres) -> Iterator[str]:
     url = create_postgres_database()
     try:
         yield url

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -24,12 +22,6 @@ def run(script: str, *args: str, timeout: float = 240) -> str:
                           text=True, timeout=timeout, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
-
-
-@pytest.fixture
-def postgres(postgres_ok):
-    if not postgres_ok:
-        pytest.skip("no Postgres reachable (allowed only outside CI)")
 
 
 def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postgres):
