@@ -16,6 +16,7 @@ COPY proxy /src/proxy
 COPY storage /src/storage
 COPY exporters /src/exporters
 COPY migrations /src/migrations
+COPY demo /src/demo
 RUN pip install /src \
     && rm -rf /src \
     && groupadd --system --gid 10001 tracetap \

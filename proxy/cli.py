@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = commands.add_parser("demo", help="the whole loop locally, no GPU: mock engine, "
                                "proxy, scripted openai-SDK agent, Parquet export")
-    from proxy.demo import runner as demo_runner  # cheap: servers load only in its run
+    from demo import runner as demo_runner  # cheap: servers load only in its run
 
     demo_runner.add_arguments(demo)
     demo.set_defaults(run=demo_runner.run)
@@ -108,7 +108,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _mock_engine(args: argparse.Namespace) -> int:
-    from proxy.demo.engine import main as engine_main
+    from demo.engine import main as engine_main
 
     engine_main(args.extra)
     return 0

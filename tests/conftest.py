@@ -24,8 +24,8 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from demo.engine import EngineConfig, EngineServer
 from proxy.app import build_app
-from proxy.demo.engine import EngineConfig, EngineServer
 from proxy.keys import STATE
 from proxy.settings import Settings
 from storage import queries

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import free_port, stored_calls
-from proxy.demo import tokenizer as tok
+from demo import tokenizer as tok
 
 CLI = [sys.executable, "-m", "proxy.cli"]
 DEMO_TIMEOUT_S = 120

@@ -25,12 +25,12 @@ import pytest
 from sqlalchemy import text
 
 import exporters
+from demo.engine import EngineConfig
 from exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
 from exporters import schema as export_schema
 from exporters.adapters import to_openrlhf, to_slime, to_trl, to_verl
 from exporters.command import ProgressBar, timestamp
 from proxy import __version__, cli
-from proxy.demo.engine import EngineConfig
 from storage import queries
 from storage.engine import create_engine
 

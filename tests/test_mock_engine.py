@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.demo import tokenizer as tok
-from proxy.demo.engine import EngineConfig, EngineServer
-from proxy.demo.generate import Sampling, generate_chat
+from demo import tokenizer as tok
+from demo.engine import EngineConfig, EngineServer
+from demo.generate import Sampling, generate_chat
 
 TOOLS = [
     {

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 
 from conftest import Proxy, free_port
-from proxy.demo.engine import EngineConfig, EngineServer
+from demo.engine import EngineConfig, EngineServer
 from proxy.pool import Pool
 from proxy.settings import Settings, UpstreamSpec, parse_upstreams
 

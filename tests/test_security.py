@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port, stored_calls
-from proxy.demo.engine import EngineConfig, make_engine_app
+from demo.engine import EngineConfig, make_engine_app
 from proxy.settings import Settings
 from storage.engine import upgrade
 

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.demo import tokenizer as tok
-from proxy.demo.generate import TOP_LOGPROBS_MAX, Sampling, generate_chat, generate_text
-from proxy.demo.wire import (
+from demo import tokenizer as tok
+from demo.generate import TOP_LOGPROBS_MAX, Sampling, generate_chat, generate_text
+from demo.wire import (
     OPENAI_FIELDS,
     ChatRequest,
     CompletionRequest,

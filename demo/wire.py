@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from proxy.demo import tokenizer as tok
-from proxy.demo.generate import Completion, Event, logprob_rows
+from demo import tokenizer as tok
+from demo.generate import Completion, Event, logprob_rows
 
 Flavor = Literal["vllm", "openai", "llamacpp"]
 

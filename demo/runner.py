@@ -63,7 +63,7 @@ class Plan:
 
 def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
     """Phases of episodes; the episodes of a phase run concurrently (a GRPO group)."""
-    from proxy.demo.agent import TASKS
+    from demo.agent import TASKS
 
     prefix = f"demo-{run_id}"
     solo = [[Plan(f"{prefix}-solo-{k}", "append-only", TASKS[(k - 1) % 3], 2 + (k - 1) % 3)]
@@ -114,9 +114,9 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
     import aiohttp
     from aiohttp import web
 
+    from demo.engine import EngineConfig, EngineServer
     from exporters import ExportError, export_async
     from proxy.app import build_app
-    from proxy.demo.engine import EngineConfig, EngineServer
     from proxy.settings import Settings
     from storage.engine import upgrade_async
 
@@ -179,7 +179,7 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
 async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
     from openai import AsyncOpenAI
 
-    from proxy.demo.agent import run_agent
+    from demo.agent import run_agent
 
     harness = {"name": "tracetap-demo-agent",
                "config": {"variant": plan.variant, "seed": plan.seed,
