@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import shutil
 import socket
 import sys
@@ -129,8 +130,10 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
         sock = socket.socket()
         stack.callback(sock.close)  # the server closes it too; closing twice is harmless
         sock.bind(("127.0.0.1", 0))
+        # The demo plays the operator: its token lives in memory, not in the data dir.
         settings = Settings(upstream=[engine.url], data_dir=str(data_dir),
-                            port=sock.getsockname()[1], upstream_flavor="auto")
+                            port=sock.getsockname()[1], upstream_flavor="auto",
+                            admin_token=secrets.token_urlsafe(32))
         await upgrade_async(settings.database_url)
         proxy = web.AppRunner(build_app(settings), access_log=None)
         await proxy.setup()
@@ -147,7 +150,8 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
         say(f"  proxy   tracetap at {settings.base_url} -> {engine.url}, "
             f"storing in {settings.database_url}")
         say("  agent   scripted tool-using agent on the openai SDK (AsyncOpenAI)")
-        session = await stack.enter_async_context(aiohttp.ClientSession())
+        session = await stack.enter_async_context(aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {settings.admin_token}"}))
         admin = Admin(session, settings.base_url)
         totals = {"episodes": 0, "calls": 0, "generated": 0}
         for phase in phases:

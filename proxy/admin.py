@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from proxy.budgets import Budget
 from proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
 from proxy.headers import bearer
 from proxy.ids import uuid7
@@ -31,6 +32,7 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     task_id: str | None = None
     harness: Harness | None = None
     metadata: dict[str, Any] | None = None
+    budget: Budget | None = None
 
 
 class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
@@ -63,15 +65,22 @@ async def _decode(request: web.Request, kind: type):
 
 
 def _require_admin(request: web.Request) -> None:
+    state = request.app[STATE]
+    if state.settings.admin_listener and on_agent_port(request, state.settings.port):
+        # The admin API lives on its own listener: the agent port does not have it.
+        raise not_found(f"{request.method} {request.path} is not served on this port")
     given = bearer(request.headers) or ""
     if given.startswith(KEY_PREFIX):
         # An episode key is an agent's credential: it never opens the admin API.
         raise forbidden("episode API keys cannot use the admin API")
-    token = request.app[STATE].settings.admin_token
-    if token is None:
-        return
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        raise unauthorized("this endpoint needs the proxy's admin token")
+    if not hmac.compare_digest(given.encode(), state.admin_token.encode()):
+        raise unauthorized("this endpoint needs the proxy's admin token (see --admin-token; "
+                           "by default it is in DATA_DIR/admin-token)")
+
+
+def on_agent_port(request: web.Request, port: int) -> bool:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return isinstance(sockname, tuple) and sockname[1] == port
 
 
 def _errors(handler):
@@ -106,6 +115,8 @@ async def create_episode(request: web.Request) -> web.Response:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
                          "episode_exists") from exc
     state.tagger.remember(episode_id, key_hash)
+    if spec.budget is not None:
+        state.budgets.set(episode_id, spec.budget)
     base_url = f"{state.settings.base_url}/episodes/{episode_id}/v1"
     return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
                              status=201)
@@ -113,12 +124,11 @@ async def create_episode(request: web.Request) -> web.Response:
 
 @_errors
 async def finish_episode(request: web.Request) -> web.Response:
+    # Rewards come from the operator's grader only: an episode's own key is the agent's
+    # credential, and an agent that could finish its episode would grade itself.
+    _require_admin(request)
     state = request.app[STATE]
     episode_id = validate_episode_id(request.match_info["episode"])
-    key = bearer(request.headers) or ""
-    own_key = key.startswith(KEY_PREFIX) and await state.tagger.owns(key, episode_id)
-    if not own_key:
-        _require_admin(request)
     spec = await _decode(request, EpisodeFinish)
     values = [spec.reward, *(spec.rewards or {}).values()]
     if any(v is not None and not math.isfinite(v) for v in values):

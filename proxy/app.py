@@ -10,6 +10,7 @@ import logging
 from aiohttp import web
 
 from proxy import admin, flavor, handlers
+from proxy.admin_token import ensure_admin_token
 from proxy.keys import STATE
 from proxy.metrics import Metrics
 from proxy.pool import Pool
@@ -43,8 +44,10 @@ def build_app(settings: Settings) -> web.Application:
     r.add_get("/healthz", admin.healthz)
     r.add_get("/readyz", admin.readyz)
     r.add_route("*", "/episodes/{episode}/v1/{tail:.*}", handlers.agent_request)
+    r.add_route("*", "/episodes/{episode}", handlers.agent_request)
+    r.add_route("*", "/episodes/{episode}/v1", handlers.agent_request)
     r.add_route("*", "/v1/{tail:.*}", handlers.agent_request)
-    r.add_route("*", "/{tail:.*}", handlers.unscoped)
+    r.add_route("*", "/{tail:.*}", handlers.agent_request)
     return app
 
 
@@ -66,8 +69,10 @@ async def _lifecycle(app: web.Application):
         require_episode=settings.require_episode,
         require_registered=settings.require_registered,
     )
+    admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
-                       tagger=tagger, metrics=metrics)
+                       tagger=tagger, metrics=metrics, admin_token=admin_token)
+    log.info("exposed to agents: %s", state.exposure.describe())
     app[STATE] = state
     writer.start()
     background = []

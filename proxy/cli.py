@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
+import socket
 import sys
 
 from proxy import __version__
@@ -24,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run the capture proxy")
     add_serve_arguments(serve)
     serve.set_defaults(run=_serve)
+
+    token = commands.add_parser("admin-token", help="print the admin token that serve "
+                                "generated in --data-dir (for scripts: TOKEN=$(tracetap ...))")
+    token.add_argument("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR",
+                                                            "./tracetap-data"))
+    token.set_defaults(run=_admin_token)
 
     db = commands.add_parser("db", help="database schema")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -66,23 +74,67 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from proxy.admin_token import ensure_admin_token
     from proxy.app import build_app
     from storage.engine import prepare_schema, redact_url
 
     settings = settings_from_args(args)
     prepare_schema(settings.database_url)
+    if settings.admin_token:
+        token_note = "admin token from --admin-token"
+    else:
+        token_note = f"admin token in {ensure_admin_token(settings.data_dir)[1]}"
     app = build_app(settings)
+    # Bound before anything is announced: a port in use fails here, with its number.
+    sockets = [_listen_tcp(settings.host, settings.port)]
+    admin_at = "the same port"
+    if settings.admin_port is not None:
+        sockets.append(_listen_tcp(settings.host, settings.admin_port))
+        admin_at = f"http://{settings.host}:{settings.admin_port}"
+    if settings.admin_socket is not None:
+        sockets.append(_listen_unix(settings.admin_socket))
+        admin_at = f"unix:{settings.admin_socket}"
     upstreams = ", ".join(spec.url for spec in settings.upstreams)
     print(
         f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
         f"-> upstream {upstreams}; storing in {redact_url(settings.database_url)} "
-        f"(journal {settings.journal_dir})",
+        f"(journal {settings.journal_dir}); admin API on {admin_at}, {token_note}",
         flush=True,
     )
     _tune_gc()
-    web.run_app(app, host=settings.host, port=settings.port, print=None,
-                shutdown_timeout=settings.drain_timeout, loop=_new_loop(),
-                access_log=None)
+    web.run_app(app, sock=sockets, print=None, shutdown_timeout=settings.drain_timeout,
+                loop=_new_loop(), access_log=None)
+    return 0
+
+
+def _listen_tcp(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=1024)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _listen_unix(path: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a socket file left by an earlier run
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # owner only: the socket is the admin credential's door
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
+
+
+def _admin_token(args: argparse.Namespace) -> int:
+    from proxy.admin_token import read_admin_token, token_path
+
+    token = read_admin_token(args.data_dir)
+    if token is None:
+        raise ValueError(f"no admin token at {token_path(args.data_dir)}: start "
+                         "`tracetap serve` with this --data-dir once, or pass --admin-token")
+    print(token)
     return 0
 
 

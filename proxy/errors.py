@@ -28,13 +28,29 @@ class ProxyError(Exception):
         error = {"message": self.message, "type": self.type, "param": None, "code": self.code}
         return msgspec.json.encode({"error": error})
 
-    def response(self) -> web.Response:
+    def anthropic_body(self) -> bytes:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return msgspec.json.encode({"type": "error",
+                                    "error": {"type": kind, "message": self.message}})
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        """The error in the client's API shape: OpenAI's, or Anthropic's for Messages."""
         return web.Response(
             status=self.status,
-            body=self.body(),
+            body=self.anthropic_body() if anthropic else self.body(),
             content_type="application/json",
             headers=self.headers,
         )
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def speaks_anthropic(path: str, headers) -> bool:
+    """Whether the client uses Anthropic's API, whose SDKs read only their error shape."""
+    return "/messages" in path or "anthropic-version" in headers
 
 
 def bad_request(message: str, code: str = "invalid_request") -> ProxyError:

@@ -7,8 +7,10 @@ import time
 
 from aiohttp import web
 
+from proxy.budgets import BudgetExceeded
 from proxy.capture import ModelCall
-from proxy.errors import ProxyError, too_large
+from proxy.errors import ProxyError, speaks_anthropic, too_large
+from proxy.exposure import check_raw_path, refused
 from proxy.headers import OVERHEAD_HEADER, response_headers, upstream_request_headers
 from proxy.ids import uuid7
 from proxy.inject import CHAT, COMPLETIONS
@@ -17,6 +19,8 @@ from proxy.sse import SSEParser
 from proxy.upstream import Reply, UpstreamBroken
 
 _ROUTE = {CHAT: "chat_completions", COMPLETIONS: "completions"}
+_CAPTURED = {"/v1/chat/completions": CHAT, "/v1/chat/completions/": CHAT,
+             "/v1/completions": COMPLETIONS, "/v1/completions/": COMPLETIONS}
 _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",
     "upstream_unreachable": "upstream_unreachable",
@@ -25,22 +29,40 @@ _STATUS_BY_CODE = {
 }
 
 
-def _endpoint(tail: str) -> str | None:
-    tail = tail.rstrip("/")
-    if tail == "chat/completions":
-        return CHAT
-    if tail == "completions":
-        return COMPLETIONS
-    return None
+_BASE_PATHS = ("", "/", "/v1", "/v1/")
 
 
 async def agent_request(request: web.Request) -> web.StreamResponse:
-    """Everything under /v1 and /episodes/{id}/v1: captured or relayed."""
-    tail = request.match_info.get("tail", "")
-    endpoint = _endpoint(tail) if request.method == "POST" else None
-    if endpoint is None:
-        return await passthrough(request, "/v1/" + tail)
-    return await model_call(request, endpoint, "/v1/" + tail)
+    """Every agent request: the model API is captured or relayed, all else refused."""
+    state = request.app[STATE]
+    path = _api_path(request)
+    anthropic = speaks_anthropic(path, request.headers)
+    try:
+        check_raw_path(request.raw_path)
+        if request.method == "POST" and path in _CAPTURED:
+            return await model_call(request, _CAPTURED[path], path)
+        if request.method in ("GET", "HEAD") and path in _BASE_PATHS:
+            # Harnesses probe their base URL (Anthropic's CLI sends HEAD first): answered
+            # here, so the episode id in the path never reaches the upstream.
+            return web.json_response({"status": "ok", "service": "tracetap"})
+        if not state.exposure.allows(request.method, path):
+            state.metrics.child(state.metrics.refused, "not_exposed").inc()
+            raise refused(request.method, path)
+    except ProxyError as error:
+        if error.code == "invalid_path":
+            state.metrics.child(state.metrics.refused, "invalid_path").inc()
+        return error.response(anthropic)
+    return await passthrough(request, path)
+
+
+def _api_path(request: web.Request) -> str:
+    """The path as the upstream API knows it, without the episode prefix."""
+    info = request.match_info
+    if "episode" not in info:
+        return request.path
+    if "tail" in info:
+        return "/v1/" + info["tail"]
+    return "/v1" if request.path.endswith("/v1") else ""
 
 
 async def model_call(request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
@@ -54,6 +76,7 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             call.episode_id = await state.tagger.episode_for(
                 request.headers, request.match_info.get("episode"))
             call.seq = state.next_seq(call.episode_id)  # arrival order, not completion
+            state.budgets.admit(call.episode_id)
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge as exc:
@@ -78,6 +101,9 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             if call.stream and reply.content_type == "text/event-stream":
                 return await _relay_stream(request, reply, call)
             return await _relay_body(request, reply, call)
+        except BudgetExceeded as error:
+            metrics.child(metrics.budget_exceeded, error.limit).inc()
+            return call.fail(error, "budget_exceeded")
         except ProxyError as error:
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
     finally:
@@ -85,6 +111,10 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
         if call.admitted:
             state.release()
         call.submit()
+        usage = call.capture.usage
+        if usage is not None:
+            state.budgets.spend(call.episode_id,
+                                (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
         # Metrics are bookkeeping: done after the reply is on its way, not before.
         asyncio.get_running_loop().call_soon(
             _observe, call, route, time.perf_counter() - call.perf_start)
@@ -190,7 +220,8 @@ async def _rewrite_read(response: web.StreamResponse, parser: SSEParser, call: M
 
 
 async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
-    """Any other path: relayed untouched, streamed both ways, not captured."""
+    """An exposed path that is not captured (models, tokenize, --allow-path): relayed
+    untouched, streamed both ways."""
     state = request.app[STATE]
     headers = upstream_request_headers(
         request.headers,
@@ -225,11 +256,6 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         return response
     finally:
         state.metrics.requests.labels("passthrough", code).inc()
-
-
-async def unscoped(request: web.Request) -> web.StreamResponse:
-    """Paths outside /v1 (e.g. /tokenize, /version): relayed to the upstream's origin."""
-    return await passthrough(request, request.path)
 
 
 def _with_query(path: str, request: web.Request) -> str:

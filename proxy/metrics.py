@@ -55,6 +55,13 @@ class Metrics(WriterObserver):
                                   buckets=BATCH_BUCKETS, registry=r)
         self.logprobs_missing = Counter("tracetap_logprobs_missing_total",
                                         "Choices stored without usable logprobs", registry=r)
+        # Agent traffic the proxy refused (the agent is untrusted: count every attempt).
+        self.refused = Counter("tracetap_agent_refused_total",
+                               "Agent requests refused and never forwarded, by reason",
+                               ["reason"], registry=r)
+        self.budget_exceeded = Counter("tracetap_episode_budget_exceeded_total",
+                                       "Model calls refused because the episode spent a "
+                                       "budget, by limit", ["limit"], registry=r)
         for outcome in ("written", "spilled", "replayed", "dropped"):
             self.records_total.labels(outcome)
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import msgspec
 
+from proxy.budgets import Budget
+from proxy.exposure import Exposure
+
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 
 
@@ -38,6 +41,12 @@ class Settings(msgspec.Struct, kw_only=True):
     overhead_header: bool = True
     public_url: str | None = None
     pause_timeout: float = 120.0
+    allow_path: list[str] = []
+    admin_port: int | None = None
+    admin_socket: str | None = None
+    episode_max_calls: int | None = None
+    episode_max_tokens: int | None = None
+    episode_max_seconds: float | None = None
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -50,8 +59,18 @@ class Settings(msgspec.Struct, kw_only=True):
         return f"sqlite:///{Path(self.data_dir).resolve() / 'tracetap.db'}"
 
     @property
+    def default_budget(self) -> Budget:
+        return Budget(max_calls=self.episode_max_calls, max_tokens=self.episode_max_tokens,
+                      max_seconds=self.episode_max_seconds)
+
+    @property
     def journal_dir(self) -> Path:
         return Path(self.data_dir) / "journal"
+
+    @property
+    def admin_listener(self) -> bool:
+        """Whether the admin API has a listener of its own (and so not the agent port)."""
+        return self.admin_port is not None or self.admin_socket is not None
 
     @property
     def base_url(self) -> str:
@@ -64,6 +83,11 @@ class Settings(msgspec.Struct, kw_only=True):
         if not 0 < self.port < 65536:
             # Episode base URLs carry the port, so it must be the one agents will use.
             raise ValueError(f"--port must be 1-65535, got {self.port}")
+        if self.admin_port is not None and not (
+                0 < self.admin_port < 65536 and self.admin_port != self.port):
+            raise ValueError(f"--admin-port must be 1-65535 and not --port, got {self.admin_port}")
+        Exposure(self.allow_path)  # fail at start on a bad --allow-path
+        self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
         if not is_loopback(self.host) and not self.admin_token:
@@ -116,6 +140,16 @@ def _env_bool(name: str, default: bool = False) -> bool:
     return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
+def _int_env(name: str) -> int | None:
+    value = _env(name)
+    return None if value is None else int(value)
+
+
+def _float_env(name: str) -> float | None:
+    value = _env(name)
+    return None if value is None else float(value)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings(upstream=["http://unset"])  # defaults, one place
     a = parser.add_argument
@@ -137,7 +171,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-body", type=int, default=int(_env("max_body", d.max_body)))
     a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)))
     a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)))
-    a("--admin-token", default=_env("admin_token"))
+    a("--admin-token", default=_env("admin_token"),
+      help="bearer token for the admin API (default: generated once into DATA_DIR/admin-token)")
+    a("--admin-port", type=int, default=_int_env("admin_port"),
+      help="serve the admin API on this port only (same --host), not on the agent port")
+    a("--admin-socket", default=_env("admin_socket"),
+      help="serve the admin API on this Unix socket only, not on the agent port")
+    a("--allow-path", action="append", default=None, metavar="RULE",
+      help="also expose '/path', '/prefix/*' or 'METHOD /path' to agents (repeatable; "
+           "TRACETAP_ALLOW_PATH takes a comma-separated list)")
+    a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
+      help="default per-episode budget: model calls")
+    a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),
+      help="default per-episode budget: prompt + completion tokens")
+    a("--episode-max-seconds", type=float, default=_float_env("episode_max_seconds"),
+      help="default per-episode budget: seconds from registration or first call")
     a("--require-episode", action="store_true", default=_env_bool("require_episode"))
     a("--require-registered", action="store_true", default=_env_bool("require_registered"))
     a("--no-overhead-header", dest="overhead_header", action="store_false",
@@ -152,5 +200,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.upstream = [_env("upstream")]  # flags win over the environment
     if not args.upstream:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
+    if args.allow_path is None:
+        args.allow_path = [p.strip() for p in (_env("allow_path") or "").split(",") if p.strip()]
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
     return Settings(**fields)

@@ -10,7 +10,9 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.budgets import Budgets
 from proxy.errors import ProxyError
+from proxy.exposure import Exposure
 from proxy.ids import instance_id
 from proxy.metrics import Metrics
 from proxy.pool import Pool
@@ -30,8 +32,11 @@ SEQ_EPISODES = 100_000
 
 class ProxyState:
     def __init__(self, settings: Settings, *, engine: AsyncEngine, writer: Writer,
-                 pool: Pool, tagger: Tagger, metrics: Metrics):
+                 pool: Pool, tagger: Tagger, metrics: Metrics, admin_token: str):
         self.settings = settings
+        self.admin_token = admin_token
+        self.exposure = Exposure(settings.allow_path)
+        self.budgets = Budgets(settings.default_budget)
         self.engine = engine
         self.writer = writer
         self.pool = pool

@@ -83,9 +83,6 @@ class Tagger:
             raise not_found(f"episode {episode!r} is not registered (--require-registered)")
         return episode
 
-    async def owns(self, key: str, episode_id: str) -> bool:
-        return await self._owner(key) == episode_id
-
     async def _owner(self, key: str) -> str | None:
         digest = hash_key(key)
         owner = self._keys.get(digest)

@@ -120,6 +120,8 @@ async def get_episode(engine: AsyncEngine, episode_id: str) -> dict[str, Any] | 
         ).all()
     episode = _episode_dict(row)
     episode["calls"] = [dict(c._mapping) for c in calls]
+    # Marked by the call the proxy refused when the episode spent its budget.
+    episode["budget_exceeded"] = any(c.status == "budget_exceeded" for c in calls)
     return episode
 
 

@@ -8,6 +8,7 @@ real (sync or async) ``openai`` SDK. Storage tests run against the real Postgres
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ import pytest
 from aiohttp import web
 
 from demo.engine import EngineConfig, EngineServer
+from proxy.admin_token import read_admin_token
 from proxy.app import build_app
 from proxy.keys import STATE
 from proxy.settings import Settings
@@ -76,6 +79,13 @@ class Proxy:
     def state(self):
         return self.runner.app[STATE]
 
+    @property
+    def admin_token(self) -> str:
+        return self.state.admin_token
+
+    def admin(self, method: str, path: str, body=None, token: str | None = None):
+        return admin_call(self.url, method, path, body, token or self.admin_token)
+
     def start(self) -> Proxy:
         async def _start():
             self.runner = web.AppRunner(build_app(self.settings), access_log=None)
@@ -100,6 +110,21 @@ class Proxy:
 
     def episode(self, episode_id: str) -> dict | None:
         return self.loop.run(queries.get_episode(self.state.engine, episode_id))
+
+
+def admin_call(url: str, method: str, path: str, body=None,
+               token: str | None = None) -> tuple[int, dict]:
+    """One admin API request; returns (status, decoded JSON body) without raising."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def _postgres_available() -> bool:
@@ -257,6 +282,19 @@ class ProxyProcess:
     def wait(self, timeout: float = 60.0) -> int:
         assert self.process is not None
         return self.process.wait(timeout)
+
+    @property
+    def admin_token(self) -> str:
+        for i, arg in enumerate(self.args):
+            if arg == "--admin-token":
+                return self.args[i + 1]
+        data_dir = self.args[self.args.index("--data-dir") + 1]
+        token = read_admin_token(data_dir)
+        assert token is not None, "serve writes the admin token before it listens"
+        return token
+
+    def admin(self, method: str, path: str, body=None, token: str | None = None):
+        return admin_call(self.url, method, path, body, token or self.admin_token)
 
     def rss_bytes(self) -> int:
         assert self.process is not None

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import openai
 import pytest
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
-def _request(method: str, url: str, body=None, token: str | None = None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def test_create_call_with_key_finish_and_read_back(proxy):
-    status, created = _request("POST", proxy.url + "/tracetap/episodes", {
+    status, created = proxy.admin("POST", "/tracetap/episodes", {
         "id": "ep-key", "group_id": "g1", "task_id": "t1",
         "harness": {"name": "scripted", "config": {"temperature": 1.0}},
         "metadata": {"seed": 3}})
@@ -40,10 +23,10 @@ def test_create_call_with_key_finish_and_read_back(proxy):
         client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=4)
     proxy.flush()
 
-    status, _ = _request("POST", proxy.url + "/tracetap/episodes/ep-key/finish", {
+    status, _ = proxy.admin("POST", "/tracetap/episodes/ep-key/finish", {
         "reward": 0.5, "rewards": {"tests": 1.0}, "outcome": "solved", "info": {"steps": 1}})
     assert status == 200
-    status, episode = _request("GET", proxy.url + "/tracetap/episodes/ep-key")
+    status, episode = proxy.admin("GET", "/tracetap/episodes/ep-key")
     assert status == 200
     assert episode["group_id"] == "g1" and episode["task_id"] == "t1"
     assert episode["harness"] == {"name": "scripted", "config": {"temperature": 1.0}}
@@ -56,27 +39,27 @@ def test_create_call_with_key_finish_and_read_back(proxy):
 
 
 def test_creating_an_existing_episode_is_a_409(proxy):
-    assert _request("POST", proxy.url + "/tracetap/episodes", {"id": "dup"})[0] == 201
-    status, error = _request("POST", proxy.url + "/tracetap/episodes", {"id": "dup"})
+    assert proxy.admin("POST", "/tracetap/episodes", {"id": "dup"})[0] == 201
+    status, error = proxy.admin("POST", "/tracetap/episodes", {"id": "dup"})
     assert status == 409 and error["error"]["code"] == "episode_exists"
 
 
 def test_created_id_defaults_to_a_fresh_one(proxy):
-    _, first = _request("POST", proxy.url + "/tracetap/episodes", {})
-    _, second = _request("POST", proxy.url + "/tracetap/episodes", {})
+    _, first = proxy.admin("POST", "/tracetap/episodes", {})
+    _, second = proxy.admin("POST", "/tracetap/episodes", {})
     assert first["id"] != second["id"]
 
 
 @pytest.mark.parametrize("body", [{"id": "bad id"}, {"unknown": 1}, {"group_id": 5}])
 def test_invalid_admin_input_is_a_400(proxy, body):
-    status, error = _request("POST", proxy.url + "/tracetap/episodes", body)
+    status, error = proxy.admin("POST", "/tracetap/episodes", body)
     assert status == 400 and error["error"]["message"]
 
 
 def test_list_is_paged(proxy):
     for i in range(5):
-        _request("POST", proxy.url + "/tracetap/episodes", {"id": f"page-{i}", "group_id": "pg"})
-    _, page = _request("GET", proxy.url + "/tracetap/episodes?group_id=pg&limit=2&offset=2")
+        proxy.admin("POST", "/tracetap/episodes", {"id": f"page-{i}", "group_id": "pg"})
+    _, page = proxy.admin("GET", "/tracetap/episodes?group_id=pg&limit=2&offset=2")
     assert page["total"] == 5
     assert [e["id"] for e in page["data"]] == ["page-2", "page-3"]
 
@@ -98,10 +81,10 @@ def test_policy_version_stamps_later_calls(proxy):
     client = openai.OpenAI(base_url=proxy.episode_url("policy"), api_key="x")
     with client:
         client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=4)
-        assert _request("PUT", proxy.url + "/tracetap/policy", {"version": "step-10"})[0] == 200
+        assert proxy.admin("PUT", "/tracetap/policy", {"version": "step-10"})[0] == 200
         client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=4)
     assert [c["policy_version"] for c in proxy.calls("policy")] == [None, "step-10"]
 
 
 def test_healthz(proxy):
-    assert _request("GET", proxy.url + "/healthz") == (200, {"status": "ok"})
+    assert proxy.admin("GET", "/healthz") == (200, {"status": "ok"})

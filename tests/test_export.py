@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -51,10 +50,9 @@ DESIGN_TRAJECTORY_COLUMNS = [
 # ---- the agent ---------------------------------------------------------------------------
 
 def admin(proxy, method: str, path: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(proxy.url + path, data=json.dumps(body or {}).encode(),
-                                     method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as reply:  # raises on an error status
-        return json.loads(reply.read())
+    status, reply = proxy.admin(method, path, body or {})
+    assert status < 300, reply
+    return reply
 
 
 def _streamed(chunks) -> tuple[str | None, list[dict]]:

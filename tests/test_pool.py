@@ -26,11 +26,10 @@ def _get(url: str) -> dict:
         return json.loads(err.read())
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req) as resp:
-        return json.loads(resp.read())
+def _post(proxy, path: str, body: dict) -> dict:
+    status, reply = proxy.admin("POST", path, body)
+    assert status == 200, reply
+    return reply
 
 
 def test_rendezvous_affinity_is_stable_and_moves_only_a_dead_targets_episodes():
@@ -109,7 +108,7 @@ def test_three_upstreams_affinity_failover_and_return(loop_thread, db_url, tmp_p
 
 
 def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
-    _post(proxy.url + "/tracetap/resume", {"policy_version": "v1"})
+    _post(proxy, "/tracetap/resume", {"policy_version": "v1"})
 
     def stream(tag: str, first: threading.Event | None = None) -> str:
         client = openai.OpenAI(base_url=proxy.episode_url("pause"), api_key="x", max_retries=0)
@@ -130,7 +129,7 @@ def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
         before = [pool.submit(stream, f"before-{i}", firsts[i]) for i in range(4)]
         for event in firsts:
             assert event.wait(10)
-        paused = pool.submit(_post, proxy.url + "/tracetap/pause", {"timeout": 30})
+        paused = pool.submit(_post, proxy, "/tracetap/pause", {"timeout": 30})
         deadline = time.monotonic() + 10
         while not _get(proxy.url + "/readyz")["paused"]:
             assert time.monotonic() < deadline
@@ -140,7 +139,7 @@ def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
         assert result["drained"] and result["inflight"] == 0
         assert [f.result(10) for f in before] == ["stop"] * 4  # finished while paused
         assert not any(f.done() for f in during)  # held until the resume
-        _post(proxy.url + "/tracetap/resume", {"policy_version": "v2"})
+        _post(proxy, "/tracetap/resume", {"policy_version": "v2"})
         assert [f.result(30) for f in before + during] == ["stop"] * 8
     calls = proxy.calls("pause")
     versions = {json.loads(c["request"])["messages"][0]["content"]: c["policy_version"]
@@ -156,7 +155,7 @@ def test_a_call_held_too_long_gets_a_503_with_retry_after(loop_thread, engine, d
                         data_dir=str(tmp_path / "d"), pause_timeout=0.2)
     proxy = Proxy(loop_thread, settings).start()
     try:
-        _post(proxy.url + "/tracetap/pause", {})
+        _post(proxy, "/tracetap/pause", {})
         client = openai.OpenAI(base_url=proxy.episode_url("held"), api_key="x", max_retries=0)
         with client:
             try:

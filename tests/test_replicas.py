@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import openai
 import pyarrow.dataset as ds
 
@@ -35,10 +32,8 @@ def _episode(base_urls: list[str]) -> None:
             messages.append({"role": "user", "content": "And once more?"})
 
 
-def _finish(url: str, episode: str) -> None:
-    req = urllib.request.Request(f"{url}/tracetap/episodes/{episode}/finish",
-                                 json.dumps({"reward": 1.0}).encode(), method="POST")
-    urllib.request.urlopen(req).close()
+def _finish(proxy, episode: str) -> None:
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
 
 
 def test_an_episode_alternating_between_replicas_exports_like_one_proxy(
@@ -48,8 +43,8 @@ def test_an_episode_alternating_between_replicas_exports_like_one_proxy(
     b = run_proxy(engine.url, fresh_postgres, data_dir=tmp_path / "b")
     _episode([a.episode_url("split"), b.episode_url("split")])
     _episode([a.episode_url("single")])
-    _finish(a.url, "split")
-    _finish(b.url, "single")
+    _finish(a, "split")
+    _finish(b, "single")
     a.stop()
     b.stop()  # SIGTERM: both flush everything they captured
 

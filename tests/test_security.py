@@ -75,9 +75,9 @@ def test_an_episode_key_tags_only_its_own_episode(guarded):
     assert _request("POST", guarded.url + "/tracetap/episodes", {}, token=key_a)[0] == 403
     assert _request("POST", guarded.url + "/tracetap/episodes/ep-b/finish", {"reward": 1},
                     token=key_a)[0] == 403
-    # ...but it may report its own episode's result.
+    # Nor grade itself: rewards come from the operator's grader, with the admin token.
     assert _request("POST", guarded.url + "/tracetap/episodes/ep-a/finish", {"reward": 1},
-                    token=key_a)[0] == 200
+                    token=key_a)[0] == 403
     assert len(guarded.calls("ep-a")) == 1
     assert guarded.calls("ep-b") == []  # refused calls are recorded untagged, not in B
     assert [c["http_status"] for c in guarded.calls(None)] == [403, 403]
