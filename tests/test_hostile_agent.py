@@ -220,6 +220,7 @@ def test_budgets_stop_a_runaway_agent(hostile, seen):
     assert refused.value.code == "episode_budget_exceeded"
     assert "calls budget" in refused.value.message
     assert len(seen) == 2  # the refused calls never reached the engine
+    hostile.flush()
     episode = hostile.episode("runaway")
     assert episode["budget_exceeded"] is True
     assert [c["status"] for c in episode["calls"]] == ["ok", "ok"] + ["budget_exceeded"] * 3
