@@ -51,6 +51,7 @@ class Capture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
+        self.ended = False  # chat streams end with the [DONE] sentinel instead
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
@@ -128,6 +129,12 @@ class Capture:
             acc.engine_ids.extend(token_ids)
         if finish is not None:
             acc.finish_reason = finish
+
+    def tokens(self) -> tuple[int | None, int | None]:
+        """Prompt and completion tokens, as the upstream's usage reports them."""
+        if self.usage is None:
+            return None, None
+        return self.usage.prompt_tokens, self.usage.completion_tokens
 
     def choices(self) -> list[ChoiceRecord]:
         records = []

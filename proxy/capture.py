@@ -1,7 +1,9 @@
 """One model call being captured: request in, reply relayed, record out.
 
 The record is submitted in the handler's ``finally``, so a cancelled handler (client
-gone) still stores what it saw.
+gone) still stores what it saw. What differs between wire APIs lives in ``api`` (the API
+spoken to the upstream) and ``translation`` (set when the client speaks another API
+than the upstream: its request and replies are converted to and from chat).
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.assemble import Capture
 from proxy.errors import ProxyError, bad_request
-from proxy.inject import COMPLETIONS, Injected, prepare, strip_body, strip_chunk
-from proxy.sse import Event, encode_event
+from proxy.inject import COMPLETIONS, Injected
+from proxy.routing import Route
+from proxy.sse import Event
 from proxy.state import ProxyState
 from proxy.wire import decode_object, encode
 from storage.records import CallRecord
 
 
 class ModelCall:
-    def __init__(self, state: ProxyState, endpoint: str, call_id: str):
+    def __init__(self, state: ProxyState, route: Route, call_id: str):
         self.state = state
-        self.endpoint = endpoint
+        self.api = api = route.api
+        self.translation = route.translation  # a translate module, or None when native
+        self.endpoint = route.endpoint
         self.call_id = call_id
         self.t_start = time.time()
         self.perf_start = time.perf_counter()
@@ -32,7 +36,9 @@ class ModelCall:
         self.request_text: str | None = None
         self.payload: dict[str, Any] = {}
         self.injected = Injected()
-        self.capture = Capture(endpoint)
+        self.capture = api.capture(self.injected)
+        self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.stream_translator = None
         self.stream = False
         self.status = "ok"
         self.http_status = 0
@@ -59,12 +65,28 @@ class ModelCall:
             raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
         except msgspec.ValidationError as exc:
             raise bad_request("request body must be a JSON object", "invalid_json") from exc
-        self.payload = payload
         self.stream = payload.get("stream") is True
-        self.injected = prepare(payload, self.endpoint, self.state.flavor)
-        self.capture = Capture(self.endpoint,
-                               keep_top_logprobs=self.injected.client_top_logprobs > 0)
-        return encode(payload) if self.injected.any else body
+        rewritten = self.state.model_map.apply(payload)
+        if self.translation is not None:
+            self.client_payload = payload
+            try:
+                payload = self.translation.to_chat(payload)
+            except self.translation.Untranslatable as exc:
+                raise bad_request(f"cannot translate this request to chat completions: "
+                                  f"{exc.message}", "untranslatable") from exc
+            rewritten = True
+            if self.stream:
+                self.stream_translator = self.translation.StreamTranslator(self.client_payload)
+        self.payload = payload
+        self.injected = self.api.prepare(payload, self.state.flavor)
+        self.capture = self.api.capture(self.injected)
+        return encode(payload) if self.injected.any or rewritten else body
+
+    @property
+    def rewrites_stream(self) -> bool:
+        """Whether stream events must be parsed and rewritten (else relayed as they come)."""
+        return (self.injected.any or self.translation is not None
+                or not self.api.ends_with_done)
 
     @property
     def model(self) -> str | None:
@@ -74,7 +96,7 @@ class ModelCall:
         self.status = status
         self.http_status = error.status
         self.error = error.message
-        return error.response()
+        return error.response(anthropic=self.endpoint.startswith("messages"))
 
     # -- reply side ---------------------------------------------------------------
     def upstream_started(self) -> None:
@@ -91,12 +113,20 @@ class ModelCall:
     def client_view(self, body: bytes, ok: bool) -> bytes:
         """A whole reply: capture it, and return what the client should receive."""
         if not ok:
+            if self.translation is not None:
+                body = self.translation.error_from_chat(self.http_status, body)
             self.client_body = body
             return body
         self.capture.add(body)
-        if self.injected.any:
+        if self.translation is not None:
             try:
-                body = strip_body(body, self.injected)
+                body = encode(self.translation.from_chat(decode_object(body),
+                                                         self.client_payload))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.error = "upstream reply is not JSON: relayed as it came"
+        elif self.injected.any:
+            try:
+                body = self.api.strip_body(body, self.injected)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass  # not the JSON we expected: the client gets it as it came
         self.client_body = body
@@ -105,22 +135,35 @@ class ModelCall:
     def on_event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
         data = event.data
-        if data == b"[DONE]":
+        translator = self.stream_translator
+        if data is None:
+            return event.raw if translator is None else b""
+        if self.api.is_end(data):
             self.done = True
             self.upstream_done()
-            return event.raw
-        if data is None:
-            return event.raw
-        if self.perf_first_content is None:
+            if translator is not None:
+                return b"".join(translator.finish())
+            if data == b"[DONE]":
+                return event.raw
+        elif self.perf_first_content is None:
             self.perf_first_content = time.perf_counter()
         self.capture.add(data)
+        if self.capture.ended and not self.done:  # a terminal event that carries data
+            self.done = True
+            self.upstream_done()
+        if translator is not None:
+            # The translator reads the whole chat chunk (usage too) and writes only the
+            # client's API, so nothing the proxy asked for can reach the client.
+            try:
+                return b"".join(translator.feed(decode_object(data)))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return b""  # capture noted the bad chunk; the client's stream stays valid
         if not self.injected.any:
             return event.raw
         try:
-            chunk = strip_chunk(data, self.injected)
+            return self.api.strip_event(event, self.injected)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
-        return b"" if chunk is None else encode_event(chunk)
 
     # -- record ---------------------------------------------------------------------
     def submit(self) -> None:
@@ -137,10 +180,13 @@ class ModelCall:
         if capture.errors and self.error is None:
             self.error = "; ".join(capture.errors)
         if self.stream and capture.response_id is not None:
-            response = encode(capture.reassembled(with_logprobs=not self.injected.logprobs))
+            reassembled = capture.reassembled(with_logprobs=not self.injected.logprobs)
+            if self.translation is not None:
+                reassembled = self.translation.from_chat(reassembled, self.client_payload)
+            response = encode(reassembled)
         else:
             response = self.client_body
-        usage = capture.usage
+        prompt_tokens, completion_tokens = capture.tokens()
         prompt_ids = capture.prompt_ids
         if prompt_ids is None and self.endpoint == COMPLETIONS:
             prompt_ids = _token_prompt(self.payload.get("prompt"))
@@ -167,8 +213,8 @@ class ModelCall:
             t_first_byte=self.t_first_byte,
             t_end=time.time(),
             upstream_latency=upstream_latency,
-            prompt_tokens=None if usage is None else usage.prompt_tokens,
-            completion_tokens=None if usage is None else usage.completion_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             prompt_ids=prompt_ids,
             choices=choices,
         )

@@ -13,14 +13,11 @@ from proxy.errors import ProxyError, speaks_anthropic, too_large
 from proxy.exposure import check_raw_path, refused
 from proxy.headers import OVERHEAD_HEADER, response_headers, upstream_request_headers
 from proxy.ids import uuid7
-from proxy.inject import CHAT, COMPLETIONS
 from proxy.keys import STATE
+from proxy.routing import Route
 from proxy.sse import SSEParser
 from proxy.upstream import Reply, UpstreamBroken
 
-_ROUTE = {CHAT: "chat_completions", COMPLETIONS: "completions"}
-_CAPTURED = {"/v1/chat/completions": CHAT, "/v1/chat/completions/": CHAT,
-             "/v1/completions": COMPLETIONS, "/v1/completions/": COMPLETIONS}
 _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",
     "upstream_unreachable": "upstream_unreachable",
@@ -39,8 +36,9 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     anthropic = speaks_anthropic(path, request.headers)
     try:
         check_raw_path(request.raw_path)
-        if request.method == "POST" and path in _CAPTURED:
-            return await model_call(request, _CAPTURED[path], path)
+        route = state.routing.route(path, state.flavor) if request.method == "POST" else None
+        if route is not None:
+            return await model_call(request, route, path)
         if request.method in ("GET", "HEAD") and path in _BASE_PATHS:
             # Harnesses probe their base URL (Anthropic's CLI sends HEAD first): answered
             # here, so the episode id in the path never reaches the upstream.
@@ -65,11 +63,10 @@ def _api_path(request: web.Request) -> str:
     return "/v1" if request.path.endswith("/v1") else ""
 
 
-async def model_call(request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+async def model_call(request: web.Request, route: Route, path: str) -> web.StreamResponse:
     state = request.app[STATE]
     metrics = state.metrics
-    call = ModelCall(state, endpoint, uuid7())
-    route = _ROUTE[endpoint]
+    call = ModelCall(state, route, uuid7())
     metrics.inflight.inc()
     try:
         try:
@@ -94,7 +91,8 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
             )
             call.upstream_started()
             target, reply = await state.pool.send(
-                "POST", _with_query(path, request), headers, upstream_body,
+                "POST", _with_query(path if route.translation is None else route.api.path,
+                                    request), headers, upstream_body,
                 episode_id=call.episode_id, model=call.model)
             call.upstream_url = target.base_url
             call.http_status = reply.status
@@ -111,13 +109,11 @@ async def model_call(request: web.Request, endpoint: str, path: str) -> web.Stre
         if call.admitted:
             state.release()
         call.submit()
-        usage = call.capture.usage
-        if usage is not None:
-            state.budgets.spend(call.episode_id,
-                                (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
+        prompt_tokens, completion_tokens = call.capture.tokens()
+        state.budgets.spend(call.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
         # Metrics are bookkeeping: done after the reply is on its way, not before.
         asyncio.get_running_loop().call_soon(
-            _observe, call, route, time.perf_counter() - call.perf_start)
+            _observe, call, route.label, time.perf_counter() - call.perf_start)
 
 
 async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
@@ -145,7 +141,7 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
     response = web.StreamResponse(status=reply.status,
                                   headers=response_headers(reply.headers.items()))
     parser = SSEParser()
-    relay_raw = not call.injected.any
+    relay_raw = not call.rewrites_stream
     sent = False
     try:
         await response.prepare(request)
@@ -277,10 +273,10 @@ def _observe(call: ModelCall, route: str, elapsed: float) -> None:
         child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
     if call.capture.logprobs_missing:
         metrics.logprobs_missing.inc(call.capture.logprobs_missing)
-    usage = call.capture.usage
-    if usage is not None:
+    prompt_tokens, completion_tokens = call.capture.tokens()
+    if prompt_tokens or completion_tokens:
         model = metrics.model(call.capture.model)
-        if usage.prompt_tokens:
-            child(metrics.tokens, "prompt", model).inc(usage.prompt_tokens)
-        if usage.completion_tokens:
-            child(metrics.tokens, "completion", model).inc(usage.completion_tokens)
+        if prompt_tokens:
+            child(metrics.tokens, "prompt", model).inc(prompt_tokens)
+        if completion_tokens:
+            child(metrics.tokens, "completion", model).inc(completion_tokens)

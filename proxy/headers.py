@@ -59,7 +59,9 @@ def _is_episode_key(value: str) -> bool:
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:
+    """The client's key: ``Authorization: Bearer``, Azure's ``api-key`` or Anthropic's
+    ``x-api-key`` (so a minted episode key works from any SDK)."""
     value = headers.get("Authorization")
     if value and value.startswith("Bearer "):
         return value[7:].strip()
-    return headers.get("api-key")
+    return headers.get("api-key") or headers.get("x-api-key")

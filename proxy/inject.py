@@ -23,6 +23,8 @@ class Injected(msgspec.Struct, kw_only=True):
     token_ids: bool = False
     # What the client itself asked for, kept for storage decisions.
     client_top_logprobs: int = 0
+    # Responses echo ``top_logprobs``: null again when the client did not set it.
+    top_logprobs_echo: bool = False
 
     @property
     def any(self) -> bool:

@@ -11,6 +11,8 @@ import msgspec
 
 from proxy.budgets import Budget
 from proxy.exposure import Exposure
+from proxy.model_map import ModelMap
+from proxy.routing import parse_translate
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 
@@ -47,6 +49,8 @@ class Settings(msgspec.Struct, kw_only=True):
     episode_max_calls: int | None = None
     episode_max_tokens: int | None = None
     episode_max_seconds: float | None = None
+    translate: str = "auto"
+    model_map: list[str] = []
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -87,6 +91,8 @@ class Settings(msgspec.Struct, kw_only=True):
                 0 < self.admin_port < 65536 and self.admin_port != self.port):
             raise ValueError(f"--admin-port must be 1-65535 and not --port, got {self.admin_port}")
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
+        ModelMap(self.model_map)
+        parse_translate(self.translate)
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
@@ -180,6 +186,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--allow-path", action="append", default=None, metavar="RULE",
       help="also expose '/path', '/prefix/*' or 'METHOD /path' to agents (repeatable; "
            "TRACETAP_ALLOW_PATH takes a comma-separated list)")
+    a("--translate", default=_env("translate", d.translate),
+      help="which client APIs to translate to chat completions upstream: auto (Messages "
+           "always, Responses unless the upstream is vLLM), none, all, or a list such as "
+           "'responses,messages'")
+    a("--model-map", action="append", default=None, metavar="PATTERN=MODEL",
+      help="send MODEL upstream when a client names a model matching PATTERN, e.g. "
+           "'claude-*=qwen3-8b' (repeatable; TRACETAP_MODEL_MAP takes a comma-separated list)")
     a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
       help="default per-episode budget: model calls")
     a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),
@@ -202,5 +215,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
     if args.allow_path is None:
         args.allow_path = [p.strip() for p in (_env("allow_path") or "").split(",") if p.strip()]
+    if args.model_map is None:
+        args.model_map = [p.strip() for p in (_env("model_map") or "").split(",") if p.strip()]
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
     return Settings(**fields)

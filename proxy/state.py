@@ -10,12 +10,16 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.apis.messages.capture import MessagesApi
+from proxy.apis.responses.capture import ResponsesApi
 from proxy.budgets import Budgets
 from proxy.errors import ProxyError
 from proxy.exposure import Exposure
 from proxy.ids import instance_id
 from proxy.metrics import Metrics
+from proxy.model_map import ModelMap
 from proxy.pool import Pool
+from proxy.routing import Routing
 from proxy.settings import Settings
 from proxy.tagging import Tagger
 from storage.records import CallRecord
@@ -37,6 +41,9 @@ class ProxyState:
         self.admin_token = admin_token
         self.exposure = Exposure(settings.allow_path)
         self.budgets = Budgets(settings.default_budget)
+        self.model_map = ModelMap(settings.model_map)
+        self.routing = Routing(settings.translate, native={
+            "responses": ResponsesApi(), "messages": MessagesApi()})
         self.engine = engine
         self.writer = writer
         self.pool = pool

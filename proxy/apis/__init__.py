@@ -1,0 +1,44 @@
+"""The wire APIs a model call can speak, each behind the same small interface.
+
+An API module knows, for its own request and reply shapes, how to ask the upstream for
+what capture needs (``prepare``), how to take that out again (``strip_body``,
+``strip_event``), when a stream has ended (``is_end``) and how to reassemble a reply
+into choice records (``capture``). A client API the upstream cannot serve token-exact is
+translated to chat completions (``responses/translate.py``, ``messages/translate.py``).
+Handlers and ``ModelCall`` never branch on the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from proxy.inject import Injected
+from proxy.sse import Event
+from storage.records import ChoiceRecord
+
+
+class Reassembly(Protocol):
+    """Accumulates one upstream reply (a body, or stream events)."""
+
+    model: str | None
+    prompt_ids: list[int] | None
+    errors: list[str]
+    logprobs_missing: int
+    ended: bool  # a terminal event (one that carries data) has been seen
+
+    def add(self, data: bytes) -> None: ...
+    def choices(self) -> list[ChoiceRecord]: ...
+    def tokens(self) -> tuple[int | None, int | None]: ...  # prompt, completion usage
+
+
+class WireApi(Protocol):
+    endpoint: str  # stored in calls.endpoint
+    route: str  # the metrics label
+    path: str  # the upstream path, under /v1
+    ends_with_done: bool  # streams end with ``data: [DONE]`` (else with a terminal event)
+
+    def prepare(self, payload: dict[str, Any], flavor: str) -> Injected: ...
+    def strip_body(self, body: bytes, injected: Injected) -> bytes: ...
+    def strip_event(self, event: Event, injected: Injected) -> bytes: ...
+    def is_end(self, data: bytes) -> bool: ...
+    def capture(self, injected: Injected) -> Reassembly: ...

@@ -1,0 +1,122 @@
+"""The Anthropic Messages API, captured natively (``--translate none``).
+
+No engine returns token ids or logprobs for Messages (vLLM ignores those fields there),
+so nothing is asked for and nothing is stripped: the reply is relayed as it came and
+stored as text with ``token_source = none``. Token-exact capture of a Messages harness
+goes through translation to chat completions, the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from proxy.inject import Injected
+from proxy.sse import Event
+from proxy.wire import decode_object
+from storage.records import ChoiceRecord
+
+_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+           "tool_use": "tool_calls"}
+
+
+class MessagesApi:
+    endpoint = "messages"
+    route = "messages"
+    path = "/v1/messages"
+    ends_with_done = False  # the end is an event with data, not [DONE]
+
+    def prepare(self, payload: dict[str, Any], flavor: str) -> Injected:
+        return Injected()
+
+    def strip_body(self, body: bytes, injected: Injected) -> bytes:
+        return body
+
+    def strip_event(self, event: Event, injected: Injected) -> bytes:
+        return event.raw
+
+    def is_end(self, data: bytes) -> bool:
+        return False  # message_stop carries data: see MessagesCapture.ended
+
+    def capture(self, injected: Injected) -> MessagesCapture:
+        return MessagesCapture()
+
+
+class MessagesCapture:
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.response_id: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.errors: list[str] = []
+        self.logprobs_missing = 0
+        self.ended = False
+        self._message: dict[str, Any] | None = None
+        self._blocks: dict[int, dict[str, Any]] = {}
+        self._usage: dict[str, Any] = {}
+        self._stop: str | None = None
+
+    def add(self, data: bytes) -> None:
+        try:
+            event = decode_object(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if len(self.errors) < 5:
+                self.errors.append(f"unparseable upstream data: {exc}")
+            return
+        kind = event.get("type")
+        if kind == "message":  # a whole, non-streamed reply
+            self._start(event)
+            for i, block in enumerate(event.get("content") or ()):
+                self._blocks[i] = dict(block)
+            self._stop = event.get("stop_reason")
+        elif kind == "message_start" and isinstance(event.get("message"), dict):
+            self._start(event["message"])
+        elif kind == "content_block_start":
+            self._blocks[event.get("index", len(self._blocks))] = dict(
+                event.get("content_block") or {})
+        elif kind == "content_block_delta":
+            block = self._blocks.setdefault(event.get("index", 0), {"type": "text", "text": ""})
+            delta = event.get("delta") or {}
+            for key, field in (("text", "text"), ("partial_json", "input_json"),
+                               ("thinking", "thinking")):
+                if key in delta:
+                    block[field] = (block.get(field) or "") + delta[key]
+        elif kind == "message_delta":
+            self._stop = (event.get("delta") or {}).get("stop_reason") or self._stop
+            self._usage.update(event.get("usage") or {})
+        elif kind == "message_stop":
+            self.ended = True
+        elif kind == "error" and len(self.errors) < 5:
+            self.errors.append(f"upstream stream error: {event.get('error')}")
+
+    def _start(self, message: dict[str, Any]) -> None:
+        self._message = message
+        self.response_id = message.get("id") or self.response_id
+        self.model = message.get("model") or self.model
+        self._usage.update(message.get("usage") or {})
+
+    def tokens(self) -> tuple[int | None, int | None]:
+        return self._usage.get("input_tokens"), self._usage.get("output_tokens")
+
+    def choices(self) -> list[ChoiceRecord]:
+        text = "".join(b.get("text") or "" for _, b in sorted(self._blocks.items())
+                       if b.get("type") == "text")
+        self.logprobs_missing = 1 if text else 0
+        return [ChoiceRecord(index=0, finish_reason=_FINISH.get(self._stop or "", self._stop),
+                             text=text or None, completion_ids=None, completion_logprobs=None,
+                             top_logprobs=None, token_source="none")]
+
+    def reassembled(self, *, with_logprobs: bool) -> dict[str, Any]:
+        content = []
+        for _, block in sorted(self._blocks.items()):
+            block = dict(block)
+            if "input_json" in block:
+                try:
+                    block["input"] = msgspec.json.decode(block.pop("input_json"))
+                except msgspec.DecodeError:
+                    block["input"] = {}
+            content.append(block)
+        message = dict(self._message or {"id": self.response_id, "type": "message",
+                                         "role": "assistant", "model": self.model})
+        message.update(content=content, stop_reason=self._stop, usage=self._usage)
+        return message

@@ -1,0 +1,70 @@
+"""Which wire API captures a path: natively, or translated to chat completions.
+
+Token-exact by default: an API is captured natively only where the engine returns
+token ids and logprobs for it. No engine does for Anthropic's Messages (vLLM's
+``/v1/messages`` gives neither), so Messages calls are translated to chat completions
+unless ``--translate none``; Responses calls are native on vLLM (logprobs, and ids with
+``enable_response_messages``) and translated elsewhere.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+from proxy.apis import WireApi
+from proxy.apis.chat import CHAT_API, COMPLETIONS_API
+from proxy.apis.messages import translate as messages_translate
+from proxy.apis.responses import translate as responses_translate
+
+TRANSLATABLE = ("responses", "messages")
+CAPTURED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                  "/v1/responses": "responses", "/v1/messages": "messages"}
+_TRANSLATIONS = {"responses": responses_translate, "messages": messages_translate}
+_NATIVE_FLAVORS = {"responses": ("vllm",), "messages": ()}
+
+
+class Route(NamedTuple):
+    api: WireApi  # what the upstream is spoken to in
+    translation: ModuleType | None  # the client's API ⇄ chat, when translated
+    endpoint: str  # stored in calls.endpoint: the client's API, ":chat" when translated
+    label: str  # the metrics route label
+
+
+def parse_translate(value: str) -> tuple[str, ...] | None:
+    """``auto`` → None (decided per API and flavor); ``none``; ``all``; or a list."""
+    value = value.strip().lower()
+    if value == "auto":
+        return None
+    if value == "none":
+        return ()
+    if value == "all":
+        return TRANSLATABLE
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = set(names) - set(TRANSLATABLE)
+    if unknown or not names:
+        raise ValueError(f"--translate must be auto, none, all or a list of "
+                         f"{', '.join(TRANSLATABLE)}; got {value!r}")
+    return names
+
+
+class Routing:
+    def __init__(self, translate: str, native: dict[str, WireApi]):
+        self.translate = parse_translate(translate)
+        self.native: dict[str, WireApi] = {"chat": CHAT_API, "completions": COMPLETIONS_API,
+                                           **native}
+
+    def route(self, path: str, flavor: str) -> Route | None:
+        """How ``path`` is captured, or None if it is not a captured path."""
+        name = CAPTURED_PATHS.get(path.rstrip("/"))
+        if name is None:
+            return None
+        if name in TRANSLATABLE and self.translates(name, flavor):
+            return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name)
+        api = self.native.get(name)
+        return None if api is None else Route(api, None, api.endpoint, api.route)
+
+    def translates(self, name: str, flavor: str) -> bool:
+        if self.translate is not None:
+            return name in self.translate
+        return flavor not in _NATIVE_FLAVORS[name] or name not in self.native
