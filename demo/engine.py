@@ -25,13 +25,13 @@ import argparse
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from demo import messages, responses
+from demo import messages, responses, sending
 from demo import tokenizer as tok
 from demo.generate import TOP_LOGPROBS_MAX, Completion, Sampling, generate_chat, generate_text
 from demo.wire import (
@@ -171,8 +171,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     turn = ChatTurn(req.messages, req.tools, req.tool_choice)
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
     if req.stream:
-        return await _send_stream(request, req, chat_chunks(shape, prompt_ids, completions))
-    return await _send(request, req, chat_body(shape, prompt_ids, completions))
+        chunks = chat_chunks(shape, prompt_ids, completions)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+    return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -203,8 +204,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = sum(len(p) for p in batch)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
-        return await _send_stream(request, req, chunks)
-    return await _send(request, req, completion_body(shape, results, prompt_tokens))
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+    return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -216,8 +217,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = responses.response_body(shape, prompt_ids, c, sampling.max_tokens)
     if req.stream:
         events = responses.response_events(shape, body, c)
-        return await _send_stream(request, req, events, named=True)
-    return await _send(request, req, body)
+        return await sending.send_stream(request, req, events, config.chunk_delay_s, named=True)
+    return await sending.send_body(request, req, body)
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -230,67 +231,14 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompt_ids, (c,) = _complete(request, req, messages.to_chat(req), sampling)
     if req.stream:
         events = messages.message_events(shape, prompt_ids, c)
-        return await _send_stream(request, req, events, named=True)
-    return await _send(request, req, messages.message_body(shape, prompt_ids, c))
+        return await sending.send_stream(request, req, events, config.chunk_delay_s, named=True)
+    return await sending.send_body(request, req, messages.message_body(shape, prompt_ids, c))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     turn = messages.to_chat(await _parse(request, messages.MessagesRequest))
     count = len(tok.apply_chat_template(turn.messages, turn.tools))
     return _json({"input_tokens": count, "context_management": {"original_input_tokens": count}})
-
-
-# ---- sending, with fault injection ------------------------------------------------------
-
-
-def _abort(request: web.Request) -> None:
-    """Drop the connection mid-body: the client sees a truncated response."""
-    if request.transport is not None:
-        request.transport.close()
-
-
-async def _send(request: web.Request, req: EngineRequest, body: dict) -> web.StreamResponse:
-    data = msgspec.json.encode(body)
-    if req.mock_garbage:
-        return web.Response(body=data[: len(data) // 2], content_type="application/json")
-    if req.mock_fail_after_chunks is None:
-        return web.Response(body=data, content_type="application/json")
-    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-    resp.content_length = len(data)
-    await resp.prepare(request)
-    await resp.write(data[: len(data) // 2])
-    _abort(request)
-    return resp
-
-
-async def _send_stream(
-    request: web.Request, req: EngineRequest, chunks: Iterator[dict], named: bool = False
-) -> web.StreamResponse:
-    """OpenAI-style ``data:`` chunks ending in ``[DONE]``, or, ``named``, events whose
-    ``event:`` line repeats their ``type`` (Responses and Messages streams) and no ``[DONE]``."""
-    delay = request.app[CONFIG].chunk_delay_s
-    delay = delay if req.mock_chunk_delay_s is None else req.mock_chunk_delay_s
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
-    try:
-        for count, chunk in enumerate(chunks):
-            if count == req.mock_fail_after_chunks:
-                _abort(request)
-                return resp
-            head = b"event: " + chunk["type"].encode() + b"\n" if named else b""
-            if req.mock_garbage and count == 2:
-                await resp.write(head + b"data: {this is not json\n\n")
-            await resp.write(head + b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-            if delay > 0:
-                await asyncio.sleep(delay)
-        if not named:
-            await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    except ConnectionResetError:  # the client went away; nothing to clean up
-        pass
-    return resp
 
 
 # ---- other endpoints ---------------------------------------------------------------------

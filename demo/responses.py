@@ -220,19 +220,15 @@ def _text_events(shape: Shape, c: Completion, index: int, item: dict) -> Iterato
     yield {"type": "response.content_part.added", **where, "content_index": 0, "part": part | {
         "text": "", "logprobs": []
     }}
-    pending: list[int] = []  # tokens of a split UTF-8 character travel with its last byte
     for event in c.events:
-        if event.kind != "content":
+        if event.kind != "content" or not event.text:  # vLLM sends no empty deltas either
             continue
-        pending += event.ids
-        if not event.text:
-            continue
-        start = event.start + len(event.ids) - len(pending)
-        logprobs = [] if shape.top_k is None else _logprobs(c, pending, start, shape.top_k, False)
+        logprobs = [] if shape.top_k is None else _logprobs(
+            c, event.ids, event.start, shape.top_k, with_bytes=False
+        )
         yield {"type": "response.output_text.delta", **where, "content_index": 0} | {
             "delta": event.text, "logprobs": logprobs
         }
-        pending = []
     yield {"type": "response.output_text.done", **where, "content_index": 0} | {
         "text": part["text"], "logprobs": []
     }

@@ -260,23 +260,24 @@ def test_responses_tool_loop_matches_the_chat_path_turn_by_turn(
     kinds = []
     for _ in range(4):
         kwargs = {"model": "mock-model", "input": items, "tools": [RESPONSES_TOOL]}
-        kwargs |= LOGPROBS | {"extra_body": IDS | {"seed": 3}}
+        kwargs |= LOGPROBS | {"extra_body": IDS | {"seed": 0}}
         if stream:
             with oai.responses.stream(**kwargs) as events:
                 resp = events.get_final_response()
         else:
             resp = oai.responses.create(**kwargs)
-        ref = chat(oai, messages, [CHAT_TOOL], seed=3)
+        ref = chat(oai, messages, [CHAT_TOOL], seed=0)
         prompt = _extra(resp, "input_messages")[0]["tokens"]
         output = _extra(resp, "output_messages")[0]["tokens"]
         assert prompt == ref["prompt"] and output == ref["ids"]
         assert prompt[: len(previous)] == previous  # the turns merge into one trajectory
         previous = prompt + output
-        kinds.append(resp.output[-1].type)
+        kinds.append([item.type for item in resp.output])
         new_items, new_messages = _next_turn(resp)
         items += new_items
         messages += new_messages
-    assert kinds == ["function_call", "function_call", "message", "message"]
+    # text before a call comes back as a message item that must merge with the call again
+    assert kinds == [["message", "function_call"], ["function_call"], ["message"], ["message"]]
 
 
 def test_responses_bad_requests_get_openai_errors(oai: openai.OpenAI) -> None:
@@ -385,7 +386,7 @@ def test_messages_tool_use_loop_matches_the_chat_path_turn_by_turn(
         assert [(u.id, u.name, u.input) for u in uses] == [
             (c.id, c.function.name, json.loads(c.function.arguments)) for c in ref["calls"]
         ]
-        stops.append(msg.stop_reason)
+        stops.append((msg.stop_reason, [b.type for b in msg.content]))
         turns.append({"role": "assistant", "content": [b.model_dump() for b in msg.content]})
         assistant = {"role": "assistant", "content": ref["content"]}
         messages.append(assistant | ({"tool_calls": [
@@ -399,7 +400,12 @@ def test_messages_tool_use_loop_matches_the_chat_path_turn_by_turn(
         else:
             turns.append({"role": "user", "content": "Thanks. Once more?"})
             messages.append({"role": "user", "content": "Thanks. Once more?"})
-    assert stops == ["tool_use", "tool_use", "end_turn", "end_turn"]
+    assert stops == [
+        ("tool_use", ["text", "tool_use"]),  # text before a call, then a call alone
+        ("tool_use", ["tool_use"]),
+        ("end_turn", ["text"]),
+        ("end_turn", ["text"]),
+    ]
 
 
 def test_messages_beta_path_and_stop_sequences(
