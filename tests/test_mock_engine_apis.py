@@ -175,6 +175,10 @@ def test_responses_stream_reassembles_to_the_non_stream_response(
         events = list(stream)
         final = stream.get_final_response()
     assert _without_ids(final) == _without_ids(whole)
+    with oai.responses.create(stream=True, **kwargs) as raw_events:
+        plain = list(raw_events)
+    assert [e.type for e in plain] == [e.type for e in events]
+    assert _without_ids(plain[-1].response) == _without_ids(whole)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1].type == "response.completed"
@@ -295,21 +299,39 @@ def test_responses_bad_requests_get_openai_errors(oai: openai.OpenAI) -> None:
     assert failed.value.status_code == 503
 
 
-def test_responses_stream_faults(engine: EngineServer) -> None:
-    body = {"model": "m", "input": "Hi", "stream": True}
+@pytest.mark.parametrize(
+    ("path", "body", "first"),
+    [
+        ("/v1/responses", {"model": "m", "input": "Hi"},
+         ["response.created", "response.in_progress", "response.output_item.added"]),
+        ("/v1/messages", {"model": "m", "max_tokens": 50, "messages": [
+            {"role": "user", "content": "Hi"}
+        ]}, ["message_start", "content_block_start", "content_block_delta"]),
+    ],
+    ids=["responses", "messages"],
+)
+def test_stream_faults_cut_or_garble_named_events(
+    engine: EngineServer, path: str, body: dict, first: list[str]
+) -> None:
+    body = body | {"stream": True}
     conn = http.client.HTTPConnection(engine.host, engine.port, timeout=10)
     try:
-        conn.request("POST", "/v1/responses", body=json.dumps(body | {"mock_fail_after_chunks": 3}))
+        conn.request("POST", path, body=json.dumps(body | {"mock_fail_after_chunks": 3}))
         with pytest.raises(http.client.IncompleteRead) as info:
             conn.getresponse().read()
     finally:
         conn.close()
-    assert [name for name, _ in sse_events(info.value.partial)] == [
-        "response.created", "response.in_progress", "response.output_item.added"
-    ]
-    status, data = raw(engine, "/v1/responses", body | {"mock_garbage": True})
+    assert [name for name, _ in sse_events(info.value.partial)] == first
+    status, data = raw(engine, path, body | {"mock_garbage": True})
     assert status == 200
-    assert b"event: response.output_item.added\ndata: {this is not json\n\n" in data
+    assert f"event: {first[2]}\ndata: {{this is not json\n\n".encode() in data
+
+
+def test_responses_max_output_tokens_makes_it_incomplete(oai: openai.OpenAI) -> None:
+    resp = oai.responses.create(model="m", input="Talk.", max_output_tokens=3, extra_body=IDS)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 3 == len(_extra(resp, "output_messages")[0]["tokens"])
+    assert resp.max_output_tokens == 3
 
 
 # ---- Messages -------------------------------------------------------------------------
