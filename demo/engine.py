@@ -1,8 +1,22 @@
-"""HTTP side of the mock engine: vLLM-like /v1 endpoints, streaming and fault injection.
+"""HTTP side of the mock engine: vLLM-like endpoints, streaming and fault injection.
 
-Per-request fault injection (extra body fields, accepted by every flavor): ``mock_delay_s``,
-``mock_chunk_delay_s``, ``mock_fail_after_chunks``, ``mock_status``, ``mock_completion_tokens``,
-``mock_garbage``, ``mock_tool_rounds``.
+Endpoints by flavor. ``vllm`` serves everything a vLLM server does here: chat and legacy
+completions, the OpenAI Responses API (``/v1/responses``) and the Anthropic Messages API
+(``/v1/messages`` and ``/v1/messages/count_tokens``, any query string such as
+``?beta=true``), plus ``/tokenize``, ``/detokenize`` and ``/version``. ``openai`` serves
+what OpenAI's API does: chat, completions and Responses (no Messages: 404), and rejects
+vLLM-only fields such as ``return_token_ids`` or ``enable_response_messages``. ``llamacpp``
+is a chat-only server: chat, completions and ``/tokenize``; ``/v1/responses`` and
+``/v1/messages`` answer 404, which is what a translating proxy has to handle.
+
+Responses and Messages requests are rendered as the equivalent chat conversation first
+(see demo/responses.py and demo/messages.py), so they get the same prompt ids, tokens and
+logprobs as that chat request. Their streams are named SSE events (``event:`` + ``data:``)
+with no ``[DONE]``; their errors use their own API's shape.
+
+Per-request fault injection (extra body fields, accepted by every flavor and endpoint):
+``mock_delay_s``, ``mock_chunk_delay_s``, ``mock_fail_after_chunks`` (events, for named
+streams), ``mock_status``, ``mock_completion_tokens``, ``mock_garbage``, ``mock_tool_rounds``.
 """
 
 from __future__ import annotations
@@ -11,20 +25,23 @@ import argparse
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from demo import messages, responses, sending
 from demo import tokenizer as tok
-from demo.generate import TOP_LOGPROBS_MAX, Sampling, generate_chat, generate_text
+from demo.generate import TOP_LOGPROBS_MAX, Completion, Sampling, generate_chat, generate_text
 from demo.wire import (
     OPENAI_FIELDS,
     ChatRequest,
+    ChatTurn,
     CompletionRequest,
     EngineRequest,
     Flavor,
+    InputError,
     Shape,
     chat_body,
     chat_chunks,
@@ -50,6 +67,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 CONFIG = web.AppKey("engine_config", EngineConfig)
+_OPENAI_FIELDS = OPENAI_FIELDS | {responses.ResponsesRequest: responses.OPENAI_FIELDS}
 
 
 class ApiError(Exception):
@@ -67,9 +85,14 @@ def _json(body: Any, status: int = 200) -> web.Response:
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
+    except InputError as exc:
+        error = ApiError(400, str(exc), exc.param)
     except ApiError as exc:
-        flavor = request.app[CONFIG].flavor
-        return _json(error_body(flavor, exc.status, exc.message, exc.param), exc.status)
+        error = exc
+    if request.path.startswith("/v1/messages"):
+        return _json(messages.error_body(error.status, error.message), error.status)
+    body = error_body(request.app[CONFIG].flavor, error.status, error.message, error.param)
+    return _json(body, error.status)
 
 
 async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
@@ -82,7 +105,7 @@ async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
         raise ApiError(400, "The request body must be a JSON object.")
     if request.app[CONFIG].flavor == "openai":
         for key in raw:
-            if key not in OPENAI_FIELDS[kind] and not key.startswith("mock_"):
+            if key not in _OPENAI_FIELDS[kind] and not key.startswith("mock_"):
                 raise ApiError(400, f"Unrecognized request argument supplied: {key}")
     try:
         req = msgspec.convert(raw, kind)
@@ -97,8 +120,11 @@ async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
     return req
 
 
-def _sampling(req: EngineRequest, max_tokens: int | None, default: int) -> Sampling:
+def _sampling(
+    req: EngineRequest, max_tokens: int | None, default: int, stop: Any = None
+) -> Sampling:
     max_tokens = default if max_tokens is None else max_tokens
+    stop = req.stop if stop is None else stop
     for value, param in (
         (max_tokens, "max_tokens"),
         (req.n, "n"),
@@ -106,16 +132,31 @@ def _sampling(req: EngineRequest, max_tokens: int | None, default: int) -> Sampl
     ):
         if value is not None and value < 1:
             raise ApiError(400, f"{param} must be at least 1, got {value}", param)
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return Sampling(max_tokens, req.seed or 0, stop, req.mock_completion_tokens)
 
 
-def _shape(request: web.Request, req: EngineRequest, prefix: str, top_k: int | None) -> Shape:
+def _shape(
+    request: web.Request, req: EngineRequest, prefix: str, top_k: int | None, param: str
+) -> Shape:
     config = request.app[CONFIG]
     if top_k is not None and not 0 <= top_k <= TOP_LOGPROBS_MAX:
-        raise ApiError(400, f"logprobs must be between 0 and {TOP_LOGPROBS_MAX}", "logprobs")
-    rid = f"{prefix}-{uuid.uuid4().hex}"
+        raise ApiError(400, f"{param} must be between 0 and {TOP_LOGPROBS_MAX}", param)
+    rid = prefix + uuid.uuid4().hex
     return Shape(config.flavor, req, req.model or config.model, rid, int(time.time()), top_k)
+
+
+def _complete(
+    request: web.Request, req: EngineRequest, turn: ChatTurn, sampling: Sampling, n: int = 1
+) -> tuple[list[int], list[Completion]]:
+    """Render the chat turn and generate ``n`` choices: the one path every chat-like API uses."""
+    rounds = request.app[CONFIG].tool_rounds
+    rounds = rounds if req.mock_tool_rounds is None else req.mock_tool_rounds
+    prompt_ids = tok.apply_chat_template(turn.messages, turn.tools)
+    return prompt_ids, [
+        generate_chat(prompt_ids, turn.messages, turn.tools, turn.tool_choice, i, sampling, rounds)
+        for i in range(n)
+    ]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -125,16 +166,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "messages must contain at least one message", "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = _sampling(req, max_tokens, config.max_tokens_default)
-    shape = _shape(request, req, "chatcmpl", (req.top_logprobs or 0) if req.logprobs else None)
-    prompt_ids = tok.apply_chat_template(req.messages, req.tools)
-    rounds = config.tool_rounds if req.mock_tool_rounds is None else req.mock_tool_rounds
-    completions = [
-        generate_chat(prompt_ids, req.messages, req.tools, req.tool_choice, i, sampling, rounds)
-        for i in range(req.n or 1)
-    ]
+    top_k = (req.top_logprobs or 0) if req.logprobs else None
+    shape = _shape(request, req, "chatcmpl-", top_k, "top_logprobs")
+    turn = ChatTurn(req.messages, req.tools, req.tool_choice)
+    prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
     if req.stream:
-        return await _send_stream(request, shape, chat_chunks(shape, prompt_ids, completions))
-    return await _send(request, shape, chat_body(shape, prompt_ids, completions))
+        chunks = chat_chunks(shape, prompt_ids, completions)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+    return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -159,60 +198,47 @@ async def completions(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     req: CompletionRequest = await _parse(request, CompletionRequest)
     sampling = _sampling(req, req.max_tokens, config.max_tokens_default)
-    shape = _shape(request, req, "cmpl", req.logprobs)
+    shape = _shape(request, req, "cmpl-", req.logprobs, "logprobs")
     batch = _prompts(req.prompt)
     results = [(p, generate_text(p, j, sampling)) for p in batch for j in range(req.n or 1)]
     prompt_tokens = sum(len(p) for p in batch)
     if req.stream:
-        return await _send_stream(request, shape, completion_chunks(shape, results, prompt_tokens))
-    return await _send(request, shape, completion_body(shape, results, prompt_tokens))
+        chunks = completion_chunks(shape, results, prompt_tokens)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+    return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
 
 
-# ---- sending, with fault injection ------------------------------------------------------
+async def create_response(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    req: responses.ResponsesRequest = await _parse(request, responses.ResponsesRequest)
+    sampling = _sampling(req, req.max_output_tokens, config.max_tokens_default)
+    shape = _shape(request, req, "resp_", responses.top_k(req), "top_logprobs")
+    prompt_ids, (c,) = _complete(request, req, responses.to_chat(req), sampling)
+    body = responses.response_body(shape, prompt_ids, c, sampling.max_tokens)
+    if req.stream:
+        events = responses.response_events(shape, body, c)
+        return await sending.send_stream(request, req, events, config.chunk_delay_s, named=True)
+    return await sending.send_body(request, req, body)
 
 
-def _abort(request: web.Request) -> None:
-    """Drop the connection mid-body: the client sees a truncated response."""
-    if request.transport is not None:
-        request.transport.close()
+async def create_message(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    req: messages.MessagesRequest = await _parse(request, messages.MessagesRequest)
+    if req.max_tokens is None:
+        raise ApiError(400, "max_tokens: Field required", "max_tokens")
+    sampling = _sampling(req, req.max_tokens, config.max_tokens_default, req.stop_sequences)
+    shape = _shape(request, req, "chatcmpl-", None, "")
+    prompt_ids, (c,) = _complete(request, req, messages.to_chat(req), sampling)
+    if req.stream:
+        events = messages.message_events(shape, prompt_ids, c)
+        return await sending.send_stream(request, req, events, config.chunk_delay_s, named=True)
+    return await sending.send_body(request, req, messages.message_body(shape, prompt_ids, c))
 
 
-async def _send(request: web.Request, shape: Shape, body: dict) -> web.StreamResponse:
-    data = msgspec.json.encode(body)
-    if shape.req.mock_garbage:
-        return web.Response(body=data[: len(data) // 2], content_type="application/json")
-    if shape.req.mock_fail_after_chunks is None:
-        return web.Response(body=data, content_type="application/json")
-    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-    resp.content_length = len(data)
-    await resp.prepare(request)
-    await resp.write(data[: len(data) // 2])
-    _abort(request)
-    return resp
-
-
-async def _send_stream(request: web.Request, shape: Shape, chunks: Iterator[dict]) -> Any:
-    req, delay = shape.req, request.app[CONFIG].chunk_delay_s
-    delay = delay if req.mock_chunk_delay_s is None else req.mock_chunk_delay_s
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
-    try:
-        for count, chunk in enumerate(chunks):
-            if count == req.mock_fail_after_chunks:
-                _abort(request)
-                return resp
-            if req.mock_garbage and count == 2:
-                await resp.write(b"data: {this is not json\n\n")
-            await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-            if delay > 0:
-                await asyncio.sleep(delay)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    except ConnectionResetError:  # the client went away; nothing to clean up
-        pass
-    return resp
+async def count_tokens(request: web.Request) -> web.Response:
+    turn = messages.to_chat(await _parse(request, messages.MessagesRequest))
+    count = len(tok.apply_chat_template(turn.messages, turn.tools))
+    return _json({"input_tokens": count, "context_management": {"original_input_tokens": count}})
 
 
 # ---- other endpoints ---------------------------------------------------------------------
@@ -270,7 +296,11 @@ def make_engine_app(config: EngineConfig | None = None) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    if config.flavor != "llamacpp":
+        app.router.add_post("/v1/responses", create_response)
     if config.flavor == "vllm":
+        app.router.add_post("/v1/messages", create_message)
+        app.router.add_post("/v1/messages/count_tokens", count_tokens)
         app.router.add_get("/version", version)
         app.router.add_post("/detokenize", detokenize)
     if config.flavor != "openai":

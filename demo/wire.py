@@ -84,6 +84,23 @@ def error_body(flavor: Flavor, status: int, message: str, param: str | None = No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class InputError(ValueError):
+    """A request the mock cannot render as a chat conversation: a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A Responses or Messages request as the equivalent chat-completions conversation."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any
+
+
 @dataclass
 class Shape:
     """Per-request decisions about what the response carries."""
