@@ -525,7 +525,7 @@ class StreamTranslator:
             return []
         parsed: Chunk = read_chunk(chunk)
         if parsed.error is not None:
-            return self.error_event(parsed.error)
+            return [self.error_event(parsed.error)]
         out = self._start(parsed.created)
         if parsed.usage is not None:
             self._usage = parsed.usage
@@ -555,10 +555,10 @@ class StreamTranslator:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*out, self._event(kind, {"response": response})]
 
-    def error_event(self, message: str) -> list[bytes]:
+    def error_event(self, message: str) -> bytes:
         """The stream broke: an ``error`` event and ``response.failed``; nothing after."""
         if self._closed:
-            return []
+            return b""
         out = self._start(None)
         self._closed = True
         error = {"message": message, "code": "server_error", "param": None}
@@ -568,7 +568,7 @@ class StreamTranslator:
         response["output"] = [item for item in response["output"]
                               if item.get("status") != "in_progress"]
         out.append(self._event("response.failed", {"response": response}))
-        return out
+        return b"".join(out)
 
     # -- events
 
