@@ -143,7 +143,8 @@ class _History:
                 "no chat-completions equivalent", f"{param}.type")
 
     def _message(self, item: dict[str, Any], param: str) -> None:
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        role = item.get("role")
+        role = _ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise Untranslatable(f"`{param}.role` must be one of {sorted(_ROLES)}",
                                  f"{param}.role")
@@ -547,7 +548,7 @@ class StreamTranslator:
         status, incomplete = _status(self._finish)
         last = "incomplete" if incomplete is not None else "completed"
         if not any(item["type"] in ("message", "function_call") for item in self._output):
-            out += self._close(last)
+            out += self._close("completed")
             out += self._open_message()
         out += self._close(last)
         self._closed = True
