@@ -22,7 +22,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import asyncpg
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -31,6 +33,7 @@ from proxy.admin_token import read_admin_token
 from proxy.app import build_app
 from proxy.keys import STATE
 from proxy.settings import Settings
+from proxy.sse import SSEParser
 from storage import queries
 from storage.engine import create_engine, upgrade
 
@@ -363,3 +366,69 @@ def serve_app(loop_thread) -> Iterator:
     yield start
     for runner in runners:
         loop_thread.run(runner.cleanup())
+
+
+def translating_app(api, upstream: str, *, model_map=None, sent: list | None = None):
+    """A minimal translating server around one ``proxy.apis.*.translate`` module: the
+    client's API in, chat completions to ``upstream``, the client's API back (tests only;
+    the proxy wires translation itself). Chat requests sent upstream go to ``sent``."""
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        try:
+            chat = api.to_chat(body, model_map=model_map)
+        except api.Untranslatable as exc:
+            return web.Response(status=400, body=api.untranslatable_error(exc),
+                                content_type="application/json")
+        if sent is not None:
+            sent.append(chat)
+        async with aiohttp.ClientSession() as session, session.post(
+                upstream + "/v1/chat/completions", json=chat) as up:
+            if up.status != 200:
+                return web.Response(status=up.status, content_type="application/json",
+                                    body=api.error_from_chat(up.status, await up.read()))
+            if not chat.get("stream"):
+                return web.json_response(api.from_chat(await up.json(), body))
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            translator, parser, done = api.StreamTranslator(body), SSEParser(), False
+            async for data in up.content.iter_any():
+                for event in parser.feed(data):
+                    if event.data == b"[DONE]":
+                        events, done = translator.finish(), True
+                    elif event.data is not None:
+                        events = translator.feed(msgspec.json.decode(event.data))
+                    else:
+                        events = []
+                    for encoded in events:
+                        await out.write(encoded)
+            if not done:
+                await out.write(translator.error_event("upstream stream ended early"))
+            await out.write_eof()
+            return out
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", handle)
+    app.router.add_post("/v1/messages", handle)
+    return app
+
+
+def scripted_chat_app(reply) -> web.Application:
+    """A chat-completions upstream that answers every request with ``reply``: a list of
+    stream chunks (sent as SSE, then [DONE]), a whole body (dict), or (status, bytes)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if isinstance(reply, tuple):
+            return web.Response(status=reply[0], body=reply[1])
+        if isinstance(reply, dict):
+            return web.json_response(reply)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for chunk in reply:
+            await out.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app

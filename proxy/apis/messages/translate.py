@@ -1,0 +1,518 @@
+"""Anthropic Messages API ⇄ chat completions, for upstreams that lack ``/v1/messages``
+or cannot give token ids and logprobs for it.
+
+``to_chat`` turns a Messages request into a chat-completions request, ``from_chat`` a
+whole chat reply into a ``message`` object, and ``StreamTranslator`` a chat stream into
+the Messages event stream. What is translated, dropped and rejected is listed in
+docs/translation.md; anything without a faithful chat equivalent raises ``Untranslatable``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
+from proxy.apis.chat_request import (
+    ModelMap,
+    as_list,
+    as_object,
+    as_str,
+    chat_content,
+    encode_arguments,
+    image_part,
+    mapped_model,
+    optional_bool,
+    optional_int,
+    optional_number,
+    text_part,
+)
+from proxy.apis.translate_errors import Untranslatable, read_upstream_error
+from proxy.apis.wire_out import new_id, sse_event
+
+__all__ = ["StreamTranslator", "Untranslatable", "error_from_chat", "from_chat", "to_chat",
+           "untranslatable_error"]
+
+_SERVER_SIDE = {
+    "container": "names a code-execution container on Anthropic's servers",
+    "mcp_servers": "asks Anthropic's servers to call MCP servers",
+    "context_management": "asks the server to edit the context between turns",
+}
+_FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+           "function_call": "tool_use", "content_filter": "refusal"}
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 402: "billing_error", 403: "permission_error", 404: "not_found_error",
+                 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
+                 529: "overloaded_error"}
+
+
+# ---- request -----------------------------------------------------------------------------
+
+
+def to_chat(request: dict, *, model_map: ModelMap | None = None) -> dict:
+    """A Messages request body → a chat-completions request body."""
+    req = as_object(request, None, "the request body")
+    for key, why in _SERVER_SIDE.items():
+        if req.get(key) is not None:
+            raise Untranslatable(f"`{key}` {why}; a chat-completions upstream cannot", key)
+    chat: dict[str, Any] = {}
+    model = mapped_model(req, model_map)
+    if model is not None:
+        chat["model"] = model
+    messages: list[dict[str, Any]] = []
+    if req.get("system") is not None:
+        messages.append({"role": "system", "content": _system(req["system"])})
+    turns = as_list(req.get("messages"), "messages")
+    for i, turn in enumerate(turns):
+        messages.extend(_turn(as_object(turn, f"messages[{i}]", f"`messages[{i}]`"),
+                              f"messages[{i}]"))
+    chat["messages"] = messages
+    if turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
+        # A final assistant turn is a prefill the reply continues (vLLM/SGLang options;
+        # llama.cpp continues a final assistant message by itself).
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
+    if req.get("tools") is not None:
+        tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(as_list(req["tools"], "tools"))]
+        if tools:
+            chat["tools"] = tools
+    if req.get("tool_choice") is not None:
+        _tool_choice(as_object(req["tool_choice"], "tool_choice", "`tool_choice`"), chat)
+    if optional_int(req, "max_tokens") is not None:
+        chat["max_tokens"] = req["max_tokens"]
+    for key in ("temperature", "top_p"):
+        if optional_number(req, key) is not None:
+            chat[key] = req[key]
+    if optional_int(req, "top_k") is not None:
+        chat["top_k"] = req["top_k"]  # vLLM, SGLang and llama.cpp accept it on chat too
+    if req.get("stop_sequences") is not None:
+        stops = as_list(req["stop_sequences"], "stop_sequences")
+        chat["stop"] = [as_str(s, f"stop_sequences[{i}]") for i, s in enumerate(stops)]
+    if req.get("output_format") is not None:
+        chat["response_format"] = _output_format(req["output_format"])
+    if optional_bool(req, "stream"):
+        chat["stream"] = True
+        # message_delta reports usage; a chat stream does only when asked.
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _system(value: Any) -> str | list[dict[str, Any]]:
+    if isinstance(value, str):
+        return value
+    parts = []
+    for i, block in enumerate(as_list(value, "system")):
+        block = as_object(block, f"system[{i}]", f"`system[{i}]`")
+        if block.get("type") != "text":
+            raise Untranslatable(f"`system[{i}]`: only text blocks can be translated",
+                                 f"system[{i}].type")
+        parts.append(text_part(as_str(block.get("text"), f"system[{i}].text")))
+    return chat_content(parts)
+
+
+def _turn(turn: dict[str, Any], param: str) -> list[dict[str, Any]]:
+    role = turn.get("role")
+    content = turn.get("content")
+    if role == "user":
+        return _user(content, param)
+    if role == "assistant":
+        return [_assistant(content, param)]
+    raise Untranslatable(f"`{param}.role` must be user or assistant", f"{param}.role")
+
+
+def _user(content: Any, param: str) -> list[dict[str, Any]]:
+    """A user turn → tool messages for its tool_result blocks, user messages for the rest,
+    in their order (Anthropic puts tool results first, as chat needs them)."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    messages: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(as_list(content, f"{param}.content")):
+        where = f"{param}.content[{j}]"
+        block = as_object(block, where, f"`{where}`")
+        kind = block.get("type")
+        if kind == "tool_result":
+            if parts:
+                messages.append({"role": "user", "content": chat_content(parts)})
+                parts = []
+            messages.append({
+                "role": "tool",
+                "tool_call_id": as_str(block.get("tool_use_id"), f"{where}.tool_use_id"),
+                "content": _tool_result(block.get("content"), f"{where}.content"),
+            })
+        else:
+            parts.append(_part(block, where, images=True))
+    if parts or not messages:
+        messages.append({"role": "user", "content": chat_content(parts)})
+    return messages
+
+
+def _assistant(content: Any, param: str) -> dict[str, Any]:
+    """An assistant turn → one chat assistant message: text, tool_calls, and the thinking
+    text as ``reasoning_content`` (the engine's template renders or drops it)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    thinking: list[str] = []
+    for j, block in enumerate(as_list(content, f"{param}.content")):
+        where = f"{param}.content[{j}]"
+        block = as_object(block, where, f"`{where}`")
+        kind = block.get("type")
+        if kind == "tool_use":
+            name = as_str(block.get("name"), f"{where}.name")
+            arguments = encode_arguments(
+                as_object(block.get("input"), f"{where}.input", f"`{where}.input`"),
+                f"{where}.input")
+            calls.append({"id": as_str(block.get("id"), f"{where}.id"), "type": "function",
+                          "function": {"name": name, "arguments": arguments}})
+        elif kind == "thinking":
+            thinking.append(as_str(block.get("thinking"), f"{where}.thinking"))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: no engine can read it (docs/translation.md)
+        else:
+            parts.append(_part(block, where, images=False))
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": chat_content(parts) if parts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = "\n\n".join(thinking)
+    return message
+
+
+def _part(block: dict[str, Any], where: str, *, images: bool) -> dict[str, Any]:
+    kind = block.get("type")
+    if kind == "text":
+        return text_part(as_str(block.get("text"), f"{where}.text"))
+    if kind == "image" and images:
+        return image_part(_image_url(block, where))
+    if kind == "image":
+        raise Untranslatable(f"`{where}`: chat completions accept images only in user messages",
+                             f"{where}.type")
+    raise Untranslatable(f"`{where}`: content block type {kind!r} has no chat-completions "
+                         "equivalent", f"{where}.type")
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    source = as_object(block.get("source"), f"{where}.source", f"`{where}.source`")
+    kind = source.get("type")
+    if kind == "base64":
+        media = as_str(source.get("media_type"), f"{where}.source.media_type")
+        return f"data:{media};base64,{as_str(source.get('data'), f'{where}.source.data')}"
+    if kind == "url":
+        return as_str(source.get("url"), f"{where}.source.url")
+    raise Untranslatable(f"`{where}.source`: image source {kind!r} cannot be translated (only "
+                         "base64 and url; a file id refers to Anthropic's file storage)",
+                         f"{where}.source.type")
+
+
+def _tool_result(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content; ``is_error`` has no chat equivalent (the text stays)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, block in enumerate(as_list(content, param)):
+        where = f"{param}[{j}]"
+        block = as_object(block, where, f"`{where}`")
+        if block.get("type") != "text":
+            raise Untranslatable(f"`{where}`: a tool result can be translated only with text "
+                                 f"content (chat tool messages carry text), not "
+                                 f"{block.get('type')!r}", f"{where}.type")
+        parts.append(text_part(as_str(block.get("text"), f"{where}.text")))
+    return chat_content(parts)
+
+
+def _tool(value: Any, param: str) -> dict[str, Any]:
+    tool = as_object(value, param, f"`{param}`")
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise Untranslatable(
+            f"`{param}`: tool type {kind!r} is an Anthropic-defined tool (its schema and, for "
+            "server tools, its execution live at Anthropic); only custom tools with an "
+            "input_schema can be translated", f"{param}.type")
+    function: dict[str, Any] = {"name": as_str(tool.get("name"), f"{param}.name")}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("input_schema") is not None:
+        function["parameters"] = tool["input_schema"]
+    if isinstance(tool.get("strict"), bool):
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: dict[str, Any], chat: dict[str, Any]) -> None:
+    kind = choice.get("type")
+    if kind == "auto":
+        chat["tool_choice"] = "auto"
+    elif kind == "any":
+        chat["tool_choice"] = "required"
+    elif kind == "none":
+        chat["tool_choice"] = "none"
+    elif kind == "tool":
+        name = as_str(choice.get("name"), "tool_choice.name")
+        chat["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        raise Untranslatable(f"`tool_choice.type` {kind!r} is not one of auto, any, tool, none",
+                             "tool_choice.type")
+    if choice.get("disable_parallel_tool_use") is True:
+        chat["parallel_tool_calls"] = False
+
+
+def _output_format(value: Any) -> dict[str, Any]:
+    fmt = as_object(value, "output_format", "`output_format`")
+    if fmt.get("type") != "json_schema":
+        raise Untranslatable("`output_format.type` must be json_schema", "output_format.type")
+    schema = as_object(fmt.get("schema"), "output_format.schema", "`output_format.schema`")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+# ---- reply -------------------------------------------------------------------------------
+
+
+def from_chat(chat: dict, request: dict, *, response_id: str | None = None) -> dict:
+    """A whole chat-completions reply → a Messages ``message`` object."""
+    req = request if isinstance(request, dict) else {}
+    reply = read_reply(chat)
+    message_id = response_id or new_id("msg")
+    content: list[dict[str, Any]] = []
+    if reply.reasoning:
+        content.append(_thinking_block(reply.reasoning))
+    if reply.text:
+        content.append({"type": "text", "text": reply.text})
+    for n, call in enumerate(reply.tool_calls):
+        content.append({"type": "tool_use", "id": call.id or _tool_use_id(message_id, n),
+                        "name": call.name or "", "input": _input(call.arguments)})
+    stop_reason, stop_sequence = _stop(reply.finish_reason, reply.stop_reason,
+                                       bool(reply.tool_calls), req)
+    message = _message(req, message_id, content, _usage(reply.usage))
+    message["stop_reason"], message["stop_sequence"] = stop_reason, stop_sequence
+    return message
+
+
+def _message(req: dict[str, Any], message_id: str, content: list[dict[str, Any]],
+             usage: dict[str, Any]) -> dict[str, Any]:
+    model = req.get("model")
+    return {"id": message_id, "type": "message", "role": "assistant",
+            "model": model if isinstance(model, str) else "", "content": content,
+            "stop_reason": None, "stop_sequence": None, "usage": usage}
+
+
+def _thinking_block(text: str) -> dict[str, Any]:
+    # No signature: the engine's reasoning is plain text; sent back, it is read as such.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def _tool_use_id(message_id: str, n: int) -> str:
+    return f"toolu_{message_id.removeprefix('msg_')}_{n}"
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """Tool-call arguments as the input object; text that is not a JSON object reads as
+    ``{}`` (the stored chat call keeps the model's exact text)."""
+    try:
+        value = msgspec.json.decode(arguments) if arguments.strip() else {}
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _stop(finish: str | None, matched: Any, tool_calls: bool,
+          req: dict[str, Any]) -> tuple[str, str | None]:
+    stops = req.get("stop_sequences")
+    if finish == "stop" and isinstance(matched, str) and isinstance(stops, list) and (
+            matched in stops):
+        return "stop_sequence", matched
+    if tool_calls and finish != "length":
+        return "tool_use", None
+    return _FINISH.get(finish or "stop", "end_turn"), None
+
+
+def _usage(usage: Usage | None) -> dict[str, Any]:
+    """Anthropic counts cache reads apart from input_tokens; chat includes them."""
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    out = {"input_tokens": usage.prompt - (usage.cached or 0), "output_tokens": usage.completion}
+    if usage.cached is not None:
+        out["cache_read_input_tokens"] = usage.cached
+    return out
+
+
+# ---- stream ------------------------------------------------------------------------------
+
+
+class _Block(msgspec.Struct, kw_only=True):
+    kind: str  # thinking | text | tool_use
+    index: int  # content block index; -1 for a tool call not yet started (no name yet)
+    tool: int | None = None  # the chat tool-call index
+
+
+class _Tool(msgspec.Struct, kw_only=True):
+    id: str | None
+    name: str | None
+    arguments: list[str]
+    index: int | None = None  # content block index, once started
+
+
+class StreamTranslator:
+    """A chat-completions stream → the Messages event stream, chunk by chunk.
+
+    Blocks follow the chat stream's order (thinking, text, tool calls); a change of kind
+    stops the open block.
+    """
+
+    def __init__(self, request: dict, *, response_id: str | None = None):
+        self._req = request if isinstance(request, dict) else {}
+        self._id = response_id or new_id("msg")
+        self._started = False
+        self._closed = False
+        self._blocks = 0
+        self._open: _Block | None = None
+        self._tools: dict[int, _Tool] = {}
+        self._finish: str | None = None
+        self._matched: Any = None
+        self._usage: Usage | None = None
+
+    def feed(self, chunk: dict) -> list[bytes]:
+        """One decoded chat stream chunk → zero or more Messages SSE events."""
+        if self._closed:
+            return []
+        parsed: Chunk = read_chunk(chunk)
+        if parsed.error is not None:
+            return [self.error_event(parsed.error)]
+        if parsed.usage is not None:
+            self._usage = parsed.usage
+        out = self._start()
+        if parsed.reasoning:
+            out += self._delta("thinking", {"type": "thinking_delta",
+                                            "thinking": parsed.reasoning})
+        if parsed.text:
+            out += self._delta("text", {"type": "text_delta", "text": parsed.text})
+        for delta in parsed.tools:
+            out += self._tool_delta(delta)
+        if parsed.finish_reason is not None:
+            self._finish, self._matched = parsed.finish_reason, parsed.stop_reason
+        return out
+
+    def finish(self) -> list[bytes]:
+        """The chat stream ended ([DONE]): stop the open block, then message_delta and
+        message_stop."""
+        if self._closed:
+            return []
+        out = self._start()
+        out += self._stop_block()
+        self._closed = True
+        stop_reason, stop_sequence = _stop(self._finish, self._matched, bool(self._tools),
+                                           self._req)
+        usage = _usage(self._usage)
+        out.append(sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": usage}))
+        out.append(sse_event("message_stop", {"type": "message_stop"}))
+        return out
+
+    def error_event(self, message: str) -> bytes:
+        """The stream broke: an ``error`` event; nothing is sent after it."""
+        if self._closed:
+            return b""
+        self._closed = True
+        return sse_event("error", {"type": "error",
+                                   "error": {"type": "api_error", "message": message}})
+
+    # -- events
+
+    def _start(self) -> list[bytes]:
+        if self._started:
+            return []
+        self._started = True
+        # input_tokens is known only when the upstream reports usage (at the end, in
+        # message_delta, unless a chunk already carried it).
+        usage = {"input_tokens": self._usage.prompt - (self._usage.cached or 0)
+                 if self._usage is not None else 0, "output_tokens": 0}
+        message = _message(self._req, self._id, [], usage)
+        return [sse_event("message_start", {"type": "message_start", "message": message})]
+
+    def _begin(self, kind: str, block: dict[str, Any], tool: int | None = None) -> bytes:
+        self._open = _Block(kind=kind, index=self._blocks, tool=tool)
+        self._blocks += 1
+        return sse_event("content_block_start", {"type": "content_block_start",
+                                                 "index": self._open.index,
+                                                 "content_block": block})
+
+    def _delta(self, kind: str, delta: dict[str, Any]) -> list[bytes]:
+        out = []
+        if self._open is None or self._open.kind != kind:
+            out += self._stop_block()
+            start = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+            out.append(self._begin(kind, start))
+        out.append(self._block_delta(self._open.index, delta))  # type: ignore[union-attr]
+        return out
+
+    @staticmethod
+    def _block_delta(index: int, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta",
+                         {"type": "content_block_delta", "index": index, "delta": delta})
+
+    def _tool_delta(self, delta: ToolDelta) -> list[bytes]:
+        out = []
+        tool = self._tools.get(delta.index)
+        if tool is None:
+            out += self._stop_block()
+            tool = self._tools[delta.index] = _Tool(id=delta.id, name=delta.name, arguments=[])
+            self._open = _Block(kind="tool_use", index=-1, tool=delta.index)
+        elif tool.index is None:
+            tool.id, tool.name = tool.id or delta.id, tool.name or delta.name
+        if tool.index is None:
+            tool.arguments.append(delta.arguments)
+            if tool.name is not None:  # engines send id and name first; wait for the name
+                out += self._start_tool(delta.index)
+        elif delta.arguments:
+            # A late delta for an earlier call still goes to its block index.
+            out.append(self._block_delta(tool.index, {"type": "input_json_delta",
+                                                      "partial_json": delta.arguments}))
+        return out
+
+    def _start_tool(self, chat_index: int) -> list[bytes]:
+        tool = self._tools[chat_index]
+        tool.index = self._blocks
+        block = {"type": "tool_use", "id": tool.id or _tool_use_id(self._id, chat_index),
+                 "name": tool.name or "", "input": {}}
+        out = [self._begin("tool_use", block, chat_index)]
+        buffered = "".join(tool.arguments)
+        if buffered:
+            out.append(self._block_delta(tool.index, {"type": "input_json_delta",
+                                                      "partial_json": buffered}))
+        return out
+
+    def _stop_block(self) -> list[bytes]:
+        opened, self._open = self._open, None
+        if opened is None:
+            return []
+        if opened.index < 0:  # a tool call whose name never came: start it now
+            return [*self._start_tool(opened.tool), *self._stop_block()]  # type: ignore[arg-type]
+        return [sse_event("content_block_stop",
+                          {"type": "content_block_stop", "index": opened.index})]
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def error_from_chat(status: int, body: bytes) -> bytes:
+    """An upstream chat error body (any shape) → an Anthropic error body; never raises."""
+    error = read_upstream_error(status, body)
+    kind = _STATUS_TYPES.get(status) or ("api_error" if status >= 500 or status < 400
+                                         else "invalid_request_error")
+    return msgspec.json.encode({"type": "error", "error": {"type": kind,
+                                                           "message": error.message}})
+
+
+def untranslatable_error(exc: Untranslatable) -> bytes:
+    """The 400 body for a request that cannot be translated."""
+    return msgspec.json.encode({"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": f"cannot translate this Messages request to chat completions: {exc.message}",
+    }})

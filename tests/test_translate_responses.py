@@ -1,0 +1,553 @@
+"""OpenAI Responses API ⇄ chat completions: requests, whole replies, streams and errors,
+checked against the real ``openai`` SDK types and stream parsers."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from conftest import scripted_chat_app, translating_app
+from demo import tokenizer as tok
+from proxy.apis.responses import translate as api
+from proxy.apis.responses.translate import (
+    StreamTranslator,
+    Untranslatable,
+    error_from_chat,
+    from_chat,
+    to_chat,
+    untranslatable_error,
+)
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+TOOL = {"type": "function", "name": "lookup", "description": "Look a thing up",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+
+
+def decode_events(raw: list[bytes]) -> list[dict]:
+    """SSE bytes → event payloads, checking each event's name against its type."""
+    out = []
+    for event in b"".join(raw).split(b"\n\n")[:-1]:
+        name, data = event.split(b"\n")
+        assert name.startswith(b"event: ") and data.startswith(b"data: ")
+        payload = json.loads(data[6:])
+        assert payload["type"] == name[7:].decode()
+        EVENTS.validate_python(payload)
+        out.append(payload)
+    return out
+
+
+def chat_reply(text=None, reasoning=None, calls=(), finish="stop", usage=None, **choice):
+    message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+            for cid, name, args in calls]
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000,
+            "model": "m", "choices": [{"index": 0, "message": message,
+                                       "finish_reason": finish, **choice}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def stream_chunks(text=None, reasoning=None, calls=(), finish="stop", usage=None,
+                  pieces=3) -> list[dict]:
+    """The chunks a chat server streams for ``chat_reply(...)``, split into ``pieces``."""
+
+    def split(s: str) -> list[str]:
+        size = max(1, -(-len(s) // pieces))
+        return [s[i:i + size] for i in range(0, len(s), size)] or [""]
+
+    def chunk(delta=None, finish_reason=None, **extra):
+        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish_reason}
+        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
+                "model": "m", "choices": [choice], **extra}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"reasoning_content": p}) for p in split(reasoning)] if reasoning else []
+    out += [chunk({"content": p}) for p in split(text)] if text else []
+    for index, (cid, name, args) in enumerate(calls):
+        out.append(chunk({"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                          "function": {"name": name, "arguments": ""}}]}))
+        out += [chunk({"tool_calls": [{"index": index, "function": {"arguments": p}}]})
+                for p in split(args) if p]
+    out.append(chunk(finish_reason=finish))
+    if usage is not None:
+        out.append({**chunk(), "choices": [], "usage": usage})
+    return out
+
+
+def run_stream(request: dict, chunks: list[dict], response_id="resp_t") -> list[dict]:
+    translator = StreamTranslator(request, response_id=response_id)
+    raw = [event for c in chunks for event in translator.feed(c)] + translator.finish()
+    return decode_events(raw)
+
+
+def sdk_final(request: dict, events: list[dict]) -> Response:
+    """The openai SDK's own stream accumulator over our events."""
+    state = ResponseStreamState(input_tools=request.get("tools") or [], text_format=openai.omit)
+    for payload in events:
+        state.handle_event(EVENTS.validate_python(payload))
+    assert state._completed_response is not None
+    return state._completed_response
+
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+         "prompt_tokens_details": {"cached_tokens": 4},
+         "completion_tokens_details": {"reasoning_tokens": 3}}
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def test_string_input_instructions_and_sampling():
+    chat = to_chat({"model": "gpt-x", "instructions": "Be brief.", "input": "Hi",
+                    "max_output_tokens": 50, "temperature": 0.2, "top_p": 0.9,
+                    "parallel_tool_calls": False, "user": "u1", "store": False,
+                    "metadata": {"k": "v"}, "truncation": "auto", "service_tier": "auto"},
+                   model_map=lambda name: {"gpt-x": "qwen3-8b"}[name])
+    assert chat == {"model": "qwen3-8b",
+                    "messages": [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"}],
+                    "max_tokens": 50, "temperature": 0.2, "top_p": 0.9,
+                    "parallel_tool_calls": False, "user": "u1"}
+
+
+def test_message_items_roles_and_content_parts():
+    chat = to_chat({"input": [
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "A pixel.", "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
+    ]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Rules."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA",
+                                                "detail": "low"}}]},
+        {"role": "assistant", "content": "A pixel."},
+        {"role": "user", "content": "Thanks"},
+    ]
+
+
+def test_tools_choice_format_reasoning_and_stream_options():
+    chat = to_chat({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function",
+                                                                    "name": "lookup"},
+                    "text": {"format": {"type": "json_schema", "name": "out",
+                                        "schema": {"type": "object"}, "strict": True},
+                             "verbosity": "low"},
+                    "reasoning": {"effort": "high", "summary": "auto"},
+                    "include": ["reasoning.encrypted_content"], "stream": True})
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "lookup", "description": "Look a thing up", "parameters": TOOL["parameters"]}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "out", "schema": {"type": "object"}, "strict": True}}
+    assert chat["reasoning_effort"] == "high"
+    assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
+    assert "logprobs" not in chat  # capture adds its own; only a client's ask is translated
+    for choice in ("auto", "none", "required"):
+        assert to_chat({"input": "x", "tool_choice": choice})["tool_choice"] == choice
+    assert "reasoning_effort" not in to_chat({"input": "x", "reasoning": {"effort": "minimal"}})
+
+
+def test_client_requested_logprobs_are_translated():
+    chat = to_chat({"input": "x", "include": ["message.output_text.logprobs"],
+                    "top_logprobs": 3})
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 3
+
+
+def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept():
+    chat = to_chat({"input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}],
+         "content": [{"type": "reasoning_text", "text": "Two cities."}]},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"q":"P"}'},
+        {"type": "function_call", "call_id": "c2", "name": "lookup", "arguments": '{"q":"R"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "rain"}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "gAAAA..."},
+        {"type": "function_call", "call_id": "c3", "name": "lookup", "arguments": "{}"},
+    ]})
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two cities.",
+         "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "lookup",
+                                                           "arguments": '{"q":"P"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "lookup",
+                                                           "arguments": '{"q":"R"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c3", "type": "function", "function": {"name": "lookup",
+                                                          "arguments": "{}"}}]},
+    ]
+
+
+@pytest.mark.parametrize(("request_body", "param", "words"), [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stored"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "template"),
+    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls", "enforced"),
+    ({"input": "x", "tools": [TOOL, {"type": "web_search"}]}, "tools[1].type", "hosted"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]},
+     "tools[0].type", "hosted"),
+    ({"input": "x", "tools": [{"type": "computer_use_preview", "display_width": 1,
+                               "display_height": 1, "environment": "linux"}]},
+     "tools[0].type", "hosted"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
+     "web_search_preview"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+     "tool_choice", "allowed_tools"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored"),
+    ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
+     "input[0].type", "web_search_call"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type", "input_file"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].image_url", "file_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "http://x/i.png"}]}]},
+     "input[0].output[0].type", "user messages"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "one of"),
+    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "grammar"),
+    ({}, "input", "required"),
+    ({"input": 3}, "input", "array"),
+    ({"input": "x", "temperature": "hot"}, "temperature", "number"),
+])
+def test_untranslatable_requests_name_their_param(request_body, param, words):
+    with pytest.raises(Untranslatable) as caught:
+        to_chat(request_body)
+    assert caught.value.param == param
+    assert words in caught.value.message
+    error = json.loads(untranslatable_error(caught.value))["error"]
+    assert error["param"] == param and caught.value.message in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+# ---- whole replies -----------------------------------------------------------------------
+
+
+def test_whole_reply_with_reasoning_text_tool_calls_and_usage():
+    request = {"model": "gpt-x", "input": "x", "tools": [TOOL], "instructions": "I"}
+    reply = chat_reply("Let me look.", reasoning="Need data.",
+                       calls=[("c1", "lookup", '{"q":"a"}'), ("c2", "lookup", '{"q":"b"}')],
+                       finish="tool_calls", usage=USAGE)
+    response = Response.model_validate(from_chat(reply, request, response_id="resp_9"))
+    assert response.id == "resp_9" and response.status == "completed"
+    assert response.model == "gpt-x" and response.instructions == "I"
+    assert [item.type for item in response.output] == [
+        "reasoning", "message", "function_call", "function_call"]
+    assert response.output[0].content[0].text == "Need data."
+    assert response.output_text == "Let me look."
+    assert [(c.call_id, c.name, c.arguments) for c in response.output[2:]] == [
+        ("c1", "lookup", '{"q":"a"}'), ("c2", "lookup", '{"q":"b"}')]
+    assert response.usage.input_tokens == 11 and response.usage.output_tokens == 7
+    assert response.usage.total_tokens == 18
+    assert response.usage.input_tokens_details.cached_tokens == 4
+    assert response.usage.output_tokens_details.reasoning_tokens == 3
+    assert response.tools[0].name == "lookup"
+
+
+def test_whole_reply_cut_by_length_is_incomplete():
+    response = Response.model_validate(
+        from_chat(chat_reply("Once upon", finish="length"), {"input": "x"}))
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[-1].status == "incomplete"
+
+
+def test_logprobs_only_when_the_client_asked():
+    entries = [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}]
+    reply = chat_reply("Hi", logprobs={"content": entries})
+    asked = {"input": "x", "include": ["message.output_text.logprobs"]}
+    part = Response.model_validate(from_chat(reply, asked)).output[0].content[0]
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in part.logprobs] == [("Hi", -0.1, [72, 105])]
+    assert from_chat(reply, {"input": "x"})["output"][0]["content"][0]["logprobs"] == []
+
+
+@pytest.mark.parametrize("chat", [{}, {"choices": []}, {"choices": [{"message": None}]},
+                                  {"choices": "x", "usage": 5}, [], None])
+def test_malformed_replies_still_give_a_valid_response(chat):
+    response = Response.model_validate(from_chat(chat, {"input": "x"}))
+    assert response.output_text == "" and response.usage is None
+
+
+# ---- streams -----------------------------------------------------------------------------
+
+
+def test_first_text_delta_leaves_with_the_first_content_chunk():
+    translator = StreamTranslator({"input": "x"}, response_id="resp_s")
+    first = decode_events(translator.feed(stream_chunks("Hello there")[0]))
+    assert [e["type"] for e in first] == ["response.created", "response.in_progress"]
+    second = decode_events(translator.feed(stream_chunks("Hello there")[1]))
+    assert second[-1]["type"] == "response.output_text.delta"
+    assert second[-1]["delta"] == "Hell"
+
+
+def test_stream_events_are_sequenced_and_arguments_stream_as_they_come():
+    request = {"model": "gpt-x", "input": "x", "tools": [TOOL]}
+    calls = [("c1", "lookup", '{"q":"alpha"}'), ("c2", "lookup", '{"q":"beta"}')]
+    events = run_stream(request, stream_chunks("Sure.", reasoning="Hmm.", calls=calls,
+                                               finish="tool_calls", usage=USAGE))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    arg_deltas = [(e["output_index"], e["delta"]) for e in events
+                  if e["type"] == "response.function_call_arguments.delta"]
+    assert len(arg_deltas) == 6 and "".join(d for i, d in arg_deltas if i == 2) == calls[0][2]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["reasoning", "message", "function_call",
+                                         "function_call"]
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert final["response"]["usage"]["total_tokens"] == 18
+    reply = chat_reply("Sure.", reasoning="Hmm.", calls=calls, finish="tool_calls",
+                       usage=USAGE)
+    assert final["response"] == from_chat(reply, request, response_id="resp_t")
+    sdk = sdk_final(request, events)
+    assert sdk.output_text == "Sure."
+    assert [(o.call_id, o.arguments) for o in sdk.output if o.type == "function_call"] == [
+        ("c1", calls[0][2]), ("c2", calls[1][2])]
+
+
+def test_stream_without_content_gets_an_empty_message_and_length_is_incomplete():
+    events = run_stream({"input": "x"}, stream_chunks(None, finish="length"))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"] == from_chat(chat_reply(None, finish="length"),
+                                               {"input": "x"}, response_id="resp_t")
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_stream_tool_name_after_id_and_no_name_at_all():
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c9"}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": '{"a"'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "f", "arguments": ":1}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 1, "function": {"arguments": "{}"}}]}, "finish_reason": "tool_calls"}]},
+    ]
+    events = run_stream({"input": "x"}, chunks)
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["call_id"], i["name"]) for i in added] == [("c9", "f"), ("call_t_1", "")]
+    final = events[-1]["response"]["output"]
+    assert [(i["name"], i["arguments"]) for i in final] == [("f", '{"a":1}'), ("", "{}")]
+
+
+def test_upstream_error_chunk_and_error_event_end_the_stream():
+    translator = StreamTranslator({"input": "x"})
+    first = translator.feed(stream_chunks("Hi")[1])
+    broken = translator.feed({"error": {"message": "engine died", "code": 500}})
+    events = decode_events([*first, *broken])
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"]["message"] == "engine died"
+    assert events[-1]["response"]["output"] == []  # the open message never completed
+    assert translator.feed(stream_chunks("Hi")[1]) == [] and translator.finish() == []
+    assert translator.error_event("again") == b""
+    fresh = StreamTranslator({"input": "x"})
+    assert decode_events([fresh.error_event("cut")])[2]["message"] == "cut"
+
+
+# ---- property tests ----------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=12)
+ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "text",
+             "image_url", "summary", "id"]
+ITEM = st.dictionaries(st.sampled_from(ITEM_KEYS),
+                       JSON | st.sampled_from(["message", "function_call", "reasoning",
+                                               "function_call_output", "user", "assistant",
+                                               "input_text", "input_image"]), max_size=5)
+REQUEST = st.fixed_dictionaries({}, optional={
+    "model": JSON | st.text(max_size=5), "input": st.lists(ITEM, max_size=4) | JSON,
+    "instructions": JSON, "tools": st.lists(JSON | st.just(TOOL), max_size=2) | JSON,
+    "tool_choice": JSON, "text": JSON, "reasoning": JSON, "include": JSON,
+    "top_logprobs": JSON, "max_output_tokens": JSON, "stream": JSON, "temperature": JSON,
+    "previous_response_id": JSON,
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(REQUEST, JSON))
+def test_to_chat_raises_only_untranslatable(request_body):
+    try:
+        chat = to_chat(request_body)
+    except Untranslatable as exc:
+        assert isinstance(exc.message, str) and exc.message
+        return
+    msgspec.json.encode(chat)  # whatever comes out is sendable JSON
+    assert isinstance(chat["messages"], list)
+
+
+WORD = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+ARGS = st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.none() | WORD, reasoning=st.none() | WORD,
+       calls=st.lists(st.tuples(st.text("abc", min_size=1, max_size=3), ARGS), max_size=3),
+       finish=st.sampled_from(["stop", "length", "tool_calls", None]),
+       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5))
+def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, finish, usage,
+                                                     pieces):
+    request = {"model": "gpt-x", "input": "x", "tools": [TOOL]}
+    calls = [(f"call_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
+    events = run_stream(request, stream_chunks(text, reasoning, calls, finish, usage, pieces))
+    whole = from_chat(chat_reply(text, reasoning, calls, finish, usage), request,
+                      response_id="resp_t")
+    assert events[-1]["response"] == whole
+    Response.model_validate(whole)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == (text or "")
+    if events[-1]["type"] == "response.completed":
+        assert sdk_final(request, events).output_text == (text or "")
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("status", "body", "message", "kind", "code"), [
+    (400, b'{"error":{"message":"bad","type":"BadRequestError","param":"x","code":400}}',
+     "bad", "BadRequestError", "400"),
+    (400, b'{"object":"error","message":"too long","type":"BadRequestError","code":400}',
+     "too long", "BadRequestError", "400"),
+    (422, b'{"detail":[{"loc":["body"],"msg":"field required"}]}',
+     '[{"loc":["body"],"msg":"field required"}]', "invalid_request_error", None),
+    (502, b"<html>Bad Gateway</html>", "<html>Bad Gateway</html>", "server_error", None),
+    (500, b"", "upstream error (HTTP 500)", "server_error", None),
+])
+def test_error_from_chat(status, body, message, kind, code):
+    error = json.loads(error_from_chat(status, body))["error"]
+    assert (error["message"], error["type"], error["code"]) == (message, kind, code)
+
+
+@given(st.integers(100, 599), st.binary(max_size=64) | JSON.map(msgspec.json.encode))
+def test_error_from_chat_never_raises(status, body):
+    assert isinstance(json.loads(error_from_chat(status, body))["error"]["message"], str)
+
+
+# ---- end to end with the openai SDK -------------------------------------------------------
+
+
+@pytest.fixture
+def via_engine(engine, serve_app):
+    """A translating server in front of the mock engine; returns (client, sent requests)."""
+    sent: list[dict] = []
+    url = serve_app(translating_app(api, engine.base_url, sent=sent,
+                                    model_map=lambda name: "mock-model"))
+    return openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0), sent
+
+
+def test_sdk_stream_and_create_agree_through_the_mock_engine(via_engine):
+    client, sent = via_engine
+    kwargs = {"model": "gpt-x", "instructions": "Use tools.", "input": "Go.",
+              "tools": [TOOL]}
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        streamed = stream.get_final_response()
+    whole = client.responses.create(**kwargs)
+    assert sent[0]["model"] == "mock-model" and sent[0]["stream"] is True
+    call = next(o for o in streamed.output if o.type == "function_call")
+    assert call.name == "lookup" and json.loads(call.arguments) == {"step": 1}
+    assert "".join(deltas) == call.arguments and len(deltas) > 1
+    assert streamed.usage.total_tokens > 0 and streamed.model == "gpt-x"
+    strip = {"id": True, "created_at": True, "output": {"__all__": {"id", "parsed_arguments"}}}
+    assert streamed.model_dump(exclude=strip) == whole.model_dump(exclude=strip)
+
+
+def test_sdk_sees_untranslatable_and_upstream_errors_in_openai_shape(via_engine, serve_app):
+    client, _ = via_engine
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
+    assert caught.value.body["param"] == "tools[0].type"
+    failing = serve_app(scripted_chat_app((503, b'{"error":{"message":"overloaded"}}')))
+    client = openai.OpenAI(base_url=serve_app(translating_app(api, failing)) + "/v1",
+                           api_key="k", max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="overloaded"):
+        client.responses.create(model="m", input="x")
+
+
+def test_sdk_stream_with_reasoning_and_parallel_calls(serve_app):
+    calls = [("c1", "lookup", '{"q":"a"}'), ("c2", "lookup", '{"q":"b"}')]
+    upstream = serve_app(scripted_chat_app(stream_chunks(
+        "Two lookups.", reasoning="Plan it.", calls=calls, finish="tool_calls", usage=USAGE)))
+    client = openai.OpenAI(base_url=serve_app(translating_app(api, upstream)) + "/v1",
+                           api_key="k", max_retries=0)
+    with client.responses.stream(model="m", input="x", tools=[TOOL]) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Plan it."
+    assert final.output_text == "Two lookups."
+    assert [(o.call_id, o.arguments) for o in final.output[2:]] == [
+        (c, a) for c, _, a in calls]
+    assert final.usage.input_tokens == 11
+
+
+# ---- a multi-turn tool conversation, the chat way and the Responses way ------------------
+
+
+def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
+    """A Responses client resending its whole history each turn gives the engine the same
+    messages, hence the same prompt tokens, as a chat-completions harness."""
+    chat_tools = [{"type": "function", "function": {
+        "name": TOOL["name"], "description": TOOL["description"],
+        "parameters": TOOL["parameters"]}}]
+
+    def complete(body: dict) -> dict:
+        post = urllib.request.Request(engine.url + "/chat/completions", method="POST",
+                                      data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=30) as answer:
+            return json.load(answer)
+
+    harness = [{"role": "system", "content": "Be useful."},
+               {"role": "user", "content": "Plan a trip."}]
+    items: list[dict] = [{"role": "user", "content": "Plan a trip."}]
+    turns = 0
+    while True:
+        translated = to_chat({"model": "m", "instructions": "Be useful.", "input": items,
+                              "tools": [TOOL]})
+        assert translated["messages"] == harness
+        assert tok.apply_chat_template(translated["messages"], translated["tools"]) == (
+            tok.apply_chat_template(harness, chat_tools))
+        reply = complete({"model": "m", "messages": harness, "tools": chat_tools})
+        assert complete(translated)["choices"] == reply["choices"]
+        message = reply["choices"][0]["message"]
+        harness.append({"role": "assistant", "content": message["content"],
+                        **({"tool_calls": message["tool_calls"]} if message.get("tool_calls")
+                           else {})})
+        response = from_chat(reply, {"model": "m", "input": items, "tools": [TOOL]})
+        items += response["output"]
+        if not message.get("tool_calls"):
+            break
+        for call in message["tool_calls"]:
+            harness.append({"role": "tool", "tool_call_id": call["id"], "content": "done"})
+            items.append({"type": "function_call_output", "call_id": call["id"],
+                          "output": "done"})
+        turns += 1
+    assert turns == 2  # the mock engine calls a tool twice, then answers
