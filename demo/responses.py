@@ -53,8 +53,7 @@ class ResponsesRequest(EngineRequest, kw_only=True):
     include: list[str] | None = None
     enable_response_messages: bool = False  # vLLM's way to return prompt and output ids
     previous_response_id: str | None = None
-    # Echoed back as sent, like vLLM does.
-    store: bool = True
+    # Echoed back as sent, like vLLM does (``store`` and the rest are ignored).
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     temperature: float | None = None
@@ -91,6 +90,8 @@ def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": role, "content": text})
         elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise InputError(f"input[{i}]: a function_call needs name and arguments", "input")
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
             if prev is not None:

@@ -288,6 +288,7 @@ def test_responses_bad_requests_get_openai_errors(oai: openai.OpenAI) -> None:
     for kwargs in (
         {"input": []},
         {"input": [{"type": "web_search_call", "id": "ws_1"}]},
+        {"input": [{"type": "function_call", "call_id": "c1", "name": "f"}]},
         {"input": "Hi", "previous_response_id": "resp_1"},
         {"input": "Hi", "top_logprobs": 99, "include": LOGPROBS["include"]},
     ):
