@@ -84,7 +84,8 @@ def test_system_blocks_messages_and_sampling():
         "metadata": {"user_id": "u"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
         "service_tier": "auto",
         # what Anthropic's coding CLI sends by default: a no-op without server-side state
-        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}, model_map=lambda name: "qwen3-8b")
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }, model_map=lambda name: "qwen3-8b")
     assert chat == {
         "model": "qwen3-8b",
         "messages": [
