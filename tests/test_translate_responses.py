@@ -15,7 +15,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import scripted_chat_app, translating_app
+from conftest import CHAT_USAGE as USAGE
+from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
 from demo import tokenizer as tok
 from proxy.apis.responses import translate as api
 from proxy.apis.responses.translate import (
@@ -45,49 +46,6 @@ def decode_events(raw: list[bytes]) -> list[dict]:
     return out
 
 
-def chat_reply(text=None, reasoning=None, calls=(), finish="stop", usage=None, **choice):
-    message = {"role": "assistant", "content": text}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = [
-            {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-            for cid, name, args in calls]
-    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000,
-            "model": "m", "choices": [{"index": 0, "message": message,
-                                       "finish_reason": finish, **choice}]}
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-def stream_chunks(text=None, reasoning=None, calls=(), finish="stop", usage=None,
-                  pieces=3) -> list[dict]:
-    """The chunks a chat server streams for ``chat_reply(...)``, split into ``pieces``."""
-
-    def split(s: str) -> list[str]:
-        size = max(1, -(-len(s) // pieces))
-        return [s[i:i + size] for i in range(0, len(s), size)] or [""]
-
-    def chunk(delta=None, finish_reason=None, **extra):
-        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish_reason}
-        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
-                "model": "m", "choices": [choice], **extra}
-
-    out = [chunk({"role": "assistant", "content": ""})]
-    out += [chunk({"reasoning_content": p}) for p in split(reasoning)] if reasoning else []
-    out += [chunk({"content": p}) for p in split(text)] if text else []
-    for index, (cid, name, args) in enumerate(calls):
-        out.append(chunk({"tool_calls": [{"index": index, "id": cid, "type": "function",
-                                          "function": {"name": name, "arguments": ""}}]}))
-        out += [chunk({"tool_calls": [{"index": index, "function": {"arguments": p}}]})
-                for p in split(args) if p]
-    out.append(chunk(finish_reason=finish))
-    if usage is not None:
-        out.append({**chunk(), "choices": [], "usage": usage})
-    return out
-
-
 def run_stream(request: dict, chunks: list[dict], response_id="resp_t") -> list[dict]:
     translator = StreamTranslator(request, response_id=response_id)
     raw = [event for c in chunks for event in translator.feed(c)] + translator.finish()
@@ -101,11 +59,6 @@ def sdk_final(request: dict, events: list[dict]) -> Response:
         state.handle_event(EVENTS.validate_python(payload))
     assert state._completed_response is not None
     return state._completed_response
-
-
-USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
-         "prompt_tokens_details": {"cached_tokens": 4},
-         "completion_tokens_details": {"reasoning_tokens": 3}}
 
 
 # ---- requests ----------------------------------------------------------------------------

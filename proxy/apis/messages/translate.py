@@ -37,7 +37,6 @@ __all__ = ["StreamTranslator", "Untranslatable", "error_from_chat", "from_chat",
 _SERVER_SIDE = {
     "container": "names a code-execution container on Anthropic's servers",
     "mcp_servers": "asks Anthropic's servers to call MCP servers",
-    "context_management": "asks the server to edit the context between turns",
 }
 _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
            "function_call": "tool_use", "content_filter": "refusal"}
@@ -126,9 +125,10 @@ def _user(content: Any, param: str) -> list[dict[str, Any]]:
     in their order (Anthropic puts tool results first, as chat needs them)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
+    _must_be_blocks(content, f"{param}.content")
     messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for j, block in enumerate(as_list(content, f"{param}.content")):
+    for j, block in enumerate(content):
         where = f"{param}.content[{j}]"
         block = as_object(block, where, f"`{where}`")
         kind = block.get("type")
@@ -153,10 +153,11 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
     text as ``reasoning_content`` (the engine's template renders or drops it)."""
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
+    _must_be_blocks(content, f"{param}.content")
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
-    for j, block in enumerate(as_list(content, f"{param}.content")):
+    for j, block in enumerate(content):
         where = f"{param}.content[{j}]"
         block = as_object(block, where, f"`{where}`")
         kind = block.get("type")
@@ -180,6 +181,11 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
     if thinking:
         message["reasoning_content"] = "\n\n".join(thinking)
     return message
+
+
+def _must_be_blocks(content: Any, param: str) -> None:
+    if not isinstance(content, list):
+        raise Untranslatable(f"`{param}` must be a string or an array of content blocks", param)
 
 
 def _part(block: dict[str, Any], where: str, *, images: bool) -> dict[str, Any]:
@@ -214,8 +220,9 @@ def _tool_result(content: Any, param: str) -> str | list[dict[str, Any]]:
         return ""
     if isinstance(content, str):
         return content
+    _must_be_blocks(content, param)
     parts = []
-    for j, block in enumerate(as_list(content, param)):
+    for j, block in enumerate(content):
         where = f"{param}[{j}]"
         block = as_object(block, where, f"`{where}`")
         if block.get("type") != "text":

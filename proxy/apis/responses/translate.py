@@ -196,8 +196,10 @@ def _reasoning_text(item: dict[str, Any], param: str) -> list[str]:
 def _content(value: Any, param: str, *, images: bool) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
+    if not isinstance(value, list):
+        raise Untranslatable(f"`{param}` must be a string or an array of content parts", param)
     parts = []
-    for j, part in enumerate(as_list(value, param)):
+    for j, part in enumerate(value):
         where = f"{param}[{j}]"
         part = as_object(part, where, f"`{where}`")
         kind = part.get("type")

@@ -1,0 +1,522 @@
+"""Anthropic Messages API ⇄ chat completions: requests, whole replies, streams and errors,
+checked against the real ``anthropic`` SDK types and stream parser."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import anthropic
+import msgspec
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+from anthropic.types.shared import ErrorResponse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import TypeAdapter
+
+from conftest import CHAT_USAGE as USAGE
+from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
+from demo import tokenizer as tok
+from proxy.apis.messages import translate as api
+from proxy.apis.messages.translate import (
+    StreamTranslator,
+    Untranslatable,
+    error_from_chat,
+    from_chat,
+    to_chat,
+    untranslatable_error,
+)
+
+EVENTS = TypeAdapter(RawMessageStreamEvent)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=12)
+TOOL = {"name": "lookup", "description": "Look a thing up",
+        "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}
+BASE = {"model": "claude-x", "max_tokens": 64}
+
+
+def decode_events(raw: list[bytes]) -> list[dict]:
+    """SSE bytes → event payloads; each must be a valid Messages stream event."""
+    out = []
+    for event in b"".join(raw).split(b"\n\n")[:-1]:
+        name, data = event.split(b"\n")
+        assert name.startswith(b"event: ") and data.startswith(b"data: ")
+        payload = json.loads(data[6:])
+        assert payload["type"] == name[7:].decode()
+        if payload["type"] != "error":
+            EVENTS.validate_python(payload)
+        out.append(payload)
+    return out
+
+
+def run_stream(request: dict, chunks: list[dict], response_id="msg_t") -> list[dict]:
+    translator = StreamTranslator(request, response_id=response_id)
+    raw = [event for c in chunks for event in translator.feed(c)] + translator.finish()
+    return decode_events(raw)
+
+
+def sdk_final(events: list[dict]) -> Message:
+    """The anthropic SDK's own stream accumulator over our events."""
+    snapshot, buffers = None, {}
+    for payload in events:
+        snapshot = accumulate_event(event=EVENTS.validate_python(payload),
+                                    current_snapshot=snapshot, json_bufs=buffers)
+    return Message.model_validate(snapshot.model_dump())
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def test_system_blocks_messages_and_sampling():
+    chat = to_chat({**BASE, "system": [
+        {"type": "text", "text": "You are a CLI.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Be terse."}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "<reminder>"}, {"type": "text", "text": "List files."},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "AAAA"}}]}],
+        "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop_sequences": ["END"],
+        "metadata": {"user_id": "u"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "service_tier": "auto",
+        # what Anthropic's coding CLI sends by default: a no-op without server-side state
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }, model_map=lambda name: "qwen3-8b")
+    assert chat == {
+        "model": "qwen3-8b",
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "You are a CLI."},
+                                           {"type": "text", "text": "Be terse."}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "<reminder>"}, {"type": "text", "text": "List files."},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+        "max_tokens": 64, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop": ["END"]}
+
+
+def test_tools_tool_choice_and_stream_options():
+    chat = to_chat({**BASE, "messages": [{"role": "user", "content": "x"}], "stream": True,
+                    "tools": [TOOL, {**TOOL, "name": "other", "type": "custom",
+                                     "cache_control": {"type": "ephemeral"}}],
+                    "tool_choice": {"type": "tool", "name": "lookup",
+                                    "disable_parallel_tool_use": True}})
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "lookup", "description": "Look a thing up",
+                                          "parameters": TOOL["input_schema"]}},
+        {"type": "function", "function": {"name": "other", "description": "Look a thing up",
+                                          "parameters": TOOL["input_schema"]}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+    assert chat["parallel_tool_calls"] is False
+    assert chat["stream_options"] == {"include_usage": True}
+    for anthropic_choice, chat_choice in (("auto", "auto"), ("any", "required"),
+                                          ("none", "none")):
+        translated = to_chat({**BASE, "messages": [], "tool_choice": {"type": anthropic_choice}})
+        assert translated["tool_choice"] == chat_choice
+
+
+def test_history_tool_use_and_results_become_tool_calls_and_tool_messages():
+    chat = to_chat({**BASE, "messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Two cities.", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "EncryptedBlob"},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "Paris"}},
+            {"type": "tool_use", "id": "t2", "name": "lookup", "input": {"q": "Rome", "n": 1}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+            {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
+             "content": [{"type": "text", "text": "rain"}]},
+            {"type": "text", "text": "And tomorrow?"}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t3", "name": "lookup", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3"}]},
+    ]})
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two cities.",
+         "tool_calls": [
+             {"id": "t1", "type": "function", "function": {"name": "lookup",
+                                                           "arguments": '{"q":"Paris"}'}},
+             {"id": "t2", "type": "function", "function": {"name": "lookup",
+                                                           "arguments": '{"q":"Rome","n":1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "t2", "content": "rain"},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t3", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t3", "content": ""},
+    ]
+    assert "continue_final_message" not in chat
+
+
+def test_final_assistant_turn_is_a_prefill():
+    chat = to_chat({**BASE, "messages": [{"role": "user", "content": "Count"},
+                                         {"role": "assistant", "content": "1, 2,"}]})
+    assert chat["messages"][-1] == {"role": "assistant", "content": "1, 2,"}
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+
+
+@pytest.mark.parametrize(("request_body", "param", "words"), [
+    ({**BASE, "messages": [], "tools": [TOOL, {"type": "web_search_20250305",
+                                               "name": "web_search"}]},
+     "tools[1].type", "Anthropic-defined"),
+    ({**BASE, "messages": [], "tools": [{"type": "bash_20250124", "name": "bash"}]},
+     "tools[0].type", "Anthropic-defined"),
+    ({**BASE, "messages": [], "tools": [{"type": "computer_20250124", "name": "computer",
+                                         "display_width_px": 1, "display_height_px": 1}]},
+     "tools[0].type", "Anthropic-defined"),
+    ({**BASE, "messages": [], "mcp_servers": [{"type": "url", "url": "http://x",
+                                               "name": "m"}]}, "mcp_servers", "MCP"),
+    ({**BASE, "messages": [], "container": "c1"}, "container", "container"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}]}]},
+     "messages[0].content[0].type", "server_tool_use"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "web_search_tool_result", "tool_use_id": "s", "content": []}]}]},
+     "messages[0].content[0].type", "web_search_tool_result"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                        "data": "x"}}]}]},
+     "messages[0].content[0].type", "document"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[0].source.type", "file"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]}]}]},
+     "messages[0].content[0].content[0].type", "text content"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]}]},
+     "messages[0].content[0].type", "user messages"),
+    ({**BASE, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role",
+     "user or assistant"),
+    ({**BASE, "messages": [], "system": [{"type": "image"}]}, "system[0].type", "text"),
+    ({**BASE, "messages": [], "tool_choice": {"type": "sometimes"}}, "tool_choice.type",
+     "sometimes"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "not an object"}]}]},
+     "messages[0].content[0].input", "object"),
+    ({"model": "m"}, "messages", "array"),
+    ({**BASE, "messages": [], "max_tokens": "lots"}, "max_tokens", "integer"),
+])
+def test_untranslatable_requests_name_their_param(request_body, param, words):
+    with pytest.raises(Untranslatable) as caught:
+        to_chat(request_body)
+    assert caught.value.param == param
+    assert words in caught.value.message
+    body = ErrorResponse.model_validate_json(untranslatable_error(caught.value))
+    assert body.error.type == "invalid_request_error"
+    assert caught.value.message in body.error.message
+
+
+# ---- whole replies -----------------------------------------------------------------------
+
+
+def test_whole_reply_with_thinking_text_tool_use_and_usage():
+    reply = chat_reply("Let me look.", reasoning="Need data.",
+                       calls=[("c1", "lookup", '{"q": "a"}'), ("c2", "lookup", "")],
+                       finish="tool_calls", usage=USAGE)
+    message = Message.model_validate(from_chat(reply, {**BASE, "messages": []},
+                                               response_id="msg_9"))
+    assert message.id == "msg_9" and message.model == "claude-x"
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert message.content[0].thinking == "Need data."
+    assert message.content[1].text == "Let me look."
+    assert [(b.id, b.input) for b in message.content[2:]] == [("c1", {"q": "a"}), ("c2", {})]
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens,
+            message.usage.output_tokens) == (7, 4, 7)
+
+
+@pytest.mark.parametrize(("finish", "stop_reason", "stops", "reason", "sequence"), [
+    ("stop", None, None, "end_turn", None),
+    ("stop", "END", ["END"], "stop_sequence", "END"),
+    ("stop", 151645, ["END"], "end_turn", None),  # vLLM: a stop token id, not a sequence
+    ("length", None, None, "max_tokens", None),
+    ("content_filter", None, None, "refusal", None),
+    (None, None, None, "end_turn", None),
+])
+def test_stop_reasons(finish, stop_reason, stops, reason, sequence):
+    request = {**BASE, "messages": [], **({"stop_sequences": stops} if stops else {})}
+    message = Message.model_validate(from_chat(
+        chat_reply("text", finish=finish, stop_reason=stop_reason), request))
+    assert (message.stop_reason, message.stop_sequence) == (reason, sequence)
+
+
+def test_tool_arguments_that_are_not_an_object_read_as_empty_input():
+    reply = chat_reply(None, calls=[("c1", "f", "{broken"), ("c2", "f", "[1]")])
+    message = Message.model_validate(from_chat(reply, BASE))
+    assert [b.input for b in message.content] == [{}, {}]
+
+
+@pytest.mark.parametrize("chat", [{}, {"choices": []}, {"choices": [{"message": 3}]}, None])
+def test_malformed_replies_still_give_a_valid_message(chat):
+    message = Message.model_validate(from_chat(chat, BASE))
+    assert message.content == [] and message.stop_reason == "end_turn"
+
+
+# ---- streams -----------------------------------------------------------------------------
+
+
+def test_first_text_delta_leaves_with_the_first_content_chunk():
+    translator = StreamTranslator(BASE, response_id="msg_s")
+    chunks = stream_chunks("Hello there")
+    assert [e["type"] for e in decode_events(translator.feed(chunks[0]))] == ["message_start"]
+    second = decode_events(translator.feed(chunks[1]))
+    assert [e["type"] for e in second] == ["content_block_start", "content_block_delta"]
+    assert second[-1]["delta"] == {"type": "text_delta", "text": "Hell"}
+
+
+def test_stream_blocks_tool_json_deltas_and_usage():
+    request = {**BASE, "messages": [], "tools": [TOOL]}
+    calls = [("c1", "lookup", '{"q":"alpha"}'), ("c2", "lookup", '{"q":"beta"}')]
+    events = run_stream(request, stream_chunks("Sure.", reasoning="Hmm.", calls=calls,
+                                               finish="tool_calls", usage=USAGE))
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use", "tool_use"]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert stops == [0, 1, 2, 3]
+    json_deltas = [(e["index"], e["delta"]["partial_json"]) for e in events
+                   if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "input_json_delta"]
+    assert len(json_deltas) == 6 and "".join(d for i, d in json_deltas if i == 3) == calls[1][2]
+    assert [e["type"] for e in events[-2:]] == ["message_delta", "message_stop"]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 7,
+                                   "cache_read_input_tokens": 4}
+    reply = chat_reply("Sure.", reasoning="Hmm.", calls=calls, finish="tool_calls",
+                       usage=USAGE)
+    assert sdk_final(events) == Message.model_validate(from_chat(reply, request,
+                                                                 response_id="msg_t"))
+
+
+def test_stream_stop_sequence_from_the_finish_chunk():
+    chunks = stream_chunks("abc")
+    chunks[-1]["choices"][0]["stop_reason"] = "END"
+    events = run_stream({**BASE, "stop_sequences": ["END"]}, chunks)
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+def test_stream_tool_name_after_id_and_no_name_at_all():
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c9"}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": '{"a"'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "f", "arguments": ":1}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 1, "function": {"arguments": "{}"}}]}, "finish_reason": "tool_calls"}]},
+    ]
+    final = sdk_final(run_stream(BASE, chunks))
+    assert [(b.id, b.name, b.input) for b in final.content] == [
+        ("c9", "f", {"a": 1}), ("toolu_t_1", "", {})]
+
+
+def test_upstream_error_chunk_and_error_event_end_the_stream():
+    translator = StreamTranslator(BASE)
+    first = translator.feed(stream_chunks("Hi")[1])
+    broken = translator.feed({"error": {"message": "engine died", "code": 500}})
+    events = decode_events([*first, *broken])
+    assert events[-1] == {"type": "error", "error": {"type": "api_error",
+                                                     "message": "engine died"}}
+    ErrorResponse.model_validate(events[-1])
+    assert translator.feed(stream_chunks("Hi")[1]) == [] and translator.finish() == []
+    assert translator.error_event("again") == b""
+
+
+# ---- property tests ----------------------------------------------------------------------
+
+BLOCK_KEYS = ["type", "text", "id", "name", "input", "tool_use_id", "content", "thinking",
+              "source", "is_error"]
+BLOCK = st.dictionaries(st.sampled_from(BLOCK_KEYS),
+                        JSON | st.sampled_from(["text", "tool_use", "tool_result", "thinking",
+                                                "image", "redacted_thinking"]), max_size=5)
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | JSON},
+                             optional={"content": st.lists(BLOCK, max_size=3) | JSON})
+REQUEST = st.fixed_dictionaries({}, optional={
+    "model": JSON | st.text(max_size=5), "messages": st.lists(TURN, max_size=3) | JSON,
+    "system": JSON | st.lists(BLOCK, max_size=2), "tools": st.lists(JSON | st.just(TOOL),
+                                                                    max_size=2) | JSON,
+    "tool_choice": JSON, "max_tokens": JSON, "stop_sequences": JSON, "stream": JSON,
+    "top_k": JSON, "thinking": JSON, "output_format": JSON,
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(REQUEST, JSON))
+def test_to_chat_raises_only_untranslatable(request_body):
+    try:
+        chat = to_chat(request_body)
+    except Untranslatable as exc:
+        assert isinstance(exc.message, str) and exc.message
+        return
+    msgspec.json.encode(chat)
+    assert isinstance(chat["messages"], list)
+
+
+WORD = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+ARGS = st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.none() | WORD, reasoning=st.none() | WORD,
+       calls=st.lists(st.tuples(st.text("abc", min_size=1, max_size=3), ARGS), max_size=3),
+       finish=st.sampled_from(["stop", "length", "tool_calls", None]),
+       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5))
+def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, finish, usage,
+                                                     pieces):
+    request = {**BASE, "messages": [], "tools": [TOOL]}
+    calls = [(f"toolu_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
+    events = run_stream(request, stream_chunks(text, reasoning, calls, finish, usage, pieces))
+    whole = from_chat(chat_reply(text, reasoning, calls, finish, usage), request,
+                      response_id="msg_t")
+    assert sdk_final(events) == Message.model_validate(whole)
+    deltas = "".join(e["delta"].get("text", "") for e in events
+                     if e["type"] == "content_block_delta")
+    assert deltas == (text or "")
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("status", "body", "kind", "message"), [
+    (400, b'{"error":{"message":"too long","type":"BadRequestError","code":400}}',
+     "invalid_request_error", "too long"),
+    (401, b'{"error":{"message":"no key"}}', "authentication_error", "no key"),
+    (404, b'{"object":"error","message":"no model m"}', "not_found_error", "no model m"),
+    (422, b'{"detail":"bad field"}', "invalid_request_error", "bad field"),
+    (429, b"slow down", "rate_limit_error", "slow down"),
+    (500, b"", "api_error", "upstream error (HTTP 500)"),
+    (503, b"<html>busy</html>", "overloaded_error", "<html>busy</html>"),
+    (504, b"{}", "timeout_error", "{}"),
+])
+def test_error_from_chat(status, body, kind, message):
+    error = ErrorResponse.model_validate_json(error_from_chat(status, body)).error
+    assert (error.type, error.message) == (kind, message)
+
+
+@given(st.integers(100, 599), st.binary(max_size=64) | JSON.map(msgspec.json.encode))
+def test_error_from_chat_never_raises(status, body):
+    ErrorResponse.model_validate_json(error_from_chat(status, body))
+
+
+# ---- end to end with the anthropic SDK ----------------------------------------------------
+
+
+@pytest.fixture
+def via_engine(engine, serve_app):
+    """A translating server in front of the mock engine; returns (client, sent requests)."""
+    sent: list[dict] = []
+    url = serve_app(translating_app(api, engine.base_url, sent=sent,
+                                    model_map=lambda name: "mock-model"))
+    return anthropic.Anthropic(base_url=url, api_key="k", max_retries=0), sent
+
+
+def test_sdk_stream_and_create_agree_through_the_mock_engine(via_engine):
+    client, sent = via_engine
+    kwargs = {**BASE, "system": "Use tools.", "messages": [{"role": "user", "content": "Go."}],
+              "tools": [TOOL]}
+    with client.messages.stream(**kwargs) as stream:
+        deltas = [e.delta.partial_json for e in stream
+                  if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        streamed = stream.get_final_message()
+    whole = client.messages.create(**kwargs)
+    assert sent[0]["model"] == "mock-model" and sent[0]["stream"] is True
+    call = next(b for b in streamed.content if b.type == "tool_use")
+    assert call.name == "lookup" and call.input == {"step": 1} and len(deltas) > 1
+    assert streamed.stop_reason == "tool_use" and streamed.usage.output_tokens > 0
+    assert streamed.usage.input_tokens == whole.usage.input_tokens > 0
+    assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+
+
+def test_sdk_sees_untranslatable_and_upstream_errors_in_anthropic_shape(via_engine, serve_app):
+    client, _ = via_engine
+    with pytest.raises(anthropic.BadRequestError, match="Anthropic-defined"):
+        client.messages.create(**BASE, messages=[{"role": "user", "content": "x"}],
+                               tools=[{"type": "bash_20250124", "name": "bash"}])
+    failing = serve_app(scripted_chat_app((429, b'{"error":{"message":"slow down"}}')))
+    client = anthropic.Anthropic(base_url=serve_app(translating_app(api, failing)),
+                                 api_key="k", max_retries=0)
+    with pytest.raises(anthropic.RateLimitError, match="slow down"):
+        client.messages.create(**BASE, messages=[{"role": "user", "content": "x"}])
+
+
+def test_sdk_stream_with_thinking_and_parallel_calls(serve_app):
+    calls = [("t1", "lookup", '{"q":"a"}'), ("t2", "lookup", '{"q":"b"}')]
+    upstream = serve_app(scripted_chat_app(stream_chunks(
+        "Two lookups.", reasoning="Plan it.", calls=calls, finish="tool_calls", usage=USAGE)))
+    client = anthropic.Anthropic(base_url=serve_app(translating_app(api, upstream)),
+                                 api_key="k", max_retries=0)
+    with client.messages.stream(**BASE, messages=[{"role": "user", "content": "x"}],
+                                tools=[TOOL]) as stream:
+        texts = [e.text for e in stream if e.type == "text"]
+        final = stream.get_final_message()
+    assert "".join(texts) == "Two lookups."
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert final.content[0].thinking == "Plan it."
+    assert [(b.id, b.input) for b in final.content[2:]] == [("t1", {"q": "a"}),
+                                                            ("t2", {"q": "b"})]
+    assert final.usage.input_tokens == 7 and final.usage.cache_read_input_tokens == 4
+
+
+def test_sdk_stream_broken_upstream_raises(serve_app):
+    chunks = [*stream_chunks("Hello")[:2], {"error": {"message": "engine died"}}]
+    upstream = serve_app(scripted_chat_app(chunks))
+    client = anthropic.Anthropic(base_url=serve_app(translating_app(api, upstream)),
+                                 api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError, match="engine died"), client.messages.stream(
+            **BASE, messages=[{"role": "user", "content": "x"}]) as stream:
+        stream.get_final_message()
+
+
+# ---- a multi-turn tool conversation, the chat way and the Messages way -------------------
+
+
+def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
+    """A Messages client resending its history each turn gives the engine the same
+    messages, hence the same prompt tokens, as a chat-completions harness."""
+    chat_tools = [{"type": "function", "function": {
+        "name": TOOL["name"], "description": TOOL["description"],
+        "parameters": TOOL["input_schema"]}}]
+
+    def complete(body: dict) -> dict:
+        post = urllib.request.Request(engine.url + "/chat/completions", method="POST",
+                                      data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=30) as answer:
+            return json.load(answer)
+
+    harness = [{"role": "system", "content": "Be useful."},
+               {"role": "user", "content": "Plan a trip."}]
+    turns: list[dict] = [{"role": "user", "content": "Plan a trip."}]
+    rounds = 0
+    while True:
+        request = {**BASE, "system": "Be useful.", "messages": turns, "tools": [TOOL]}
+        translated = to_chat(request)
+        assert translated["messages"] == harness
+        assert tok.apply_chat_template(translated["messages"], translated["tools"]) == (
+            tok.apply_chat_template(harness, chat_tools))
+        reply = complete({"model": "m", "messages": harness, "tools": chat_tools,
+                          "max_tokens": BASE["max_tokens"]})
+        assert complete(translated)["choices"] == reply["choices"]
+        message = reply["choices"][0]["message"]
+        harness.append({"role": "assistant", "content": message["content"],
+                        **({"tool_calls": message["tool_calls"]} if message.get("tool_calls")
+                           else {})})
+        answer = Message.model_validate(from_chat(reply, request))
+        turns.append({"role": "assistant",
+                      "content": [b.model_dump(exclude_none=True) for b in answer.content]})
+        if answer.stop_reason != "tool_use":
+            break
+        results = []
+        for call in message["tool_calls"]:
+            harness.append({"role": "tool", "tool_call_id": call["id"], "content": "done"})
+            results.append({"type": "tool_result", "tool_use_id": call["id"],
+                            "content": "done"})
+        turns.append({"role": "user", "content": results})
+        rounds += 1
+    assert rounds == 2  # the mock engine calls a tool twice, then answers
