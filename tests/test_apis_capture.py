@@ -1,0 +1,251 @@
+"""Responses and Messages harnesses through the proxy: native capture and translation to
+chat completions, with the official ``openai`` and ``anthropic`` SDKs as the agents.
+
+The mock engine renders all three APIs through the same chat template and generator, so
+a conversation has one true token sequence whichever API carried it: the stored ids and
+logprobs are compared with what the engine's own chat path returns for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from conftest import Proxy, free_port
+from demo.engine import EngineConfig, EngineServer
+from proxy.settings import Settings
+
+TOOLS_RESPONSES = [{"type": "function", "name": "lookup", "description": "look a fact up",
+                    "parameters": {"type": "object", "properties": {"step": {"type": "integer"}},
+                                   "required": ["step"]}}]
+TOOLS_MESSAGES = [{"name": "lookup", "description": "look a fact up",
+                   "input_schema": {"type": "object", "properties": {"step": {"type": "integer"}},
+                                    "required": ["step"]}}]
+
+
+class FakeEngine:
+    def __init__(self, url: str):
+        self.url = url
+
+
+@pytest.fixture
+def make_proxy(loop_thread, tmp_path):
+    started = []
+
+    def start(engine: EngineServer, **settings) -> Proxy:
+        db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
+        from storage.engine import upgrade
+
+        upgrade(db)
+        proxy = Proxy(loop_thread, Settings(
+            upstream=engine.url, db=db, data_dir=str(tmp_path / f"d{len(started)}"),
+            port=free_port(), **settings)).start()
+        started.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture
+def llamacpp(loop_thread):
+    """A chat-only engine: no /v1/responses, no /v1/messages."""
+    server = EngineServer(EngineConfig(flavor="llamacpp"))
+    loop_thread.run(server.start())
+    yield server
+    loop_thread.run(server.close())
+
+
+def _chat_truth(engine: EngineServer, messages: list, **extra) -> tuple[list[int], list[float]]:
+    """What the engine's own chat path gives for a conversation: completion ids, logprobs."""
+    client = openai.OpenAI(base_url=engine.url, api_key="x", max_retries=0)
+    with client:
+        reply = client.chat.completions.create(
+            model="mock-model", messages=messages, logprobs=True, top_logprobs=0,
+            extra_body={"return_token_ids": True, **extra})
+    choice = reply.choices[0]
+    return choice.token_ids, [e.logprob for e in choice.logprobs.content]
+
+
+def _without_ids(obj) -> dict:
+    data = obj.model_dump()
+    for key in ("id", "created_at"):
+        data.pop(key, None)
+    for item in data.get("output") or ():
+        item.pop("id", None)
+    return data
+
+
+def test_responses_native_on_vllm_is_transparent_and_token_exact(engine, make_proxy):
+    proxy = make_proxy(engine, upstream_flavor="vllm")
+    direct = openai.OpenAI(base_url=engine.url, api_key="x", max_retries=0)
+    agent = openai.OpenAI(base_url=proxy.episode_url("r1"), api_key="x", max_retries=0)
+    with direct, agent:
+        want = direct.responses.create(model="mock-model", input="hello there", store=False)
+        got = agent.responses.create(model="mock-model", input="hello there", store=False)
+        with agent.responses.stream(model="mock-model", input="hello there") as stream:
+            streamed = stream.get_final_response()
+    assert _without_ids(got) == _without_ids(want)
+    assert streamed.output_text == want.output_text
+    # Nothing the proxy asked for reaches the client.
+    assert got.output[0].content[0].logprobs is None and got.top_logprobs is None
+    assert streamed.output[0].content[0].logprobs is None
+    ids, logprobs = _chat_truth(engine, [{"role": "user", "content": "hello there"}])
+    calls = proxy.calls("r1")
+    assert [c["endpoint"] for c in calls] == ["responses", "responses"]
+    for call in calls:
+        choice = call["choices"][0]
+        assert choice["completion_ids"] == ids
+        assert choice["completion_logprobs"] == pytest.approx(logprobs)
+        assert choice["token_source"] == "engine" and call["status"] == "ok"
+        assert call["prompt_ids"] and call["prompt_tokens"] == len(call["prompt_ids"])
+        assert "input_messages" not in (call["response"] or "") or '"input_messages":null' in \
+            call["response"].replace(" ", "")
+
+
+@pytest.mark.parametrize("translate", ["all", "auto"])
+def test_responses_translated_to_chat_tool_loop_is_token_exact(engine, llamacpp, make_proxy,
+                                                               translate):
+    upstream = engine if translate == "all" else llamacpp  # auto: chat-only engine
+    proxy = make_proxy(upstream, translate=translate)
+    agent = openai.OpenAI(base_url=proxy.episode_url("rt"), api_key="x", max_retries=0)
+    items: list = [{"role": "user", "content": "find the answer"}]
+    with agent:
+        for turn in range(3):
+            kwargs = dict(model="mock-model", input=items, tools=TOOLS_RESPONSES,
+                          extra_body={"mock_tool_rounds": 2} if turn == 0 else {})
+            if turn == 1:
+                with agent.responses.stream(**kwargs) as stream:
+                    reply = stream.get_final_response()
+            else:
+                reply = agent.responses.create(**kwargs)
+            calls = [o for o in reply.output if o.type == "function_call"]
+            if not calls:
+                assert reply.output_text
+                break
+            # As the Agents SDK does: every output item back, then the tool results.
+            items.extend(o.model_dump(exclude_none=True) for o in reply.output)
+            items.extend({"type": "function_call_output", "call_id": c.call_id, "output": "42"}
+                         for c in calls)
+    stored = proxy.calls("rt")
+    assert len(stored) == 3
+    assert {c["endpoint"] for c in stored} == {"responses:chat"}
+    assert all(c["choices"][0]["completion_ids"] for c in stored)
+    if translate == "auto":
+        return  # llama.cpp gives no prompt ids and no logprobs at top_logprobs 0 (issue 17)
+    assert all(c["choices"][0]["completion_logprobs"] for c in stored)
+    # Each turn's prompt ends where the previous turn's prompt + completion did: one
+    # trajectory, as for a chat harness.
+    for before, after in itertools.pairwise(stored):
+        head = before["prompt_ids"] + before["choices"][0]["completion_ids"]
+        assert after["prompt_ids"][:len(head)] == head
+
+
+def test_messages_default_to_translation_and_are_token_exact(engine, make_proxy):
+    proxy = make_proxy(engine, upstream_flavor="vllm")
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/m1", api_key="x",
+                                max_retries=0)
+    messages = [{"role": "user", "content": "hello there"}]
+    with agent:
+        got = agent.messages.create(model="mock-model", max_tokens=64, messages=messages,
+                                    system="be brief")
+        with agent.messages.stream(model="mock-model", max_tokens=64, messages=messages,
+                                   system="be brief") as stream:
+            streamed = stream.get_final_message()
+    assert got.content[0].type == "text" and got.content[0].text
+    assert streamed.content[0].text == got.content[0].text
+    assert got.usage.input_tokens > 0 and got.usage.output_tokens > 0
+    ids, logprobs = _chat_truth(engine, [{"role": "system", "content": "be brief"}, *messages],
+                                max_tokens=64)
+    stored = proxy.calls("m1")
+    assert [c["endpoint"] for c in stored] == ["messages:chat"] * 2
+    for call in stored:
+        assert call["choices"][0]["completion_ids"] == ids
+        assert call["choices"][0]["completion_logprobs"] == pytest.approx(logprobs)
+        assert call["http_status"] == 200
+
+
+def test_messages_tool_use_round_trip_keeps_one_token_sequence(engine, make_proxy):
+    proxy = make_proxy(engine)
+    status, created = proxy.admin("POST", "/tracetap/episodes", {"id": "mt"})
+    assert status == 201
+    # The minted key, sent the Anthropic way (x-api-key), tags the episode.
+    agent = anthropic.Anthropic(base_url=proxy.url, api_key=created["api_key"], max_retries=0)
+    messages: list = [{"role": "user", "content": "find the answer"}]
+    with agent:
+        for _ in range(4):
+            reply = agent.messages.create(model="mock-model", max_tokens=256, tools=TOOLS_MESSAGES,
+                                          messages=messages)
+            messages.append({"role": "assistant",
+                             "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            uses = [b for b in reply.content if b.type == "tool_use"]
+            if reply.stop_reason != "tool_use":
+                break
+            assert uses and uses[0].name == "lookup"
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": u.id, "content": "42"} for u in uses]})
+    stored = proxy.calls("mt")
+    assert len(stored) == 3 and reply.stop_reason == "end_turn"
+    for before, after in itertools.pairwise(stored):
+        head = before["prompt_ids"] + before["choices"][0]["completion_ids"]
+        assert after["prompt_ids"][:len(head)] == head
+
+
+def test_messages_native_when_asked_stores_text_without_ids(engine, make_proxy):
+    proxy = make_proxy(engine, translate="none")
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/mn", api_key="x",
+                                max_retries=0)
+    with agent, agent.messages.stream(model="mock-model", max_tokens=32,
+                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+        text = stream.get_final_text()
+    (call,) = proxy.calls("mn")
+    assert call["endpoint"] == "messages" and call["status"] == "ok"
+    assert call["choices"][0]["text"] == text and call["choices"][0]["token_source"] == "none"
+
+
+def test_untranslatable_and_upstream_errors_come_in_the_clients_shape(engine, make_proxy,
+                                                                     serve_app):
+    proxy = make_proxy(engine)
+    async def fall_over(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"error": {"message": "engine fell over", "type": "server_error"}}, status=500)
+
+    failing = web.Application()
+    failing.router.add_post("/v1/chat/completions", fall_over)
+    broken = make_proxy(FakeEngine(serve_app(failing) + "/v1"))
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/bad", api_key="x",
+                                max_retries=0)
+    responses = openai.OpenAI(base_url=proxy.episode_url("bad"), api_key="x", max_retries=0)
+    with agent, responses:
+        with pytest.raises(anthropic.BadRequestError) as server_tool:
+            agent.messages.create(model="mock-model", max_tokens=16,
+                                  messages=[{"role": "user", "content": "hi"}],
+                                  tools=[{"type": "web_search_20250305", "name": "web_search"}])
+        assert server_tool.value.body["type"] == "error"
+        on_broken = anthropic.Anthropic(base_url=broken.url + "/episodes/bad", api_key="x",
+                                        max_retries=0)
+        with on_broken, pytest.raises(anthropic.InternalServerError, match="engine fell over"):
+            on_broken.messages.create(model="mock-model", max_tokens=16,
+                                      messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError):  # no response store upstream
+            responses.responses.create(model="mock-model", input="hi",
+                                       previous_response_id="resp_1")
+    assert sorted(c["http_status"] for c in proxy.calls("bad")) == [400, 400]
+    assert [c["http_status"] for c in broken.calls("bad")] == [500]
+
+
+def test_model_map_sends_the_engines_model(engine, make_proxy):
+    proxy = make_proxy(engine, model_map=["claude-*=mock-model"])
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/mm", api_key="x",
+                                max_retries=0)
+    with agent:
+        reply = agent.messages.create(model="claude-harness-model", max_tokens=16,
+                                      messages=[{"role": "user", "content": "hi"}])
+    assert reply.content
+    (call,) = proxy.calls("mm")
+    assert call["model"] == "mock-model"
