@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -169,13 +170,21 @@ def test_untagged_calls_are_recorded(proxy):
     assert len(calls) == 1 and calls[0]["episode_id"] is None
 
 
-def test_other_paths_are_relayed_untouched(proxy, engine):
+def test_exposed_paths_are_relayed_untouched_and_others_refused(proxy, engine):
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x")
     with client:
         models = client.models.list()
     assert [m.id for m in models.data] == ["mock-model"]
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(proxy.url + "/version") as resp:
-        assert resp.status == 200 and b"version" in resp.read()
+    tokenize = urllib.request.Request(proxy.url + "/tokenize", method="POST",
+                                      data=b'{"prompt": "hi"}',
+                                      headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(tokenize) as resp:
+        assert resp.status == 200 and "tokens" in json.loads(resp.read())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(proxy.url + "/version")
+    assert refused.value.code == 404
+    assert json.loads(refused.value.read())["error"]["code"] == "not_exposed"
     assert proxy.calls(None) == []
