@@ -101,3 +101,13 @@ decode_chat = msgspec.json.Decoder(ChatBody).decode
 decode_completion = msgspec.json.Decoder(CompletionBody).decode
 decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 encode = msgspec.json.encode
+
+
+def decode_event(data: bytes, errors: list[str]) -> dict[str, Any] | None:
+    """One reply body or stream event as a dict; bad JSON is noted (a few), never raised."""
+    try:
+        return decode_object(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if len(errors) < 5:
+            errors.append(f"unparseable upstream data: {exc}")
+        return None

@@ -72,6 +72,14 @@ def _chat_truth(engine: EngineServer, messages: list, **extra) -> tuple[list[int
     return choice.token_ids, [e.logprob for e in choice.logprobs.content]
 
 
+def _assert_one_token_sequence(stored: list[dict]) -> None:
+    """Each turn's prompt starts with the previous prompt + completion, token for token:
+    the calls merge into one trajectory, as a chat harness's do."""
+    for before, after in itertools.pairwise(stored):
+        head = before["prompt_ids"] + before["choices"][0]["completion_ids"]
+        assert after["prompt_ids"][:len(head)] == head
+
+
 def _without_ids(obj) -> dict:
     data = obj.model_dump()
     for key in ("id", "created_at"):
@@ -139,11 +147,7 @@ def test_responses_translated_to_chat_tool_loop_is_token_exact(engine, llamacpp,
     if translate == "auto":
         return  # llama.cpp gives no prompt ids and no logprobs at top_logprobs 0 (issue 17)
     assert all(c["choices"][0]["completion_logprobs"] for c in stored)
-    # Each turn's prompt ends where the previous turn's prompt + completion did: one
-    # trajectory, as for a chat harness.
-    for before, after in itertools.pairwise(stored):
-        head = before["prompt_ids"] + before["choices"][0]["completion_ids"]
-        assert after["prompt_ids"][:len(head)] == head
+    _assert_one_token_sequence(stored)
 
 
 def test_messages_default_to_translation_and_are_token_exact(engine, make_proxy):
@@ -191,9 +195,7 @@ def test_messages_tool_use_round_trip_keeps_one_token_sequence(engine, make_prox
                 {"type": "tool_result", "tool_use_id": u.id, "content": "42"} for u in uses]})
     stored = proxy.calls("mt")
     assert len(stored) == 3 and reply.stop_reason == "end_turn"
-    for before, after in itertools.pairwise(stored):
-        head = before["prompt_ids"] + before["choices"][0]["completion_ids"]
-        assert after["prompt_ids"][:len(head)] == head
+    _assert_one_token_sequence(stored)
 
 
 def test_messages_native_when_asked_stores_text_without_ids(engine, make_proxy):

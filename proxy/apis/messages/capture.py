@@ -14,7 +14,7 @@ import msgspec
 
 from proxy.inject import Injected
 from proxy.sse import Event
-from proxy.wire import decode_object
+from proxy.wire import decode_event
 from storage.records import ChoiceRecord
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
@@ -57,11 +57,8 @@ class MessagesCapture:
         self._stop: str | None = None
 
     def add(self, data: bytes) -> None:
-        try:
-            event = decode_object(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            if len(self.errors) < 5:
-                self.errors.append(f"unparseable upstream data: {exc}")
+        event = decode_event(data, self.errors)
+        if event is None:
             return
         kind = event.get("type")
         if kind == "message":  # a whole, non-streamed reply

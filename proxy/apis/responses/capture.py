@@ -15,7 +15,7 @@ import msgspec
 
 from proxy.inject import Injected
 from proxy.sse import Event
-from proxy.wire import decode_object, encode
+from proxy.wire import decode_event, decode_object, encode
 from storage.records import ChoiceRecord
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -110,11 +110,8 @@ class ResponsesCapture:
         self._calls: dict[str, dict[str, Any]] = {}
 
     def add(self, data: bytes) -> None:
-        try:
-            event = decode_object(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            if len(self.errors) < 5:
-                self.errors.append(f"unparseable upstream data: {exc}")
+        event = decode_event(data, self.errors)
+        if event is None:
             return
         kind = event.get("type")
         if event.get("object") == "response":  # a whole, non-streamed reply
