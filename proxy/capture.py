@@ -56,6 +56,12 @@ class ModelCall:
         self.submitted = False
 
     # -- request side -----------------------------------------------------------
+    def reroute(self, route: Route, body: bytes) -> bytes:
+        """Speak another API to the upstream (the first answered 404): the client's
+        request is prepared again from its original bytes."""
+        self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
+        return self.parse_request(body)
+
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
         self.request_text = body.decode("utf-8", "replace")

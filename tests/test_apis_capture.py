@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port
-from demo.engine import EngineConfig, EngineServer
+from demo.engine import EngineConfig, EngineServer, make_engine_app
 from proxy.settings import Settings
 
 TOOLS_RESPONSES = [{"type": "function", "name": "lookup", "description": "look a fact up",
@@ -251,3 +251,41 @@ def test_model_map_sends_the_engines_model(engine, make_proxy):
     assert reply.content
     (call,) = proxy.calls("mm")
     assert call["model"] == "mock-model"
+
+
+def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
+    """A server announced as vLLM that lacks /v1/responses: the first call is sent again
+    as chat, and the ones after it go straight to chat."""
+    seen: list[str] = []
+
+    @web.middleware
+    async def record(request, handler):
+        seen.append(request.path)
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig(flavor="llamacpp"))
+    app.middlewares.append(record)
+    proxy = make_proxy(FakeEngine(serve_app(app) + "/v1"), upstream_flavor="vllm")
+    agent = openai.OpenAI(base_url=proxy.episode_url("fb"), api_key="x", max_retries=0)
+    with agent:
+        first = agent.responses.create(model="mock-model", input="hello")
+        second = agent.responses.create(model="mock-model", input="hello")
+    assert first.output_text and second.output_text == first.output_text
+    assert [p for p in seen if p.startswith("/v1/")] == [
+        "/v1/responses", "/v1/chat/completions", "/v1/chat/completions"]
+    assert [c["endpoint"] for c in proxy.calls("fb")] == ["responses:chat"] * 2
+
+
+def test_an_uncaptured_call_in_an_episode_still_shows_in_it(engine, make_proxy):
+    proxy = make_proxy(engine)
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/pt", api_key="x",
+                                max_retries=0)
+    with agent:
+        counted = agent.messages.count_tokens(model="mock-model",
+                                              messages=[{"role": "user", "content": "hi"}])
+    assert counted.input_tokens > 0
+    (call,) = proxy.calls("pt")
+    assert call["endpoint"] == "/v1/messages/count_tokens"
+    assert call["status"] == "passthrough" and call["http_status"] == 200
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_requests_total{code="200",route="passthrough"} 1.0' in text
