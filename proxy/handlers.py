@@ -251,6 +251,7 @@ def _observe(call: ModelCall, route: str, elapsed: float) -> None:
         child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
     if call.capture.logprobs_missing:
         metrics.logprobs_missing.inc(call.capture.logprobs_missing)
+    metrics.captured(call.capture)
     usage = call.capture.usage
     if usage is not None:
         model = metrics.model(call.capture.model)
