@@ -50,6 +50,8 @@ class MessagesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
+        self.token_ids_missing = 0
+        self.choice_count = 0
         self.ended = False
         self._message: dict[str, Any] | None = None
         self._blocks: dict[int, dict[str, Any]] = {}
@@ -98,7 +100,8 @@ class MessagesCapture:
     def choices(self) -> list[ChoiceRecord]:
         text = "".join(b.get("text") or "" for _, b in sorted(self._blocks.items())
                        if b.get("type") == "text")
-        self.logprobs_missing = 1 if text else 0
+        self.logprobs_missing = self.token_ids_missing = 1 if self._blocks else 0
+        self.choice_count = 1
         return [ChoiceRecord(index=0, finish_reason=_FINISH.get(self._stop or "", self._stop),
                              text=text or None, completion_ids=None, completion_logprobs=None,
                              top_logprobs=None, token_source="none")]

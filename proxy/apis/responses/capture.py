@@ -103,6 +103,8 @@ class ResponsesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
+        self.token_ids_missing = 0
+        self.choice_count = 0
         self.ended = False
         self.final: dict[str, Any] | None = None
         self._text: list[str] = []
@@ -169,6 +171,8 @@ class ResponsesCapture:
         if not values or any(v is None for v in values) or (ids and len(ids) != len(values)):
             values = None
         self.logprobs_missing = 1 if values is None and (ids or text) else 0
+        self.token_ids_missing = 1 if ids is None and (text or calls) else 0
+        self.choice_count = 1
         tops = None
         if self.keep_top and values is not None:
             tops = [e.get("top_logprobs") for e in logprobs]
