@@ -290,22 +290,22 @@ def test_pause_and_finished_episodes(own_proxy):
     assert value(samples, "tracetap_pause_start_time_seconds") == 0
 
     before = time.time()
-    assert _post(own_proxy.url + "/tracetap/pause", {"wait": False}) == 200
+    assert own_proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
     after = time.time()
     samples = scrape(own_proxy)
     assert value(samples, "tracetap_paused") == 1
     started = value(samples, "tracetap_pause_start_time_seconds")
     assert before <= started <= after
     # A second pause while paused does not restart the clock.
-    assert _post(own_proxy.url + "/tracetap/pause", {"wait": False}) == 200
+    assert own_proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
     assert value(scrape(own_proxy), "tracetap_pause_start_time_seconds") == started
-    assert _post(own_proxy.url + "/tracetap/resume", {}) == 200
+    assert own_proxy.admin("POST", "/tracetap/resume", {})[0] == 200
     samples = scrape(own_proxy)
     assert value(samples, "tracetap_paused") == 0
     assert value(samples, "tracetap_pause_start_time_seconds") == 0
 
     for episode, body in [("e1", {"reward": 0.5}), ("e2", {"reward": 1.5}), ("e3", {})]:
-        assert _post(f"{own_proxy.url}/tracetap/episodes/{episode}/finish", body) == 200
+        assert own_proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", body)[0] == 200
     samples = scrape(own_proxy)
     assert value(samples, "tracetap_episodes_finished_total") == 3
     assert value(samples, "tracetap_episode_reward_count") == 2  # e3 reported none

@@ -311,17 +311,10 @@ def poll(check, what: str, until=bool, timeout: float = 30.0):
         time.sleep(0.1)  # polling Prometheus, which evaluates on its own clock
 
 
-def post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.load(resp)
-
-
 def drive_traffic(proxy: Proxy, episode: str, *, drop: bool) -> None:
     """Three chat calls (one streamed), a completion, an upstream 400, a finished episode
     with a reward; with ``drop``, one more call whose record the full journal drops."""
-    post_json(proxy.url + "/tracetap/episodes", {"id": episode})
+    assert proxy.admin("POST", "/tracetap/episodes", {"id": episode})[0] == 201
     client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x", max_retries=0)
     with client:
         for _ in range(2):
@@ -340,7 +333,7 @@ def drive_traffic(proxy: Proxy, episode: str, *, drop: bool) -> None:
                                                max_tokens=2)
             finally:
                 journal.max_bytes = limit
-    post_json(f"{proxy.url}/tracetap/episodes/{episode}/finish", {"reward": 0.75})
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 0.75})[0] == 200
     proxy.flush()
 
 
