@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from proxy.apis.chat_reply import read_chunk_bytes
 from proxy.errors import ProxyError, bad_request
 from proxy.inject import COMPLETIONS, Injected
 from proxy.routing import Route
@@ -161,7 +162,8 @@ class ModelCall:
             # The translator reads the whole chat chunk (usage too) and writes only the
             # client's API, so nothing the proxy asked for can reach the client.
             try:
-                return b"".join(translator.feed(decode_object(data)))
+                return b"".join(translator.feed(
+                    read_chunk_bytes(data, logprobs=translator.wants_logprobs)))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return b""  # capture noted the bad chunk; the client's stream stays valid
         if not self.injected.any:
