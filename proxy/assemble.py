@@ -54,6 +54,7 @@ class Capture:
         self.ended = False  # chat streams end with the [DONE] sentinel instead
         self.token_ids_missing = 0
         self.choice_count = 0
+        self.unknown_events = 0  # chat chunks have no event types
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""

@@ -300,7 +300,7 @@ def _observe(call: ModelCall, route: str, elapsed: float) -> None:
         child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
     if call.capture.logprobs_missing:
         metrics.logprobs_missing.inc(call.capture.logprobs_missing)
-    metrics.captured(call.capture)
+    metrics.captured(call.capture, route)
     prompt_tokens, completion_tokens = call.capture.tokens()
     if prompt_tokens or completion_tokens:
         model = metrics.model(call.capture.model)

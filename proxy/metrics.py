@@ -73,6 +73,9 @@ class Metrics(WriterObserver):
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
                                ["reason"], registry=r)
+        self.unknown_events = Counter("tracetap_unknown_stream_events_total",
+                                      "Stream events of a type capture does not know, relayed "
+                                      "untouched", ["route"], registry=r)
         self.budget_exceeded = Counter("tracetap_episode_budget_exceeded_total",
                                        "Model calls refused because the episode spent a "
                                        "budget, by limit", ["limit"], registry=r)
@@ -146,8 +149,10 @@ class Metrics(WriterObserver):
     def db_error(self) -> None:
         self.db_write_errors.inc()
 
-    def captured(self, capture: Reassembly) -> None:
+    def captured(self, capture: Reassembly, route: str) -> None:
         """One call's choices, once stored: how many, and how many lack token ids."""
+        if capture.unknown_events:
+            self.unknown_events.labels(route).inc(capture.unknown_events)
         if capture.choice_count:
             self.choices.inc(capture.choice_count)
         if capture.token_ids_missing:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import anthropic
+import msgspec
 import openai
 import pytest
 from aiohttp import web
@@ -289,3 +290,51 @@ def test_an_uncaptured_call_in_an_episode_still_shows_in_it(engine, make_proxy):
     assert call["status"] == "passthrough" and call["http_status"] == 200
     text = proxy.state.metrics.render().decode()
     assert 'tracetap_requests_total{code="200",route="passthrough"} 1.0' in text
+
+
+def _sse(kind: str, data: bytes) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def test_unknown_and_malformed_events_are_relayed_as_sent_and_counted(make_proxy, serve_app):
+    """A Responses upstream that adds a vendor event and one broken event."""
+    completed = {"id": "resp_1", "object": "response", "status": "completed", "model": "m",
+                 "output": [{"type": "message", "role": "assistant", "content": [
+                     {"type": "output_text", "text": "hi", "logprobs": None}]}],
+                 "usage": {"input_tokens": 3, "output_tokens": 1}}
+    events = [
+        _sse("response.created", b'{"type":"response.created","response":{"id":"resp_1"}}'),
+        _sse("vendor.debug", b'{"type": "vendor.debug",   "note": "kept as is"}'),
+        _sse("response.output_text.delta", b'{"type":"response.output_text.delta","delta":"hi"'),
+        _sse("response.completed", msgspec.json.encode(
+            {"type": "response.completed", "response": completed})),
+    ]
+
+    async def respond(request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for event in events:
+            await reply.write(event)
+        await reply.write_eof()
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", respond)
+    proxy = make_proxy(FakeEngine(serve_app(app) + "/v1"), upstream_flavor="vllm")
+    got = http_post_stream(proxy.url + "/episodes/odd/v1/responses",
+                           {"model": "m", "input": "hi", "stream": True})
+    assert events[1] in got and events[2] in got  # byte for byte
+    (call,) = proxy.calls("odd")
+    assert call["status"] == "ok" and "unparseable upstream data" in call["error"]
+    assert call["choices"][0]["text"] == "hi"
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_unknown_stream_events_total{route="responses"} 1.0' in text
+
+
+def http_post_stream(url: str, body: dict) -> bytes:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=msgspec.json.encode(body), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return reply.read()

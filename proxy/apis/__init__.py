@@ -26,6 +26,7 @@ class Reassembly(Protocol):
     logprobs_missing: int  # counted by choices()
     token_ids_missing: int  # counted by choices()
     choice_count: int  # counted by choices()
+    unknown_events: int  # stream events of types this API's capture does not know
     ended: bool  # a terminal event (one that carries data) has been seen
 
     def add(self, data: bytes) -> None: ...

@@ -52,6 +52,7 @@ class MessagesCapture:
         self.logprobs_missing = 0
         self.token_ids_missing = 0
         self.choice_count = 0
+        self.unknown_events = 0
         self.ended = False
         self._message: dict[str, Any] | None = None
         self._blocks: dict[int, dict[str, Any]] = {}
@@ -85,8 +86,11 @@ class MessagesCapture:
             self._usage.update(event.get("usage") or {})
         elif kind == "message_stop":
             self.ended = True
-        elif kind == "error" and len(self.errors) < 5:
-            self.errors.append(f"upstream stream error: {event.get('error')}")
+        elif kind == "error":
+            if len(self.errors) < 5:
+                self.errors.append(f"upstream stream error: {event.get('error')}")
+        elif kind not in ("content_block_stop", "ping"):
+            self.unknown_events += 1  # relayed as it came; counted
 
     def _start(self, message: dict[str, Any]) -> None:
         self._message = message
