@@ -9,6 +9,8 @@ logprobs are compared with what the engine's own chat path returns for it.
 from __future__ import annotations
 
 import itertools
+import socket
+import time
 
 import anthropic
 import msgspec
@@ -338,3 +340,39 @@ def http_post_stream(url: str, body: dict) -> bytes:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
         return reply.read()
+
+
+@pytest.fixture
+def slow_engine(loop_thread):
+    server = EngineServer(EngineConfig(flavor="vllm", chunk_delay_s=0.02))
+    loop_thread.run(server.start())
+    yield server
+    loop_thread.run(server.close())
+
+
+@pytest.mark.parametrize(("path", "body", "endpoint"), [
+    ("/episodes/gone/v1/messages", {"model": "mock-model", "max_tokens": 256, "stream": True,
+                                    "messages": [{"role": "user", "content": "x"}]},
+     "messages:chat"),
+    ("/episodes/gone/v1/responses", {"model": "mock-model", "input": "x", "stream": True},
+     "responses"),
+])
+def test_a_client_gone_mid_stream_leaves_the_partial_call(slow_engine, make_proxy, path, body,
+                                                          endpoint):
+    proxy = make_proxy(slow_engine)
+    payload = msgspec.json.encode(body)
+    with socket.create_connection(("127.0.0.1", proxy.settings.port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        received = b""
+        while received.count(b"event: ") < 6:
+            received += sock.recv(65536)
+    deadline = time.monotonic() + 20
+    while not (calls := proxy.calls("gone")):
+        assert time.monotonic() < deadline, "the partial call was never stored"
+        time.sleep(0.05)  # the handler finishes when it notices the client is gone
+    (call,) = calls
+    assert call["endpoint"] == endpoint and call["status"] == "client_disconnected"
+    if endpoint == "messages:chat":  # through chat: the tokens so far, exactly
+        ids = call["choices"][0]["completion_ids"]
+        assert ids and len(call["choices"][0]["completion_logprobs"]) == len(ids)
