@@ -175,7 +175,8 @@ def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
     try:
         view = (_DECODE_CHUNK_LOGPROBS if logprobs else _DECODE_CHUNK)(data)
     except msgspec.ValidationError:
-        return read_chunk(msgspec.json.decode(data))
+        chunk = read_chunk(msgspec.json.decode(data))
+        return chunk if logprobs else msgspec.structs.replace(chunk, logprobs=[])
     choice = next((c for c in view.choices or () if c.index in (None, 0)), None)
     delta = choice.delta if choice is not None and choice.delta is not None else _DeltaView()
     tools = [ToolDelta(index=position if call.index is None else call.index, id=call.id,
