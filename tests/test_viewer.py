@@ -108,6 +108,11 @@ def test_episode_pages_filter_sort_and_page_on_both_databases(db_url):
             second = await browse.episode_page(engine, q(limit=4, offset=4))
             assert first.total == second.total == 6
             assert _ids(first) + _ids(second) == await ids()
+            for sort, descending in (("reward", True), ("reward", False), ("finished", True)):
+                # pages past the middle are read backwards: the same rows, nulls included
+                paged = [i for offset in (0, 2, 4) for i in await ids(
+                    sort=sort, descending=descending, limit=2, offset=offset)]
+                assert paged == await ids(sort=sort, descending=descending)
             broken = next(r for r in first.rows if r.id == "broken")
             assert (broken.calls, broken.failed_calls, broken.budget_exceeded) == (2, 1, False)
             spent = next(r for r in first.rows if r.id == "spent")
