@@ -249,6 +249,8 @@ def _order(query: EpisodeQuery, reverse: bool = False) -> list:
     tie = Episode.id.desc() if descending else Episode.id.asc()
     if column is Episode.id:
         return [key]
+    if column is Episode.created_at:  # never null: plain, so its index serves the order
+        return [key, tie]
     # Unfinished or unrewarded episodes last whichever the direction; id breaks ties so
     # that pages never overlap.
     return [key.nulls_first() if reverse else key.nulls_last(), tie]
@@ -305,8 +307,10 @@ async def group_page(engine: AsyncEngine, query: EpisodeQuery) -> GroupPage:
     conditions = [*_conditions(query), Episode.group_id.is_not(None)]
     latest = func.max(Episode.created_at).label("latest")
     async with engine.connect() as conn:
-        total = (await conn.execute(
-            select(func.count(func.distinct(Episode.group_id))).where(*conditions))).scalar()
+        # COUNT over a GROUP BY hashes; COUNT(DISTINCT) sorts, at twice the time.
+        total = (await conn.execute(select(func.count()).select_from(
+            select(Episode.group_id).where(*conditions).group_by(Episode.group_id)
+            .subquery()))).scalar()
         groups = (await conn.execute(
             select(Episode.group_id, latest).where(*conditions).group_by(Episode.group_id)
             .order_by(latest.desc(), Episode.group_id).limit(query.limit)
@@ -488,3 +492,12 @@ async def recent_calls(engine: AsyncEngine, limit: int) -> list[LiveCall]:
                    Call.completion_tokens, Call.stored_at)
             .order_by(Call.stored_at.desc(), Call.call_id.desc()).limit(limit))).all()
     return [LiveCall(**r._mapping) for r in rows]
+
+
+async def episode_stamp(engine: AsyncEngine, episode_id: str) -> tuple[int, float | None]:
+    """(calls, latest stored_at) of an episode: changes whenever a call is added."""
+    async with engine.connect() as conn:
+        row = (await conn.execute(
+            select(func.count(), func.max(Call.stored_at))
+            .where(Call.episode_id == episode_id))).one()
+    return int(row[0]), row[1]

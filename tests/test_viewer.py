@@ -5,6 +5,7 @@ test_viewer_browser.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -364,3 +365,40 @@ def test_trajectory_arrays_are_shown_as_exported():
     assert row.ids.tolist() == [1, 2, 3] and row.mask == b"\x00\x00\x01"
     assert row.logprobs.tolist() == [0.0, 0.0, -2.0]
     assert tokens.window(row, 0, 10, {}, {}).pieces[-1].kind == "s l3 u"
+
+
+def test_ui_bench_stays_runnable(postgres):
+    done = subprocess.run(
+        [sys.executable, "bench/ui_bench.py", "--episodes", "300", "--rounds", "2",
+         "--big-calls", "4", "--big-tokens", "400"], capture_output=True, text=True,
+        timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["episodes"] == 300
+    pages = figures["results"]
+    assert len(pages) == 14 and all(r["p50"] > 0 for r in pages.values())
+    assert "episodes pages: worst p95" in done.stdout
+
+
+def test_row_cache_reuses_rows_until_the_episode_changes(tmp_path):
+    from viewer.rowcache import RowCache
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    upgrade(url)
+
+    async def run():
+        engine = create_engine(url)
+        await insert_calls(engine, [_call("a", "ep", T0, [1, 2], [3]),
+                                    _call("x", "other", T0, [1, 2, 3, 4], [5])])
+        cache = RowCache(max_tokens=8)
+        async with Reader(url, with_bodies=False) as reader:
+            first = await cache.rows(reader, "ep")
+            assert await cache.rows(reader, "ep") is first  # unchanged: the same rows
+            await insert_calls(engine, [_call("b", "ep", T0 + 1, [1, 2, 3, 9], [7])])
+            second = await cache.rows(reader, "ep")
+            assert second is not first and second[0].ids.tolist() == [1, 2, 3, 9, 7]
+            await cache.rows(reader, "other")  # 5 + 5 tokens > 8: "ep" is evicted
+            assert list(cache.items) == ["other"] and cache.tokens == 5
+        await engine.dispose()
+
+    asyncio.run(run())

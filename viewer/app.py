@@ -19,9 +19,10 @@ from viewer import PREFIX, access, live, pages
 from viewer.access import Access, Verdict
 from viewer.detokenize import Detokenizer
 from viewer.headers import SECURITY_HEADERS
-from viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, SOURCE, TEMPLATES
+from viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, ROWS, SOURCE, TEMPLATES
 from viewer.params import BadParameter
 from viewer.render import Templates, page
+from viewer.rowcache import RowCache
 from viewer.source import Source
 
 log = logging.getLogger("tracetap.viewer")
@@ -45,6 +46,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     app[ACCESS] = gate
     app[TEMPLATES] = Templates()
     app[CLOSING] = asyncio.Event()
+    app[ROWS] = RowCache()
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_closing)
     base = "" if mounted else PREFIX

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from storage import browse
 from viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
-from viewer.keys import ACCESS, CONFIG, DETOKENIZER, SOURCE
+from viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from viewer.render import page
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -73,8 +73,7 @@ async def episode(request: web.Request) -> web.Response:
     if info is None:
         return page(request, "error.html", status=404, title="No such episode",
                     message=f"No episode {episode_id!r} in this database.")
-    reader = await request.app[SOURCE].reader()
-    rows, _ = await tokens.episode_rows(reader, episode_id)
+    rows = await request.app[ROWS].rows(await request.app[SOURCE].reader(), episode_id)
     index = _bounded(request, "t", 0, 0, max(len(rows) - 1, 0))
     size = _bounded(request, "n", tokens.WINDOW, 64, tokens.MAX_WINDOW)
     row = rows[index] if rows else None
