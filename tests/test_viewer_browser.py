@@ -252,7 +252,7 @@ def test_token_view_shows_exactly_the_exported_trained_tokens(page, site):
             expect(page.locator("#toks .t.s")).to_have_count(trained)
             total = len(row["prompt_ids"]) + len(row["response_ids"])
             expect(page.locator("#toks .t")).to_have_count(total)
-            expect(page.locator("#toks .mk.turn")).to_have_count(row["num_turns"])
+            expect(page.locator("#toks .mk-turn")).to_have_count(row["num_turns"])
 
 
 def test_the_rewritten_episode_says_why_it_split_and_where(page, site):
@@ -272,7 +272,7 @@ def test_the_rewritten_episode_says_why_it_split_and_where(page, site):
     expect(box).to_contain_text(f"It shares its first {common} tokens with row 1")
     expect(box.locator("table.diverge .t")).to_have_count(16)
     box.locator("text=(show)").click()
-    expect(page.locator("#toks .mk.split")).to_have_text("split: non_prefix")
+    expect(page.locator("#toks .mk-split")).to_have_text("split: non_prefix")
 
 
 def test_hover_and_keys_show_a_tokens_id_text_logprob_and_alternatives(page, site):
@@ -310,19 +310,27 @@ def test_episode_and_call_pages_show_calls_timings_and_bodies(page, site):
     expect(page.locator("table.calls .badge.failed")).to_have_text("ok 500")
 
 
+def _chat(site: Site, episode_id: str) -> None:
+    client = openai.OpenAI(base_url=site.proxy.episode_url(episode_id), api_key="x",
+                           max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
 def test_live_page_shows_new_calls_within_a_second_and_pauses(page, site):
+    _chat(site, "live-0")  # stored just before the page opens: listed once, not twice
+    site.proxy.flush()
     page.goto(site.url + "/live")
     expect(page.locator("#live-state")).to_have_text("live")
-    client = openai.OpenAI(base_url=site.proxy.episode_url("live-1"), api_key="x",
-                           max_retries=0)
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    expect(page.locator("#live-calls")).to_contain_text("live-0")
+    _chat(site, "live-1")
     expect(page.locator("#live-calls")).to_contain_text("live-1")
     expect(page.locator("#live-episodes")).to_contain_text("live-1")
+    links = page.locator("#live-calls a[href*='/calls/']").evaluate_all(
+        "xs => xs.map(a => a.getAttribute('href'))")
+    assert len(links) == len(set(links))
     page.click("#live-pause")
     expect(page.locator("#live-pause")).to_have_attribute("aria-pressed", "true")
-    client = openai.OpenAI(base_url=site.proxy.episode_url("live-2"), api_key="x",
-                           max_retries=0)
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    _chat(site, "live-2")
     expect(page.locator("#live-held")).to_contain_text("new, held")
     expect(page.locator("#live-calls")).not_to_contain_text("live-2")
     page.click("#live-pause")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import openai
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -50,8 +50,8 @@ def shoot(ui: str, token: str, split: str) -> None:
         page.screenshot(path=HERE / "login.png")
         page.fill("#token", token)
         page.click("button[type=submit]")
-        page.wait_for_selector(".charts img")
-        page.wait_for_function("document.querySelector('.charts img').complete")
+        # (page.wait_for_function would evaluate a string: the viewer's CSP forbids that)
+        expect(page.locator(".charts img")).to_have_js_property("complete", True)
         page.screenshot(path=HERE / "episodes.png")
         page.goto(ui + "groups")
         page.screenshot(path=HERE / "groups.png")
@@ -68,7 +68,7 @@ def shoot(ui: str, token: str, split: str) -> None:
         client = openai.OpenAI(base_url=agent_url, api_key="unused", max_retries=0)
         client.chat.completions.create(model="mock-model",
                                        messages=[{"role": "user", "content": "hello"}])
-        page.wait_for_selector("#live-calls tr.new")
+        page.wait_for_selector("#live-calls tr.new:has-text('live-demo')")
         page.screenshot(path=HERE / "live.png")
         browser.close()
 

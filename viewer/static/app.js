@@ -175,7 +175,15 @@
       trim(episodes, 200);
     }
 
+    // What the page already shows (its first rows, or an event seen before a reconnect)
+    // is not added twice.
+    const seen = new Set(Array.from(root.querySelectorAll("[data-key]"), (n) => n.dataset.key));
+
     function handle(kind, value) {
+      const key = kind === "call" ? value.call_id
+        : value.id + "|" + (value.finished_at === null ? "" : value.finished_at);
+      if (seen.has(key)) return;
+      seen.add(key);
       if (kind === "call") addCall(value); else addEpisode(value);
     }
 
