@@ -3,7 +3,8 @@
 On free local ports, in one event loop: the deterministic mock engine, the real tracetap
 proxy in front of it (embedded SQLite in the data dir), and the scripted ``openai`` SDK
 agent. Episodes are registered and finished through the admin API, the proxy is stopped
-(its writer flushes), and the exporter writes ``<data-dir>/export``.
+(its writer flushes), and the exporter writes ``<data-dir>/export``. With ``--ui`` the
+proxy (and its trace viewer) stays up after the export until Ctrl-C.
 
 Importing this module is cheap (the CLI builds every subcommand's parser): the servers,
 the SDK and pyarrow load only inside ``run``.

@@ -402,3 +402,13 @@ def test_row_cache_reuses_rows_until_the_episode_changes(tmp_path):
         await engine.dispose()
 
     asyncio.run(run())
+
+
+def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
+    from viewer.access import Access
+    from viewer.app import ViewerConfig, build_viewer
+
+    config = ViewerConfig(database_url=f"sqlite:///{tmp_path / 'gone.db'}")
+    url = serve_app(build_viewer(config, Access(lambda _request: "tok"), mounted=False))
+    status, _, body = _get(url + UI + "/", token="tok")
+    assert status == 503 and "no database at" in body

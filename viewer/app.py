@@ -13,6 +13,7 @@ from urllib.parse import urlencode
 
 import msgspec
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
 from storage.scan import ScanError
 from viewer import PREFIX, access, live, pages
@@ -115,6 +116,11 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         log.warning("viewer: %s", exc)
         return page(request, "error.html", status=503, title="Database unavailable",
                     message=str(exc))
+    except (SQLAlchemyError, OSError) as exc:
+        log.warning("viewer: database read failed: %s", exc)
+        return page(request, "error.html", status=503, title="Database unavailable",
+                    message="The database could not be read; the proxy's log has the "
+                            "details. Try again shortly.")
 
 
 @web.middleware

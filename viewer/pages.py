@@ -31,24 +31,23 @@ async def episodes(request: web.Request) -> web.Response:
     found = await browse.episode_page(engine, query)
     group = (await browse.group_rewards(engine, query.group_id)
              if query.group_id is not None else None)
-    return page(request, "episodes.html", found=found, group=group,
-                filters=params.filters(request.query), link=_link(request),
-                filtered=any(params.filters(request.query)[k] for k in params.FIELDS[:11]),
-                hint=_empty_hint(request), view="episodes", sizes=params.PAGE_SIZES,
-                sorts=list(browse.SORTS), statuses=browse.STATUSES)
+    return page(request, "episodes.html", found=found, group=group, view="episodes",
+                **_listing(request))
 
 
 async def groups(request: web.Request) -> web.Response:
     query = params.episode_query(request.query)
     found = await browse.group_page(await _engine(request), query)
-    return page(request, "groups.html", found=found, filters=params.filters(request.query),
-                link=_link(request), hint=_empty_hint(request), view="groups",
-                sizes=params.PAGE_SIZES, sorts=list(browse.SORTS), statuses=browse.STATUSES,
-                filtered=any(params.filters(request.query)[k] for k in params.FIELDS[:11]))
+    return page(request, "groups.html", found=found, view="groups", **_listing(request))
 
 
-def _link(request: web.Request):
-    return lambda **changes: params.link(request.query, **changes)
+def _listing(request: web.Request) -> dict:
+    """What the episodes and groups pages share: the filter form and its links."""
+    filters = params.filters(request.query)
+    return {"filters": filters, "filtered": any(filters[k] for k in params.FILTERS),
+            "link": lambda **changes: params.link(request.query, **changes),
+            "hint": _empty_hint(request), "sizes": params.PAGE_SIZES,
+            "sorts": list(browse.SORTS), "statuses": browse.STATUSES}
 
 
 async def charts_image(request: web.Request) -> web.Response:

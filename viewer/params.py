@@ -13,8 +13,9 @@ from urllib.parse import urlencode
 from storage.browse import SORTS, STATUSES, EpisodeQuery
 
 PAGE_SIZES = (25, 50, 100, 200)
-FIELDS = ("q", "group", "task", "harness", "outcome", "status", "finished", "reward_min",
-          "reward_max", "since", "until", "sort", "order", "limit", "page")
+FILTERS = ("q", "group", "task", "harness", "outcome", "status", "finished", "reward_min",
+           "reward_max", "since", "until")
+FIELDS = (*FILTERS, "sort", "order", "limit", "page")
 TEXT_LIMIT = 256
 
 
