@@ -52,6 +52,9 @@ class Capture:
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
+        self.token_ids_missing = 0
+        self.choice_count = 0
+        self.unknown_events = 0  # chat chunks have no event types
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
@@ -139,6 +142,8 @@ class Capture:
     def choices(self) -> list[ChoiceRecord]:
         records = []
         self.logprobs_missing = 0
+        self.token_ids_missing = 0
+        self.choice_count = len(self._choices)
         for index in sorted(self._choices):
             acc = self._choices[index]
             ids, source = _completion_ids(acc)
@@ -149,6 +154,8 @@ class Capture:
                 logprobs = None
             if logprobs is None and (ids or acc.text):
                 self.logprobs_missing += 1
+            if ids is None and (acc.text or acc.reasoning or acc.tools):
+                self.token_ids_missing += 1
             records.append(ChoiceRecord(
                 index=index,
                 finish_reason=acc.finish_reason,

@@ -58,4 +58,6 @@ STATUSES = (
     "upstream_timeout",
     "bad_request",
     "paused",
+    "budget_exceeded",
+    "passthrough",  # an exposed, uncaptured path (e.g. count_tokens) called in an episode
 )
