@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import case, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.tables import Call, Choice, Episode
+from storage.tables import FAILED_SQL, Call, Choice, Episode
 
 SORTS = {
     "created": Episode.created_at,
@@ -25,6 +25,7 @@ SORTS = {
     "task": Episode.task_id,
 }
 STATUSES = ("ok", "errors", "budget_exceeded")  # of an episode's calls
+COMPLETED = ("ok", "passthrough")  # call statuses that are not failures (with HTTP 200)
 
 
 class EpisodeQuery(msgspec.Struct, kw_only=True, frozen=True):
@@ -115,7 +116,7 @@ class CallSummary(msgspec.Struct, kw_only=True):
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok" or self.http_status != 200
+        return self.http_status != 200 or self.status not in COMPLETED
 
 
 class EpisodeInfo(msgspec.Struct, kw_only=True):
@@ -191,7 +192,9 @@ class LiveEpisode(msgspec.Struct, kw_only=True):
     outcome: str | None
 
 
-_FAILED = or_(Call.status != "ok", Call.http_status != 200)
+# The partial index's own predicate, as literal SQL: the planner uses the index only when
+# the query's condition is the same (bound parameters would not match it).
+_FAILED = text(f"({FAILED_SQL})")
 
 
 def _loads(value: str | None) -> Any:

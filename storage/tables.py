@@ -12,7 +12,9 @@ NAMING = {
 }
 
 
-FAILED_SQL = "status <> 'ok' OR http_status <> 200"
+# A call that failed: not a 200, or not captured whole ("passthrough" is a relayed,
+# uncaptured path such as count_tokens: not a failure).
+FAILED_SQL = "http_status <> 200 OR status NOT IN ('ok', 'passthrough')"
 
 
 class Base(DeclarativeBase):

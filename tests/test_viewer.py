@@ -62,6 +62,9 @@ async def _populate(engine) -> None:
     records.append(_call("c-bad", "broken", T0 + 5.5, [1], [], status="ok", http=500))
     records.append(_call("c-spent", "spent", T0 + 6.5, [1], [], status="budget_exceeded",
                          http=403))
+    # a passthrough (count_tokens) is no failure
+    records.append(_call("c-pass", "solo", T0 + 4.5, [], [], status="passthrough"))
+    records.append(_call("c-untagged", None, T0, [], [], http=500))  # failed, in no episode
     await insert_calls(engine, records)
     async with engine.begin() as conn:  # created_at is now(): place episodes in time
         for episode_id, *_rest, offset in specs:
@@ -116,6 +119,8 @@ def test_episode_pages_filter_sort_and_page_on_both_databases(db_url):
                 assert paged == await ids(sort=sort, descending=descending)
             broken = next(r for r in first.rows if r.id == "broken")
             assert (broken.calls, broken.failed_calls, broken.budget_exceeded) == (2, 1, False)
+            solo = next(r for r in first.rows + second.rows if r.id == "solo")
+            assert (solo.calls, solo.failed_calls) == (2, 0)
             spent = next(r for r in first.rows if r.id == "spent")
             assert spent.budget_exceeded and spent.completion_tokens == 2
 
@@ -130,7 +135,7 @@ def test_episode_pages_filter_sort_and_page_on_both_databases(db_url):
             assert sample.calls_per_episode == [1, 1] and len(sample.latencies) == 2
 
             stored = await browse.calls_stored_since(engine, 0.0, 100)
-            assert len(stored) == 8
+            assert len(stored) == 10
             assert await browse.calls_stored_since(engine, time.time() + 60, 100) == []
             changed = await browse.episodes_changed_since(engine, T0 + 5, 100)
             assert {e.id for e in changed} >= {"broken", "spent", "g-1"}  # created, finished

@@ -13,12 +13,14 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import anthropic
 import openai
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import LoopThread, Proxy, free_port
 from demo.agent import run_agent
+from demo.api_agents import run_messages_agent, run_responses_agent
 from demo.engine import EngineConfig, EngineServer
 from demo.runner import MODEL, plan_episodes
 from exporters import export
@@ -76,12 +78,21 @@ def _capture_episodes(proxy: Proxy, loop: LoopThread) -> tuple[dict, dict]:
                                      "config": {"variant": plan.variant}})
 
         async def agent(created=created, plan=plan):
+            extra_body = {"mock_tool_rounds": plan.tool_rounds}
+            if plan.api == "messages":
+                client = anthropic.AsyncAnthropic(
+                    base_url=created["base_url"].removesuffix("/v1"),
+                    api_key=created["api_key"], max_retries=0)
+                async with client:
+                    return await run_messages_agent(client, plan.task, model=MODEL)
             client = openai.AsyncOpenAI(base_url=created["base_url"],
                                         api_key=created["api_key"], max_retries=0)
             async with client:
+                if plan.api == "responses":
+                    return await run_responses_agent(client, plan.task, model=MODEL,
+                                                     extra_body=extra_body)
                 return await run_agent(client, plan.task, model=MODEL, seed=plan.seed,
-                                       rewrite_at=plan.rewrite_at,
-                                       extra_body={"mock_tool_rounds": plan.tool_rounds})
+                                       rewrite_at=plan.rewrite_at, extra_body=extra_body)
 
         result = loop.run(agent())
         outcomes[plan.id] = result.outcome()
@@ -314,6 +325,22 @@ def _chat(site: Site, episode_id: str) -> None:
     client = openai.OpenAI(base_url=site.proxy.episode_url(episode_id), api_key="x",
                            max_retries=0)
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("variant,endpoint", [("responses-api", "responses"),
+                                              ("messages-api", "messages:chat")])
+def test_responses_and_messages_episodes_read_as_conversations(page, site, variant,
+                                                               endpoint):
+    (episode_id,) = _of(site, variant)
+    page.goto(f"{site.url}/episodes/{episode_id}")
+    expect(page.locator("table.calls tbody tr").first).to_contain_text(endpoint)
+    turns = page.locator(".turns")
+    expect(turns.locator(".tool-call").first).to_contain_text("lookup")
+    expect(turns.locator(".turn.role-tool").first).to_contain_text("Fact")
+    expect(turns.locator(".turn.reply")).to_have_count(1)
+    trained = sum(site.rows[episode_id][0]["response_mask"])
+    assert trained > 0
+    assert page.locator("#trained-count").get_attribute("data-trained") == str(trained)
 
 
 def test_live_page_shows_new_calls_within_a_second_and_pauses(page, site):

@@ -16,7 +16,7 @@ down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-FAILED_SQL = "status <> 'ok' OR http_status <> 200"
+FAILED_SQL = "http_status <> 200 OR status NOT IN ('ok', 'passthrough')"  # storage.tables
 _EPISODE_COLUMNS = ("created_at", "harness_name", "outcome", "reward", "task_id")
 
 

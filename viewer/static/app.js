@@ -152,7 +152,7 @@
       cell(tr, c.episode_id ? link("/episodes/" + encodeURIComponent(c.episode_id), c.episode_id)
         : el("span", { class: "muted" }, "untagged"));
       cell(tr, c.endpoint);
-      const failed = c.status !== "ok" || c.http_status !== 200;
+      const failed = c.http_status !== 200 || !["ok", "passthrough"].includes(c.status);
       cell(tr, failed ? el("span", { class: "badge failed" }, c.status + " " + c.http_status)
         : c.status + " " + c.http_status);
       cell(tr, String((c.prompt_tokens || 0) + (c.completion_tokens || 0)), "num");
