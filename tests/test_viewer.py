@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -417,3 +418,32 @@ def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
     url = serve_app(build_viewer(config, Access(lambda _request: "tok"), mounted=False))
     status, _, body = _get(url + UI + "/", token="tok")
     assert status == 503 and "no database at" in body
+
+
+def test_demo_ui_keeps_the_viewer_up_and_says_where_to_look(tmp_path):
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "demo", "--ui", "--quiet", "--episodes", "0",
+         "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    printed = []
+    try:
+        for line in demo.stdout:
+            printed.append(line)
+            if "Ctrl-C" in line:
+                break
+        text = "".join(printed)
+        token = re.search(r"admin token: (\S+)", text).group(1)
+        failed = re.search(r"failed episodes:\s+(\S+)", text).group(1)
+        split = re.search(r"why the rewrite split:\s+(\S+)", text).group(1)
+        status, _, body = _get(failed, token=token)
+        assert status == 200 and 'class="id"' in body
+        assert all(o == "failed" for o in re.findall(r"<td>(solved|partial|failed)</td>", body))
+        status, _, body = _get(split.split("#")[0], token=token)
+        assert status == 200 and "Why row 2 split: <code>non_prefix</code>" in body
+        demo.terminate()
+        assert demo.wait(30) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
