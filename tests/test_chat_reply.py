@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.apis.chat_reply import read_chunk, read_chunk_bytes
@@ -33,6 +33,7 @@ _chunk = st.fixed_dictionaries({}, optional={
     "error": st.one_of(_scalar, st.fixed_dictionaries({"message": st.text(max_size=5)}))})
 
 
+@settings(max_examples=500)
 @given(_chunk, st.booleans())
 def test_the_fast_reader_reads_like_the_tolerant_one(chunk, logprobs):
     expected = read_chunk(chunk)
@@ -50,3 +51,11 @@ def test_a_vllm_chunk_with_ids_and_logprobs():
     assert fast.text == "hi" and fast.logprobs == [] and fast.usage is None
     assert read_chunk_bytes(msgspec.json.encode(chunk), logprobs=True).logprobs == [
         {"token": "hi", "logprob": -0.5}]
+
+
+def test_an_error_sent_in_place_of_a_chunk():
+    boom = read_chunk_bytes(b'{"error": {"message": "boom", "type": "server_error"}}')
+    assert boom.error == "boom"
+    assert read_chunk_bytes(b'{"choices": [{}], "error": 0}').error == "0"
+    assert read_chunk_bytes(
+        b'{"choices": [{"index": 0, "delta": {"content": "x"}}], "error": "late"}').error is None

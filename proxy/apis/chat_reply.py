@@ -175,6 +175,8 @@ def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
     try:
         view = (_DECODE_CHUNK_LOGPROBS if logprobs else _DECODE_CHUNK)(data)
     except msgspec.ValidationError:
+        view = None
+    if view is None or view.error is not None:  # rare: read as tolerantly as ever
         chunk = read_chunk(msgspec.json.decode(data))
         return chunk if logprobs else msgspec.structs.replace(chunk, logprobs=[])
     choice = next((c for c in view.choices or () if c.index in (None, 0)), None)
@@ -186,7 +188,6 @@ def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
     entries: list[dict[str, Any]] = []
     if logprobs and choice is not None and choice.logprobs is not None:
         entries = [e for e in choice.logprobs.content or () if isinstance(e, dict)]
-    error = view.error
     return Chunk(
         text=delta.content,
         reasoning=delta.reasoning_content or delta.reasoning,
@@ -196,7 +197,7 @@ def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
         logprobs=entries,
         usage=None if view.usage is None else read_usage(view.usage),
         created=view.created,
-        error=_error_message(error) if error is not None and choice is None else None,
+        error=None,
     )
 
 
