@@ -59,6 +59,8 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     files: list[str] = []
     seconds: float = 0.0
     watermark: float | None = None
+    # (call, choice) pairs left out of trajectories/ for lack of token ids, by why.
+    left_out: dict[str, int] = {}
 
 
 def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
@@ -78,6 +80,7 @@ async def export_async(
     datasets: Iterable[str] = DATASETS,
     incremental: bool = False,
     overwrite: bool = False,
+    keep_untokenized: bool = False,
     progress: Callable[[Progress], None] | None = None,
     page_size: int = 256,
 ) -> ExportSummary:
@@ -85,10 +88,13 @@ async def export_async(
 
     ``incremental`` appends only episodes finished since the last run into ``out``;
     without it an existing export is an error unless ``overwrite`` replaces it.
+    Calls without token ids are left out of trajectories/ (``summary.left_out`` says how
+    many and why) unless ``keep_untokenized`` keeps them as marked rows.
     """
     selection = Selection(since=_epoch(since), until=_epoch(until),
                           episode_ids=tuple(sorted(set(episodes))), group_id=group,
-                          finished_only=finished_only, datasets=_datasets(datasets))
+                          finished_only=finished_only, datasets=_datasets(datasets),
+                          keep_untokenized=keep_untokenized)
     if incremental and not finished_only:
         raise ExportError("--incremental needs --finished-only: an unfinished episode can "
                           "still grow, so it cannot be exported once and for all")
@@ -174,7 +180,7 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
             _add_calls(calls, page, summary)
             await asyncio.sleep(0)  # lets the prefetched page's queries move on
         if trajectories is not None:
-            _add_trajectories(trajectories, page, summary)
+            _add_trajectories(trajectories, page, summary, selection.keep_untokenized)
         summary.episodes += len(page.episodes)
         for episode in page.episodes:
             if episode.finished_at is not None:
@@ -196,9 +202,11 @@ def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) ->
         summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
 
 
-def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
+def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary,
+                      keep_untokenized: bool) -> None:
     rows = [(episode, t) for episode in page.episodes
-            for t in build_trajectories(episode.calls)]
+            for t in build_trajectories(episode.calls, keep_untokenized=keep_untokenized,
+                                        left_out=summary.left_out)]
     batch = trajectories_batch(rows, writer.schema)
     writer.add(batch)
     summary.trajectories += batch.num_rows
@@ -236,6 +244,10 @@ def _previous(manifest: Manifest | None, selection: Selection, incremental: bool
     if not incremental:
         raise ExportError("the output directory already holds an export; add --incremental "
                           "to append what is new, or --overwrite to replace it")
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise ExportError(f"the export there has schema version {manifest.schema_version}, "
+                          f"this tracetap writes {SCHEMA_VERSION}: the files would not mix; "
+                          "export to a new directory or --overwrite")
     if manifest.selection != selection:
         ours, theirs = msgspec.structs.asdict(selection), msgspec.structs.asdict(manifest.selection)
         diff = ", ".join(f"{k}: {theirs[k]!r} then, {ours[k]!r} now"

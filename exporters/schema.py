@@ -19,7 +19,7 @@ from storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: token origin, the engine's view of the request, drift columns
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -41,7 +41,10 @@ CALLS = pa.schema([
     ("policy_version", pa.string()),
     ("request", pa.string()),  # JSON text
     ("response", pa.string()),  # JSON text; streams reassembled
+    ("upstream_request", pa.string()),  # JSON text the engine got, when not `request`
     ("prompt_ids", _IDS),
+    ("prompt_source", pa.string()),
+    ("ids_missing", pa.string()),  # why token ids are missing, when they are
     ("completion_ids", _IDS),
     ("completion_logprobs", pa.list_(pa.float32())),
     ("token_source", pa.string()),
@@ -82,8 +85,9 @@ SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 BODY_CHARS_PER_BATCH = 256 << 20
 # Calls columns copied as they are from the scanned rows.
 _CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
-                "policy_version", "request", "response", "token_source", "finish_reason",
-                "status", "http_status", "error", "prompt_tokens", "completion_tokens")
+                "policy_version", "request", "response", "upstream_request", "prompt_source",
+                "ids_missing", "token_source", "finish_reason", "status", "http_status",
+                "error", "prompt_tokens", "completion_tokens")
 
 TrajectoryRow = tuple[ScannedEpisode, Trajectory]
 
@@ -101,10 +105,11 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
-    call_id, request, response = (ROW.index(n) for n in ("call_id", "request", "response"))
+    call_id, *bodies = (ROW.index(n) for n in ("call_id", "request", "response",
+                                                "upstream_request"))
     start, chars = 0, 0
     for i, row in enumerate(rows):
-        size = len(row[request] or "") + len(row[response] or "")
+        size = sum(len(row[b] or "") for b in bodies)
         new_call = i > start and row[call_id] != rows[i - 1][call_id]
         if new_call and chars + size > BODY_CHARS_PER_BATCH:
             yield calls_batch(rows[start:i], episodes, schema)

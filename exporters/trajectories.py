@@ -7,8 +7,9 @@ root's prompt, then per edge the observation gap (mask 0) and the completion (ma
 
 A completion shared by several leaves is trainable (mask 1, its logprobs) in exactly one
 row: the leaf reached by always following the earliest child. Elsewhere it is context
-(mask 0, logprob 0). Text is never re-tokenized: a call without token ids becomes a
-single-turn row of its own and is never stitched.
+(mask 0, logprob 0). Text is never re-tokenized: a call without token ids is left out
+(counted in ``left_out`` by why), or with ``keep_untokenized`` becomes a single-turn row of
+its own, marked and never stitched.
 
 split_reason says why a row is not the episode's main line, at the highest point where
 it leaves it (the top of its trainable part):
@@ -18,7 +19,8 @@ it leaves it (the top of its trainable part):
   "branch"        a later, different continuation of the same context
   "non_prefix"    a new root: the prompt extends no earlier completion (context rewritten,
                   summarised, a sub-agent)
-  "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched
+  "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched (only
+                  with keep_untokenized: such rows are not training data)
 Calls that did not succeed (status != "ok" or HTTP status != 200) are left out.
 """
 
@@ -103,8 +105,12 @@ class _Node:
                 and ids.startswith(self.completion, len(self.prompt)))
 
 
-def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
-    """All rows of one episode: the prefix forest's leaves, then untokenized calls."""
+def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = False,
+                       left_out: dict[str, int] | None = None) -> list[Trajectory]:
+    """All rows of one episode: the prefix forest's leaves (then, with ``keep_untokenized``,
+    calls without token ids as marked single-turn rows). Each (call, choice) left out for
+    lack of ids is counted in ``left_out`` under why (the call's ``ids_missing`` reason
+    when it has one, else ``no_token_ids``)."""
     ordered = sorted(calls, key=_arrival)
     nodes: list[_Node] = []
     untokenized: list[Trajectory] = []
@@ -113,10 +119,13 @@ def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
             continue
         choices = call.choices
         for choice in choices if len(choices) < 2 else sorted(choices, key=_index):
-            if call.prompt_ids is None or choice.completion_ids is None:
-                untokenized.append(_single_turn(call, choice))
-            else:
+            if call.prompt_ids is not None and choice.completion_ids is not None:
                 nodes.append(_Node(call, choice))
+            elif keep_untokenized:
+                untokenized.append(_single_turn(call, choice))
+            elif left_out is not None:
+                reason = getattr(call, "ids_missing", None) or "no_token_ids"
+                left_out[reason] = left_out.get(reason, 0) + 1
     _link(nodes)
     rows = _tree_rows(nodes)
     for node in nodes:  # parent <-> children cycles would keep token buffers until a GC pass

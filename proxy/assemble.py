@@ -149,6 +149,9 @@ class Capture:
                 logprobs = None
             if logprobs is None and (ids or acc.text):
                 self.logprobs_missing += 1
+            strs = None  # no ids: the engine's own strings let the writer verify a retokenization
+            if ids is None and acc.tokens and all(t is not None for t in acc.tokens):
+                strs = acc.tokens
             records.append(ChoiceRecord(
                 index=index,
                 finish_reason=acc.finish_reason,
@@ -157,6 +160,7 @@ class Capture:
                 completion_logprobs=logprobs,
                 top_logprobs=acc.tops if self.keep_top and acc.tops else None,
                 token_source=source,
+                token_strs=strs,
             ))
         return records
 

@@ -38,6 +38,7 @@ class ModelCall:
         self.injected = Injected()
         self.capture = api.capture(self.injected)
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.stream_translator = None
         self.stream = False
         self.status = "ok"
@@ -80,7 +81,11 @@ class ModelCall:
         self.payload = payload
         self.injected = self.api.prepare(payload, self.state.flavor)
         self.capture = self.api.capture(self.injected)
-        return encode(payload) if self.injected.any or rewritten else body
+        if self.injected.any or rewritten:
+            body = encode(payload)
+        if self.translation is not None:
+            self.upstream_request = body  # stored beside the client's request
+        return body
 
     @property
     def rewrites_stream(self) -> bool:
@@ -187,9 +192,10 @@ class ModelCall:
         else:
             response = self.client_body
         prompt_tokens, completion_tokens = capture.tokens()
-        prompt_ids = capture.prompt_ids
+        prompt_ids, prompt_source = capture.prompt_ids, None
         if prompt_ids is None and self.endpoint == COMPLETIONS:
             prompt_ids = _token_prompt(self.payload.get("prompt"))
+            prompt_source = None if prompt_ids is None else "request"
         model = capture.model or _str(self.payload.get("model"))
         upstream_latency = None
         if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
@@ -216,6 +222,9 @@ class ModelCall:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             prompt_ids=prompt_ids,
+            prompt_source=prompt_source,
+            upstream_request=None if self.upstream_request is None
+            else self.upstream_request.decode("utf-8", "replace"),
             choices=choices,
         )
 

@@ -55,6 +55,10 @@ class Metrics(WriterObserver):
                                   buckets=BATCH_BUCKETS, registry=r)
         self.logprobs_missing = Counter("tracetap_logprobs_missing_total",
                                         "Choices stored without usable logprobs", registry=r)
+        self.token_ids_missing = Counter("tracetap_token_ids_missing_total",
+                                         "Prompts and completions stored without token ids "
+                                         "(left out of trajectories), by reason", ["reason"],
+                                         registry=r)
         # Agent traffic the proxy refused (the agent is untrusted: count every attempt).
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
@@ -84,6 +88,9 @@ class Metrics(WriterObserver):
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def ids_missing(self, reason: str) -> None:
+        self.child(self.token_ids_missing, reason).inc()
 
     # WriterObserver
     def records(self, outcome: str, count: int) -> None:
