@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.compute as pc
 
+from exporters.drift import explain
 from exporters.parquet import (
     DATASETS,
     DatasetWriter,
@@ -61,6 +62,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     watermark: float | None = None
     # (call, choice) pairs left out of trajectories/ for lack of token ids, by why.
     left_out: dict[str, int] = {}
+    # Rows off an episode's main line, by cause: the drift cause of a "non_prefix" row,
+    # else its split_reason (sample, retry, branch, no_token_ids).
+    splits: dict[str, int] = {}
 
 
 def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
@@ -180,7 +184,8 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
             _add_calls(calls, page, summary)
             await asyncio.sleep(0)  # lets the prefetched page's queries move on
         if trajectories is not None:
-            _add_trajectories(trajectories, page, summary, selection.keep_untokenized)
+            await _add_trajectories(reader, trajectories, page, summary,
+                                    selection.keep_untokenized)
         summary.episodes += len(page.episodes)
         for episode in page.episodes:
             if episode.finished_at is not None:
@@ -202,11 +207,23 @@ def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) ->
         summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
 
 
-def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary,
-                      keep_untokenized: bool) -> None:
+async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPage,
+                            summary: ExportSummary, keep_untokenized: bool) -> None:
     rows = [(episode, t) for episode in page.episodes
             for t in build_trajectories(episode.calls, keep_untokenized=keep_untokenized,
                                         left_out=summary.left_out)]
+    drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
+    if drifted:  # only split rows need bodies; read here when the page came without them
+        calls = {c.call_id: c for e, _ in drifted for c in e.calls}
+        if not reader.with_bodies:
+            calls = await reader.bodies(sorted({i for _, t in drifted
+                                                for i in (t.call_ids[0], t.drift_call_id)}))
+        for _, t in drifted:
+            explain(t, calls)
+    for _, t in rows:
+        if t.split_reason is not None:
+            cause = t.drift_cause or t.split_reason
+            summary.splits[cause] = summary.splits.get(cause, 0) + 1
     batch = trajectories_batch(rows, writer.schema)
     writer.add(batch)
     summary.trajectories += batch.num_rows

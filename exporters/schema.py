@@ -77,7 +77,18 @@ TRAJECTORIES = pa.schema([
     ("outcome", pa.string()),
     ("harness", pa.string()),
     ("harness_config", pa.string()),  # JSON text
+    # Why a "non_prefix" row split (exporters.trajectories, exporters.drift).
+    ("drift_cause", pa.string()),
+    ("drift_position", pa.int32()),  # first differing token of prompt_ids
+    ("drift_expected_token", pa.int32()),
+    ("drift_received_token", pa.int32()),
+    ("drift_message_index", pa.int32()),  # first differing message of the request
+    ("drift_expected_text", pa.string()),
+    ("drift_received_text", pa.string()),
+    ("drift_call_id", pa.string()),  # the earlier call whose context was expected
 ])
+_DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
+          "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
 
 SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 # Characters of request + response text per calls batch: at most 4 UTF-8 bytes each, so
@@ -171,6 +182,7 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         "outcome": [e.outcome for e in episodes],
         "harness": [e.harness_name for e in episodes],
         "harness_config": [e.harness_config for e in episodes],
+        **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
     }
     return _batch(columns, schema)
 

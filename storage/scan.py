@@ -198,6 +198,16 @@ class Reader:
                         by_id[call.episode_id].calls.append(call)
                 yield ScanPage(page, calls)
 
+    async def bodies(self, call_ids: list[str]) -> dict[str, ScannedCall]:
+        """Just the bodies of these calls (request, upstream_request, response)."""
+        query = select(Call.call_id, Call.endpoint, Call.request, Call.upstream_request,
+                       Call.response).where(Call.call_id.in_(call_ids))
+        with self._translated():
+            async with self.engine.connect() as conn:
+                rows = await _fetch(conn, query)
+        return {r[0]: ScannedCall(call_id=r[0], endpoint=r[1], request=r[2],
+                                  upstream_request=r[3], response=r[4]) for r in rows}
+
     async def untagged_calls(self, filt: EpisodeFilter) -> AsyncIterator[ScanPage]:
         """Calls that carried no episode, by t_start (``since``/``until`` apply to it)."""
         after: tuple[float, str] | None = None
