@@ -39,6 +39,7 @@ class ModelCall:
         self.capture = api.capture(self.injected)
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
+        self.repaired = False  # the model's own turns put back (proxy.repair)
         self.stream_translator = None
         self.stream = False
         self.status = "ok"
@@ -78,12 +79,13 @@ class ModelCall:
             rewritten = True
             if self.stream:
                 self.stream_translator = self.translation.StreamTranslator(self.client_payload)
+        self.repaired = self.state.repair.apply(self.episode_id, self.api.endpoint, payload)
         self.payload = payload
         self.injected = self.api.prepare(payload, self.state.flavor)
         self.capture = self.api.capture(self.injected)
-        if self.injected.any or rewritten:
+        if self.injected.any or rewritten or self.repaired:
             body = encode(payload)
-        if self.translation is not None:
+        if self.translation is not None or self.repaired:
             self.upstream_request = body  # stored beside the client's request
         return body
 
@@ -177,6 +179,7 @@ class ModelCall:
         if not self.submitted:
             self.submitted = True
             self.state.submit(self.record())
+            self.state.repair.remember(self)
 
     def record(self) -> CallRecord:
         state = self.state

@@ -59,6 +59,10 @@ class Metrics(WriterObserver):
                                          "Prompts and completions stored without token ids "
                                          "(left out of trajectories), by reason", ["reason"],
                                          registry=r)
+        self.history_repairs = Counter("tracetap_history_repairs_total",
+                                       "Resent assistant turns replaced by the model's own "
+                                       "(--repair-history), by what the harness changed",
+                                       ["cause"], registry=r)
         # Agent traffic the proxy refused (the agent is untrusted: count every attempt).
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
@@ -88,6 +92,9 @@ class Metrics(WriterObserver):
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def repaired(self, cause: str) -> None:
+        self.child(self.history_repairs, cause).inc()
 
     def ids_missing(self, reason: str) -> None:
         self.child(self.token_ids_missing, reason).inc()

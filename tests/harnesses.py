@@ -77,10 +77,10 @@ def summarised(history: list[dict]) -> list[dict]:
 
 def run_episode(proxy, episode: str, style: Style, *, turns: int = 3, tools=TOOLS,
                 extra: dict | None = None, stop: list[str] | None = None,
-                system: dict = SYSTEM) -> list[dict]:
+                system: dict = SYSTEM, task: str | None = None) -> list[dict]:
     """Drive one episode with the openai SDK; returns the true history."""
     client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x", max_retries=0)
-    history = [system, {"role": "user", "content": f"Task {episode}."}]
+    history = [system, {"role": "user", "content": f"Task {task or episode}."}]
     kwargs = {"tools": tools} if tools else {}
     if stop:
         kwargs["stop"] = stop
