@@ -33,8 +33,10 @@ sys.path.insert(0, str(ROOT))
 from proxy.capture import ModelCall  # noqa: E402
 from proxy.handlers import _observe  # noqa: E402
 from proxy.ids import uuid7  # noqa: E402
-from proxy.inject import CHAT  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
+from proxy.model_map import ModelMap  # noqa: E402
+from proxy.repair import Repair  # noqa: E402
+from proxy.routing import Routing  # noqa: E402
 from proxy.sse import SSEParser  # noqa: E402
 from storage.engine import create_engine, upgrade  # noqa: E402
 from storage.journal import Journal  # noqa: E402
@@ -49,7 +51,10 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
 def _state() -> SimpleNamespace:
     """The parts of ProxyState that a ModelCall touches."""
     return SimpleNamespace(flavor="vllm", instance="bench", next_seq=lambda _: 0,
-                           metrics=Metrics())
+                           metrics=Metrics(), model_map=ModelMap(), repair=Repair(False))
+
+
+CHAT = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 
 
 def _request(stream: bool) -> bytes:

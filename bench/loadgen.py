@@ -20,6 +20,13 @@ TICKS = os.sysconf("SC_CLK_TCK")
 SCENARIOS = ("c1", "c1_stream", "c32", "c32_stream")
 
 
+_PATHS = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
+# The last event of a complete stream, per API (Responses: cut at max_output_tokens is
+# "incomplete", which is still a whole stream).
+_STREAM_END = {"chat": (b"data: [DONE]",), "messages": (b"message_stop",),
+               "responses": (b"event: response.completed", b"event: response.incomplete")}
+
+
 @dataclass
 class Target:
     name: str
@@ -27,10 +34,11 @@ class Target:
     episode_path: bool = False  # tracetap: tag calls by /episodes/<id>/v1
     process: subprocess.Popen | None = None
     metrics: bool = False
+    api: str = "chat"  # the wire API the client speaks (tracetap translates to chat)
 
     def url(self, worker: int) -> str:
         prefix = f"/episodes/bench-{worker}/v1" if self.episode_path else "/v1"
-        return f"{self.base}{prefix}/chat/completions"
+        return f"{self.base}{prefix}{_PATHS[self.api]}"
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -69,7 +77,15 @@ class Sample:
         self.upstream_cpu += other.upstream_cpu
 
 
-def request_body(stream: bool, client: str) -> bytes:
+def request_body(stream: bool, client: str, api: str = "chat") -> bytes:
+    if api == "responses":
+        return msgspec.json.encode({"model": "bench-model", "instructions": MESSAGES[0]["content"],
+                                    "input": MESSAGES[1:], "max_output_tokens": 64,
+                                    "stream": stream, "store": False})
+    if api == "messages":
+        return msgspec.json.encode({"model": "bench-model", "system": MESSAGES[0]["content"],
+                                    "messages": MESSAGES[1:], "max_tokens": 64,
+                                    "stream": stream})
     body: dict = {"model": "bench-model", "messages": MESSAGES, "max_tokens": 64,
                   "stream": stream}
     if client == "rl":  # a harness that asks for everything capture needs itself
@@ -80,7 +96,7 @@ def request_body(stream: bool, client: str) -> bytes:
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
-              sample: Sample) -> bytes:
+              sample: Sample, end: tuple[bytes, ...] = _STREAM_END["chat"]) -> bytes:
     started = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=JSON) as resp:
@@ -91,7 +107,8 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: boo
                         first = time.perf_counter()
                     parts.append(data)
                 data = b"".join(parts)
-                ok = resp.status == 200 and data.endswith(b"data: [DONE]\n\n")
+                last = data[data.rfind(b"\n\n", 0, len(data) - 2):]  # the last event
+                ok = resp.status == 200 and any(marker in last for marker in end)
             else:
                 data = await resp.read()
                 ok = resp.status == 200 and data.startswith(b"{")
@@ -128,7 +145,7 @@ async def load(session: aiohttp.ClientSession, target: Target, body: bytes, stre
                 issued += 1
             elif time.perf_counter() >= deadline:
                 return
-            await one(session, url, body, stream, sample)
+            await one(session, url, body, stream, sample, _STREAM_END[target.api])
 
     started = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -173,18 +190,18 @@ async def interleaved(session: aiohttp.ClientSession, targets: list[Target],
     (the writer's commit) finish on its own time rather than on the next target's; the
     first ``warm`` requests of a block are not counted, as the pause lets the processes
     involved go cold (idle CPUs, caches), more of them the more processes a path has."""
-    body = request_body(stream, client)
     samples = {t.name: Sample() for t in targets}
     warmups = {t.name: Sample() for t in targets}
     for b in range(-(-count // block)):
         shift = b % len(targets)
         for t in targets[shift:] + targets[:shift]:
             sample = Sample()
+            body, end = request_body(stream, client, t.api), _STREAM_END[t.api]
             for _ in range(warm):
-                await one(session, t.url(0), body, stream, warmups[t.name])
+                await one(session, t.url(0), body, stream, warmups[t.name], end)
             cpu = t.cpu_seconds()
             for _ in range(min(block, count - b * block)):
-                await one(session, t.url(0), body, stream, sample)
+                await one(session, t.url(0), body, stream, sample, end)
             await asyncio.sleep(0.1)
             sample.cpu = t.cpu_seconds() - cpu  # the pause included: background work counts
             timings = sorted(sample.ttfts if stream else sample.latencies)
@@ -207,7 +224,7 @@ async def saturate(session: aiohttp.ClientSession, target: Target, upstream: Tar
     if target.metrics:
         poller = asyncio.create_task(poll_queue(session, target, peak))
     cpu0, up0 = target.cpu_seconds(), upstream.cpu_seconds()
-    sample = await load(session, target, request_body(stream, client), stream, 32,
+    sample = await load(session, target, request_body(stream, client, target.api), stream, 32,
                         seconds=seconds)
     sample.cpu, sample.upstream_cpu = target.cpu_seconds() - cpu0, upstream.cpu_seconds() - up0
     if poller is not None:
@@ -218,17 +235,23 @@ async def saturate(session: aiohttp.ClientSession, target: Target, upstream: Tar
 
 
 async def warm_up(session: aiohttp.ClientSession, target: Target, report: Report,
-                  reference: dict[bool, bytes], client: str) -> None:
+                  reference: dict[tuple[str, bool], bytes], client: str) -> None:
     for stream in (False, True):
-        sample = await load(session, target, request_body(stream, client), stream, 8, count=200)
+        body = request_body(stream, client, target.api)
+        sample = await load(session, target, body, stream, 8, count=200)
         report.sent += sample.done + sample.errors
-        data = await one(session, target.url(0), request_body(stream, client), stream, Sample())
+        data = await one(session, target.url(0), body, stream, Sample(),
+                         _STREAM_END[target.api])
         report.sent += 1
         if stream:  # chunk boundaries may differ: compare the events
             data = data.replace(b"\r\n", b"\n")
-        if stream not in reference:
-            reference[stream] = data
-        report.identical = (report.identical is not False) and data == reference[stream]
+        if target.api != "chat":  # translated: ids and timestamps differ by design
+            report.identical = None
+            continue
+        key = (target.api, stream)
+        if key not in reference:
+            reference[key] = data
+        report.identical = (report.identical is not False) and data == reference[key]
 
 
 async def drain(session: aiohttp.ClientSession, target: Target, sent: int,

@@ -3,6 +3,7 @@
     python bench/proxy_bench.py                  # ~1.5-2 min on 2 cores
     python bench/proxy_bench.py --rounds 3 --seconds 8 --requests 500
     python bench/proxy_bench.py --client rl      # the client asks for logprobs itself
+    python bench/proxy_bench.py --api messages   # an Anthropic client, translated to chat
 
 Starts, each in its own process (uvloop everywhere): the fast upstream (bench/upstream.py),
 the bare relay (bench/relay.py), ``tracetap serve`` on a fresh Postgres database
@@ -88,7 +89,7 @@ async def bench(targets: list[Target], upstream: Target, args: argparse.Namespac
             if t.process is not None:
                 health = "/healthz" if t.metrics else "/v1/models"
                 await wait_ready(session, t.base + health, t.process, logs[t.name])
-        reference: dict[bool, bytes] = {}
+        reference: dict[tuple[str, bool], bytes] = {}
         for t in targets:
             await warm_up(session, t, reports[t.name], reference, args.client)
             if t.metrics:
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain: a black-box harness asking for nothing (tracetap injects "
                              "and strips logprobs, token ids, usage); rl: the client asks for "
                              "them itself (tracetap relays bytes untouched)")
+    parser.add_argument("--api", choices=("chat", "responses", "messages"), default="chat",
+                        help="the wire API tracetap's client speaks; Responses and Messages "
+                             "are translated to chat for this chat-only upstream, so direct "
+                             "and relay (chat) are the baseline for the translated path")
     parser.add_argument("--only", nargs="*", choices=("tracetap-pg", "tracetap-sqlite"),
                         help="tracetap variants to run (default both)")
     parser.add_argument("--keep-logs", action="store_true")
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 (work / "sqlite").mkdir()
             upgrade(db)
             target = Target(name, f"http://127.0.0.1:{ports[name]}", episode_path=True,
-                            metrics=True)
+                            metrics=True, api=args.api)
             target.process = spawn(["-m", "proxy.cli", "--log-level", "WARNING", "serve",
                                     "--upstream", origin + "/v1", "--port", str(ports[name]),
                                     "--db", db, "--data-dir", str(work / name)], logs[name])

@@ -46,20 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="keep the data dir for inspection (the default unless --clean)")
     a("--clean", action="store_true", help="remove what the demo wrote to the data dir at the end")
     a("--episodes", type=int, default=3, metavar="N",
-      help="append-only multi-turn episodes to run (default 3); the context-rewrite episode "
-           "and the group of 4 always run")
+      help="append-only multi-turn episodes to run (default 3); the context-rewrite episode, "
+           "the group of 4 and one Responses-API and one Messages-API episode always run")
     a("--quiet", action="store_true", help="print only the final table")
 
 
 @dataclass(frozen=True)
 class Plan:
     id: str
-    variant: str  # "append-only", "context-rewrite", "group"
+    variant: str  # "append-only", "context-rewrite", "group", "responses-api", "messages-api"
     task: Any  # agent.Task
     tool_rounds: int
     seed: int = 0
     rewrite_at: int | None = None
     group_id: str | None = None
+    api: str = "chat"  # or "responses", "messages": the wire API the agent speaks
 
 
 def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
@@ -72,7 +73,9 @@ def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
     rewrite = [Plan(f"{prefix}-rewrite", "context-rewrite", TASKS[3], 2, rewrite_at=3)]
     group = [Plan(f"{prefix}-group-{k}", "group", TASKS[1], 2, seed=k, group_id=f"{prefix}-g")
              for k in range(1, 5)]
-    return [*solo, rewrite, group]
+    apis = [Plan(f"{prefix}-responses", "responses-api", TASKS[0], 2, api="responses"),
+            Plan(f"{prefix}-messages", "messages-api", TASKS[2], 2, api="messages")]
+    return [*solo, rewrite, group, apis]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,6 +187,7 @@ async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
     from openai import AsyncOpenAI
 
     from demo.agent import run_agent
+    from demo.api_agents import run_messages_agent, run_responses_agent
 
     harness = {"name": "tracetap-demo-agent",
                "config": {"variant": plan.variant, "seed": plan.seed,
@@ -192,13 +196,27 @@ async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
         "id": plan.id, "group_id": plan.group_id, "task_id": plan.task.id,
         "harness": harness, "metadata": {"demo": True}})
     group = f", group {plan.group_id} seed {plan.seed}" if plan.group_id else ""
-    say(f"> {plan.id:<22} started   {plan.variant}, task {plan.task.id}{group}")
-    client = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"],
-                         max_retries=0, timeout=30)
-    async with client:
-        result = await run_agent(client, plan.task, model=MODEL, seed=plan.seed,
-                                 rewrite_at=plan.rewrite_at,
-                                 extra_body={"mock_tool_rounds": plan.tool_rounds})
+    say(f"> {plan.id:<22} started   {plan.variant}, task {plan.task.id}{group}"
+        f"{'' if plan.api == 'chat' else f', {plan.api} API'}")
+    extra_body = {"mock_tool_rounds": plan.tool_rounds}
+    if plan.api == "messages":
+        from anthropic import AsyncAnthropic
+
+        # The Anthropic SDK adds /v1 itself; the minted key goes out as x-api-key.
+        client = AsyncAnthropic(base_url=created["base_url"].removesuffix("/v1"),
+                                api_key=created["api_key"], max_retries=0, timeout=30)
+        async with client:
+            result = await run_messages_agent(client, plan.task, model=MODEL)
+    else:
+        client = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"],
+                             max_retries=0, timeout=30)
+        async with client:
+            if plan.api == "responses":
+                result = await run_responses_agent(client, plan.task, model=MODEL,
+                                                   extra_body=extra_body)
+            else:
+                result = await run_agent(client, plan.task, model=MODEL, seed=plan.seed,
+                                         rewrite_at=plan.rewrite_at, extra_body=extra_body)
     reward = result.reward()
     await admin.post(f"/tracetap/episodes/{plan.id}/finish", {
         "reward": reward, "rewards": {"keywords": reward}, "outcome": result.outcome(),

@@ -138,6 +138,7 @@ async def finish_episode(request: web.Request) -> web.Response:
         raise bad_request("rewards must be finite numbers")
     await queries.finish_episode(state.engine, episode_id, reward=spec.reward,
                                  rewards=spec.rewards, outcome=spec.outcome, info=spec.info)
+    state.metrics.episode_finished(spec.reward)
     return web.json_response({"id": episode_id, "finished": True})
 
 
@@ -201,6 +202,7 @@ async def pause(request: web.Request) -> web.Response:
     spec = await _decode(request, Pause)
     state = request.app[STATE]
     state.running.clear()
+    state.metrics.set_paused(True)
     drained = True
     if spec.wait:
         try:
@@ -222,6 +224,7 @@ async def resume(request: web.Request) -> web.Response:
     if spec.policy_version is not None:
         state.policy_version = spec.policy_version
     state.running.set()
+    state.metrics.set_paused(False)
     return web.json_response({"paused": False, "policy_version": state.policy_version})
 
 
@@ -247,6 +250,5 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.metrics.queue_depth.set(state.writer.pending)
-    state.metrics.journal_bytes.set(state.writer.journal.bytes)
+    state.metrics.refresh(state)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

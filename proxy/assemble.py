@@ -52,6 +52,8 @@ class Capture:
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
+        self.choice_count = 0
+        self.unknown_events = 0  # chat chunks have no event types
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
@@ -139,6 +141,7 @@ class Capture:
     def choices(self) -> list[ChoiceRecord]:
         records = []
         self.logprobs_missing = 0
+        self.choice_count = len(self._choices)
         for index in sorted(self._choices):
             acc = self._choices[index]
             ids, source = _completion_ids(acc)

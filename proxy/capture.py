@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from proxy.apis.chat_reply import read_chunk_bytes
 from proxy.errors import ProxyError, bad_request
 from proxy.inject import COMPLETIONS, Injected
 from proxy.routing import Route
@@ -58,6 +59,12 @@ class ModelCall:
         self.submitted = False
 
     # -- request side -----------------------------------------------------------
+    def reroute(self, route: Route, body: bytes) -> bytes:
+        """Speak another API to the upstream (the first answered 404): the client's
+        request is prepared again from its original bytes."""
+        self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
+        return self.parse_request(body)
+
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
         self.request_text = body.decode("utf-8", "replace")
@@ -162,7 +169,8 @@ class ModelCall:
             # The translator reads the whole chat chunk (usage too) and writes only the
             # client's API, so nothing the proxy asked for can reach the client.
             try:
-                return b"".join(translator.feed(decode_object(data)))
+                return b"".join(translator.feed(
+                    read_chunk_bytes(data, logprobs=translator.wants_logprobs)))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return b""  # capture noted the bad chunk; the client's stream stays valid
         if not self.injected.any:

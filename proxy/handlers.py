@@ -11,12 +11,18 @@ from proxy.budgets import BudgetExceeded
 from proxy.capture import ModelCall
 from proxy.errors import ProxyError, speaks_anthropic, too_large
 from proxy.exposure import check_raw_path, refused
-from proxy.headers import OVERHEAD_HEADER, response_headers, upstream_request_headers
+from proxy.headers import (
+    EPISODE_HEADER,
+    OVERHEAD_HEADER,
+    response_headers,
+    upstream_request_headers,
+)
 from proxy.ids import uuid7
 from proxy.keys import STATE
 from proxy.routing import Route
 from proxy.sse import SSEParser
 from proxy.upstream import Reply, UpstreamBroken
+from storage.records import CallRecord
 
 _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",
@@ -90,10 +96,14 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                 identity=True,
             )
             call.upstream_started()
-            target, reply = await state.pool.send(
-                "POST", _with_query(path if route.translation is None else route.api.path,
-                                    request), headers, upstream_body,
-                episode_id=call.episode_id, model=call.model)
+            target, reply = await _send(request, call, route, path, headers, upstream_body)
+            fallback = state.routing.fallback(route) if reply.status == 404 else None
+            if fallback is not None:
+                # --translate auto: the upstream lacks this API, so speak chat to it.
+                reply.close()
+                route = fallback
+                upstream_body = call.reroute(route, body)
+                target, reply = await _send(request, call, route, path, headers, upstream_body)
             call.upstream_url = target.base_url
             call.http_status = reply.status
             if call.stream and reply.content_type == "text/event-stream":
@@ -114,6 +124,14 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
         # Metrics are bookkeeping: done after the reply is on its way, not before.
         asyncio.get_running_loop().call_soon(
             _observe, call, route.label, time.perf_counter() - call.perf_start)
+
+
+async def _send(request: web.Request, call: ModelCall, route: Route, path: str,
+                headers: dict[str, str], body: bytes):
+    upstream_path = path if route.translation is None else route.api.path
+    return await request.app[STATE].pool.send(
+        "POST", _with_query(upstream_path, request), headers, body,
+        episode_id=call.episode_id, model=call.model)
 
 
 async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
@@ -226,15 +244,17 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         identity=False,
     )
     body = request.content if request.body_exists else None
+    episode_id = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER)
+    t_start = time.time()
     code = "499"
     try:
         try:
             _, reply = await state.pool.send(
                 request.method, _with_query(path, request), headers, body,
-                episode_id=request.match_info.get("episode"), retry=body is None)
+                episode_id=episode_id, retry=body is None)
         except ProxyError as error:
             code = str(error.status)
-            return error.response()
+            return error.response(speaks_anthropic(path, request.headers))
         response = web.StreamResponse(status=reply.status,
                                       headers=response_headers(reply.headers.items()))
         try:
@@ -252,6 +272,13 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         return response
     finally:
         state.metrics.requests.labels("passthrough", code).inc()
+        if episode_id is not None and request.method == "POST":
+            # Not captured, but the episode shows that the call happened, and what came back.
+            state.submit(CallRecord(
+                call_id=uuid7(), episode_id=episode_id, seq=state.next_seq(episode_id),
+                instance=state.instance, endpoint=path[:32], status="passthrough",
+                http_status=0 if code == "499" else int(code), t_start=t_start,
+                t_end=time.time()))
 
 
 def _with_query(path: str, request: web.Request) -> str:
@@ -273,6 +300,7 @@ def _observe(call: ModelCall, route: str, elapsed: float) -> None:
         child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
     if call.capture.logprobs_missing:
         metrics.logprobs_missing.inc(call.capture.logprobs_missing)
+    metrics.captured(call.capture, route)
     prompt_tokens, completion_tokens = call.capture.tokens()
     if prompt_tokens or completion_tokens:
         model = metrics.model(call.capture.model)

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 
 from storage.writer import WriterObserver
+
+if TYPE_CHECKING:
+    from proxy.apis import Reassembly
+    from proxy.state import ProxyState
 
 # Seconds. Overhead is sub-millisecond when all is well; durations reach minutes for
 # long generations.
@@ -55,10 +69,6 @@ class Metrics(WriterObserver):
                                   buckets=BATCH_BUCKETS, registry=r)
         self.logprobs_missing = Counter("tracetap_logprobs_missing_total",
                                         "Choices stored without usable logprobs", registry=r)
-        self.token_ids_missing = Counter("tracetap_token_ids_missing_total",
-                                         "Prompts and completions stored without token ids "
-                                         "(left out of trajectories), by reason", ["reason"],
-                                         registry=r)
         self.history_repairs = Counter("tracetap_history_repairs_total",
                                        "Resent assistant turns replaced by the model's own "
                                        "(--repair-history), by what the harness changed",
@@ -67,11 +77,52 @@ class Metrics(WriterObserver):
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
                                ["reason"], registry=r)
+        self.unknown_events = Counter("tracetap_unknown_stream_events_total",
+                                      "Stream events of a type capture does not know, relayed "
+                                      "untouched", ["route"], registry=r)
         self.budget_exceeded = Counter("tracetap_episode_budget_exceeded_total",
                                        "Model calls refused because the episode spent a "
                                        "budget, by limit", ["limit"], registry=r)
         for outcome in ("written", "spilled", "replayed", "dropped"):
             self.records_total.labels(outcome)
+        self._operations(r)
+
+    def _operations(self, r: CollectorRegistry) -> None:
+        """What the shipped alert rules and dashboard read (deploy/prometheus, deploy/grafana)."""
+        self.choices = Counter("tracetap_choices_total", "Choices captured from upstream replies",
+                               registry=r)
+        # Counted by the writer's resolver once it tried the engine's tokenizer (proxy.resolve).
+        self.token_ids_missing = Counter("tracetap_token_ids_missing_total",
+                                         "Choices with content stored without token ids (prompt "
+                                         "or completion; left out of trajectories), by reason",
+                                         ["reason"], registry=r)
+        self.db_write_errors = Counter("tracetap_db_write_errors_total",
+                                       "Batch writes the database refused (each retry counts)",
+                                       registry=r)
+        self.db_writes_ok = Gauge("tracetap_db_writes_ok",
+                                  "1 while the writer's last database write succeeded", registry=r)
+        self.journal_recovered_bytes = Gauge(
+            "tracetap_journal_recovered_bytes",
+            "Journal bytes a previous process left on disk, found at this start", registry=r)
+        self.start_time = Gauge("tracetap_start_time_seconds",
+                                "When this proxy started, in Unix seconds", registry=r)
+        self.upstream_healthy = Gauge("tracetap_upstream_healthy",
+                                      "1 while an upstream is in service, 0 while it is taken out",
+                                      ["upstream"], registry=r)
+        self.paused = Gauge("tracetap_paused", "1 while model calls are held for a weight sync",
+                            registry=r)
+        self.pause_start = Gauge("tracetap_pause_start_time_seconds",
+                                 "When the current pause began, in Unix seconds; 0 when running",
+                                 registry=r)
+        self.pause_timeout = Gauge("tracetap_pause_timeout_seconds",
+                                   "How long a held call waits before it is refused", registry=r)
+        self.episodes_finished = Counter("tracetap_episodes_finished_total",
+                                         "Episodes finished through the admin API", registry=r)
+        self.episode_reward = Summary("tracetap_episode_reward",
+                                      "Rewards of finished episodes (sum and count: the mean)",
+                                      registry=r)
+        self.start_time.set(time.time())
+        self._paused = False
 
     def model(self, name: str | None) -> str:
         """A bounded label: the first ``max_models`` names, then everything is "other"."""
@@ -106,6 +157,41 @@ class Metrics(WriterObserver):
     def db_write(self, seconds: float, count: int) -> None:
         self.db_write_seconds.observe(seconds)
         self.db_batch.observe(count)
+
+    def db_error(self) -> None:
+        self.db_write_errors.inc()
+
+    def captured(self, capture: Reassembly, route: str) -> None:
+        """One call's choices, once stored (those without token ids are counted later, by
+        the writer's resolver: ids_missing)."""
+        if capture.unknown_events:
+            self.unknown_events.labels(route).inc(capture.unknown_events)
+        if capture.choice_count:
+            self.choices.inc(capture.choice_count)
+
+    def set_paused(self, paused: bool) -> None:
+        if not paused:
+            self.pause_start.set(0)
+        elif not self._paused:  # a second pause does not restart the clock
+            self.pause_start.set(time.time())
+        self._paused = paused
+        self.paused.set(paused)
+
+    def episode_finished(self, reward: float | None) -> None:
+        self.episodes_finished.inc()
+        if reward is not None:
+            self.episode_reward.observe(reward)
+
+    def refresh(self, state: ProxyState) -> None:
+        """Gauges that mirror the proxy's state, read when scraped."""
+        writer = state.writer
+        self.queue_depth.set(writer.pending)
+        self.journal_bytes.set(writer.journal.bytes)
+        self.journal_recovered_bytes.set(writer.journal.recovered_bytes)
+        self.db_writes_ok.set(writer.db_healthy)
+        self.pause_timeout.set(state.settings.pause_timeout)
+        for target in state.pool.targets:
+            self.child(self.upstream_healthy, target.base_url).set(target.healthy)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,6 +77,9 @@ class Pool:
                 if not retry or attempt == len(candidates) - 1:
                     raise
                 continue
+            if not target.healthy:  # it answered: back in service, probe or no probe
+                log.warning("upstream %s is back in service", target.base_url)
+                target.healthy = True
             target.inflight += 1
             reply.on_close = target.finished
             return target, reply

@@ -16,8 +16,10 @@ Runs in the writer (``Writer(prepare=...)``), never on the request path. Per rec
   could not show) is never verified. Anything else stays without ids: it is left out of
   training rather than guessed.
 
-What stays missing is counted in ``tracetap_token_ids_missing_total{reason}`` and logged
-once per upstream and reason, with the remedy.
+What stays missing is recorded in the call (``ids_missing``), counted per choice with
+content in ``tracetap_token_ids_missing_total{reason}`` (a choice lacks ids when its
+prompt or its completion does; the prompt's reason first) and logged once per upstream
+and reason, with the remedy.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from storage.records import CallRecord, ChoiceRecord
 
 log = logging.getLogger("tracetap.resolve")
 
-# Why ids are missing, and what to do about it (the log line's remedy).
+# Why ids are missing (storage.records.IDS_MISSING), and what to do about it.
 REMEDIES = {
     "no_tokenizer": "the upstream returns no token ids and has no tokenize endpoint "
                     "tracetap knows (/tokenize, /apply-template, /extras/tokenize); serve the "
@@ -78,15 +80,15 @@ class TokenResolver:
     async def _resolve(self, record: CallRecord) -> None:
         async with self._limit:
             tokenizer = await self.tokenizer(record.upstream or "")
+            prompt = None
             if record.prompt_ids is None:
-                reason = await self._prompt(record, tokenizer)
-                if reason is not None:
-                    self._missing(record, reason)
+                prompt = await self._prompt(record, tokenizer)
             for choice in record.choices:
+                completion = None
                 if choice.completion_ids is None and (choice.token_strs or choice.text):
-                    reason = await _completion(choice, tokenizer)
-                    if reason is not None:
-                        self._missing(record, reason)
+                    completion = await _completion(choice, tokenizer)
+                if _has_content(choice) and (prompt or completion):
+                    self._missing(record, prompt or completion)
 
     async def tokenizer(self, upstream: str) -> EngineTokenizer | None:
         if upstream in self._tokenizers:
@@ -154,6 +156,10 @@ async def _completion(choice: ChoiceRecord, tokenizer: EngineTokenizer | None) -
     choice.completion_ids = [token_id for token_id, _ in pieces]
     choice.token_source = "verified_retokenized"
     return None
+
+
+def _has_content(choice: ChoiceRecord) -> bool:
+    return bool(choice.text or choice.token_strs or choice.completion_ids)
 
 
 def _needs_ids(record: CallRecord) -> bool:

@@ -53,6 +53,7 @@ class Routing:
         self.translate = parse_translate(translate)
         self.native: dict[str, WireApi] = {"chat": CHAT_API, "completions": COMPLETIONS_API,
                                            **native}
+        self._missing: set[str] = set()  # APIs the upstream answered 404 for (auto)
 
     def route(self, path: str, flavor: str) -> Route | None:
         """How ``path`` is captured, or None if it is not a captured path."""
@@ -64,7 +65,18 @@ class Routing:
         api = self.native.get(name)
         return None if api is None else Route(api, None, api.endpoint, api.route)
 
+    def fallback(self, route: Route) -> Route | None:
+        """Under ``auto``, a native call the upstream answered 404: translate it, and
+        the calls after it, instead."""
+        name = route.api.endpoint
+        if self.translate is not None or route.translation is not None or name not in (
+                TRANSLATABLE):
+            return None
+        self._missing.add(name)
+        return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name)
+
     def translates(self, name: str, flavor: str) -> bool:
         if self.translate is not None:
             return name in self.translate
-        return flavor not in _NATIVE_FLAVORS[name] or name not in self.native
+        return (flavor not in _NATIVE_FLAVORS[name] or name not in self.native
+                or name in self._missing)

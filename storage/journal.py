@@ -29,6 +29,7 @@ class Journal:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._sealed: list[Path] = sorted(self.directory.glob("*" + _SUFFIX))
         self._sealed_bytes = sum(p.stat().st_size for p in self._sealed)
+        self.recovered_bytes = self._sealed_bytes  # left by a previous process
         self._next = 1 + max((int(p.stem) for p in self._sealed), default=0)
         self._fd: int | None = None
         self._active: Path | None = None

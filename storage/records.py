@@ -68,6 +68,9 @@ TOKEN_SOURCES = ("engine", "logprobs", "verified_retokenized", "none")
 # completions prompt sent as ids); the engine's tokenize endpoints, called after the reply
 # with the same messages and template options; none.
 PROMPT_SOURCES = ("engine", "request", "engine_tokenize", "none")
+# Why a call's ids are missing (calls.ids_missing); the remedies are in proxy.resolve.
+IDS_MISSING = ("no_tokenizer", "no_chat_template", "tokenize_failed", "count_mismatch",
+               "no_token_strings", "unverified", "unsupported_request")
 
 
 # Statuses a stored call can have. "ok" covers any upstream reply, 4xx/5xx included
@@ -80,4 +83,6 @@ STATUSES = (
     "upstream_timeout",
     "bad_request",
     "paused",
+    "budget_exceeded",
+    "passthrough",  # an exposed, uncaptured path (e.g. count_tokens) called in an episode
 )

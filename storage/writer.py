@@ -37,6 +37,8 @@ class WriterObserver:
 
     def db_write(self, seconds: float, count: int) -> None: ...
 
+    def db_error(self) -> None: ...
+
 
 class Writer:
     def __init__(
@@ -189,6 +191,7 @@ class Writer:
             if records:
                 await insert_calls(self.engine, records)
         except Exception:
+            self.observer.db_error()
             if segment not in self._failed:
                 self._failed.add(segment)
                 self.observer.records("spilled", len(records))

@@ -9,14 +9,17 @@ logprobs are compared with what the engine's own chat path returns for it.
 from __future__ import annotations
 
 import itertools
+import socket
+import time
 
 import anthropic
+import msgspec
 import openai
 import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port
-from demo.engine import EngineConfig, EngineServer
+from demo.engine import EngineConfig, EngineServer, make_engine_app
 from proxy.settings import Settings
 
 TOOLS_RESPONSES = [{"type": "function", "name": "lookup", "description": "look a fact up",
@@ -251,3 +254,125 @@ def test_model_map_sends_the_engines_model(engine, make_proxy):
     assert reply.content
     (call,) = proxy.calls("mm")
     assert call["model"] == "mock-model"
+
+
+def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
+    """A server announced as vLLM that lacks /v1/responses: the first call is sent again
+    as chat, and the ones after it go straight to chat."""
+    seen: list[str] = []
+
+    @web.middleware
+    async def record(request, handler):
+        seen.append(request.path)
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig(flavor="llamacpp"))
+    app.middlewares.append(record)
+    proxy = make_proxy(FakeEngine(serve_app(app) + "/v1"), upstream_flavor="vllm")
+    agent = openai.OpenAI(base_url=proxy.episode_url("fb"), api_key="x", max_retries=0)
+    with agent:
+        first = agent.responses.create(model="mock-model", input="hello")
+        second = agent.responses.create(model="mock-model", input="hello")
+    assert first.output_text and second.output_text == first.output_text
+    assert [p for p in seen if p.startswith("/v1/")] == [
+        "/v1/responses", "/v1/chat/completions", "/v1/chat/completions"]
+    assert [c["endpoint"] for c in proxy.calls("fb")] == ["responses:chat"] * 2
+
+
+def test_an_uncaptured_call_in_an_episode_still_shows_in_it(engine, make_proxy):
+    proxy = make_proxy(engine)
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/pt", api_key="x",
+                                max_retries=0)
+    with agent:
+        counted = agent.messages.count_tokens(model="mock-model",
+                                              messages=[{"role": "user", "content": "hi"}])
+    assert counted.input_tokens > 0
+    (call,) = proxy.calls("pt")
+    assert call["endpoint"] == "/v1/messages/count_tokens"
+    assert call["status"] == "passthrough" and call["http_status"] == 200
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_requests_total{code="200",route="passthrough"} 1.0' in text
+
+
+def _sse(kind: str, data: bytes) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def test_unknown_and_malformed_events_are_relayed_as_sent_and_counted(make_proxy, serve_app):
+    """A Responses upstream that adds a vendor event and one broken event."""
+    completed = {"id": "resp_1", "object": "response", "status": "completed", "model": "m",
+                 "output": [{"type": "message", "role": "assistant", "content": [
+                     {"type": "output_text", "text": "hi", "logprobs": None}]}],
+                 "usage": {"input_tokens": 3, "output_tokens": 1}}
+    events = [
+        _sse("response.created", b'{"type":"response.created","response":{"id":"resp_1"}}'),
+        _sse("vendor.debug", b'{"type": "vendor.debug",   "note": "kept as is"}'),
+        _sse("response.output_text.delta", b'{"type":"response.output_text.delta","delta":"hi"'),
+        _sse("response.completed", msgspec.json.encode(
+            {"type": "response.completed", "response": completed})),
+    ]
+
+    async def respond(request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for event in events:
+            await reply.write(event)
+        await reply.write_eof()
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", respond)
+    proxy = make_proxy(FakeEngine(serve_app(app) + "/v1"), upstream_flavor="vllm")
+    got = http_post_stream(proxy.url + "/episodes/odd/v1/responses",
+                           {"model": "m", "input": "hi", "stream": True})
+    assert events[1] in got and events[2] in got  # byte for byte
+    (call,) = proxy.calls("odd")
+    assert call["status"] == "ok" and "unparseable upstream data" in call["error"]
+    assert call["choices"][0]["text"] == "hi"
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_unknown_stream_events_total{route="responses"} 1.0' in text
+
+
+def http_post_stream(url: str, body: dict) -> bytes:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=msgspec.json.encode(body), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return reply.read()
+
+
+@pytest.fixture
+def slow_engine(loop_thread):
+    server = EngineServer(EngineConfig(flavor="vllm", chunk_delay_s=0.02))
+    loop_thread.run(server.start())
+    yield server
+    loop_thread.run(server.close())
+
+
+@pytest.mark.parametrize(("path", "body", "endpoint"), [
+    ("/episodes/gone/v1/messages", {"model": "mock-model", "max_tokens": 256, "stream": True,
+                                    "messages": [{"role": "user", "content": "x"}]},
+     "messages:chat"),
+    ("/episodes/gone/v1/responses", {"model": "mock-model", "input": "x", "stream": True},
+     "responses"),
+])
+def test_a_client_gone_mid_stream_leaves_the_partial_call(slow_engine, make_proxy, path, body,
+                                                          endpoint):
+    proxy = make_proxy(slow_engine)
+    payload = msgspec.json.encode(body)
+    with socket.create_connection(("127.0.0.1", proxy.settings.port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        received = b""
+        while received.count(b"event: ") < 6:
+            received += sock.recv(65536)
+    deadline = time.monotonic() + 20
+    while not (calls := proxy.calls("gone")):
+        assert time.monotonic() < deadline, "the partial call was never stored"
+        time.sleep(0.05)  # the handler finishes when it notices the client is gone
+    (call,) = calls
+    assert call["endpoint"] == endpoint and call["status"] == "client_disconnected"
+    if endpoint == "messages:chat":  # through chat: the tokens so far, exactly
+        ids = call["choices"][0]["completion_ids"]
+        assert ids and len(call["choices"][0]["completion_logprobs"]) == len(ids)

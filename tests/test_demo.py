@@ -56,16 +56,17 @@ def demo(tmp_path_factory) -> Demo:
 
 
 def test_demo_exports_every_episode_and_prints_the_table(demo):
-    assert len({r["episode_id"] for r in demo.calls}) == 8
-    assert len({r["episode_id"] for r in demo.trajectories}) == 8
-    assert len(demo.trajectories) == 9  # 3 + 2 (the rewrite splits) + 4
-    assert len(demo.calls) == 29  # tool rounds 2, 3, 4; 5 around the rewrite; 4 x 3
+    assert len({r["episode_id"] for r in demo.calls}) == 10
+    assert len({r["episode_id"] for r in demo.trajectories}) == 10
+    assert len(demo.trajectories) == 11  # 3 + 2 (the rewrite splits) + 4 + 2 other APIs
+    # tool rounds 2, 3, 4; 5 around the rewrite; 4 x 3; Responses and Messages 3 each
+    assert len(demo.calls) == 35
     assert {r["status"] for r in demo.calls} == {"ok"}
     assert all(r["reward"] is not None and r["outcome"] for r in demo.trajectories)
-    for line in ("episodes       8", "calls          29", "trajectories   9"):
+    for line in ("episodes       10", "calls          35", "trajectories   11"):
         assert line in demo.stdout
     assert str(demo.data_dir / "export" / "trajectories") in demo.stdout
-    assert demo.stdout.count("calls captured") == 8
+    assert demo.stdout.count("calls captured") == 10
 
 
 def test_the_printed_pyarrow_snippet_loads_the_trajectories(demo):
@@ -106,6 +107,24 @@ def test_the_context_rewrite_splits_into_a_non_prefix_root(demo):
     assert [r["num_turns"] for r in rows] == [2, 3]
 
 
+@pytest.mark.parametrize(("variant", "endpoint"), [("responses-api", "responses"),
+                                                   ("messages-api", "messages:chat")])
+def test_responses_and_messages_agents_export_as_one_exact_trajectory(demo, variant, endpoint):
+    [[row]] = demo.rows(variant).values()
+    calls = stored_calls(demo.db, row["episode_id"])
+    assert {c["endpoint"] for c in calls} == {endpoint}
+    assert row["split_reason"] is None and row["num_turns"] == len(calls) == 3
+    last = calls[-1]
+    assert row["prompt_ids"] + row["response_ids"] == (
+        last["prompt_ids"] + last["choices"][0]["completion_ids"])
+    sampled = sum(len(c["choices"][0]["completion_ids"]) for c in calls)
+    assert sum(row["response_mask"]) == sampled
+    if endpoint == "messages:chat":  # through chat: a logprob for every token
+        assert len(row["response_logprobs"]) == len(row["response_ids"])
+    # (vLLM's Responses API has nowhere to put the logprobs of a turn that is only a
+    # tool call, so such a trajectory carries ids without logprobs.)
+
+
 def test_the_group_is_four_samples_of_one_task_that_differ(demo):
     group = demo.rows("group")
     assert len(group) == 4
@@ -119,7 +138,7 @@ def test_clean_removes_only_what_the_demo_wrote(tmp_path):
     mine = tmp_path / "notes.txt"
     mine.write_text("keep me")
     done = run_demo("--data-dir", str(tmp_path), "--episodes", "0", "--clean", "--quiet")
-    assert "episodes       5" in done.stdout
+    assert "episodes       7" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 

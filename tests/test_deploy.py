@@ -16,7 +16,8 @@ from proxy.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
-PROMETHEUS_FILE = REPO / "deploy" / "prometheus.yml"
+PROMETHEUS_FILE = REPO / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA_DIR = REPO / "deploy" / "grafana"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
@@ -55,7 +56,8 @@ def run_config(binary: str, *args: str, admin_token: str | None = "test-token"):
     )
 
 
-@pytest.mark.parametrize("profiles", [(), ("vllm",), ("mock",), ("vllm", "mock")])
+@pytest.mark.parametrize("profiles", [(), ("vllm",), ("mock",), ("vllm", "mock"),
+                                      ("mock", "grafana")])
 def test_compose_file_validates(docker_compose, profiles):
     flags = [arg for profile in profiles for arg in ("--profile", profile)]
     result = run_config(docker_compose, *flags)
@@ -117,13 +119,36 @@ def test_optional_model_servers_sit_behind_profiles(compose):
     assert mock["command"] == ["mock-engine", "--host", "0.0.0.0", "--port", "8000"]
 
 
-def test_prometheus_scrapes_the_proxy(compose):
+def test_prometheus_scrapes_the_proxy_with_the_shipped_rules(compose):
     mounts = [v.split(":") for v in compose["services"]["prometheus"]["volumes"]]
-    assert ["./deploy/prometheus.yml", "/etc/prometheus/prometheus.yml", "ro"] in mounts
+    # The image reads /etc/prometheus/prometheus.yml; the rule files sit beside it.
+    assert ["./deploy/prometheus", "/etc/prometheus", "ro"] in mounts
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "tracetap"]
     assert job["metrics_path"] == "/metrics"
     assert [t for sc in job["static_configs"] for t in sc["targets"]] == ["tracetap:8080"]
+    assert config["rule_files"] == ["rules.yml", "alerts.yml"]
+    assert all((PROMETHEUS_FILE.parent / f).is_file() for f in config["rule_files"])
+
+
+def test_grafana_is_optional_and_provisioned_with_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    assert grafana["profiles"] == ["grafana"]
+    mounts = {host: container for host, container, *_ in
+              (v.split(":") for v in grafana["volumes"])}
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert mounts["./deploy/grafana/tracetap.json"] == "/etc/grafana/dashboards/tracetap.json"
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == (
+        "/etc/grafana/dashboards/tracetap.json")
+    (provider,) = yaml.safe_load(
+        (GRAFANA_DIR / "provisioning/dashboards/tracetap.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/etc/grafana/dashboards"
+    (source,) = yaml.safe_load(
+        (GRAFANA_DIR / "provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    # The compose service's name and port, as Grafana's server reaches it.
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert "9090:9090" in compose["services"]["prometheus"]["ports"]
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

@@ -12,9 +12,13 @@ from proxy.assemble import Capture
 from proxy.capture import ModelCall
 from proxy.errors import ProxyError
 from proxy.inject import CHAT, COMPLETIONS
+from proxy.model_map import ModelMap
+from proxy.repair import Repair
+from proxy.routing import Routing
 from proxy.sse import SSEParser
 
-_STATE = SimpleNamespace(flavor="vllm")
+_STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False))
+_CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
@@ -24,7 +28,7 @@ json_values = st.recursive(
 
 @given(st.binary(max_size=300) | json_values.map(lambda v: json.dumps(v).encode()))
 def test_request_parser_accepts_or_answers_400(body):
-    call = ModelCall(_STATE, CHAT, "id")
+    call = ModelCall(_STATE, _CHAT_ROUTE, "id")
     try:
         out = call.parse_request(body)
     except ProxyError as error:

@@ -7,16 +7,21 @@ prometheus-client's own parser, so the test checks what Prometheus would scrape.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
 import urllib.request
 from collections import Counter as Tally
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Proxy, free_port
+from conftest import LoopThread, Proxy, free_port
+from demo.engine import EngineServer
 from proxy.metrics import OTHER, Metrics
 from proxy.settings import Settings
 from storage.engine import upgrade
@@ -141,6 +146,9 @@ def test_scrape_after_known_traffic(proxy):
     assert value(after, "tracetap_inflight_requests") == 0
     assert ("tracetap_journal_bytes", frozenset()) in after
     assert value(after, "tracetap_logprobs_missing_total") == 0
+    # One choice per captured answer (the upstream 400 has none), each with its token ids.
+    assert delta("tracetap_choices_total") == 5
+    assert not [key for key in after if key[0] == "tracetap_token_ids_missing_total"]
 
     # Labels never carry the episode id.
     assert not any(episode in v for _, labels in after for _, v in labels)
@@ -263,3 +271,144 @@ def test_no_overhead_header_when_turned_off(own_proxy):
     samples = settled(own_proxy)
     assert value(samples, "tracetap_overhead_seconds_count", route="chat_completions",
                  stream="false") == 1
+
+
+def _post(url: str, body: dict) -> int:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_pause_and_finished_episodes(own_proxy):
+    samples = scrape(own_proxy)
+    assert value(samples, "tracetap_pause_timeout_seconds") == own_proxy.settings.pause_timeout
+    assert value(samples, "tracetap_paused") == 0
+    assert value(samples, "tracetap_pause_start_time_seconds") == 0
+
+    before = time.time()
+    assert own_proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
+    after = time.time()
+    samples = scrape(own_proxy)
+    assert value(samples, "tracetap_paused") == 1
+    started = value(samples, "tracetap_pause_start_time_seconds")
+    assert before <= started <= after
+    # A second pause while paused does not restart the clock.
+    assert own_proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
+    assert value(scrape(own_proxy), "tracetap_pause_start_time_seconds") == started
+    assert own_proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    samples = scrape(own_proxy)
+    assert value(samples, "tracetap_paused") == 0
+    assert value(samples, "tracetap_pause_start_time_seconds") == 0
+
+    for episode, body in [("e1", {"reward": 0.5}), ("e2", {"reward": 1.5}), ("e3", {})]:
+        assert own_proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", body)[0] == 200
+    samples = scrape(own_proxy)
+    assert value(samples, "tracetap_episodes_finished_total") == 3
+    assert value(samples, "tracetap_episode_reward_count") == 2  # e3 reported none
+    assert value(samples, "tracetap_episode_reward_sum") == 2.0
+
+
+def _plain_upstream() -> web.Application:
+    """An OpenAI-like server that returns neither token ids nor logprobs."""
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body["model"],
+            "choices": [{"index": i, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": f"answer {i}"}}
+                        for i in range(body.get("n", 1))],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        })
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def test_choices_without_token_ids_or_logprobs_are_counted(loop_thread, serve_app, tmp_path):
+    settings = Settings(upstream=serve_app(_plain_upstream()) + "/v1",
+                        db=f"sqlite:///{tmp_path / 'db.sqlite'}", data_dir=str(tmp_path / "data"),
+                        port=free_port())
+    upgrade(settings.db)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("plain"), api_key="x")
+        with client:
+            client.chat.completions.create(model="m", messages=MESSAGES, n=3)
+        proxy.flush()  # counted by the writer, once the engine's tokenizer was tried
+        samples = settled(proxy)
+    finally:
+        proxy.stop()
+    assert value(samples, "tracetap_choices_total") == 3
+    assert value(samples, "tracetap_token_ids_missing_total", reason="no_tokenizer") == 3
+    assert value(samples, "tracetap_logprobs_missing_total") == 3
+
+
+def _start(loop_thread: LoopThread, engine_url: str, db: str, data_dir: Path) -> Proxy:
+    return Proxy(loop_thread, Settings(upstream=engine_url, db=db, data_dir=str(data_dir),
+                                       port=free_port())).start()
+
+
+def test_database_outage_then_a_restart_with_a_journal(loop_thread, engine, tmp_path):
+    db, data_dir = f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "data"
+    # No schema yet: every write fails, as with a database that is down.
+    first = _start(loop_thread, engine.url, db, data_dir)
+    try:
+        client = openai.OpenAI(base_url=first.episode_url("outage"), api_key="x")
+        with client:
+            client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=3)
+        deadline = time.monotonic() + 10
+        while value(samples := scrape(first), "tracetap_db_writes_ok") != 0:
+            assert time.monotonic() < deadline, "the writer never reported the failure"
+            time.sleep(0.02)  # polling the writer's retry loop
+        assert value(samples, "tracetap_db_write_errors_total") >= 1
+        assert value(samples, "tracetap_records_total", outcome="spilled") == 1
+        assert value(samples, "tracetap_journal_bytes") > 0
+        assert value(samples, "tracetap_journal_recovered_bytes") == 0
+    finally:
+        first.stop()  # the record stays in the journal
+    left = sum(p.stat().st_size for p in data_dir.rglob("*.seg"))
+    assert left > 0
+
+    upgrade(db)
+    started = time.time()
+    second = _start(loop_thread, engine.url, db, data_dir)
+    try:
+        samples = scrape(second)
+        assert value(samples, "tracetap_journal_recovered_bytes") == left
+        assert started <= value(samples, "tracetap_start_time_seconds") <= time.time()
+        assert value(samples, "tracetap_db_writes_ok") == 1
+        second.flush()
+        samples = scrape(second)
+        assert value(samples, "tracetap_records_total", outcome="replayed") == 1
+        assert value(samples, "tracetap_journal_bytes") == 0
+        assert value(samples, "tracetap_journal_recovered_bytes") == left  # still says so
+    finally:
+        second.stop()
+
+
+def test_upstream_health_follows_the_upstream(loop_thread, tmp_path):
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}/v1"
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(db)
+    proxy = _start(loop_thread, upstream, db, tmp_path / "data")
+    labels = {"upstream": upstream}
+    engine = EngineServer(port=port)
+    try:
+        assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 1
+        body = {"model": "mock-model", "messages": MESSAGES, "max_tokens": 2}
+        url = proxy.url + "/v1/chat/completions"
+        assert _post(url, body) == 502  # nothing listens there yet
+        assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 0
+        loop_thread.run(engine.start())
+        # One upstream, so no background probe: the next call that gets through is the proof.
+        assert _post(url, body) == 200
+        assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 1
+    finally:
+        proxy.stop()
+        loop_thread.run(engine.close())

@@ -23,7 +23,9 @@ from demo import tokenizer as tok
 from demo.engine import EngineConfig, make_engine_app
 from exporters import export
 from proxy import cli
+from proxy.resolve import REMEDIES
 from proxy.settings import Settings
+from storage.records import IDS_MISSING
 from tests.conftest import Proxy, free_port
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
@@ -224,9 +226,9 @@ def test_an_engine_without_ids_or_tokenizer_is_counted_and_logged_once(proxy, ca
     caplog.set_level(logging.WARNING, logger="tracetap.resolve")
     calls = chat_loop(proxy, "oa", 2)
     assert {c["ids_missing"] for c in calls} == {"no_tokenizer"}
-    # Prompt and completion of each call: two parts missing per call.
-    assert missing_metric(proxy) == {"no_tokenizer": 4.0}
+    assert missing_metric(proxy) == {"no_tokenizer": 2.0}  # one per choice
     assert len([r for r in caplog.records if "no_tokenizer" in r.getMessage()]) == 1
+    assert set(REMEDIES) == set(IDS_MISSING)  # a remedy for every reason stored
 
 
 def test_the_agent_never_waits_for_the_tokenizer(loop_thread, db_url, tmp_path, serve_app):

@@ -23,7 +23,9 @@ class Reassembly(Protocol):
     model: str | None
     prompt_ids: list[int] | None
     errors: list[str]
-    logprobs_missing: int
+    logprobs_missing: int  # counted by choices()
+    choice_count: int  # counted by choices()
+    unknown_events: int  # stream events of types this API's capture does not know
     ended: bool  # a terminal event (one that carries data) has been seen
 
     def add(self, data: bytes) -> None: ...

@@ -115,6 +115,91 @@ def read_chunk(chunk: Any) -> Chunk:
     )
 
 
+class _View(msgspec.Struct, kw_only=True, gc=False):
+    pass
+
+
+class _FunctionView(_View):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolView(_View):
+    index: int | None = None
+    id: str | None = None
+    function: _FunctionView | None = None
+
+
+class _DeltaView(_View):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ToolView] | None = None
+
+
+class _ChoiceView(_View):
+    index: int | None = None
+    delta: _DeltaView | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+class _LogprobsView(_View):
+    content: list[dict[str, Any]] | None = None
+
+
+class _ChoiceWithLogprobs(_ChoiceView):
+    logprobs: _LogprobsView | None = None
+
+
+class _ChunkView(_View):
+    created: int | None = None
+    choices: list[_ChoiceView] | None = None
+    usage: dict[str, Any] | None = None
+    error: Any = None
+
+
+class _ChunkWithLogprobs(_ChunkView):
+    choices: list[_ChoiceWithLogprobs] | None = None
+
+
+_DECODE_CHUNK = msgspec.json.Decoder(_ChunkView).decode
+_DECODE_CHUNK_LOGPROBS = msgspec.json.Decoder(_ChunkWithLogprobs).decode
+
+
+def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
+    """``read_chunk`` straight from the chunk's bytes: the fields translation reads are
+    decoded in C (the rest, logprobs unless asked for, are skipped), which is what keeps
+    a translated stream near the chat path's cost. Odd-typed fields fall back to
+    ``read_chunk``'s tolerant reading; bad JSON raises msgspec.DecodeError."""
+    try:
+        view = (_DECODE_CHUNK_LOGPROBS if logprobs else _DECODE_CHUNK)(data)
+    except msgspec.ValidationError:
+        chunk = read_chunk(msgspec.json.decode(data))
+        return chunk if logprobs else msgspec.structs.replace(chunk, logprobs=[])
+    choice = next((c for c in view.choices or () if c.index in (None, 0)), None)
+    delta = choice.delta if choice is not None and choice.delta is not None else _DeltaView()
+    tools = [ToolDelta(index=position if call.index is None else call.index, id=call.id,
+                       name=call.function.name if call.function is not None else None,
+                       arguments=(call.function.arguments or "") if call.function else "")
+             for position, call in enumerate(delta.tool_calls or ())]
+    entries: list[dict[str, Any]] = []
+    if logprobs and choice is not None and choice.logprobs is not None:
+        entries = [e for e in choice.logprobs.content or () if isinstance(e, dict)]
+    error = view.error
+    return Chunk(
+        text=delta.content,
+        reasoning=delta.reasoning_content or delta.reasoning,
+        tools=tools,
+        finish_reason=choice.finish_reason if choice is not None else None,
+        stop_reason=choice.stop_reason if choice is not None else None,
+        logprobs=entries,
+        usage=None if view.usage is None else read_usage(view.usage),
+        created=view.created,
+        error=_error_message(error) if error is not None and choice is None else None,
+    )
+
+
 def read_usage(value: Any) -> Usage | None:
     usage = _dict(value)
     prompt, completion = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))

@@ -50,6 +50,8 @@ class MessagesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
+        self.choice_count = 0
+        self.unknown_events = 0
         self.ended = False
         self._message: dict[str, Any] | None = None
         self._blocks: dict[int, dict[str, Any]] = {}
@@ -83,8 +85,11 @@ class MessagesCapture:
             self._usage.update(event.get("usage") or {})
         elif kind == "message_stop":
             self.ended = True
-        elif kind == "error" and len(self.errors) < 5:
-            self.errors.append(f"upstream stream error: {event.get('error')}")
+        elif kind == "error":
+            if len(self.errors) < 5:
+                self.errors.append(f"upstream stream error: {event.get('error')}")
+        elif kind not in ("content_block_stop", "ping"):
+            self.unknown_events += 1  # relayed as it came; counted
 
     def _start(self, message: dict[str, Any]) -> None:
         self._message = message
@@ -98,7 +103,8 @@ class MessagesCapture:
     def choices(self) -> list[ChoiceRecord]:
         text = "".join(b.get("text") or "" for _, b in sorted(self._blocks.items())
                        if b.get("type") == "text")
-        self.logprobs_missing = 1 if text else 0
+        self.logprobs_missing = 1 if self._blocks else 0
+        self.choice_count = 1
         return [ChoiceRecord(index=0, finish_reason=_FINISH.get(self._stop or "", self._stop),
                              text=text or None, completion_ids=None, completion_logprobs=None,
                              top_logprobs=None, token_source="none")]

@@ -372,6 +372,7 @@ class StreamTranslator:
     """
 
     def __init__(self, request: dict, *, response_id: str | None = None):
+        self.wants_logprobs = False  # Messages has no logprobs to give back
         self._req = request if isinstance(request, dict) else {}
         self._id = response_id or new_id("msg")
         self._started = False
@@ -383,11 +384,11 @@ class StreamTranslator:
         self._matched: Any = None
         self._usage: Usage | None = None
 
-    def feed(self, chunk: dict) -> list[bytes]:
+    def feed(self, chunk: dict | Chunk) -> list[bytes]:
         """One decoded chat stream chunk → zero or more Messages SSE events."""
         if self._closed:
             return []
-        parsed: Chunk = read_chunk(chunk)
+        parsed = chunk if isinstance(chunk, Chunk) else read_chunk(chunk)
         if parsed.error is not None:
             return [self.error_event(parsed.error)]
         if parsed.usage is not None:

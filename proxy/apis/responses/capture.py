@@ -48,16 +48,23 @@ class ResponsesApi:
         return encode(_strip_response(decode_object(body), injected))
 
     def strip_event(self, event: Event, injected: Injected) -> bytes:
+        """Only events that carry what the proxy asked for are re-encoded; every other
+        event (unknown types included) goes out byte for byte."""
         assert event.data is not None
         data = decode_object(event.data)
+        changed = False
         if isinstance(data.get("response"), dict):
             _strip_response(data["response"], injected)
+            changed = True
         if injected.logprobs:
             if data.get("type") == "response.output_text.delta" and data.get("logprobs"):
                 data["logprobs"] = []
+                changed = True
             for key in ("part", "item"):
                 if isinstance(data.get(key), dict):
-                    _strip_item(data[key])
+                    changed = _strip_item(data[key]) or changed
+        if not changed:
+            return event.raw
         raw = event.raw
         head = raw[: raw.index(b"data:")] if b"data:" in raw else b""
         return head + b"data: " + encode(data) + b"\n\n"
@@ -83,13 +90,18 @@ def _strip_response(response: dict[str, Any], injected: Injected) -> dict[str, A
     return response
 
 
-def _strip_item(item: dict[str, Any]) -> None:
-    """A message item or content part: the logprobs the proxy asked for become null."""
+def _strip_item(item: dict[str, Any]) -> bool:
+    """A message item or content part: the logprobs the proxy asked for become null.
+    Returns whether anything changed."""
+    changed = False
     if item.get("logprobs"):
         item["logprobs"] = None
+        changed = True
     for part in item.get("content") or ():
         if isinstance(part, dict) and part.get("logprobs"):
             part["logprobs"] = None
+            changed = True
+    return changed
 
 
 class ResponsesCapture:
@@ -103,6 +115,8 @@ class ResponsesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
+        self.choice_count = 0
+        self.unknown_events = 0
         self.ended = False
         self.final: dict[str, Any] | None = None
         self._text: list[str] = []
@@ -129,8 +143,11 @@ class ResponsesCapture:
         elif kind == "response.function_call_arguments.delta":
             call = self._calls.setdefault(event.get("item_id") or "", {"arguments": []})
             call["arguments"].append(event.get("delta") or "")
-        elif kind == "error" and len(self.errors) < 5:
-            self.errors.append(f"upstream stream error: {event.get('message')}")
+        elif kind == "error":
+            if len(self.errors) < 5:
+                self.errors.append(f"upstream stream error: {event.get('message')}")
+        elif not (isinstance(kind, str) and kind.startswith("response.")):
+            self.unknown_events += 1  # relayed as it came; counted
 
     def _final(self, response: dict[str, Any]) -> None:
         self.final = response
@@ -169,6 +186,7 @@ class ResponsesCapture:
         if not values or any(v is None for v in values) or (ids and len(ids) != len(values)):
             values = None
         self.logprobs_missing = 1 if values is None and (ids or text) else 0
+        self.choice_count = 1
         tops = None
         if self.keep_top and values is not None:
             tops = [e.get("top_logprobs") for e in logprobs]

@@ -512,7 +512,7 @@ class StreamTranslator:
         self._req = request if isinstance(request, dict) else {}
         self._id = response_id or new_id("resp")
         self._ids = _Items(self._id)
-        self._logprobs = _wants_logprobs(self._req)
+        self._logprobs = self.wants_logprobs = _wants_logprobs(self._req)
         self._seq = 0
         self._created: int | None = None
         self._output: list[dict[str, Any]] = []  # every item added so far, final when closed
@@ -522,11 +522,11 @@ class StreamTranslator:
         self._usage: Usage | None = None
         self._closed = False
 
-    def feed(self, chunk: dict) -> list[bytes]:
+    def feed(self, chunk: dict | Chunk) -> list[bytes]:
         """One decoded chat stream chunk → zero or more Responses SSE events."""
         if self._closed:
             return []
-        parsed: Chunk = read_chunk(chunk)
+        parsed = chunk if isinstance(chunk, Chunk) else read_chunk(chunk)
         if parsed.error is not None:
             return [self.error_event(parsed.error)]
         out = self._start(parsed.created)
