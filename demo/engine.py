@@ -13,6 +13,8 @@ is what a translating proxy has to handle. ``llama-cpp-python`` is the Python se
 and completions with no token ids anywhere (logprobs carry token strings, null bytes, and
 only when ``top_logprobs`` is set), no usage in streams, and ``/extras/tokenize``,
 ``/extras/tokenize/count`` and ``/extras/detokenize`` as its only tokenizer endpoints.
+Like the real server (``--interrupt_requests``, on by default), it ends a stream with
+``[DONE]`` as soon as any other request arrives while it streams.
 
 Responses and Messages requests are rendered as the equivalent chat conversation first
 (see demo/responses.py and demo/messages.py), so they get the same prompt ids, tokens and
@@ -75,6 +77,28 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 CONFIG = web.AppKey("engine_config", EngineConfig)
+
+
+class Arrivals:
+    """Requests received so far: a llama-cpp-python stream ends when another arrives."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def interrupter(self, flavor: str):
+        if flavor != "llama-cpp-python":
+            return None
+        start = self.count
+        return lambda: self.count != start
+
+
+ARRIVALS = web.AppKey("arrivals", Arrivals)
+
+
+@web.middleware
+async def _count_arrivals(request: web.Request, handler: Any) -> web.StreamResponse:
+    request.app[ARRIVALS].count += 1
+    return await handler(request)
 _OPENAI_FIELDS = OPENAI_FIELDS | {responses.ResponsesRequest: responses.OPENAI_FIELDS}
 
 
@@ -183,8 +207,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
     if req.stream:
         chunks = chat_chunks(shape, prompt_ids, completions)
-        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
+                                         interrupted=_interrupter(request))
     return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
+
+
+def _interrupter(request: web.Request):
+    return request.app[ARRIVALS].interrupter(request.app[CONFIG].flavor)
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -215,7 +244,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = sum(len(p) for p in batch)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
-        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
+                                         interrupted=_interrupter(request))
     return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
 
 
@@ -369,8 +399,10 @@ async def extras_detokenize(request: web.Request) -> web.Response:
 
 def make_engine_app(config: EngineConfig | None = None) -> web.Application:
     config = config or EngineConfig()
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[_count_arrivals, _errors],
+                          client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
+    app[ARRIVALS] = Arrivals()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

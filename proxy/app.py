@@ -63,8 +63,8 @@ async def _lifecycle(app: web.Application):
                             api_key=settings.upstream_api_key)
     await client.start()
     # Token ids an engine did not return are asked of its tokenizer as records are written.
-    writer = Writer(engine, journal, observer=metrics,
-                    prepare=TokenResolver(client, metrics.ids_missing))
+    resolver = TokenResolver(client, metrics.ids_missing)
+    writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),
@@ -75,6 +75,7 @@ async def _lifecycle(app: web.Application):
     admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token)
+    resolver.quiet = state.idle.wait  # llama-cpp-python cuts streams when asked meanwhile
     log.info("exposed to agents: %s", state.exposure.describe())
     app[STATE] = state
     writer.start()

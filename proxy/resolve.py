@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -67,6 +69,8 @@ class TokenResolver:
     def __init__(self, client: UpstreamClient, missing=None, concurrency: int = 8):
         self.client = client
         self.on_missing = missing
+        # Resolves when no model call is in flight (set by the app: ProxyState.idle.wait).
+        self.quiet: Callable[[], Awaitable[Any]] | None = None
         self._tokenizers: dict[str, EngineTokenizer | None] = {}
         self._detecting: dict[str, asyncio.Lock] = {}
         self._logged: set[tuple[str, str]] = set()
@@ -96,7 +100,8 @@ class TokenResolver:
         lock = self._detecting.setdefault(upstream, asyncio.Lock())
         async with lock:
             if upstream not in self._tokenizers:
-                found, reached = await detect(self.client, upstream) if upstream else (None, True)
+                found, reached = (await detect(self.client, upstream, self.quiet) if upstream
+                                  else (None, True))
                 if not reached:
                     return None  # down for now: asked again with the next record
                 self._tokenizers[upstream] = found

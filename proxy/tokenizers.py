@@ -10,12 +10,17 @@ Three families, probed in this order (each probe is one small POST, once per ups
   ``/detokenize`` ``{tokens}`` gives a token's text.
 - ``llama-cpp-python``: ``/extras/tokenize`` ``{input}`` tokenizes text as a completions
   prompt (BOS included); ``/extras/detokenize``. It has no template endpoint, so a chat
-  prompt cannot be tokenized by the engine itself.
+  prompt cannot be tokenized by the engine itself. It also ends a streaming generation
+  early (``[DONE]`` after the tokens so far) whenever another request waits for the model
+  (its ``--interrupt_requests``, on by default), so its tokenizer is only asked while no
+  model call is in flight through the proxy (``quiet``; at most QUIET_WAIT seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +34,9 @@ _VLLM_CHAT_KEYS = ("model", "messages", "tools", "add_generation_prompt",
 _GENERATION_KEYS = frozenset({"stream", "stream_options", "logprobs", "top_logprobs", "n",
                               "return_token_ids", "max_tokens", "max_completion_tokens"})
 PIECE_CACHE = 262_144  # ids; a vocabulary's worth
+QUIET_WAIT = 30.0  # seconds to wait for no call in flight before asking anyway
+IMPATIENT = 60.0  # after a wait in vain, seconds of asking without waiting (never stall)
+log = logging.getLogger("tracetap.tokenizers")
 
 
 class TokenizeFailed(Exception):
@@ -43,18 +51,36 @@ class EngineTokenizer:
     """One upstream's tokenizer endpoints. Subclasses implement one family."""
 
     kind = ""
+    interrupts_streams = False  # asking it while a call streams would cut that stream
 
-    def __init__(self, client: UpstreamClient, origin: str):
+    def __init__(self, client: UpstreamClient, origin: str,
+                 quiet: Callable[[], Awaitable[Any]] | None = None):
         self.client = client
         self.origin = origin
+        self.quiet = quiet  # resolves when no model call is in flight through the proxy
         self._pieces: dict[int, bytes | None] = {}
         self._limit = asyncio.Semaphore(16)
+        self._impatient_until = 0.0
 
     async def post(self, path: str, body: dict) -> Any:
+        if self.interrupts_streams and self.quiet is not None:
+            await self._wait_quiet()
         status, data = await self.client.post_json(self.origin + path, body)
         if status != 200 or data is None:
             raise TokenizeFailed(f"POST {path} answered {status or 'nothing'}")
         return data
+
+    async def _wait_quiet(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._impatient_until:
+            return
+        try:
+            await asyncio.wait_for(self.quiet(), QUIET_WAIT)
+        except asyncio.TimeoutError:
+            self._impatient_until = loop.time() + IMPATIENT
+            log.warning("%s: calls kept it busy for %.0f s, so its tokenizer is asked while "
+                        "they run; streamed replies may end early unless the server runs "
+                        "with --interrupt_requests false", self.origin, QUIET_WAIT)
 
     async def chat_prompt(self, request: dict) -> list[int]:
         """The prompt ids of a chat-completions request, rendered by the engine."""
@@ -135,9 +161,11 @@ class Vllm(EngineTokenizer):
 
 class LlamaCppPython(EngineTokenizer):
     kind = "llama-cpp-python"
+    interrupts_streams = True
 
-    def __init__(self, client: UpstreamClient, origin: str):
-        super().__init__(client, origin)
+    def __init__(self, client: UpstreamClient, origin: str,
+                 quiet: Callable[[], Awaitable[Any]] | None = None):
+        super().__init__(client, origin, quiet)
         self._added: list[int] | None = None  # what /extras/tokenize puts before any text
 
     async def prompt(self, text: str) -> list[int]:
@@ -164,17 +192,25 @@ _PROBES = (
 )
 
 
-async def detect(client: UpstreamClient, base_url: str) -> tuple[EngineTokenizer | None, bool]:
+async def detect(client: UpstreamClient, base_url: str,
+                 quiet: Callable[[], Awaitable[Any]] | None = None,
+                 ) -> tuple[EngineTokenizer | None, bool]:
     """The tokenizer the upstream at ``base_url`` exposes, and whether it answered at all
-    (an unreachable upstream is asked again later; one without endpoints is not)."""
+    (an unreachable upstream is asked again later; one without endpoints is not).
+    The probes wait for ``quiet`` too: the upstream's kind is not known yet."""
     parts = urlsplit(base_url)
     origin = f"{parts.scheme}://{parts.netloc}"
     reached = False
+    if quiet is not None:
+        try:
+            await asyncio.wait_for(quiet(), QUIET_WAIT)
+        except asyncio.TimeoutError:
+            pass
     for kind, path, body, key in _PROBES:
         status, data = await client.post_json(origin + path, body, timeout=5.0)
         reached = reached or status != 0
         if status == 200 and isinstance(data, dict) and key in data:
-            return kind(client, origin), True
+            return kind(client, origin, quiet), True
     return None, reached
 
 

@@ -580,3 +580,24 @@ def test_llama_cpp_python_flavor_serves_extras_and_shows_split_bytes_as_nothing(
                                          extra_body={"mock_content": "é!"})
         assert resp.choices[0].text == "é!"
         assert resp.choices[0].logprobs.tokens == ["", "", "!"]
+
+
+def test_llama_cpp_python_flavor_ends_a_stream_when_another_request_arrives() -> None:
+    """Like the real server's --interrupt_requests (on by default)."""
+    with running_engine(EngineConfig(flavor="llama-cpp-python")) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        body = {"prompt": "Say", "stream": True, "mock_content": "x" * 40,
+                "mock_chunk_delay_s": 0.05}
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()  # the first chunk is out: the generation is under way
+        assert first.startswith(b"data: {")
+        assert raw_post(server, "/extras/tokenize", {"input": "hi"})[0] == 200
+        rest = resp.read()
+        conn.close()
+        texts = [json.loads(line[6:])["choices"][0]["text"]
+                 for line in [first, *rest.split(b"\n")]
+                 if line.startswith(b"data: {")]
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert len("".join(texts)) < 40  # cut short, well before its 40 characters

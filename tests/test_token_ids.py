@@ -272,3 +272,40 @@ def test_export_command_says_how_many_were_left_out_and_why(proxy, tmp_path, cap
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "left out of trajectories/: 2 completions without token ids (no_tokenizer: 2)" in out
+
+
+def test_llama_cpp_python_streams_are_never_cut_by_the_writers_questions(
+        loop_thread, db_url, tmp_path, serve_app):
+    """llama-cpp-python ends a stream when another request arrives: the writer asks its
+    tokenizer only while no call is in flight."""
+    app = make_engine_app(EngineConfig(flavor="llama-cpp-python"))
+    seen: list[tuple[str, float, float]] = []
+
+    @web.middleware
+    async def timed(request, handler):
+        start = loop_thread.loop.time()
+        try:
+            return await handler(request)
+        finally:
+            seen.append((request.path, start, loop_thread.loop.time()))
+
+    app.middlewares.append(timed)
+    settings = Settings(upstream=serve_app(app) + "/v1", db=db_url, port=free_port(),
+                        data_dir=str(tmp_path / "data"))
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        proxy.state.writer.flush_interval = 0.5  # the first call's record lands mid-stream
+        client = openai.OpenAI(base_url=proxy.episode_url("cut"), api_key="x", max_retries=0)
+        with client:
+            client.completions.create(model="m", prompt="First.")
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="m", prompt="Second.", stream=True,
+                extra_body={"mock_content": "y" * 40, "mock_chunk_delay_s": 0.03}))
+        assert text == "y" * 40  # not cut short
+        calls = proxy.calls("cut")
+    finally:
+        proxy.stop()
+    assert [c["choices"][0]["token_source"] for c in calls] == ["verified_retokenized"] * 2
+    [(_, start, end)] = [s for s in seen if s[0] == "/v1/completions" and s[2] - s[1] > 1]
+    asked = [t for path, t, _ in seen if path.startswith("/extras/")]
+    assert asked and not [t for t in asked if start <= t <= end]
