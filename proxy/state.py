@@ -42,7 +42,8 @@ class ProxyState:
         self.admin_token = admin_token
         self.exposure = Exposure(settings.allow_path)
         self.budgets = Budgets(settings.default_budget)
-        self.repair = Repair(settings.repair_history, metrics.repaired)
+        self.repair = Repair(settings.repair_history,
+                             None if metrics is None else metrics.repaired)
         self.model_map = ModelMap(settings.model_map)
         self.routing = Routing(settings.translate, native={
             "responses": ResponsesApi(), "messages": MessagesApi()})
