@@ -17,6 +17,7 @@ COPY storage /src/storage
 COPY exporters /src/exporters
 COPY migrations /src/migrations
 COPY demo /src/demo
+COPY viewer /src/viewer
 RUN pip install /src \
     && rm -rf /src \
     && groupadd --system --gid 10001 tracetap \

@@ -3,7 +3,8 @@
 On free local ports, in one event loop: the deterministic mock engine, the real tracetap
 proxy in front of it (embedded SQLite in the data dir), and the scripted ``openai`` SDK
 agent. Episodes are registered and finished through the admin API, the proxy is stopped
-(its writer flushes), and the exporter writes ``<data-dir>/export``.
+(its writer flushes), and the exporter writes ``<data-dir>/export``. With ``--ui`` the
+proxy (and its trace viewer) stays up after the export until Ctrl-C.
 
 Importing this module is cheap (the CLI builds every subcommand's parser): the servers,
 the SDK and pyarrow load only inside ``run``.
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -49,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="append-only multi-turn episodes to run (default 3); the context-rewrite episode, "
            "the group of 4 and one Responses-API and one Messages-API episode always run")
     a("--quiet", action="store_true", help="print only the final table")
+    a("--ui", action="store_true",
+      help="keep the proxy and its trace viewer up after the demo (Ctrl-C stops them) and "
+           "print where to look")
+    a("--port", type=int, default=0, metavar="N",
+      help="the proxy's port (and so the viewer's); default: a free one")
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,12 @@ def run(args: argparse.Namespace) -> int:
     keep = args.keep or not args.clean
     say = (lambda *_: None) if args.quiet else _say
     try:
-        _run_loop(_demo(data_dir.resolve(), args.episodes, say, keep, started))
+        _run_loop(_demo(data_dir.resolve(), args.episodes, say, keep, started, args.ui,
+                        args.port))
     except KeyboardInterrupt:
+        if args.ui:  # the way out of --ui: the proxy and the engine stopped in order
+            print("tracetap demo: stopped", flush=True)
+            return 0
         print("tracetap demo: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # any failure: one clear line, then a non-zero exit
@@ -114,13 +125,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: float) -> None:
+async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: float,
+                ui: bool = False, port: int = 0) -> None:
     import aiohttp
     from aiohttp import web
 
     from demo.engine import EngineConfig, EngineServer
     from exporters import ExportError, export_async
     from proxy.app import build_app
+    from proxy.keys import STATE
     from proxy.settings import Settings
     from storage.engine import upgrade_async
 
@@ -132,7 +145,7 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
         say(f"  engine  deterministic vLLM-like mock engine at {engine.url}")
         sock = socket.socket()
         stack.callback(sock.close)  # the server closes it too; closing twice is harmless
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", port))
         # The demo plays the operator: its token lives in memory, not in the data dir.
         settings = Settings(upstream=[engine.url], data_dir=str(data_dir),
                             port=sock.getsockname()[1], upstream_flavor="auto",
@@ -168,8 +181,12 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
                 totals["calls"] += len(calls)
                 totals["generated"] += sum(c["completion_tokens"] or 0 for c in calls)
         written = await admin.records_written()
-        await stop_proxy()
-        say(f"\nproxy stopped; /metrics counted {written} records written to the database")
+        if ui:
+            await proxy.app[STATE].writer.flush()  # every record committed; the proxy stays up
+            say(f"\n/metrics counted {written} records written to the database")
+        else:
+            await stop_proxy()
+            say(f"\nproxy stopped; /metrics counted {written} records written to the database")
         out = data_dir / "export"
         ids = [p.id for phase in phases for p in phase]
         try:
@@ -177,10 +194,35 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
                                          overwrite=True)
         except ExportError as exc:
             raise DemoError(f"export failed: {exc}") from exc
-    if summary.episodes != totals["episodes"] or summary.calls != totals["calls"]:
-        raise DemoError(f"the export holds {summary.episodes} episodes and {summary.calls} "
-                        f"calls; the demo ran {totals['episodes']} and {totals['calls']}")
-    _table(summary, totals, out, keep, time.perf_counter() - started)
+        if summary.episodes != totals["episodes"] or summary.calls != totals["calls"]:
+            raise DemoError(f"the export holds {summary.episodes} episodes and {summary.calls} "
+                            f"calls; the demo ran {totals['episodes']} and {totals['calls']}")
+        _table(summary, totals, out, keep, time.perf_counter() - started)
+        if ui:
+            await _keep_viewing(settings, phases)
+
+
+async def _keep_viewing(settings, phases: list[list[Plan]]) -> None:
+    """Print where to look in the viewer, then serve until Ctrl-C (or SIGTERM)."""
+    from viewer import PREFIX
+
+    ui = f"{settings.base_url}{PREFIX}"
+    rewrite = next(p.id for phase in phases for p in phase if p.variant == "context-rewrite")
+    print(f"\ntrace viewer: {ui}/")
+    print(f"  log in with the admin token: {settings.admin_token}")
+    print(f"  failed episodes:        {ui}/?outcome=failed")
+    print(f"  the GRPO group:         {ui}/groups")
+    print(f"  why the rewrite split:  {ui}/episodes/{rewrite}?t=1#tokens")
+    print(f"  live calls:             {ui}/live  (agents: {settings.base_url}/episodes/<id>/v1)")
+    print("the proxy and the viewer stay up; Ctrl-C stops them", flush=True)
+    # Ctrl-C cancels this task (the runner's SIGINT handling); SIGTERM ends it here.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:

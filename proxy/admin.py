@@ -67,8 +67,7 @@ async def _decode(request: web.Request, kind: type):
 
 def _require_admin(request: web.Request) -> None:
     state = request.app[STATE]
-    if state.settings.admin_listener and on_agent_port(request, state.settings.port):
-        # The admin API lives on its own listener: the agent port does not have it.
+    if not serves_admin(request, state.settings):
         raise not_found(f"{request.method} {request.path} is not served on this port")
     given = bearer(request.headers) or ""
     if given.startswith(KEY_PREFIX):
@@ -77,6 +76,12 @@ def _require_admin(request: web.Request) -> None:
     if not hmac.compare_digest(given.encode(), state.admin_token.encode()):
         raise unauthorized("this endpoint needs the proxy's admin token (see --admin-token; "
                            "by default it is in DATA_DIR/admin-token)")
+
+
+def serves_admin(request: web.Request, settings) -> bool:
+    """Whether this listener serves admin routes: not the agent port when the admin API
+    lives on a listener of its own (``--admin-port``, ``--admin-socket``)."""
+    return not (settings.admin_listener and on_agent_port(request, settings.port))
 
 
 def on_agent_port(request: web.Request, port: int) -> bool:

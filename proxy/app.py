@@ -18,6 +18,7 @@ from proxy.resolve import TokenResolver
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.tagging import Tagger
+from proxy.ui import mount_viewer
 from proxy.upstream import UpstreamClient
 from storage import queries
 from storage.engine import create_engine
@@ -44,6 +45,7 @@ def build_app(settings: Settings) -> web.Application:
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
     r.add_get("/readyz", admin.readyz)
+    mount_viewer(app, settings)  # /tracetap/ui: before the agent routes' catch-all
     r.add_route("*", "/episodes/{episode}/v1/{tail:.*}", handlers.agent_request)
     r.add_route("*", "/episodes/{episode}", handlers.agent_request)
     r.add_route("*", "/episodes/{episode}/v1", handlers.agent_request)

@@ -1,4 +1,4 @@
-"""The ``tracetap`` command: serve, db upgrade, export, drift, demo, mock-engine."""
+"""The ``tracetap`` command: serve, db upgrade, export, drift, ui, demo, mock-engine."""
 
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
     drift_command.add_arguments(drift)
     drift.set_defaults(run=drift_command.run)
+
+    ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
+                             "running proxy")
+    from viewer import command as ui_command  # cheap: the server loads only in its run
+
+    ui_command.add_arguments(ui)
+    ui.set_defaults(run=ui_command.run)
 
     demo = commands.add_parser("demo", help="the whole loop locally, no GPU: mock engine, "
                                "proxy, scripted openai-SDK agent, Parquet export")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, MetaData, String, Text
+from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, MetaData, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -10,6 +10,11 @@ NAMING = {
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+
+# A call that failed: not a 200, or not captured whole ("passthrough" is a relayed,
+# uncaptured path such as count_tokens: not a failure).
+FAILED_SQL = "http_status <> 200 OR status NOT IN ('ok', 'passthrough')"
 
 
 class Base(DeclarativeBase):
@@ -21,18 +26,19 @@ class Episode(Base):
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     group_id: Mapped[str | None] = mapped_column(String(128), index=True)
-    task_id: Mapped[str | None] = mapped_column(String(256))
-    harness_name: Mapped[str | None] = mapped_column(String(256))
+    # Indexed for the viewer's filters and sorts (migration 0002).
+    task_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    harness_name: Mapped[str | None] = mapped_column(String(256), index=True)
     harness_config: Mapped[str | None] = mapped_column(Text)  # JSON
     meta: Mapped[str | None] = mapped_column("metadata", Text)  # JSON
     # sha256 of the per-episode API key; the key itself is never stored.
     api_key_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
     registered: Mapped[bool] = mapped_column(Boolean, default=False)
-    created_at: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
     finished_at: Mapped[float | None] = mapped_column(Float, index=True)
-    reward: Mapped[float | None] = mapped_column(Float)
+    reward: Mapped[float | None] = mapped_column(Float, index=True)
     rewards: Mapped[str | None] = mapped_column(Text)  # JSON {name: value}
-    outcome: Mapped[str | None] = mapped_column(String(256))
+    outcome: Mapped[str | None] = mapped_column(String(256), index=True)
     info: Mapped[str | None] = mapped_column(Text)  # JSON
 
 
@@ -60,7 +66,7 @@ class Call(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
-    # storage.records.PROMPT_SOURCES; null only on rows stored before revision 0002.
+    # storage.records.PROMPT_SOURCES; null only on rows stored before revision 0003.
     prompt_source: Mapped[str | None] = mapped_column(String(16))
     # What the engine was given when it differs from request (translated, repaired).
     upstream_request: Mapped[str | None] = mapped_column(Text)
@@ -69,7 +75,13 @@ class Call(Base):
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
 
-    __table_args__ = (Index(None, "episode_id", "t_start"),)
+    __table_args__ = (
+        Index(None, "episode_id", "t_start"),
+        # The episodes whose calls failed: few rows, so the viewer's status filter reads
+        # this small index instead of every call.
+        Index("ix_calls_failed", "episode_id", postgresql_where=text(FAILED_SQL),
+              sqlite_where=text(FAILED_SQL)),
+    )
 
 
 class Choice(Base):

@@ -127,7 +127,8 @@ def admin_call(url: str, method: str, path: str, body=None,
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with err:
+            return err.code, json.loads(err.read())
 
 
 def _postgres_available() -> bool:

@@ -20,7 +20,8 @@ def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict
         with urllib.request.urlopen(request) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with err:  # its connection closes now, not at some later garbage collection
+            return err.code, json.loads(err.read())
 
 
 def _assert_openai_error(body: dict, code: str) -> None:

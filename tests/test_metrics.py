@@ -280,6 +280,7 @@ def _post(url: str, body: dict) -> int:
         with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
+        exc.close()  # its connection closes now, not at some later garbage collection
         return exc.code
 
 

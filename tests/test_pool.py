@@ -23,7 +23,8 @@ def _get(url: str) -> dict:
         with urllib.request.urlopen(url) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        return json.loads(err.read())
+        with err:  # its connection closes now, not at some later garbage collection
+            return json.loads(err.read())
 
 
 def _post(proxy, path: str, body: dict) -> dict:

@@ -32,7 +32,8 @@ def _request(method, url, body=None, token=None):
                                                            method=method)) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with err:  # its connection closes now, not at some later garbage collection
+            return err.code, json.loads(err.read())
 
 
 @pytest.fixture

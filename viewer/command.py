@@ -1,0 +1,72 @@
+"""``tracetap ui``: the trace viewer alone, over a database, without a running proxy.
+
+Importing this module is cheap (the CLI builds every subcommand's parser): the server
+and Jinja load only inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get("TRACETAP_" + name.upper(), default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--db", default=_env("db"),
+      help="SQLAlchemy URL to read, sqlite:///... or postgresql://... (default: TRACETAP_DB, "
+           "else the SQLite file in --data-dir)")
+    a("--data-dir", default=_env("data_dir", "./tracetap-data"),
+      help="where tracetap serve keeps its data: the database and the admin token")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8090)
+    a("--admin-token", default=_env("admin_token"),
+      help="the token that opens the viewer (default: DATA_DIR/admin-token, generated once)")
+    a("--detokenize", metavar="URL", default=None,
+      help="an engine base URL (vLLM, SGLang, llama.cpp) whose /detokenize gives token text; "
+           "without it tokens are shown by id")
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from proxy.admin_token import ensure_admin_token
+    from proxy.settings import is_loopback
+    from storage.engine import redact_url
+    from storage.scan import Reader, ScanError
+    from viewer import PREFIX
+    from viewer.access import Access
+    from viewer.app import ViewerConfig, build_viewer
+
+    url = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+    if not is_loopback(args.host) and not args.admin_token:
+        raise ValueError(f"refusing to listen on {args.host} without --admin-token: pass the "
+                         "token to use over the network explicitly")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be 1-65535, got {args.port}")
+
+    async def check() -> None:
+        async with Reader(url):
+            pass
+
+    try:
+        asyncio.run(check())  # a bad URL or a missing schema fails here, in one line
+    except ScanError as exc:
+        raise ValueError(str(exc)) from None
+    if args.admin_token:
+        token, note = args.admin_token, "the token given with --admin-token"
+    else:
+        token, path = ensure_admin_token(args.data_dir)
+        note = f"the admin token in {path} (tracetap admin-token --data-dir {args.data_dir})"
+    config = ViewerConfig(database_url=url, detokenize_url=args.detokenize)
+    app = build_viewer(config, Access(lambda _request: token), mounted=False)
+    print(f"tracetap ui: http://{args.host}:{args.port}{PREFIX}/ reading {redact_url(url)}; "
+          f"log in with {note}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
+                shutdown_timeout=5)
+    return 0

@@ -1,0 +1,66 @@
+"""Jinja2 templates (autoescaped, HTML and SVG alike) and the small formatters they use."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jinja2
+from aiohttp import web
+
+from viewer import PREFIX
+from viewer.charts import seconds
+from viewer.keys import TEMPLATES
+from viewer.tokens import REASONS
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "\u2013"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+def _reward(v: float | None) -> str:
+    if v is None:
+        return "\u2013"
+    return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{v:.1f}"
+
+
+def _count(v: int | None) -> str:
+    return "\u2013" if v is None else f"{v:,}"
+
+
+def _reward_class(v: float | None) -> str:
+    """A colour band for a reward in [0, 1] (other ranges still get a neutral one)."""
+    if v is None:
+        return "rn"
+    if v <= 0:
+        return "r0"
+    if v < 0.5:
+        return "r1"
+    if v < 1:
+        return "r2"
+    return "r3"
+
+
+class Templates:
+    def __init__(self) -> None:
+        self.env = jinja2.Environment(
+            loader=jinja2.PackageLoader("viewer", "templates"),
+            autoescape=True,  # every template, .svg included
+            trim_blocks=True,
+            lstrip_blocks=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.env.filters.update(when=_when, secs=seconds, reward=_reward, count=_count,
+                                reward_class=_reward_class)
+        self.env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
+
+    def render(self, name: str, **context: Any) -> str:
+        return self.env.get_template(name).render(**context)
+
+
+def page(request: web.Request, name: str, *, status: int = 200,
+         content_type: str = "text/html", **context: Any) -> web.Response:
+    text = request.app[TEMPLATES].render(name, request=request, **context)
+    return web.Response(text=text, status=status, content_type=content_type, charset="utf-8")
