@@ -35,6 +35,7 @@ from proxy.handlers import _observe  # noqa: E402
 from proxy.ids import uuid7  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 from proxy.model_map import ModelMap  # noqa: E402
+from proxy.repair import Repair  # noqa: E402
 from proxy.routing import Routing  # noqa: E402
 from proxy.sse import SSEParser  # noqa: E402
 from storage.engine import create_engine, upgrade  # noqa: E402
@@ -50,7 +51,7 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
 def _state() -> SimpleNamespace:
     """The parts of ProxyState that a ModelCall touches."""
     return SimpleNamespace(flavor="vllm", instance="bench", next_seq=lambda _: 0,
-                           metrics=Metrics(), model_map=ModelMap())
+                           metrics=Metrics(), model_map=ModelMap(), repair=Repair(False))
 
 
 CHAT = Routing("auto", native={}).route("/v1/chat/completions", "vllm")

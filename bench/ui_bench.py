@@ -93,7 +93,9 @@ async def fill_episodes(url: str, n: int) -> None:
             columns = [r["column_name"] for r in await conn.fetch(
                 "SELECT column_name FROM information_schema.columns WHERE table_name = $1 "
                 "ORDER BY ordinal_position", table)]
-            await conn.copy_records_to_table(table, records=rows, columns=columns)
+            # Rows name the first columns; ones later migrations appended stay null.
+            await conn.copy_records_to_table(table, records=rows,
+                                             columns=columns[:len(rows[0])])
         await conn.execute("ANALYZE")
     finally:
         await conn.close()

@@ -5,9 +5,16 @@ completions, the OpenAI Responses API (``/v1/responses``) and the Anthropic Mess
 (``/v1/messages`` and ``/v1/messages/count_tokens``, any query string such as
 ``?beta=true``), plus ``/tokenize``, ``/detokenize`` and ``/version``. ``openai`` serves
 what OpenAI's API does: chat, completions and Responses (no Messages: 404), and rejects
-vLLM-only fields such as ``return_token_ids`` or ``enable_response_messages``. ``llamacpp``
-is a chat-only server: chat, completions and ``/tokenize``; ``/v1/responses`` and
-``/v1/messages`` answer 404, which is what a translating proxy has to handle.
+vLLM-only fields such as ``return_token_ids`` or ``enable_response_messages``.
+``llama-server`` (old name ``llamacpp``) is llama.cpp's C++ server: chat and completions
+with token ids only inside logprob entries, ``/apply-template``, ``/tokenize`` and
+``/detokenize`` in its own shapes; ``/v1/responses`` and ``/v1/messages`` answer 404, which
+is what a translating proxy has to handle. ``llama-cpp-python`` is the Python server: chat
+and completions with no token ids anywhere (logprobs carry token strings, null bytes, and
+only when ``top_logprobs`` is set), no usage in streams, and ``/extras/tokenize``,
+``/extras/tokenize/count`` and ``/extras/detokenize`` as its only tokenizer endpoints.
+Like the real server (``--interrupt_requests``, on by default), it ends a stream with
+``[DONE]`` as soon as any other request arrives while it streams.
 
 Responses and Messages requests are rendered as the equivalent chat conversation first
 (see demo/responses.py and demo/messages.py), so they get the same prompt ids, tokens and
@@ -16,7 +23,8 @@ with no ``[DONE]``; their errors use their own API's shape.
 
 Per-request fault injection (extra body fields, accepted by every flavor and endpoint):
 ``mock_delay_s``, ``mock_chunk_delay_s``, ``mock_fail_after_chunks`` (events, for named
-streams), ``mock_status``, ``mock_completion_tokens``, ``mock_garbage``, ``mock_tool_rounds``.
+streams), ``mock_status``, ``mock_completion_tokens``, ``mock_garbage``, ``mock_tool_rounds``,
+``mock_content``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from demo import messages, responses, sending
 from demo import tokenizer as tok
 from demo.generate import TOP_LOGPROBS_MAX, Completion, Sampling, generate_chat, generate_text
 from demo.wire import (
+    FLAVORS,
+    LLAMA_SERVER,
     OPENAI_FIELDS,
     ChatRequest,
     ChatTurn,
@@ -62,11 +72,33 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_model_len: int = 32768
 
     def __post_init__(self) -> None:
-        if self.flavor not in ("vllm", "openai", "llamacpp"):
+        if self.flavor not in FLAVORS:
             raise ValueError(f"unknown engine flavor {self.flavor!r}")
 
 
 CONFIG = web.AppKey("engine_config", EngineConfig)
+
+
+class Arrivals:
+    """Requests received so far: a llama-cpp-python stream ends when another arrives."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def interrupter(self, flavor: str):
+        if flavor != "llama-cpp-python":
+            return None
+        start = self.count
+        return lambda: self.count != start
+
+
+ARRIVALS = web.AppKey("arrivals", Arrivals)
+
+
+@web.middleware
+async def _count_arrivals(request: web.Request, handler: Any) -> web.StreamResponse:
+    request.app[ARRIVALS].count += 1
+    return await handler(request)
 _OPENAI_FIELDS = OPENAI_FIELDS | {responses.ResponsesRequest: responses.OPENAI_FIELDS}
 
 
@@ -133,7 +165,8 @@ def _sampling(
         if value is not None and value < 1:
             raise ApiError(400, f"{param} must be at least 1, got {value}", param)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return Sampling(max_tokens, req.seed or 0, stop, req.mock_completion_tokens)
+    return Sampling(max_tokens, req.seed or 0, stop, req.mock_completion_tokens,
+                    req.mock_content)
 
 
 def _shape(
@@ -167,13 +200,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = _sampling(req, max_tokens, config.max_tokens_default)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
+    if config.flavor == "llama-cpp-python" and req.top_logprobs is None:
+        top_k = None  # it asks for logprobs with top_logprobs only
     shape = _shape(request, req, "chatcmpl-", top_k, "top_logprobs")
     turn = ChatTurn(req.messages, req.tools, req.tool_choice)
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
     if req.stream:
         chunks = chat_chunks(shape, prompt_ids, completions)
-        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
+                                         interrupted=_interrupter(request))
     return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
+
+
+def _interrupter(request: web.Request):
+    return request.app[ARRIVALS].interrupter(request.app[CONFIG].flavor)
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -204,7 +244,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = sum(len(p) for p in batch)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
-        return await sending.send_stream(request, req, chunks, config.chunk_delay_s)
+        return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
+                                         interrupted=_interrupter(request))
     return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
 
 
@@ -246,7 +287,10 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
-    owner = {"vllm": "vllm", "openai": "openai", "llamacpp": "llamacpp"}[config.flavor]
+    if config.flavor == "llama-cpp-python":
+        card = {"id": config.model, "object": "model", "owned_by": "me", "permissions": []}
+        return _json({"object": "list", "data": [card]})
+    owner = "llamacpp" if config.flavor in LLAMA_SERVER else config.flavor
     card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": owner}
     if config.flavor == "vllm":
         card |= {"root": config.model, "parent": None, "max_model_len": config.max_model_len}
@@ -261,14 +305,26 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    config = request.app[CONFIG]
+async def _object(request: web.Request) -> dict[str, Any]:
     try:
-        body = msgspec.json.decode(await request.read(), type=dict[str, Any])
+        return msgspec.json.decode(await request.read(), type=dict[str, Any])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}") from None
-    if isinstance(body.get("content"), str):  # llama.cpp's /tokenize
-        return _json({"tokens": tok.encode(body["content"])})
+
+
+def _tokens(body: dict[str, Any]) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ApiError(400, "detokenize needs a tokens list of ids")
+    if any(not 0 <= t < tok.VOCAB_SIZE for t in tokens):
+        raise ApiError(400, f"token ids must be in [0, {tok.VOCAB_SIZE})", "tokens")
+    return tokens
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt string or a chat (rendered like the chat endpoint)."""
+    config = request.app[CONFIG]
+    body = await _object(request)
     if isinstance(body.get("messages"), list):
         gen = body.get("add_generation_prompt", True)
         ids = tok.apply_chat_template(body["messages"], body.get("tools"), gen)
@@ -276,35 +332,97 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = tok.encode(body["prompt"])
     else:
         raise ApiError(400, "tokenize needs a prompt string or a messages list")
+    strs = [tok.token_str(t) for t in ids] if body.get("return_token_strs") else None
     body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
-    return _json(body | {"token_strs": None})
+    return _json(body | {"token_strs": strs})
 
 
 async def detokenize(request: web.Request) -> web.Response:
+    return _json({"prompt": tok.decode(_tokens(await _object(request)))})
+
+
+def _piece(token_id: int) -> str | list[int]:
+    """llama-server's piece: the text, or the bytes when they are not valid UTF-8 alone."""
+    raw = tok.token_bytes(token_id)
     try:
-        body = msgspec.json.decode(await request.read(), type=dict[str, list[int]])
-        return _json({"prompt": tok.decode(body["tokens"])})
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, ValueError) as exc:
-        raise ApiError(400, f"detokenize needs a tokens list: {exc}") from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+async def llama_tokenize(request: web.Request) -> web.Response:
+    """llama-server's /tokenize: ``content``; ``parse_special`` (default true) reads
+    special-token strings as special tokens; ``with_pieces`` pairs each id with its piece.
+    (``add_special`` would add BOS: the byte vocabulary has none.)"""
+    body = await _object(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise ApiError(400, "tokenize needs a content string", "content")
+    ids = tok.encode(content) if body.get("parse_special", True) else list(content.encode())
+    if body.get("with_pieces"):
+        return _json({"tokens": [{"id": t, "piece": _piece(t)} for t in ids]})
+    return _json({"tokens": ids})
+
+
+async def llama_detokenize(request: web.Request) -> web.Response:
+    return _json({"content": tok.decode(_tokens(await _object(request)))})
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's /apply-template: the chat request's prompt text, as it would render."""
+    body = await _object(request)
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise ApiError(400, "messages must contain at least one message", "messages")
+    return _json({"prompt": tok.render_chat(body["messages"], body.get("tools"))})
+
+
+async def extras_tokenize(request: web.Request) -> web.Response:
+    """llama-cpp-python's /extras/tokenize: ``input`` with special tokens parsed."""
+    body = await _object(request)
+    if not isinstance(body.get("input"), str):
+        raise ApiError(400, "tokenize needs an input string", "input")
+    ids = tok.encode(body["input"])
+    if request.path.endswith("/count"):
+        return _json({"count": len(ids)})
+    return _json({"tokens": ids})
+
+
+async def extras_detokenize(request: web.Request) -> web.Response:
+    """llama-cpp-python's /extras/detokenize: special tokens render as nothing, and text
+    that is not valid UTF-8 is a server error (it decodes strictly)."""
+    raw = b"".join(tok.token_bytes(t) for t in _tokens(await _object(request)) if t < 256)
+    try:
+        return _json({"text": raw.decode("utf-8")})
+    except UnicodeDecodeError as exc:
+        raise ApiError(500, f"'utf-8' codec can't decode: {exc.reason}") from None
 
 
 def make_engine_app(config: EngineConfig | None = None) -> web.Application:
     config = config or EngineConfig()
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[_count_arrivals, _errors],
+                          client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
+    app[ARRIVALS] = Arrivals()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    if config.flavor != "llamacpp":
+    if config.flavor in ("vllm", "openai"):
         app.router.add_post("/v1/responses", create_response)
     if config.flavor == "vllm":
         app.router.add_post("/v1/messages", create_message)
         app.router.add_post("/v1/messages/count_tokens", count_tokens)
         app.router.add_get("/version", version)
-        app.router.add_post("/detokenize", detokenize)
-    if config.flavor != "openai":
         app.router.add_post("/tokenize", tokenize)
+        app.router.add_post("/detokenize", detokenize)
+    if config.flavor in LLAMA_SERVER:
+        app.router.add_post("/tokenize", llama_tokenize)
+        app.router.add_post("/detokenize", llama_detokenize)
+        app.router.add_post("/apply-template", apply_template)
+    if config.flavor == "llama-cpp-python":
+        app.router.add_post("/extras/tokenize", extras_tokenize)
+        app.router.add_post("/extras/tokenize/count", extras_tokenize)
+        app.router.add_post("/extras/detokenize", extras_detokenize)
     return app
 
 
@@ -361,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tracetap mock-engine", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--flavor", choices=("vllm", "openai", "llamacpp"), default="vllm")
+    parser.add_argument("--flavor", choices=FLAVORS, default="vllm")
     parser.add_argument("--model", default="mock-model")
     parser.add_argument("--tool-rounds", type=int, default=2)
     parser.add_argument("--max-tokens-default", type=int, default=256)

@@ -39,6 +39,7 @@ class Sampling:
     seed: int = 0
     stop: tuple[str, ...] = ()
     forced_tokens: int | None = None  # mock_completion_tokens
+    content: str | None = None  # mock_content: this exact text, one byte token per byte
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,71 @@ def _text_completion(key: bytes, rng: random.Random, sampling: Sampling) -> Comp
     return Completion(key, ids, events, finish, None, _visible(events))
 
 
+def schema_value(schema: Any, rng: random.Random, depth: int = 0) -> Any:
+    """A value valid for a JSON schema's common subset: every required property, each
+    optional one half the time, the declared type, enum and bounds; deterministic in
+    ``rng``. Unknown or empty schemas give a short string."""
+    if not isinstance(schema, Mapping):
+        return rng.choice(_WORDS)
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return rng.choice(schema["enum"])
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            return schema_value(options[0], rng, depth)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None and isinstance(schema.get("properties"), Mapping):
+        kind = "object"
+    if kind == "object":
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, Mapping) else {}
+        required = set(schema.get("required") or ())
+        return {
+            name: schema_value(sub, rng, depth + 1)
+            for name, sub in properties.items()
+            if name in required or (depth < 3 and rng.random() < 0.5)
+        }
+    if kind == "array":
+        low = max(int(schema.get("minItems", 1)), 0)
+        high = max(low, min(int(schema.get("maxItems", low + 1)), low + 2))
+        items = schema.get("items")
+        return [schema_value(items, rng, depth + 1) for _ in range(rng.randint(low, high))]
+    if kind == "integer":
+        low = int(schema.get("minimum", 1))
+        return rng.randint(low, max(low, int(schema.get("maximum", low + 8))))
+    if kind == "number":
+        low = float(schema.get("minimum", 0.0))
+        return round(rng.uniform(low, max(low, float(schema.get("maximum", low + 10.0)))), 2)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    return rng.choice(_WORDS)
+
+
+def _fixed_completion(key: bytes, sampling: Sampling, content: str) -> Completion:
+    """Exactly ``content``, sampled byte by byte: a special token's string stays bytes."""
+    ids, finish = [*content.encode("utf-8"), tok.EOS], "stop"
+    if len(ids) > sampling.max_tokens:
+        ids, finish = ids[: sampling.max_tokens], "length"
+    body = ids[:-1] if ids[-1] == tok.EOS else ids
+    events = _content_events(body)
+    if len(ids) > len(body):
+        events.append(Event(len(body), ids[len(body) :], "hidden"))
+    return Completion(key, ids, events, finish, None, _visible(events))
+
+
 def _tool_completion(
-    key: bytes, rng: random.Random, sampling: Sampling, name: str, step: int
+    key: bytes, rng: random.Random, sampling: Sampling, name: str, parameters: Any
 ) -> Completion:
     preface = _sentence(rng) + "\n" if rng.random() < 0.5 else ""
-    arguments = tok.canonical_json({"step": step})
+    # Tool arguments are always a JSON object, whatever the schema leaves unsaid.
+    schema = {"type": "object", **parameters} if isinstance(parameters, Mapping) else {}
+    arguments = tok.canonical_json(schema_value(schema or {"type": "object"}, rng))
     call_id = f"chatcmpl-tool-{rng.getrandbits(128):032x}"
     head, args, tail = (tok.encode(part) for part in tok.tool_call_parts(name, arguments))
     pre = tok.encode(preface)
@@ -170,15 +231,18 @@ def _tool_completion(
     return Completion(key, ids, events, "tool_calls", None, preface or None, [call])
 
 
-def _tool_name(tools: Sequence[Any] | None, tool_choice: Any) -> str | None:
+def _tool(tools: Sequence[Any] | None, tool_choice: Any) -> tuple[str, Any] | None:
+    """The tool to call (its name and parameters schema): the chosen one, else the first."""
     if not tools or tool_choice == "none":
         return None
+    functions = [t.get("function") or {} for t in tools if isinstance(t, Mapping)]
     if isinstance(tool_choice, Mapping):
         name = (tool_choice.get("function") or {}).get("name")
         if name:
-            return str(name)
-    first = tools[0] if isinstance(tools[0], Mapping) else {}
-    return str((first.get("function") or {}).get("name", "tool"))
+            chosen = next((f for f in functions if f.get("name") == name), {})
+            return str(name), chosen.get("parameters")
+    first = functions[0] if functions else {}
+    return str(first.get("name", "tool")), first.get("parameters")
 
 
 def generate_chat(
@@ -193,13 +257,17 @@ def generate_chat(
     """A tool call while fewer than ``tool_rounds`` tool results are in the conversation."""
     key = choice_key(prompt_ids, index, sampling.seed)
     rng = random.Random(key)
-    name = _tool_name(tools, tool_choice)
+    if sampling.content is not None:
+        return _fixed_completion(key, sampling, sampling.content)
+    tool = _tool(tools, tool_choice)
     done = sum(1 for m in messages if m.get("role") == "tool")
-    if name is not None and done < tool_rounds and sampling.forced_tokens is None:
-        return _tool_completion(key, rng, sampling, name, done + 1)
+    if tool is not None and done < tool_rounds and sampling.forced_tokens is None:
+        return _tool_completion(key, rng, sampling, *tool)
     return _text_completion(key, rng, sampling)
 
 
 def generate_text(prompt_ids: Sequence[int], index: int, sampling: Sampling) -> Completion:
     key = choice_key(prompt_ids, index, sampling.seed)
+    if sampling.content is not None:
+        return _fixed_completion(key, sampling, sampling.content)
     return _text_completion(key, random.Random(key), sampling)

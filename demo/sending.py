@@ -1,11 +1,12 @@
 """Sending the mock engine's answers, with the per-request faults a client can ask for:
 a truncated body or stream (``mock_fail_after_chunks``), garbage (``mock_garbage``) and
-a delay between chunks (``mock_chunk_delay_s``)."""
+a delay between chunks (``mock_chunk_delay_s``); and llama-cpp-python's early end of a
+stream when another request arrives (``interrupted``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 from aiohttp import web
@@ -39,10 +40,12 @@ async def send_stream(
     chunks: Iterator[dict],
     delay_s: float,
     named: bool = False,
+    interrupted: Callable[[], bool] | None = None,
 ) -> web.StreamResponse:
     """OpenAI-style ``data:`` chunks ending in ``[DONE]``, or, ``named``, events whose
     ``event:`` line repeats their ``type`` (Responses and Messages streams) and no ``[DONE]``.
-    ``delay_s`` between chunks unless the request sets ``mock_chunk_delay_s``."""
+    ``delay_s`` between chunks unless the request sets ``mock_chunk_delay_s``. When
+    ``interrupted()`` turns true after a chunk, ``[DONE]`` follows at once."""
     delay = delay_s if req.mock_chunk_delay_s is None else req.mock_chunk_delay_s
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -59,6 +62,8 @@ async def send_stream(
             await resp.write(head + b"data: " + msgspec.json.encode(chunk) + b"\n\n")
             if delay > 0:
                 await asyncio.sleep(delay)
+            if interrupted is not None and interrupted():
+                break
         if not named:
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -12,7 +12,10 @@ import msgspec
 from demo import tokenizer as tok
 from demo.generate import Completion, Event, logprob_rows
 
-Flavor = Literal["vllm", "openai", "llamacpp"]
+# "llamacpp" is the older name of "llama-server" (llama.cpp's C++ server).
+Flavor = Literal["vllm", "openai", "llama-server", "llamacpp", "llama-cpp-python"]
+FLAVORS: tuple[Flavor, ...] = ("vllm", "openai", "llama-server", "llamacpp", "llama-cpp-python")
+LLAMA_SERVER = frozenset({"llama-server", "llamacpp"})
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -33,6 +36,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     mock_completion_tokens: int | None = None
     mock_garbage: bool = False
     mock_tool_rounds: int | None = None
+    mock_content: str | None = None
 
 
 class ChatRequest(EngineRequest, kw_only=True):
@@ -117,12 +121,34 @@ class Shape:
         return self.flavor == "vllm"
 
     @property
+    def llama_cpp_python(self) -> bool:
+        return self.flavor == "llama-cpp-python"
+
+    @property
     def want_ids(self) -> bool:
         return self.vllm and bool(self.req.return_token_ids)
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.req.stream_options or {}).get("include_usage"))
+        # llama-cpp-python ignores stream_options: its streams never carry usage.
+        return not self.llama_cpp_python and bool(
+            (self.req.stream_options or {}).get("include_usage"))
+
+    def emitted(self, c: Completion) -> list[int]:
+        """The completion's tokens as this flavor reports them: llama-cpp-python stops
+        before an end-of-generation token, so the EOS is in neither logprobs nor usage."""
+        if self.llama_cpp_python and c.token_ids and c.token_ids[-1] == tok.EOS:
+            return c.token_ids[:-1]
+        return c.token_ids
+
+    def token_text(self, token_id: int) -> str:
+        """A token's string in logprobs: llama-cpp-python detokenizes one token without
+        special tokens and drops bytes that are not valid UTF-8 alone."""
+        if self.llama_cpp_python:
+            if token_id >= 256:
+                return ""
+            return tok.token_bytes(token_id).decode("utf-8", errors="ignore")
+        return tok.token_str(token_id)
 
     def envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -132,7 +158,7 @@ class Shape:
         return body
 
     def usage(self, prompt_tokens: int, completions: Sequence[Completion]) -> dict[str, Any]:
-        out = sum(len(c.token_ids) for c in completions)
+        out = sum(len(self.emitted(c)) for c in completions)
         usage = {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + out,
@@ -147,21 +173,28 @@ class Shape:
 # ---- logprobs --------------------------------------------------------------------------
 
 
-def _chat_entry(token_id: int, logprob: float, llamacpp: bool) -> dict[str, Any]:
-    entry: dict[str, Any] = {"id": token_id} if llamacpp else {}
-    entry |= {"token": tok.token_str(token_id), "logprob": logprob}
-    entry["bytes"] = list(tok.token_bytes(token_id))
+def _chat_entry(shape: Shape, token_id: int, logprob: float) -> dict[str, Any]:
+    """llama-server adds the token id; llama-cpp-python has no id and null bytes."""
+    entry: dict[str, Any] = {"id": token_id} if shape.flavor in LLAMA_SERVER else {}
+    entry |= {"token": shape.token_text(token_id), "logprob": logprob}
+    entry["bytes"] = None if shape.llama_cpp_python else list(tok.token_bytes(token_id))
     return entry
+
+
+def _reported(shape: Shape, c: Completion, start: int, ids: Sequence[int]) -> Sequence[int]:
+    """``ids`` (a slice of the completion from ``start``) less what the flavor omits."""
+    emitted = len(shape.emitted(c))
+    return ids[: max(0, emitted - start)]
 
 
 def chat_logprobs(shape: Shape, c: Completion, start: int, ids: Sequence[int]) -> dict | None:
     if shape.top_k is None:
         return None
-    llamacpp = shape.flavor == "llamacpp"
     content = []
+    ids = _reported(shape, c, start, ids)
     for token_id, row in zip(ids, logprob_rows(c.key, ids, start, shape.top_k)):
-        entry = _chat_entry(token_id, row.logprob, llamacpp)
-        entry["top_logprobs"] = [_chat_entry(t, lp, llamacpp) for t, lp in row.top]
+        entry = _chat_entry(shape, token_id, row.logprob)
+        entry["top_logprobs"] = [_chat_entry(shape, t, lp) for t, lp in row.top]
         content.append(entry)
     return {"content": content}
 
@@ -170,14 +203,15 @@ def completion_logprobs(shape: Shape, c: Completion, start: int, ids: Sequence[i
     """vLLM's legacy shape: each dict holds the sampled token plus the top k (k=0: 1 entry)."""
     if shape.top_k is None:
         return None
+    ids = _reported(shape, c, start, ids)
     rows = logprob_rows(c.key, ids, start, shape.top_k)
-    offset = sum(len(tok.token_str(t)) for t in c.token_ids[:start])
-    tokens, offsets = [tok.token_str(t) for t in ids], []
+    offset = sum(len(shape.token_text(t)) for t in c.token_ids[:start])
+    tokens, offsets = [shape.token_text(t) for t in ids], []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     top = [
-        {tok.token_str(t): lp for t, lp in [(i, row.logprob), *row.top]}
+        {shape.token_text(t): lp for t, lp in [(i, row.logprob), *row.top]}
         for i, row in zip(ids, rows)
     ]
     token_logprobs = [r.logprob for r in rows]

@@ -2,13 +2,33 @@
 
 A row is any mapping with the ``trajectories/`` columns: ``Table.to_pylist()`` items,
 a ``datasets`` example, or ``DataFrame.iloc[i]`` (list columns may be numpy arrays).
-Nothing here pads or batches; each trainer does that itself.
+Nothing here pads or batches; each trainer does that itself. A row without token ids
+(``split_reason = "no_token_ids"``, exported only with ``--keep-untokenized``) is not
+training data: every adapter raises ``UntrainableRow`` for it; filter with ``trainable``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+
+class UntrainableRow(ValueError):
+    """A row without the token ids a trainer needs (its reward would train on nothing)."""
+
+
+def trainable(row: Mapping[str, Any]) -> bool:
+    """Whether a row carries the model's tokens: filter kept untokenized rows with this."""
+    prompt = row["prompt_ids"]
+    return row["split_reason"] != "no_token_ids" and prompt is not None and len(prompt) > 0
+
+
+def _checked(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    if not trainable(row):
+        raise UntrainableRow(f"trajectory {row.get('trajectory_id')!r} has no token ids "
+                             f"(split_reason {row['split_reason']!r}); filter rows with "
+                             "exporters.adapters.trainable")
+    return row
 
 
 def _ints(values: Sequence[int] | None) -> list[int]:
@@ -21,6 +41,7 @@ def _floats(values: Sequence[float] | None) -> list[float] | None:
 
 def to_verl(row: Mapping[str, Any]) -> dict[str, Any]:
     """verl agent-loop output: response_mask 1 = LLM token; rollout_log_probs aligned."""
+    row = _checked(row)
     return {
         "prompt_ids": _ints(row["prompt_ids"]),
         "response_ids": _ints(row["response_ids"]),
@@ -32,6 +53,7 @@ def to_verl(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def to_trl(row: Mapping[str, Any]) -> dict[str, Any]:
     """TRL GRPO ``rollout_func`` fields: env_mask 1 = model token (kept in the loss)."""
+    row = _checked(row)
     return {
         "prompt_ids": _ints(row["prompt_ids"]),
         "completion_ids": _ints(row["response_ids"]),
@@ -42,6 +64,7 @@ def to_trl(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def to_slime(row: Mapping[str, Any]) -> dict[str, Any]:
     """slime ``Sample``: tokens = prompt + response; loss_mask covers the response."""
+    row = _checked(row)
     response = _ints(row["response_ids"])
     return {
         "tokens": _ints(row["prompt_ids"]) + response,
@@ -55,6 +78,7 @@ def to_slime(row: Mapping[str, Any]) -> dict[str, Any]:
 def to_openrlhf(row: Mapping[str, Any]) -> dict[str, Any]:
     """OpenRLHF agent sample: action_ranges are [start, end) spans of model tokens in
     ``sequences`` (prompt + response), one per trainable run of the mask."""
+    row = _checked(row)
     prompt = _ints(row["prompt_ids"])
     mask = _ints(row["response_mask"])
     ranges: list[tuple[int, int]] = []

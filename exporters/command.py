@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--incremental", action="store_true",
       help="append only episodes finished since the last run (watermark in DIR/_manifest.json)")
     a("--overwrite", action="store_true", help="replace an existing export in DIR")
+    a("--keep-untokenized", action="store_true",
+      help="keep calls without token ids in trajectories/ as single-turn rows marked "
+           "split_reason=no_token_ids (not training data; the adapters refuse them)")
+    a("--metrics-file", metavar="FILE",
+      help="write this run's tracetap_trajectory_splits_total{cause} in Prometheus text "
+           "format (for node_exporter's textfile collector)")
     a("--no-progress", dest="progress", action="store_false",
       help="no progress bar (it is shown only on a terminal anyway)")
 
@@ -51,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             db, args.out, since=args.since, until=args.until, episodes=args.episode,
             group=args.group, finished_only=args.finished_only, datasets=datasets,
             incremental=args.incremental, overwrite=args.overwrite,
-            progress=bar.update if bar else None,
+            keep_untokenized=args.keep_untokenized, progress=bar.update if bar else None,
         )
     except ExportError as exc:
         print(f"tracetap export: error: {exc}", file=sys.stderr)
@@ -62,7 +68,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {summary.episodes} episodes: {summary.calls} calls, "
           f"{summary.trajectories} trajectories, {summary.tokens} tokens, "
           f"{len(summary.files)} files in {summary.seconds:.1f}s -> {args.out}")
+    if args.metrics_file:
+        write_metrics(args.metrics_file, summary.splits)
+    if summary.left_out:
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(summary.left_out.items()))
+        print(f"left out of trajectories/: {sum(summary.left_out.values())} completions "
+              f"without token ids ({why}); the proxy logged the remedy for each reason "
+              "(docs/fidelity.md); --keep-untokenized keeps them as marked rows")
     return 0
+
+
+def write_metrics(path: str, splits: dict[str, int]) -> None:
+    """The run's splits by cause as a Prometheus counter, written atomically."""
+    from prometheus_client import CollectorRegistry, Counter, write_to_textfile
+
+    registry = CollectorRegistry()
+    counter = Counter("tracetap_trajectory_splits_total", "Trajectory rows off their "
+                      "episode's main line in this export, by cause (docs/fidelity.md)",
+                      ["cause"], registry=registry)
+    for cause, count in splits.items():
+        counter.labels(cause).inc(count)
+    write_to_textfile(path, registry)
 
 
 def timestamp(text: str) -> float:

@@ -54,6 +54,7 @@ class Selection(msgspec.Struct, kw_only=True, frozen=True):
     group_id: str | None = None
     finished_only: bool = True
     datasets: tuple[str, ...] = DATASETS
+    keep_untokenized: bool = False
 
 
 class RunRecord(msgspec.Struct, kw_only=True):

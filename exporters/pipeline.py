@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.compute as pc
 
+from exporters.drift import explain
 from exporters.parquet import (
     DATASETS,
     DatasetWriter,
@@ -59,6 +60,11 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     files: list[str] = []
     seconds: float = 0.0
     watermark: float | None = None
+    # (call, choice) pairs left out of trajectories/ for lack of token ids, by why.
+    left_out: dict[str, int] = {}
+    # Rows off an episode's main line, by cause: the drift cause of a "non_prefix" row,
+    # else its split_reason (sample, retry, branch, no_token_ids).
+    splits: dict[str, int] = {}
 
 
 def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
@@ -78,6 +84,7 @@ async def export_async(
     datasets: Iterable[str] = DATASETS,
     incremental: bool = False,
     overwrite: bool = False,
+    keep_untokenized: bool = False,
     progress: Callable[[Progress], None] | None = None,
     page_size: int = 256,
 ) -> ExportSummary:
@@ -85,10 +92,13 @@ async def export_async(
 
     ``incremental`` appends only episodes finished since the last run into ``out``;
     without it an existing export is an error unless ``overwrite`` replaces it.
+    Calls without token ids are left out of trajectories/ (``summary.left_out`` says how
+    many and why) unless ``keep_untokenized`` keeps them as marked rows.
     """
     selection = Selection(since=_epoch(since), until=_epoch(until),
                           episode_ids=tuple(sorted(set(episodes))), group_id=group,
-                          finished_only=finished_only, datasets=_datasets(datasets))
+                          finished_only=finished_only, datasets=_datasets(datasets),
+                          keep_untokenized=keep_untokenized)
     if incremental and not finished_only:
         raise ExportError("--incremental needs --finished-only: an unfinished episode can "
                           "still grow, so it cannot be exported once and for all")
@@ -174,7 +184,8 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
             _add_calls(calls, page, summary)
             await asyncio.sleep(0)  # lets the prefetched page's queries move on
         if trajectories is not None:
-            _add_trajectories(trajectories, page, summary)
+            await _add_trajectories(reader, trajectories, page, summary,
+                                    selection.keep_untokenized)
         summary.episodes += len(page.episodes)
         for episode in page.episodes:
             if episode.finished_at is not None:
@@ -196,9 +207,23 @@ def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) ->
         summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
 
 
-def _add_trajectories(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
+async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPage,
+                            summary: ExportSummary, keep_untokenized: bool) -> None:
     rows = [(episode, t) for episode in page.episodes
-            for t in build_trajectories(episode.calls)]
+            for t in build_trajectories(episode.calls, keep_untokenized=keep_untokenized,
+                                        left_out=summary.left_out)]
+    drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
+    if drifted:  # only split rows need bodies; read here when the page came without them
+        calls = {c.call_id: c for e, _ in drifted for c in e.calls}
+        if not reader.with_bodies:
+            calls = await reader.bodies(sorted({i for _, t in drifted
+                                                for i in (t.call_ids[0], t.drift_call_id)}))
+        for _, t in drifted:
+            explain(t, calls)
+    for _, t in rows:
+        if t.split_reason is not None:
+            cause = t.drift_cause or t.split_reason
+            summary.splits[cause] = summary.splits.get(cause, 0) + 1
     batch = trajectories_batch(rows, writer.schema)
     writer.add(batch)
     summary.trajectories += batch.num_rows
@@ -236,6 +261,10 @@ def _previous(manifest: Manifest | None, selection: Selection, incremental: bool
     if not incremental:
         raise ExportError("the output directory already holds an export; add --incremental "
                           "to append what is new, or --overwrite to replace it")
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise ExportError(f"the export there has schema version {manifest.schema_version}, "
+                          f"this tracetap writes {SCHEMA_VERSION}: the files would not mix; "
+                          "export to a new directory or --overwrite")
     if manifest.selection != selection:
         ours, theirs = msgspec.structs.asdict(selection), msgspec.structs.asdict(manifest.selection)
         diff = ", ".join(f"{k}: {theirs[k]!r} then, {ours[k]!r} now"

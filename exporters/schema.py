@@ -19,7 +19,7 @@ from storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: token origin, the engine's view of the request, drift columns
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -41,7 +41,10 @@ CALLS = pa.schema([
     ("policy_version", pa.string()),
     ("request", pa.string()),  # JSON text
     ("response", pa.string()),  # JSON text; streams reassembled
+    ("upstream_request", pa.string()),  # JSON text the engine got, when not `request`
     ("prompt_ids", _IDS),
+    ("prompt_source", pa.string()),
+    ("ids_missing", pa.string()),  # why token ids are missing, when they are
     ("completion_ids", _IDS),
     ("completion_logprobs", pa.list_(pa.float32())),
     ("token_source", pa.string()),
@@ -74,7 +77,18 @@ TRAJECTORIES = pa.schema([
     ("outcome", pa.string()),
     ("harness", pa.string()),
     ("harness_config", pa.string()),  # JSON text
+    # Why a "non_prefix" row split (exporters.trajectories, exporters.drift).
+    ("drift_cause", pa.string()),
+    ("drift_position", pa.int32()),  # first differing token of prompt_ids
+    ("drift_expected_token", pa.int32()),
+    ("drift_received_token", pa.int32()),
+    ("drift_message_index", pa.int32()),  # first differing message of the request
+    ("drift_expected_text", pa.string()),
+    ("drift_received_text", pa.string()),
+    ("drift_call_id", pa.string()),  # the earlier call whose context was expected
 ])
+_DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
+          "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
 
 SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 # Characters of request + response text per calls batch: at most 4 UTF-8 bytes each, so
@@ -82,8 +96,9 @@ SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 BODY_CHARS_PER_BATCH = 256 << 20
 # Calls columns copied as they are from the scanned rows.
 _CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
-                "policy_version", "request", "response", "token_source", "finish_reason",
-                "status", "http_status", "error", "prompt_tokens", "completion_tokens")
+                "policy_version", "request", "response", "upstream_request", "prompt_source",
+                "ids_missing", "token_source", "finish_reason", "status", "http_status",
+                "error", "prompt_tokens", "completion_tokens")
 
 TrajectoryRow = tuple[ScannedEpisode, Trajectory]
 
@@ -101,10 +116,11 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
-    call_id, request, response = (ROW.index(n) for n in ("call_id", "request", "response"))
+    call_id, *bodies = (ROW.index(n) for n in ("call_id", "request", "response",
+                                                "upstream_request"))
     start, chars = 0, 0
     for i, row in enumerate(rows):
-        size = len(row[request] or "") + len(row[response] or "")
+        size = sum(len(row[b] or "") for b in bodies)
         new_call = i > start and row[call_id] != rows[i - 1][call_id]
         if new_call and chars + size > BODY_CHARS_PER_BATCH:
             yield calls_batch(rows[start:i], episodes, schema)
@@ -166,6 +182,7 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         "outcome": [e.outcome for e in episodes],
         "harness": [e.harness_name for e in episodes],
         "harness_config": [e.harness_config for e in episodes],
+        **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
     }
     return _batch(columns, schema)
 

@@ -7,8 +7,9 @@ root's prompt, then per edge the observation gap (mask 0) and the completion (ma
 
 A completion shared by several leaves is trainable (mask 1, its logprobs) in exactly one
 row: the leaf reached by always following the earliest child. Elsewhere it is context
-(mask 0, logprob 0). Text is never re-tokenized: a call without token ids becomes a
-single-turn row of its own and is never stitched.
+(mask 0, logprob 0). Text is never re-tokenized: a call without token ids is left out
+(counted in ``left_out`` by why), or with ``keep_untokenized`` becomes a single-turn row of
+its own, marked and never stitched.
 
 split_reason says why a row is not the episode's main line, at the highest point where
 it leaves it (the top of its trainable part):
@@ -18,8 +19,16 @@ it leaves it (the top of its trainable part):
   "branch"        a later, different continuation of the same context
   "non_prefix"    a new root: the prompt extends no earlier completion (context rewritten,
                   summarised, a sub-agent)
-  "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched
+  "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched (only
+                  with keep_untokenized: such rows are not training data)
 Calls that did not succeed (status != "ok" or HTTP status != 200) are left out.
+
+A "non_prefix" row also says where its prompt left the context it was expected to extend:
+the earlier finished (call, choice) whose prompt + completion shares the longest prefix with
+it (ties: the most recent). ``drift_position`` is the first token that differs,
+``drift_expected_token`` the earlier context's token there (None: it had ended),
+``drift_received_token`` the new prompt's. Why it differs is found from the messages
+(``exporters.drift``); with no earlier finished call the cause is "no_earlier_turn".
 """
 
 from __future__ import annotations
@@ -69,6 +78,17 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     policy_versions: list[str | None]
     split_reason: str | None
     finish_reason: str | None
+    # Where a "non_prefix" row's prompt left the expected context (module doc).
+    drift_call_id: str | None = None
+    drift_choice_index: int | None = None
+    drift_position: int | None = None
+    drift_expected_token: int | None = None
+    drift_received_token: int | None = None
+    # Why, from the messages (exporters.drift.explain; proxy.history.CAUSES).
+    drift_cause: str | None = None
+    drift_message_index: int | None = None
+    drift_expected_text: str | None = None
+    drift_received_text: str | None = None
 
     @property
     def num_turns(self) -> int:
@@ -103,8 +123,12 @@ class _Node:
                 and ids.startswith(self.completion, len(self.prompt)))
 
 
-def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
-    """All rows of one episode: the prefix forest's leaves, then untokenized calls."""
+def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = False,
+                       left_out: dict[str, int] | None = None) -> list[Trajectory]:
+    """All rows of one episode: the prefix forest's leaves (then, with ``keep_untokenized``,
+    calls without token ids as marked single-turn rows). Each (call, choice) left out for
+    lack of ids is counted in ``left_out`` under why (the call's ``ids_missing`` reason
+    when it has one, else ``no_token_ids``)."""
     ordered = sorted(calls, key=_arrival)
     nodes: list[_Node] = []
     untokenized: list[Trajectory] = []
@@ -113,10 +137,13 @@ def build_trajectories(calls: Iterable[CallLike]) -> list[Trajectory]:
             continue
         choices = call.choices
         for choice in choices if len(choices) < 2 else sorted(choices, key=_index):
-            if call.prompt_ids is None or choice.completion_ids is None:
-                untokenized.append(_single_turn(call, choice))
-            else:
+            if call.prompt_ids is not None and choice.completion_ids is not None:
                 nodes.append(_Node(call, choice))
+            elif keep_untokenized:
+                untokenized.append(_single_turn(call, choice))
+            elif left_out is not None:
+                reason = getattr(call, "ids_missing", None) or "no_token_ids"
+                left_out[reason] = left_out.get(reason, 0) + 1
     _link(nodes)
     rows = _tree_rows(nodes)
     for node in nodes:  # parent <-> children cycles would keep token buffers until a GC pass
@@ -172,8 +199,51 @@ def _tree_rows(nodes: list[_Node]) -> list[Trajectory]:
         while top > 0 and path[top - 1].children[0] is path[top]:
             top -= 1
         reason = _reason(path[top], roots[0], first_of_call, nodes)
-        rows.append(_row(path, top, reason))
+        row = _row(path, top, reason)
+        if reason == "non_prefix":
+            _diverged(row, path[top], nodes)
+        rows.append(row)
     return rows
+
+
+def _diverged(row: Trajectory, root: _Node, nodes: list[_Node]) -> None:
+    """Record where ``root``'s prompt left the earlier context it shares most with."""
+    prompt, call = root.prompt, root.call
+    best, best_len = None, -1
+    for node in nodes:
+        if node is root:
+            break  # nodes are in arrival order: only earlier ones
+        t_end = node.call.t_end
+        if node.call is call or t_end is None or t_end > call.t_start:
+            continue
+        shared = _shared_prefix(prompt, node.prompt, node.completion)
+        if shared >= best_len:
+            best, best_len = node, shared
+    if best is None:
+        row.drift_cause = "no_earlier_turn"
+        return
+    context = best.prompt + best.completion
+    row.drift_call_id, row.drift_choice_index = best.call.call_id, best.choice.index
+    row.drift_position = best_len // 4
+    row.drift_expected_token = _token_at(context, best_len)
+    row.drift_received_token = _token_at(prompt, best_len)
+
+
+def _shared_prefix(ids: bytes, prompt: bytes, completion: bytes) -> int:
+    """Bytes (a multiple of 4) that ``ids`` shares with ``prompt + completion``."""
+    context = prompt + completion
+    low, high = 0, min(len(ids), len(context)) // 4  # tokens; the answer is in [low, high]
+    while low < high:  # each probe a slice compare (memcmp): no Python loop per token
+        mid = (low + high + 1) // 2
+        if ids[:4 * mid] == context[:4 * mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return 4 * low
+
+
+def _token_at(ids: bytes, at: int) -> int | None:
+    return array("i", ids[at:at + 4])[0] if at + 4 <= len(ids) else None
 
 
 def _reason(top: _Node, first_root: _Node, first_of_call: dict[str, _Node],

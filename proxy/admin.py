@@ -33,6 +33,7 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     harness: Harness | None = None
     metadata: dict[str, Any] | None = None
     budget: Budget | None = None
+    repair_history: bool | None = None  # None: the proxy's --repair-history
 
 
 class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
@@ -122,6 +123,8 @@ async def create_episode(request: web.Request) -> web.Response:
     state.tagger.remember(episode_id, key_hash)
     if spec.budget is not None:
         state.budgets.set(episode_id, spec.budget)
+    if spec.repair_history is not None:
+        state.repair.enable(episode_id, spec.repair_history)
     base_url = f"{state.settings.base_url}/episodes/{episode_id}/v1"
     return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
                              status=201)

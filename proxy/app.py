@@ -14,6 +14,7 @@ from proxy.admin_token import ensure_admin_token
 from proxy.keys import STATE
 from proxy.metrics import Metrics
 from proxy.pool import Pool
+from proxy.resolve import TokenResolver
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.tagging import Tagger
@@ -58,12 +59,14 @@ async def _lifecycle(app: web.Application):
     engine = create_engine(settings.database_url)
     metrics = Metrics()
     journal = Journal(settings.journal_dir, settings.journal_max_bytes)
-    writer = Writer(engine, journal, observer=metrics)
     client = UpstreamClient(timeout=settings.upstream_timeout,
                             connect_timeout=settings.connect_timeout,
                             max_connections=settings.max_connections,
                             api_key=settings.upstream_api_key)
     await client.start()
+    # Token ids an engine did not return are asked of its tokenizer as records are written.
+    resolver = TokenResolver(client, metrics.ids_missing)
+    writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),
@@ -74,6 +77,7 @@ async def _lifecycle(app: web.Application):
     admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token)
+    resolver.quiet = state.idle.wait  # llama-cpp-python cuts streams when asked meanwhile
     log.info("exposed to agents: %s", state.exposure.describe())
     app[STATE] = state
     writer.start()

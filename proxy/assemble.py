@@ -52,7 +52,6 @@ class Capture:
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
-        self.token_ids_missing = 0
         self.choice_count = 0
         self.unknown_events = 0  # chat chunks have no event types
 
@@ -142,7 +141,6 @@ class Capture:
     def choices(self) -> list[ChoiceRecord]:
         records = []
         self.logprobs_missing = 0
-        self.token_ids_missing = 0
         self.choice_count = len(self._choices)
         for index in sorted(self._choices):
             acc = self._choices[index]
@@ -154,8 +152,9 @@ class Capture:
                 logprobs = None
             if logprobs is None and (ids or acc.text):
                 self.logprobs_missing += 1
-            if ids is None and (acc.text or acc.reasoning or acc.tools):
-                self.token_ids_missing += 1
+            strs = None  # no ids: the engine's own strings let the writer verify a retokenization
+            if ids is None and acc.tokens and all(t is not None for t in acc.tokens):
+                strs = acc.tokens
             records.append(ChoiceRecord(
                 index=index,
                 finish_reason=acc.finish_reason,
@@ -164,6 +163,7 @@ class Capture:
                 completion_logprobs=logprobs,
                 top_logprobs=acc.tops if self.keep_top and acc.tops else None,
                 token_source=source,
+                token_strs=strs,
             ))
         return records
 

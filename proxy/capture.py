@@ -39,6 +39,8 @@ class ModelCall:
         self.injected = Injected()
         self.capture = api.capture(self.injected)
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.upstream_request: bytes | None = None  # the engine's view, when not the client's
+        self.repaired = False  # the model's own turns put back (proxy.repair)
         self.stream_translator = None
         self.stream = False
         self.status = "ok"
@@ -84,10 +86,15 @@ class ModelCall:
             rewritten = True
             if self.stream:
                 self.stream_translator = self.translation.StreamTranslator(self.client_payload)
+        self.repaired = self.state.repair.apply(self.episode_id, self.api.endpoint, payload)
         self.payload = payload
         self.injected = self.api.prepare(payload, self.state.flavor)
         self.capture = self.api.capture(self.injected)
-        return encode(payload) if self.injected.any or rewritten else body
+        if self.injected.any or rewritten or self.repaired:
+            body = encode(payload)
+        if self.translation is not None or self.repaired:
+            self.upstream_request = body  # stored beside the client's request
+        return body
 
     @property
     def rewrites_stream(self) -> bool:
@@ -180,6 +187,7 @@ class ModelCall:
         if not self.submitted:
             self.submitted = True
             self.state.submit(self.record())
+            self.state.repair.remember(self)
 
     def record(self) -> CallRecord:
         state = self.state
@@ -195,9 +203,10 @@ class ModelCall:
         else:
             response = self.client_body
         prompt_tokens, completion_tokens = capture.tokens()
-        prompt_ids = capture.prompt_ids
+        prompt_ids, prompt_source = capture.prompt_ids, None
         if prompt_ids is None and self.endpoint == COMPLETIONS:
             prompt_ids = _token_prompt(self.payload.get("prompt"))
+            prompt_source = None if prompt_ids is None else "request"
         model = capture.model or _str(self.payload.get("model"))
         upstream_latency = None
         if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
@@ -224,6 +233,9 @@ class ModelCall:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             prompt_ids=prompt_ids,
+            prompt_source=prompt_source,
+            upstream_request=None if self.upstream_request is None
+            else self.upstream_request.decode("utf-8", "replace"),
             choices=choices,
         )
 

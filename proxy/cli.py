@@ -1,4 +1,4 @@
-"""The ``tracetap`` command: serve, db upgrade, export, ui, demo, mock-engine."""
+"""The ``tracetap`` command: serve, db upgrade, export, drift, ui, demo, mock-engine."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
 
     export_command.add_arguments(export)
     export.set_defaults(run=export_command.run)
+
+    drift = commands.add_parser("drift", help="why an export's trajectories split: per cause, "
+                                "harness and episode (a table, or --json)")
+    from exporters import drift_command  # cheap: pyarrow loads only in its run
+
+    drift_command.add_arguments(drift)
+    drift.set_defaults(run=drift_command.run)
 
     ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
                              "running proxy")

@@ -69,6 +69,10 @@ class Metrics(WriterObserver):
                                   buckets=BATCH_BUCKETS, registry=r)
         self.logprobs_missing = Counter("tracetap_logprobs_missing_total",
                                         "Choices stored without usable logprobs", registry=r)
+        self.history_repairs = Counter("tracetap_history_repairs_total",
+                                       "Resent assistant turns replaced by the model's own "
+                                       "(--repair-history), by what the harness changed",
+                                       ["cause"], registry=r)
         # Agent traffic the proxy refused (the agent is untrusted: count every attempt).
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
@@ -87,9 +91,11 @@ class Metrics(WriterObserver):
         """What the shipped alert rules and dashboard read (deploy/prometheus, deploy/grafana)."""
         self.choices = Counter("tracetap_choices_total", "Choices captured from upstream replies",
                                registry=r)
+        # Counted by the writer's resolver once it tried the engine's tokenizer (proxy.resolve).
         self.token_ids_missing = Counter("tracetap_token_ids_missing_total",
-                                         "Choices with content stored without completion token ids",
-                                         registry=r)
+                                         "Choices with content stored without token ids (prompt "
+                                         "or completion; left out of trajectories), by reason",
+                                         ["reason"], registry=r)
         self.db_write_errors = Counter("tracetap_db_write_errors_total",
                                        "Batch writes the database refused (each retry counts)",
                                        registry=r)
@@ -138,6 +144,12 @@ class Metrics(WriterObserver):
             found = self._children[key] = metric.labels(*labels)
         return found
 
+    def repaired(self, cause: str) -> None:
+        self.child(self.history_repairs, cause).inc()
+
+    def ids_missing(self, reason: str) -> None:
+        self.child(self.token_ids_missing, reason).inc()
+
     # WriterObserver
     def records(self, outcome: str, count: int) -> None:
         self.records_total.labels(outcome).inc(count)
@@ -150,13 +162,12 @@ class Metrics(WriterObserver):
         self.db_write_errors.inc()
 
     def captured(self, capture: Reassembly, route: str) -> None:
-        """One call's choices, once stored: how many, and how many lack token ids."""
+        """One call's choices, once stored (those without token ids are counted later, by
+        the writer's resolver: ids_missing)."""
         if capture.unknown_events:
             self.unknown_events.labels(route).inc(capture.unknown_events)
         if capture.choice_count:
             self.choices.inc(capture.choice_count)
-        if capture.token_ids_missing:
-            self.token_ids_missing.inc(capture.token_ids_missing)
 
     def set_paused(self, paused: bool) -> None:
         if not paused:

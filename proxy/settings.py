@@ -51,6 +51,7 @@ class Settings(msgspec.Struct, kw_only=True):
     episode_max_seconds: float | None = None
     translate: str = "auto"
     model_map: list[str] = []
+    repair_history: bool = False
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -193,6 +194,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-map", action="append", default=None, metavar="PATTERN=MODEL",
       help="send MODEL upstream when a client names a model matching PATTERN, e.g. "
            "'claude-*=qwen3-8b' (repeatable; TRACETAP_MODEL_MAP takes a comma-separated list)")
+    a("--repair-history", action="store_true", default=_env_bool("repair_history"),
+      help="send the engine the model's own earlier turns when a harness resends them "
+           "reformatted (equal after normalisation; docs/fidelity.md); per episode: "
+           '"repair_history" at registration')
     a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
       help="default per-episode budget: model calls")
     a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),

@@ -19,6 +19,7 @@ from proxy.ids import instance_id
 from proxy.metrics import Metrics
 from proxy.model_map import ModelMap
 from proxy.pool import Pool
+from proxy.repair import Repair
 from proxy.routing import Routing
 from proxy.settings import Settings
 from proxy.tagging import Tagger
@@ -41,6 +42,8 @@ class ProxyState:
         self.admin_token = admin_token
         self.exposure = Exposure(settings.allow_path)
         self.budgets = Budgets(settings.default_budget)
+        self.repair = Repair(settings.repair_history,
+                             None if metrics is None else metrics.repaired)
         self.model_map = ModelMap(settings.model_map)
         self.routing = Routing(settings.translate, native={
             "responses": ResponsesApi(), "messages": MessagesApi()})

@@ -6,8 +6,10 @@ This is the only module that touches aiohttp's client.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -113,6 +115,23 @@ class UpstreamClient:
                 return await response.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
+
+
+    async def post_json(self, url: str, body: dict, timeout: float = 10.0) -> tuple[int, Any]:
+        """Small POST off the request path (tokenizer endpoints): (status, decoded JSON or
+        None); status 0 when the upstream could not be reached or answered no JSON."""
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                url, data=json.dumps(body).encode(), timeout=aiohttp.ClientTimeout(total=timeout),
+                headers={**self._probe_headers, "Content-Type": "application/json"},
+            ) as response:
+                try:
+                    return response.status, await response.json(content_type=None)
+                except ValueError:
+                    return response.status, None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return 0, None
 
 
 def _describe(exc: BaseException) -> str:

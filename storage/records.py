@@ -15,8 +15,11 @@ class ChoiceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     completion_logprobs: list[float] | None = None
     # Raw per-token alternatives, only when the client asked for top_logprobs.
     top_logprobs: list | None = None
-    # Where the completion ids came from: "engine", "logprobs" or "none".
+    # Where the completion ids came from (TOKEN_SOURCES).
     token_source: str = "none"
+    # The engine's own string for each completion token, kept only while the ids are
+    # missing: the writer's resolver checks a retokenization against them. Not stored.
+    token_strs: list[str] | None = None
 
 
 class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -45,7 +48,29 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_ids: list[int] | None = None
+    # Where prompt_ids came from (PROMPT_SOURCES); None: "engine" if there are ids, else "none".
+    prompt_source: str | None = None
+    # The body sent upstream when the engine rendered something else than the client's
+    # request (a translated API, a repaired history): the model's view, kept beside it.
+    upstream_request: str | None = None
+    # Why some of the call's token ids are missing (proxy.resolve.REMEDIES), if they are.
+    ids_missing: str | None = None
     choices: list[ChoiceRecord] = []
+
+
+# Where a choice's completion ids came from, most trusted first: the engine's token_ids;
+# ids the engine put in its logprob entries (vLLM's "token_id:N" strings, llama.cpp's
+# "id"), as exact as the first; the completion tokenized again by the engine's own
+# tokenizer and accepted only because its pieces reproduce the engine's per-token strings
+# one for one; none.
+TOKEN_SOURCES = ("engine", "logprobs", "verified_retokenized", "none")
+# Where a call's prompt ids came from: the engine's reply; the client's request (a
+# completions prompt sent as ids); the engine's tokenize endpoints, called after the reply
+# with the same messages and template options; none.
+PROMPT_SOURCES = ("engine", "request", "engine_tokenize", "none")
+# Why a call's ids are missing (calls.ids_missing); the remedies are in proxy.resolve.
+IDS_MISSING = ("no_tokenizer", "no_chat_template", "tokenize_failed", "count_mismatch",
+               "no_token_strings", "unverified", "unsupported_request")
 
 
 # Statuses a stored call can have. "ok" covers any upstream reply, 4xx/5xx included

@@ -46,6 +46,10 @@ def call_row(record: CallRecord, stored_at: float) -> dict:
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "prompt_ids": pack_ids(record.prompt_ids),
+        "prompt_source": record.prompt_source or (
+            "none" if record.prompt_ids is None else "engine"),
+        "upstream_request": record.upstream_request,
+        "ids_missing": record.ids_missing,
         "stored_at": stored_at,
     }
 

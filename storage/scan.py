@@ -67,6 +67,7 @@ class ScannedCall(msgspec.Struct, kw_only=True, gc=False):
     policy_version: str | None = None
     request: str | None = None  # None when the reader skips bodies
     response: str | None = None
+    upstream_request: str | None = None  # the engine's view when it differs (with bodies)
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -75,6 +76,8 @@ class ScannedCall(msgspec.Struct, kw_only=True, gc=False):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_ids: bytes | None = None  # int32, native byte order
+    prompt_source: str | None = None
+    ids_missing: str | None = None
     choices: list[ScannedChoice] = []
 
 
@@ -105,7 +108,9 @@ _EPISODE_COLUMNS = (Episode.id, Episode.group_id, Episode.task_id, Episode.harne
 _ROW_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.endpoint,
                 Call.model, Call.policy_version, Call.status, Call.http_status, Call.error,
                 Call.t_start, Call.t_end, Call.prompt_tokens, Call.completion_tokens,
-                Call.prompt_ids, Call.request, Call.response, Choice.choice_index,
+                Call.prompt_ids, Call.prompt_source, Call.ids_missing, Call.request,
+                Call.response,
+                Call.upstream_request, Choice.choice_index,
                 Choice.finish_reason, Choice.completion_ids, Choice.completion_logprobs,
                 Choice.token_source)
 # Bulk reads run on the driver connection, so its own errors come through unwrapped.
@@ -115,7 +120,7 @@ _READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
 # Token columns are raw stored bytes; request/response are null unless read with bodies.
 ROW = tuple(c.name for c in _ROW_COLUMNS)
 _COL = {name: i for i, name in enumerate(ROW)}
-_BODIES = (_COL["request"], _COL["response"])
+_BODIES = (_COL["request"], _COL["response"], _COL["upstream_request"])
 _arrival = operator.itemgetter(_COL["episode_id"], _COL["t_start"], _COL["instance"],
                                _COL["seq"], _COL["choice_index"])
 
@@ -192,6 +197,16 @@ class Reader:
                     for call in _calls(calls):
                         by_id[call.episode_id].calls.append(call)
                 yield ScanPage(page, calls)
+
+    async def bodies(self, call_ids: list[str]) -> dict[str, ScannedCall]:
+        """Just the bodies of these calls (request, upstream_request, response)."""
+        query = select(Call.call_id, Call.endpoint, Call.request, Call.upstream_request,
+                       Call.response).where(Call.call_id.in_(call_ids))
+        with self._translated():
+            async with self.engine.connect() as conn:
+                rows = await _fetch(conn, query)
+        return {r[0]: ScannedCall(call_id=r[0], endpoint=r[1], request=r[2],
+                                  upstream_request=r[3], response=r[4]) for r in rows}
 
     async def untagged_calls(self, filt: EpisodeFilter) -> AsyncIterator[ScanPage]:
         """Calls that carried no episode, by t_start (``since``/``until`` apply to it)."""
@@ -335,7 +350,8 @@ def _calls(rows: list) -> list[ScannedCall]:
     last_id = None
     for (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
          http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
-         request, response, index, finish, ids, logprobs, source) in rows:
+         prompt_source, ids_missing, request, response, upstream_request, index, finish, ids,
+         logprobs, source) in rows:
         if call_id != last_id:
             last_id = call_id
             calls.append(ScannedCall(
@@ -343,7 +359,9 @@ def _calls(rows: list) -> list[ScannedCall]:
                 endpoint=endpoint, model=model, policy_version=policy_version,
                 request=request, response=response, status=status, http_status=http_status,
                 error=error, t_start=t_start, t_end=t_end, prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens, prompt_ids=prompt_ids, choices=[]))
+                completion_tokens=completion_tokens, prompt_ids=prompt_ids,
+                prompt_source=prompt_source, ids_missing=ids_missing,
+                upstream_request=upstream_request, choices=[]))
         if index is not None:  # a call without choices (an error) has one null row
             calls[-1].choices.append(ScannedChoice(
                 index=index, finish_reason=finish, completion_ids=ids,

@@ -66,6 +66,12 @@ class Call(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
+    # storage.records.PROMPT_SOURCES; null only on rows stored before revision 0003.
+    prompt_source: Mapped[str | None] = mapped_column(String(16))
+    # What the engine was given when it differs from request (translated, repaired).
+    upstream_request: Mapped[str | None] = mapped_column(Text)
+    # Why some token ids are missing, when they are (proxy.resolve.REMEDIES).
+    ids_missing: Mapped[str | None] = mapped_column(String(32))
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
 
@@ -88,7 +94,7 @@ class Choice(Base):
     completion_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
     top_logprobs: Mapped[str | None] = mapped_column(Text)  # JSON
-    token_source: Mapped[str] = mapped_column(String(16))
+    token_source: Mapped[str] = mapped_column(String(32))  # storage.records.TOKEN_SOURCES
 
 
 metadata = Base.metadata

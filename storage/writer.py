@@ -4,6 +4,9 @@
 pays for one journal append. A background task seals journal segments and writes
 each in one transaction; a segment is deleted only after its commit. While the
 database is down, segments accumulate on disk and are replayed when it returns.
+An optional ``prepare`` step completes records just before they are written (the proxy
+fills in token ids an engine did not return): off the request path, and it never fails
+a write.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -46,6 +50,7 @@ class Writer:
         observer: WriterObserver | None = None,
         cache_records: int = 50_000,
         batch_records: int = 256,
+        prepare: Callable[[list[CallRecord]], Awaitable[None]] | None = None,
     ):
         self.engine = engine
         self.journal = journal
@@ -53,6 +58,7 @@ class Writer:
         self.observer = observer or WriterObserver()
         self.cache_records = cache_records
         self.batch_records = batch_records
+        self.prepare = prepare
         self.db_healthy = True
         self.dropped = 0
         # Decoded records of the active and sealed segments, so the happy path never
@@ -174,6 +180,12 @@ class Writer:
         records = self._cache.get(segment)
         if records is None:
             records = [_decode(payload) for payload in read_segment(segment)]
+        if self.prepare is not None and records:
+            try:
+                await self.prepare(records)
+            except Exception:  # a record without its extras beats a record not written
+                log.exception("preparing %d records failed; writing them as they are",
+                              len(records))
         started = time.perf_counter()
         try:
             if records:

@@ -27,7 +27,7 @@ import exporters
 from demo.engine import EngineConfig
 from exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
 from exporters import schema as export_schema
-from exporters.adapters import to_openrlhf, to_slime, to_trl, to_verl
+from exporters.adapters import ADAPTERS, UntrainableRow, to_openrlhf, to_slime, to_trl, to_verl
 from exporters.command import ProgressBar, timestamp
 from proxy import __version__, cli
 from storage import queries
@@ -278,14 +278,31 @@ def test_long_bodies_are_cut_into_batches_between_calls(proxy, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("engine_config", [EngineConfig(flavor="openai")])
-def test_calls_without_token_ids_become_single_turn_rows(proxy, tmp_path):
+def test_calls_without_token_ids_are_left_out_of_trajectories_and_counted(proxy, tmp_path):
+    run_episode(proxy, "text-only", 2, finish={"reward": 1.0})
+    summary = export(proxy.settings.db, tmp_path)
+    assert read(tmp_path, "trajectories", "text-only") == []
+    # The OpenAI-like upstream has neither ids nor a tokenizer endpoint: the why is kept.
+    assert summary.left_out == {"no_tokenizer": 2}
+    calls = read(tmp_path, "calls", "text-only")
+    assert {(r["token_source"], r["prompt_source"], r["ids_missing"]) for r in calls} == {
+        ("none", "none", "no_tokenizer")}
+
+
+@pytest.mark.parametrize("engine_config", [EngineConfig(flavor="openai")])
+def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(proxy,
+                                                                             tmp_path):
     calls = run_episode(proxy, "text-only", 2, finish={"reward": 1.0})
-    export(proxy.settings.db, tmp_path)
+    summary = export(proxy.settings.db, tmp_path, keep_untokenized=True)
+    assert summary.left_out == {}
     rows = read(tmp_path, "trajectories", "text-only")
     assert [r["call_ids"] for r in rows] == [[c["call_id"]] for c in calls]
     assert {r["split_reason"] for r in rows} == {"no_token_ids"}
     assert all(r["prompt_ids"] == [] and r["response_ids"] == [] for r in rows)
-    assert {r["token_source"] for r in read(tmp_path, "calls", "text-only")} == {"none"}
+    assert {r["reward"] for r in rows} == {1.0}  # the reward is there: adapters must refuse
+    for adapt in ADAPTERS.values():
+        with pytest.raises(UntrainableRow, match="no token ids"):
+            adapt(rows[0])
 
 
 # ---- loading and trainers ----------------------------------------------------------------

@@ -13,10 +13,11 @@ from proxy.capture import ModelCall
 from proxy.errors import ProxyError
 from proxy.inject import CHAT, COMPLETIONS
 from proxy.model_map import ModelMap
+from proxy.repair import Repair
 from proxy.routing import Routing
 from proxy.sse import SSEParser
 
-_STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap())
+_STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False))
 _CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

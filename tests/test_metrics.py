@@ -148,7 +148,7 @@ def test_scrape_after_known_traffic(proxy):
     assert value(after, "tracetap_logprobs_missing_total") == 0
     # One choice per captured answer (the upstream 400 has none), each with its token ids.
     assert delta("tracetap_choices_total") == 5
-    assert value(after, "tracetap_token_ids_missing_total") == 0
+    assert not [key for key in after if key[0] == "tracetap_token_ids_missing_total"]
 
     # Labels never carry the episode id.
     assert not any(episode in v for _, labels in after for _, v in labels)
@@ -340,11 +340,12 @@ def test_choices_without_token_ids_or_logprobs_are_counted(loop_thread, serve_ap
         client = openai.OpenAI(base_url=proxy.episode_url("plain"), api_key="x")
         with client:
             client.chat.completions.create(model="m", messages=MESSAGES, n=3)
+        proxy.flush()  # counted by the writer, once the engine's tokenizer was tried
         samples = settled(proxy)
     finally:
         proxy.stop()
     assert value(samples, "tracetap_choices_total") == 3
-    assert value(samples, "tracetap_token_ids_missing_total") == 3
+    assert value(samples, "tracetap_token_ids_missing_total", reason="no_tokenizer") == 3
     assert value(samples, "tracetap_logprobs_missing_total") == 3
 
 

@@ -457,3 +457,147 @@ def test_garbage_in_stream(engine: EngineServer) -> None:
     events = [e for e in data.split(b"\n\n") if e]
     assert status == 200 and events[-1] == b"data: [DONE]"
     assert b"data: {this is not json" in events
+
+
+# ---- tool arguments follow the tool's schema ----------------------------------------------
+
+SCHEMA_TOOL = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["city", "nights", "rate", "pets", "tags", "room", "guest"],
+    "properties": {
+        "city": {"type": "string"},
+        "nights": {"type": "integer", "minimum": 2, "maximum": 5},
+        "rate": {"type": "number"},
+        "pets": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "room": {"enum": ["single", "double"]},
+        "guest": {"type": "object", "required": ["name"],
+                  "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}},
+        "note": {"type": ["string", "null"]},
+    }}}}
+
+
+def _valid(value: Any) -> bool:
+    return (isinstance(value["city"], str) and type(value["nights"]) is int
+            and 2 <= value["nights"] <= 5 and isinstance(value["rate"], float)
+            and type(value["pets"]) is bool and value["tags"]
+            and all(isinstance(t, str) for t in value["tags"])
+            and value["room"] in ("single", "double") and isinstance(value["guest"]["name"], str)
+            and set(value) <= {*SCHEMA_TOOL["function"]["parameters"]["properties"]}
+            and type(value["guest"].get("age", 0)) is int
+            and isinstance(value.get("note", ""), str))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tool_arguments_have_every_required_field_with_its_type(seed: int) -> None:
+    messages = [{"role": "user", "content": "Book it."}]
+    prompt = tok.apply_chat_template(messages, [SCHEMA_TOOL])
+    calls = [generate_chat(prompt, messages, [SCHEMA_TOOL], None, 0, Sampling(400, seed), 1)
+             for _ in range(2)]
+    arguments = [c.tool_calls[0]["function"]["arguments"] for c in calls]
+    assert arguments[0] == arguments[1]  # deterministic per seed
+    assert arguments[0] == tok.canonical_json(json.loads(arguments[0]))  # compact, sorted
+    assert _valid(json.loads(arguments[0]))
+
+
+def test_tool_arguments_differ_across_seeds_and_follow_the_chosen_tool() -> None:
+    messages = [{"role": "user", "content": "Book it."}]
+    tools = [*TOOLS, SCHEMA_TOOL]
+    prompt = tok.apply_chat_template(messages, tools)
+    choice = {"type": "function", "function": {"name": "book"}}
+    seen = {generate_chat(prompt, messages, tools, choice, 0, Sampling(400, seed), 1)
+            .tool_calls[0]["function"]["arguments"] for seed in range(6)}
+    assert len(seen) > 1 and all(_valid(json.loads(a)) for a in seen)
+
+
+# ---- llama.cpp flavors -------------------------------------------------------------------
+
+
+def test_llama_server_flavor_serves_its_tokenizer_endpoints() -> None:
+    with running_engine(EngineConfig(flavor="llama-server")) as server:
+        messages = [{"role": "user", "content": "é?"}]
+        status, data = raw_post(server, "/apply-template", {"messages": messages})
+        assert status == 200 and json.loads(data) == {"prompt": tok.render_chat(messages)}
+        text = "<|im_end|>é"
+        assert json.loads(raw_post(server, "/tokenize", {"content": text})[1]) == {
+            "tokens": tok.encode(text)}
+        literal = json.loads(raw_post(server, "/tokenize", {"content": text,
+                                                            "parse_special": False})[1])
+        assert literal["tokens"] == list(text.encode())
+        pieces = json.loads(raw_post(server, "/tokenize", {"content": text,
+                                                           "with_pieces": True})[1])["tokens"]
+        assert pieces == [{"id": tok.IM_END, "piece": "<|im_end|>"},
+                          {"id": 0xC3, "piece": [0xC3]}, {"id": 0xA9, "piece": [0xA9]}]
+        assert json.loads(raw_post(server, "/detokenize", {"tokens": tok.encode(text)})[1]) == {
+            "content": text}
+        card = json.loads(raw_post(server, "/v1/models", None, "GET")[1])["data"][0]
+        assert card["owned_by"] == "llamacpp"
+        assert raw_post(server, "/extras/tokenize", {"input": "x"})[0] == 404
+
+
+def test_llama_cpp_python_flavor_gives_token_strings_but_no_ids() -> None:
+    with running_engine(EngineConfig(flavor="llama-cpp-python")) as server, \
+            sdk_client(server) as client:
+        messages = [{"role": "user", "content": "Hi"}]
+        plain = client.chat.completions.create(model="m", messages=messages, logprobs=True)
+        assert plain.choices[0].logprobs is None  # logprobs only with top_logprobs
+        resp = client.chat.completions.create(model="m", messages=messages, logprobs=True,
+                                              top_logprobs=0, extra_body=IDS)
+        choice = resp.choices[0]
+        entries = choice.logprobs.content
+        assert _extra(resp, "prompt_token_ids") is None and _extra(choice, "token_ids") is None
+        assert all(e.bytes is None and _extra(e, "id") is None for e in entries)
+        # It stops before the end-of-turn token: neither logprobs nor usage count it.
+        assert "".join(e.token for e in entries) == choice.message.content
+        assert resp.usage.completion_tokens == len(entries) == len(tok.encode(
+            choice.message.content))
+        with client.chat.completions.create(model="m", messages=messages, logprobs=True,
+                                            top_logprobs=0, stream=True,
+                                            stream_options={"include_usage": True}) as stream:
+            chunks = list(stream)
+        assert all(c.usage is None for c in chunks)  # no usage in its streams
+        streamed = [e.token for c in chunks for e in (c.choices[0].logprobs.content
+                                                     if c.choices[0].logprobs else ())]
+        assert streamed == [e.token for e in entries]
+        card = json.loads(raw_post(server, "/v1/models", None, "GET")[1])["data"][0]
+        assert card["owned_by"] == "me"
+
+
+def test_llama_cpp_python_flavor_serves_extras_and_shows_split_bytes_as_nothing() -> None:
+    with running_engine(EngineConfig(flavor="llama-cpp-python")) as server, \
+            sdk_client(server) as client:
+        text = "Café <|im_end|>"
+        assert json.loads(raw_post(server, "/extras/tokenize", {"input": text})[1]) == {
+            "tokens": tok.encode(text)}
+        assert json.loads(raw_post(server, "/extras/tokenize/count", {"input": text})[1]) == {
+            "count": len(tok.encode(text))}
+        # Special tokens render as nothing; a lone UTF-8 byte is the server's own error.
+        assert json.loads(raw_post(server, "/extras/detokenize",
+                                   {"tokens": tok.encode(text)})[1]) == {"text": "Café "}
+        assert raw_post(server, "/extras/detokenize", {"tokens": [0xC3]})[0] == 500
+        for path in ("/tokenize", "/apply-template", "/detokenize", "/v1/responses"):
+            assert raw_post(server, path, {})[0] == 404
+        resp = client.completions.create(model="m", prompt="Say", logprobs=0,
+                                         extra_body={"mock_content": "é!"})
+        assert resp.choices[0].text == "é!"
+        assert resp.choices[0].logprobs.tokens == ["", "", "!"]
+
+
+def test_llama_cpp_python_flavor_ends_a_stream_when_another_request_arrives() -> None:
+    """Like the real server's --interrupt_requests (on by default)."""
+    with running_engine(EngineConfig(flavor="llama-cpp-python")) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        body = {"prompt": "Say", "stream": True, "mock_content": "x" * 40,
+                "mock_chunk_delay_s": 0.05}
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()  # the first chunk is out: the generation is under way
+        assert first.startswith(b"data: {")
+        assert raw_post(server, "/extras/tokenize", {"input": "hi"})[0] == 200
+        rest = resp.read()
+        conn.close()
+        texts = [json.loads(line[6:])["choices"][0]["text"]
+                 for line in [first, *rest.split(b"\n")]
+                 if line.startswith(b"data: {")]
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert len("".join(texts)) < 40  # cut short, well before its 40 characters

@@ -378,7 +378,8 @@ def test_a_real_prometheus_scrapes_tracetap_and_evaluates_the_shipped_rules(
         f'tracetap_records_total{{{job}, outcome="written"}}': 10,
         f'tracetap_records_total{{{job}, outcome="dropped"}}': 1,
         f"tracetap_choices_total{{{job}}}": 9,
-        f"tracetap_token_ids_missing_total{{{job}}}": 0,
+        # Labelled by reason, so no series at all while none is missing.
+        f"sum(tracetap_token_ids_missing_total{{{job}}}) or vector(0)": 0,
         f"tracetap_episodes_finished_total{{{job}}}": 2,
         f"tracetap_episode_reward_sum{{{job}}}": 1.5,
         f"tracetap_upstream_healthy{{{job}}}": 1,

@@ -14,7 +14,7 @@ from storage.scan import ScannedCall, ScannedChoice
 
 def make_call(call_id, t_start, prompt, completions, *, t_end=None, logprobs=True, seq=0,
               instance="", status="ok", http_status=200, finish_reason="stop",
-              policy_version=None):
+              policy_version=None, ids_missing=None):
     choices = []
     for index, completion in enumerate(completions):
         lp = None
@@ -27,7 +27,7 @@ def make_call(call_id, t_start, prompt, completions, *, t_end=None, logprobs=Tru
     return ScannedCall(
         call_id=call_id, seq=seq, instance=instance, t_start=t_start,
         t_end=t_start + 1 if t_end is None else t_end, status=status, http_status=http_status,
-        policy_version=policy_version,
+        policy_version=policy_version, ids_missing=ids_missing,
         prompt_ids=None if prompt is None else array("i", prompt).tobytes(), choices=choices)
 
 
@@ -129,13 +129,29 @@ def test_failed_calls_are_left_out():
     assert rows(calls) == [(["a", "b"], [1], [2, 3, 4], [1, 0, 1], None)]
 
 
-def test_calls_without_token_ids_are_single_turn_rows_never_stitched():
+def test_calls_without_token_ids_are_left_out_and_counted_by_why():
+    calls = [
+        make_call("a", 0, [1], [[2]]),
+        make_call("text", 2, None, [None, None], ids_missing="no_chat_template"),
+        make_call("half", 4, None, [[5, 6]]),
+        make_call("b", 6, [1, 2, 7], [[3]]),
+    ]
+    left_out: dict[str, int] = {}
+    trajectories = build_trajectories(calls, left_out=left_out)
+    assert [t.call_ids for t in trajectories] == [["a", "b"]]
+    assert left_out == {"no_chat_template": 2, "no_token_ids": 1}
+    assert build_trajectories(calls)[0].call_ids == ["a", "b"]  # counting is optional
+
+
+def test_kept_calls_without_token_ids_are_marked_single_turn_rows_never_stitched():
     calls = [
         make_call("a", 0, [1], [[2]]),
         make_call("text", 2, None, [None]),
         make_call("half", 4, None, [[5, 6]]),
     ]
-    trajectories = build_trajectories(calls)
+    left_out: dict[str, int] = {}
+    trajectories = build_trajectories(calls, keep_untokenized=True, left_out=left_out)
+    assert left_out == {}
     assert [(t.call_ids, t.split_reason) for t in trajectories] == [
         (["a"], None), (["text"], "no_token_ids"), (["half"], "no_token_ids")]
     half = trajectories[2]
@@ -234,8 +250,12 @@ def _oracle_parent(nodes, key):
 def test_every_row_is_exact_and_every_sampled_token_is_trained_once(calls):
     nodes = _nodes(calls)
     trained = dict.fromkeys(nodes, 0)
-    trajectories = build_trajectories(calls)
+    trajectories = build_trajectories(calls, keep_untokenized=True)
     assert all(t.split_reason in SPLIT_REASONS for t in trajectories)
+    left_out: dict[str, int] = {}
+    assert [t for t in build_trajectories(calls, left_out=left_out)
+            if t.split_reason != "no_token_ids"] == [
+        t for t in trajectories if t.split_reason != "no_token_ids"]
     tree_rows = [t for t in trajectories if t.split_reason != "no_token_ids"]
     assert sum(t.split_reason is None for t in tree_rows) == (1 if nodes else 0)
     for t in tree_rows:
@@ -281,6 +301,7 @@ def test_every_row_is_exact_and_every_sampled_token_is_trained_once(calls):
                    for ch in c.choices
                    if c.prompt_ids is None or ch.completion_ids is None]
     assert len(trajectories) - len(tree_rows) == len(untokenized)
+    assert sum(left_out.values()) == len(untokenized)
 
 
 @pytest.mark.parametrize("turns", [1, 50])

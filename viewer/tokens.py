@@ -101,7 +101,8 @@ async def episode_rows(reader: Reader, episode_id: str) -> tuple[list[Row], list
         for episode in page.episodes:
             calls.extend(episode.calls)
     by_id = {c.call_id: c for c in calls}
-    rows = [Row(i, t, by_id) for i, t in enumerate(build_trajectories(calls))]
+    rows = [Row(i, t, by_id)
+            for i, t in enumerate(build_trajectories(calls, keep_untokenized=True))]
     for row in rows:
         row.split = _split(row, rows)
     return rows, calls

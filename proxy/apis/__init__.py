@@ -24,7 +24,6 @@ class Reassembly(Protocol):
     prompt_ids: list[int] | None
     errors: list[str]
     logprobs_missing: int  # counted by choices()
-    token_ids_missing: int  # counted by choices()
     choice_count: int  # counted by choices()
     unknown_events: int  # stream events of types this API's capture does not know
     ended: bool  # a terminal event (one that carries data) has been seen

@@ -50,7 +50,6 @@ class MessagesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
-        self.token_ids_missing = 0
         self.choice_count = 0
         self.unknown_events = 0
         self.ended = False
@@ -104,7 +103,7 @@ class MessagesCapture:
     def choices(self) -> list[ChoiceRecord]:
         text = "".join(b.get("text") or "" for _, b in sorted(self._blocks.items())
                        if b.get("type") == "text")
-        self.logprobs_missing = self.token_ids_missing = 1 if self._blocks else 0
+        self.logprobs_missing = 1 if self._blocks else 0
         self.choice_count = 1
         return [ChoiceRecord(index=0, finish_reason=_FINISH.get(self._stop or "", self._stop),
                              text=text or None, completion_ids=None, completion_logprobs=None,

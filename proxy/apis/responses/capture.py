@@ -115,7 +115,6 @@ class ResponsesCapture:
         self.prompt_ids: list[int] | None = None
         self.errors: list[str] = []
         self.logprobs_missing = 0
-        self.token_ids_missing = 0
         self.choice_count = 0
         self.unknown_events = 0
         self.ended = False
@@ -187,7 +186,6 @@ class ResponsesCapture:
         if not values or any(v is None for v in values) or (ids and len(ids) != len(values)):
             values = None
         self.logprobs_missing = 1 if values is None and (ids or text) else 0
-        self.token_ids_missing = 1 if ids is None and (text or calls) else 0
         self.choice_count = 1
         tops = None
         if self.keep_top and values is not None:

@@ -1,0 +1,119 @@
+"""Why a trajectory split: the messages a harness resent against the model's own reply.
+
+``build_trajectories`` finds where a "non_prefix" row's prompt left the earlier context
+it shares most with (a token position); ``explain`` reads the two calls' bodies to say
+why, with a cause from ``proxy.history.CAUSES``: the earlier request's messages plus the
+model's reply are what the harness was expected to resend, and the first message that
+differs names the cause. Pure: the caller hands over the bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from exporters.trajectories import Trajectory
+from proxy.history import diff_excerpts, excerpt, history_cause
+
+_decode = msgspec.json.Decoder(dict).decode
+
+
+class Bodies(Protocol):
+    request: str | None
+    upstream_request: str | None  # what the engine was given, when it differs
+    response: str | None
+
+
+def explain(row: Trajectory, calls: Mapping[str, Bodies]) -> None:
+    """Fill ``row``'s drift cause, message index and text excerpts (it has a position)."""
+    if row.drift_call_id is None or row.drift_cause is not None:
+        return
+    new, old = calls.get(row.call_ids[0]), calls.get(row.drift_call_id)
+    if new is None or old is None:
+        row.drift_cause = "unknown"
+        return
+    request, earlier = _request(new), _request(old)
+    response = _json(old.response)
+    if request is None or earlier is None or response is None:
+        row.drift_cause = "unknown"
+        return
+    if isinstance(request.get("messages"), list) and isinstance(earlier.get("messages"), list):
+        reply = reply_message(response, row.drift_choice_index or 0)
+        if reply is None:
+            row.drift_cause = "unknown"
+            return
+        expected, resent = [*earlier["messages"], reply], request["messages"]
+        cause, index = history_cause(expected, resent, len(earlier["messages"]))
+        row.drift_cause, row.drift_message_index = cause, index
+        row.drift_expected_text, row.drift_received_text = diff_excerpts(
+            excerpt(_at(expected, index)), excerpt(_at(resent, index)))
+    elif isinstance(request.get("prompt"), str) and isinstance(earlier.get("prompt"), str):
+        text = _completion_text(response, row.drift_choice_index or 0)
+        context, prompt = earlier["prompt"] + (text or ""), request["prompt"]
+        row.drift_cause = "template_drift" if prompt.startswith(context) else "history_edited"
+        row.drift_expected_text, row.drift_received_text = diff_excerpts(context, prompt)
+    else:
+        row.drift_cause = "unknown"
+
+
+def reply_message(response: Mapping[str, Any], index: int) -> dict[str, Any] | None:
+    """The model's reply as a chat message, from a chat, Anthropic Messages or OpenAI
+    Responses body (translated calls store the client's API)."""
+    if isinstance(response.get("choices"), list):
+        for choice in response["choices"]:
+            if isinstance(choice, Mapping) and choice.get("index", 0) == index:
+                message = choice.get("message")
+                return dict(message) if isinstance(message, Mapping) else None
+        return None
+    if response.get("type") == "message" and isinstance(response.get("content"), list):
+        blocks = [b for b in response["content"] if isinstance(b, Mapping)]
+        return _assistant("".join(b.get("text", "") for b in blocks if b.get("type") == "text"),
+                          [(b.get("id"), b.get("name"), b.get("input", {}))
+                           for b in blocks if b.get("type") == "tool_use"],
+                          "".join(b.get("thinking", "") for b in blocks
+                                  if b.get("type") == "thinking"))
+    if response.get("object") == "response" and isinstance(response.get("output"), list):
+        items = [i for i in response["output"] if isinstance(i, Mapping)]
+        text = "".join(part.get("text", "") for i in items if i.get("type") == "message"
+                       for part in i.get("content") or () if isinstance(part, Mapping))
+        return _assistant(text, [(i.get("call_id"), i.get("name"), i.get("arguments", ""))
+                                 for i in items if i.get("type") == "function_call"], "")
+    return None
+
+
+def _assistant(text: str, calls: Sequence[tuple], reasoning: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = [{"id": i, "type": "function",
+                                  "function": {"name": n, "arguments": a}} for i, n, a in calls]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def _completion_text(response: Mapping[str, Any], index: int) -> str | None:
+    for choice in response.get("choices") or ():
+        if isinstance(choice, Mapping) and choice.get("index", 0) == index:
+            text = choice.get("text")
+            return text if isinstance(text, str) else None
+    return None
+
+
+def _request(call: Bodies) -> dict[str, Any] | None:
+    return _json(call.upstream_request or call.request)
+
+
+def _json(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        return _decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _at(messages: Sequence[Any], index: int) -> Mapping[str, Any] | None:
+    message = messages[index] if index < len(messages) else None
+    return message if isinstance(message, Mapping) else None
