@@ -33,6 +33,20 @@ class Reassembly(Protocol):
     def tokens(self) -> tuple[int | None, int | None]: ...  # prompt, completion usage
 
 
+class CaptureBase:
+    """The ids and counters every reassembly reports, starting empty."""
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.response_id: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.errors: list[str] = []
+        self.logprobs_missing = 0
+        self.choice_count = 0
+        self.unknown_events = 0
+        self.ended = False
+
+
 class WireApi(Protocol):
     endpoint: str  # stored in calls.endpoint
     route: str  # the metrics label

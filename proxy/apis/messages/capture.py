@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from proxy.apis import CaptureBase
 from proxy.inject import Injected
 from proxy.sse import Event
 from proxy.wire import decode_event
@@ -43,16 +44,9 @@ class MessagesApi:
         return MessagesCapture()
 
 
-class MessagesCapture:
+class MessagesCapture(CaptureBase):
     def __init__(self) -> None:
-        self.model: str | None = None
-        self.response_id: str | None = None
-        self.prompt_ids: list[int] | None = None
-        self.errors: list[str] = []
-        self.logprobs_missing = 0
-        self.choice_count = 0
-        self.unknown_events = 0
-        self.ended = False
+        super().__init__()
         self._message: dict[str, Any] | None = None
         self._blocks: dict[int, dict[str, Any]] = {}
         self._usage: dict[str, Any] = {}

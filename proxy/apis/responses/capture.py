@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from proxy.apis import CaptureBase
 from proxy.inject import Injected
 from proxy.sse import Event
 from proxy.wire import decode_event, decode_object, encode
@@ -104,20 +105,13 @@ def _strip_item(item: dict[str, Any]) -> bool:
     return changed
 
 
-class ResponsesCapture:
+class ResponsesCapture(CaptureBase):
     """Reassembles a Responses reply: deltas as they come, the final response object
     as the authority (it holds the ids and every logprob)."""
 
     def __init__(self, keep_top: bool = False):
+        super().__init__()
         self.keep_top = keep_top
-        self.model: str | None = None
-        self.response_id: str | None = None
-        self.prompt_ids: list[int] | None = None
-        self.errors: list[str] = []
-        self.logprobs_missing = 0
-        self.choice_count = 0
-        self.unknown_events = 0
-        self.ended = False
         self.final: dict[str, Any] | None = None
         self._text: list[str] = []
         self._logprobs: list[Any] = []
