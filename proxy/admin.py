@@ -47,6 +47,7 @@ class PolicyUpdate(msgspec.Struct, forbid_unknown_fields=True):
     version: str
 
 
+FINISH_GRACE = 2.0  # seconds; writers commit every 50 ms, a loaded database takes longer
 _LIMITS = {"group_id": 128, "task_id": 256, "outcome": 256, "version": 128}
 
 
@@ -141,8 +142,19 @@ async def finish_episode(request: web.Request) -> web.Response:
     values = [spec.reward, *(spec.rewards or {}).values()]
     if any(v is not None and not math.isfinite(v) for v in values):
         raise bad_request("rewards must be finite numbers")
-    await queries.finish_episode(state.engine, episode_id, reward=spec.reward,
-                                 rewards=spec.rewards, outcome=spec.outcome, info=spec.info)
+    # A finish may race the commit of the episode's last call. This process knows the
+    # episodes it served calls for, so their row is created if it is not there yet; an
+    # id it never saw gets FINISH_GRACE seconds for another replica's writer to commit.
+    deadline = asyncio.get_running_loop().time() + FINISH_GRACE
+    while not (found := await queries.finish_episode(
+            state.engine, episode_id, reward=spec.reward, rewards=spec.rewards,
+            outcome=spec.outcome, info=spec.info, create_missing=state.served(episode_id))):
+        if asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(0.1)  # polling the database for a row another process writes
+    if not found:
+        raise not_found(f"no episode {episode_id!r}: it was never registered and no call was "
+                        "tagged with it (a typo?)")
     state.metrics.episode_finished(spec.reward)
     return web.json_response({"id": episode_id, "finished": True})
 

@@ -80,6 +80,10 @@ class ProxyState:
         if self.inflight == 0:
             self.idle.set()
 
+    def served(self, episode_id: str) -> bool:
+        """Whether this process has seen calls tagged with the episode (recently)."""
+        return episode_id in self._seq
+
     def next_seq(self, episode_id: str | None) -> int:
         """Arrival order within an episode, for this process (replicas add t_start)."""
         seq = self._seq.pop(episode_id, 0)

@@ -70,18 +70,22 @@ async def finish_episode(
     rewards: dict[str, float] | None,
     outcome: str | None,
     info: Any,
-) -> None:
-    """Record the episode's result (creating the row if calls have not yet)."""
+    create_missing: bool = True,
+) -> bool:
+    """Record the episode's result; returns whether the episode exists. A missing row is
+    created unless ``create_missing`` is False (the admin API: a typo must not pass)."""
     async with engine.begin() as conn:
-        stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
-        await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
-                                   "registered": False}])
-        await conn.execute(
+        if create_missing:
+            stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
+            await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
+                                       "registered": False}])
+        result = await conn.execute(
             update(Episode)
             .where(Episode.id == episode_id)
             .values(finished_at=time.time(), reward=reward, rewards=_dumps(rewards),
                     outcome=outcome, info=_dumps(info))
         )
+        return result.rowcount == 1
 
 
 def _episode_dict(row) -> dict[str, Any]:

@@ -88,3 +88,22 @@ def test_policy_version_stamps_later_calls(proxy):
 
 def test_healthz(proxy):
     assert proxy.admin("GET", "/healthz") == (200, {"status": "ok"})
+
+
+def test_finishing_an_episode_nobody_has_seen_is_a_404(proxy):
+    status, error = proxy.admin("POST", "/tracetap/episodes/ep-tpyo/finish", {"reward": 1.0})
+    assert status == 404
+    assert "'ep-tpyo'" in error["error"]["message"] and "never registered" in \
+        error["error"]["message"]
+    assert proxy.episode("ep-tpyo") is None  # nothing half written
+
+
+def test_a_finish_racing_the_last_calls_commit_still_lands(proxy):
+    client = openai.OpenAI(base_url=proxy.episode_url("ep-race"), api_key="x", max_retries=0)
+    with client:
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    # No flush: the call may not be committed yet, but this proxy served it.
+    assert proxy.admin("POST", "/tracetap/episodes/ep-race/finish", {"reward": 0.5})[0] == 200
+    proxy.flush()
+    episode = proxy.episode("ep-race")
+    assert episode["reward"] == 0.5 and len(episode["calls"]) == 1
