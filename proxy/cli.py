@@ -90,9 +90,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.admin_token import ensure_admin_token
     from proxy.app import build_app
+    from proxy.startup_check import check_upstreams
     from storage.engine import prepare_schema, redact_url
 
     settings = settings_from_args(args)
+    check_upstreams(settings.upstreams, settings.upstream_api_key)
     prepare_schema(settings.database_url)
     if settings.admin_token:
         token_note = "admin token from --admin-token"

@@ -87,12 +87,19 @@ class Pool:
 
     def mark_down(self, target: Target) -> None:
         if target.healthy:
-            log.warning("upstream %s is down; its episodes move until it answers again",
-                        target.base_url)
+            if len(self.targets) == 1:
+                log.warning("upstream %s does not answer; calls fail until it does",
+                            target.base_url)
+            else:
+                log.warning("upstream %s does not answer; its episodes move to the others "
+                            "until it does", target.base_url)
         target.healthy = False
 
     async def probe(self, target: Target) -> bool:
-        return await self.client.get_json(target.url_for("/v1/models"), timeout=2.0) is not None
+        """In service when it answers; a 404 is a wrong path (serve says so at start), not
+        a server that is down."""
+        status = await self.client.status(target.url_for("/v1/models"))
+        return status is not None and status < 500
 
     async def check_health(self) -> None:
         results = await asyncio.gather(*(self.probe(t) for t in self.targets))

@@ -103,6 +103,17 @@ class UpstreamClient:
             raise upstream_unreachable(_describe(exc)) from exc
         return Reply(response)
 
+    async def status(self, url: str, timeout: float = 2.0) -> int | None:
+        """The HTTP status a small GET gets (health probes); None when nothing answers."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                url, headers=self._probe_headers, timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as response:
+                return response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
     async def get_json(self, url: str, timeout: float = 5.0):
         """Small GET for probes (health, flavor detection); None on any failure."""
         assert self._session is not None
