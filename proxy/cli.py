@@ -34,10 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     token.set_defaults(run=_admin_token)
 
     db = commands.add_parser("db", help="database schema")
-    db_commands = db.add_subparsers(dest="db_command", required=True)
-    upgrade = db_commands.add_parser("upgrade", help="apply Alembic migrations")
-    upgrade.add_argument("--db", required=False, help="SQLAlchemy URL (or TRACETAP_DB)")
-    upgrade.add_argument("--data-dir", default=None)
+    db_commands = db.add_subparsers(dest="db_command", metavar="{upgrade}")
+    db.set_defaults(run=lambda _: db.print_help() or 0)  # `tracetap db` alone: its commands
+    upgrade = db_commands.add_parser(
+        "upgrade", help="create or migrate the schema (Alembic) of --db, or of the SQLite "
+                        "database in --data-dir")
+    upgrade.add_argument("--db", default=os.environ.get("TRACETAP_DB"),
+                         help="postgresql://user@host/db or sqlite:///path.db (TRACETAP_DB)")
+    upgrade.add_argument("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR"),
+                         help="the SQLite database in DIR/tracetap.db, when no --db is given "
+                              "(TRACETAP_DATA_DIR)")
     upgrade.set_defaults(run=_db_upgrade)
 
     export = commands.add_parser("export", help="write episodes as Parquet for RL trainers")
@@ -165,13 +171,22 @@ def _tune_gc() -> None:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from storage.engine import redact_url, upgrade
+    from pathlib import Path
 
-    url = args.db or os.environ.get("TRACETAP_DB")
+    from storage.engine import redact_url, revisions, upgrade
+
+    url = args.db
+    if not url and args.data_dir:
+        url = f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
     if not url:
-        raise ValueError("--db (or TRACETAP_DB) is required")
+        raise ValueError("--db (or TRACETAP_DB) or --data-dir is required")
+    before, head = revisions(url)
+    if before == head:
+        print(f"schema of {redact_url(url)} is already up to date (revision {head})")
+        return 0
     upgrade(url)
-    print(f"schema of {redact_url(url)} is up to date")
+    start = "an empty database" if before is None else f"revision {before}"
+    print(f"migrated {redact_url(url)} from {start} to revision {head}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 from sqlalchemy import event
@@ -11,7 +12,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import migrations
 
-_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+# "postgres://" is what Heroku-style providers and many .env files give.
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
+                  "postgres": "postgresql+asyncpg"}
 
 
 class DatabaseURLError(ValueError):
@@ -27,10 +30,12 @@ def async_url(url: str) -> str:
     try:
         parsed = make_url(url)
     except Exception as exc:
-        raise DatabaseURLError(f"not a database URL: {redact_url(url)}") from exc
+        raise DatabaseURLError(f"not a database URL: {_masked(url)}: use sqlite:///path.db "
+                               "or postgresql://user@host/db") from exc
     backend = parsed.get_backend_name()
     if backend not in _ASYNC_DRIVERS:
-        raise DatabaseURLError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
+        raise DatabaseURLError(f"unsupported database {backend!r} in {redact_url(url)}: use "
+                               "sqlite:///path.db or postgresql://user@host/db")
     return parsed.set(drivername=_ASYNC_DRIVERS[backend]).render_as_string(hide_password=False)
 
 
@@ -39,7 +44,12 @@ def redact_url(url: str) -> str:
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
-        return "<unparseable database URL>"
+        return _masked(url)
+
+
+def _masked(text: str) -> str:
+    """A URL too broken to parse, echoed with anything like a password masked."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", text)
 
 
 def is_sqlite(url: str) -> bool:
@@ -99,6 +109,14 @@ def upgrade(url: str, revision: str = "head") -> None:
         ) from exc
 
 
+def revisions(url: str) -> tuple[str | None, str]:
+    """The schema revision ``url`` is at (None: no schema yet) and the newest one."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    return asyncio.run(_current_revision(url)), head
+
+
 def prepare_schema(url: str) -> None:
     """On start: migrate the embedded SQLite; require an up-to-date Postgres.
 
@@ -108,10 +126,7 @@ def prepare_schema(url: str) -> None:
     if is_sqlite(url):
         upgrade(url)
         return
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
-    current = asyncio.run(_current_revision(url))
+    current, head = revisions(url)
     if current != head:
         raise DatabaseUnavailable(
             f"the schema of {redact_url(url)} is at revision {current or 'none'}, not {head}: "

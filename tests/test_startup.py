@@ -37,3 +37,27 @@ def test_a_port_in_use_fails_before_anything_is_announced(engine, tmp_path):
     assert result.returncode == 2
     assert "listening on" not in result.stdout
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_db_alone_lists_its_commands():
+    result = _cli("db")
+    assert result.returncode == 0 and "upgrade" in result.stdout
+
+
+def test_db_upgrade_says_what_it_did(fresh_postgres):
+    first = _cli("db", "upgrade", "--db", fresh_postgres.replace("postgresql://", "postgres://"))
+    assert first.returncode == 0, first.stderr
+    assert "migrated" in first.stdout and "from an empty database to revision" in first.stdout
+    again = _cli("db", "upgrade", "--db", fresh_postgres)
+    assert "already up to date" in again.stdout
+
+
+def test_a_database_url_that_cannot_be_parsed_is_echoed_with_its_password_masked(tmp_path):
+    result = _cli("db", "upgrade", "--db", "postgresql://me:s3cret@host:notaport/db")
+    assert result.returncode == 2
+    assert "s3cret" not in result.stderr and "me:***@host:notaport/db" in result.stderr
