@@ -157,27 +157,52 @@ def _float_env(name: str) -> float | None:
     return None if value is None else float(value)
 
 
+def _documented(parser: argparse.ArgumentParser, defaults: Settings):
+    """``add_argument`` that ends each help text with its variable and default."""
+
+    def add(flag: str, **kw):
+        name = flag.lstrip("-").replace("-", "_")
+        action = kw.get("action")
+        shown = {"store_true": "off", "store_false": "on"}.get(
+            action, getattr(defaults, kw.get("dest", name), None))
+        note = f"TRACETAP_{name.upper()}"
+        if shown not in (None, [], ["http://unset"]):
+            note += f"; default {shown}"
+        kw["help"] = f"{kw.get('help', '').rstrip()} [{note}]".lstrip()
+        return parser.add_argument(flag, **kw)
+
+    return add
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings(upstream=["http://unset"])  # defaults, one place
-    a = parser.add_argument
+    a = _documented(parser, d)
     a("--upstream", action="append", default=None,
       help="model server base URL, e.g. http://127.0.0.1:8000/v1; repeat for several, or "
            "model=NAME,url=URL to send one model to its own server")
-    a("--host", default=_env("host", d.host))
-    a("--port", type=int, default=int(_env("port", d.port)))
+    a("--host", default=_env("host", d.host),
+      help="address to listen on; a non-loopback address needs --admin-token")
+    a("--port", type=int, default=int(_env("port", d.port)), help="port agents connect to")
     a("--upstream-api-key", default=_env("upstream_api_key"), help="sent upstream; never stored")
-    a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS)
+    a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS,
+      help="what the engine is, for what to ask it (auto: detected from /v1/models, /version)")
     a("--upstream-timeout", type=float, default=float(_env("upstream_timeout", d.upstream_timeout)),
       help="seconds to wait for each upstream read (no total limit on streams)")
-    a("--connect-timeout", type=float, default=float(_env("connect_timeout", d.connect_timeout)))
-    a("--max-connections", type=int, default=int(_env("max_connections", d.max_connections)))
+    a("--connect-timeout", type=float, default=float(_env("connect_timeout", d.connect_timeout)),
+      help="seconds to connect to the upstream")
+    a("--max-connections", type=int, default=int(_env("max_connections", d.max_connections)),
+      help="pooled upstream connections")
     a("--forward-client-auth", action="store_true", default=_env_bool("forward_client_auth"),
       help="pass the client's own Authorization header upstream")
     a("--db", default=_env("db"), help="SQLAlchemy URL (default: SQLite in --data-dir)")
-    a("--data-dir", default=_env("data_dir", d.data_dir))
-    a("--max-body", type=int, default=int(_env("max_body", d.max_body)))
-    a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)))
-    a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)))
+    a("--data-dir", default=_env("data_dir", d.data_dir),
+      help="SQLite database, journal and admin token; relative to the current directory")
+    a("--max-body", type=int, default=int(_env("max_body", d.max_body)),
+      help="request body limit in bytes (413 above)")
+    a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)),
+      help="journal bound; past it records are dropped and counted")
+    a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)),
+      help="seconds to finish in-flight calls on SIGTERM")
     a("--admin-token", default=_env("admin_token"),
       help="bearer token for the admin API (default: generated once into DATA_DIR/admin-token)")
     a("--admin-port", type=int, default=_int_env("admin_port"),
@@ -204,10 +229,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="default per-episode budget: prompt + completion tokens")
     a("--episode-max-seconds", type=float, default=_float_env("episode_max_seconds"),
       help="default per-episode budget: seconds from registration or first call")
-    a("--require-episode", action="store_true", default=_env_bool("require_episode"))
-    a("--require-registered", action="store_true", default=_env_bool("require_registered"))
+    a("--require-episode", action="store_true", default=_env_bool("require_episode"),
+      help="refuse calls that carry no episode (400)")
+    a("--require-registered", action="store_true", default=_env_bool("require_registered"),
+      help="refuse episode ids not created through the admin API")
     a("--no-overhead-header", dest="overhead_header", action="store_false",
-      default=not _env_bool("no_overhead_header"))
+      default=not _env_bool("no_overhead_header"),
+      help="do not add x-tracetap-overhead-ms to non-streaming replies")
     a("--public-url", default=_env("public_url"), help="base URL agents reach the proxy at")
     a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
       help="seconds a call waits while paused (POST /tracetap/pause) before a 503")

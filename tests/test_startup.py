@@ -61,3 +61,18 @@ def test_a_database_url_that_cannot_be_parsed_is_echoed_with_its_password_masked
     result = _cli("db", "upgrade", "--db", "postgresql://me:s3cret@host:notaport/db")
     assert result.returncode == 2
     assert "s3cret" not in result.stderr and "me:***@host:notaport/db" in result.stderr
+
+
+def test_every_serve_option_documents_its_variable():
+    import argparse
+
+    from proxy.settings import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        assert action.help and action.help.split("[")[0].strip(), f"{flag} has no help"
+        assert f"[TRACETAP_{flag.lstrip('-').replace('-', '_').upper()}" in action.help, flag
