@@ -306,6 +306,7 @@ def test_pause_and_finished_episodes(own_proxy):
     assert value(samples, "tracetap_pause_start_time_seconds") == 0
 
     for episode, body in [("e1", {"reward": 0.5}), ("e2", {"reward": 1.5}), ("e3", {})]:
+        assert own_proxy.admin("POST", "/tracetap/episodes", {"id": episode})[0] == 201
         assert own_proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", body)[0] == 200
     samples = scrape(own_proxy)
     assert value(samples, "tracetap_episodes_finished_total") == 3
