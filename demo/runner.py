@@ -90,11 +90,12 @@ def run(args: argparse.Namespace) -> int:
     if args.episodes < 0:
         print("tracetap demo: error: --episodes must be 0 or more", file=sys.stderr)
         return 2
-    try:
-        import openai  # noqa: F401  (the agent is written with the SDK)
-    except ImportError:
-        print("tracetap demo: error: the demo's agent needs the openai SDK: pip install openai",
-              file=sys.stderr)
+    try:  # the agents are written with the official SDKs
+        import anthropic  # noqa: F401
+        import openai  # noqa: F401
+    except ImportError as exc:
+        print(f"tracetap demo: error: the demo's agents need the {exc.name} SDK: "
+              "pip install 'tracetap[demo]'", file=sys.stderr)
         return 1
     root = logging.getLogger()
     if root.level == logging.INFO:  # the default: the demo prints its own story instead
