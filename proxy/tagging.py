@@ -1,6 +1,6 @@
 """Which episode a model call belongs to: path, per-episode key, header, or none.
 
-Precedence follows DESIGN.md. A per-episode key only ever tags its own episode.
+Precedence follows docs/architecture.md. A per-episode key only ever tags its own episode.
 """
 
 from __future__ import annotations
