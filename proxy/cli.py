@@ -17,10 +17,12 @@ from proxy.settings import add_serve_arguments, settings_from_args
 log = logging.getLogger("tracetap")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option; docs/reference.md is generated from this."""
     parser = argparse.ArgumentParser(prog="tracetap", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracetap {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("TRACETAP_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("TRACETAP_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (TRACETAP_LOG_LEVEL)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the capture proxy")
@@ -76,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     mock = commands.add_parser("mock-engine", add_help=False,
                                help="run the deterministic vLLM-like test engine")
     mock.set_defaults(run=_mock_engine)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "mock-engine" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -76,3 +76,14 @@ def test_every_serve_option_documents_its_variable():
         flag = action.option_strings[0]
         assert action.help and action.help.split("[")[0].strip(), f"{flag} has no help"
         assert f"[TRACETAP_{flag.lstrip('-').replace('-', '_').upper()}" in action.help, flag
+
+
+def test_the_command_reference_is_up_to_date():
+    from pathlib import Path
+
+    from proxy.cli import build_parser
+    from proxy.reference import render
+
+    written = (Path(__file__).parent.parent / "docs" / "reference.md").read_text()
+    assert written == render(build_parser()), (
+        "docs/reference.md is stale: python -m proxy.reference > docs/reference.md")
