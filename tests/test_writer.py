@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
+import time
 
 import pytest
 from asyncpg.exceptions import IntegrityConstraintViolationError
+from sqlalchemy.exc import DBAPIError
 
+from conftest import Forwarder, free_port
 from proxy.ids import uuid7
 from storage import queries
-from storage.engine import create_engine
+from storage.engine import create_engine, upgrade
 from storage.journal import Journal
 from storage.records import CallRecord, ChoiceRecord
 from storage.rows import insert_calls
@@ -32,7 +36,7 @@ def _record(episode: str, i: int) -> CallRecord:
                                             completion_logprobs=[-0.5, -0.25])])
 
 
-def test_a_full_journal_drops_and_counts_instead_of_blocking(db_url, tmp_path):
+def test_a_full_journal_drops_and_counts_instead_of_blocking(db_url, tmp_path, caplog):
     async def run():
         engine = create_engine(db_url)
         counting = Counting()
@@ -45,8 +49,13 @@ def test_a_full_journal_drops_and_counts_instead_of_blocking(db_url, tmp_path):
         await engine.dispose()
         return accepted, counting.outcomes, writer.dropped, calls
 
-    accepted, outcomes, dropped, calls = asyncio.run(run())
+    with caplog.at_level(logging.ERROR, logger="tracetap.writer"):
+        accepted, outcomes, dropped, calls = asyncio.run(run())
     assert accepted == [True, True, True, False, False]
+    # Nothing is lost silently: the log names what was dropped, and the cure.
+    [first, _] = [r.getMessage() for r in caplog.records if "DROPPED" in r.getMessage()]
+    assert first.startswith("JOURNAL FULL (")
+    assert "of episode full DROPPED; raise --journal-max-bytes" in first
     assert dropped == 2 and outcomes == {"dropped": 2, "written": 3}
     assert [c["seq"] for c in calls] == [0, 1, 2]
     assert calls[0]["choices"][0]["completion_logprobs"] == [-0.5, -0.25]
@@ -105,3 +114,160 @@ def test_a_large_batch_is_stored_whole_once_or_not_at_all(db_url):
     two = calls[records[700].call_id]["choices"]
     assert [ch["index"] for ch in two] == [0, 1] and two[1]["completion_ids"] == [9]
     assert atomic == []  # nothing of the refused batch, not even its episode's first call
+
+
+def test_a_segment_cut_mid_record_still_replays_every_earlier_record(db_url, tmp_path):
+    async def run():
+        engine = create_engine(db_url)
+        crashed = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20))
+        for i in range(5):
+            crashed.submit(_record("torn", i))
+        segment = crashed.journal.seal()
+        segment.write_bytes(segment.read_bytes()[:-5])  # SIGKILL inside the fifth write
+        counting = Counting()
+        restarted = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20),
+                           observer=counting)
+        await restarted.flush()
+        calls = await queries.calls_of(engine, "torn")
+        await engine.dispose()
+        return counting.outcomes, calls, restarted.journal.bytes
+
+    outcomes, calls, left = asyncio.run(run())
+    assert [c["seq"] for c in calls] == [0, 1, 2, 3]
+    assert outcomes == {"replayed": 4} and left == 0
+    assert list((tmp_path / "j").iterdir()) == []
+
+
+@pytest.fixture
+def forwarder(loop_thread) -> Forwarder:
+    """Postgres behind a TCP forwarder the test can cut (an outage) and restore."""
+    forwarder = Forwarder(loop_thread, free_port())
+    forwarder.start()
+    yield forwarder
+    forwarder.cut()
+
+
+DOWN = (OSError, DBAPIError)  # what a cut connection raises, depending on where it is cut
+
+
+def test_an_outage_counts_each_record_spilled_once_then_replayed(fresh_postgres, forwarder,
+                                                                  tmp_path):
+    upgrade(fresh_postgres)
+
+    async def run():
+        engine = create_engine(forwarder.route(fresh_postgres))
+        counting = Counting()
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20), observer=counting)
+        try:
+            for i in range(2):
+                writer.submit(_record("outage", i))
+            await writer.flush()
+            forwarder.cut()
+            for i in range(2, 5):
+                writer.submit(_record("outage", i))
+            with pytest.raises(DOWN):
+                await writer.flush()
+            spilled_once = dict(counting.outcomes)
+            writer.submit(_record("outage", 5))
+            with pytest.raises(DOWN):
+                await writer.flush()  # the failed segment again, and the new one waits behind
+            spilled_twice = dict(counting.outcomes)
+            pending = writer.pending
+            forwarder.start()
+            await writer.flush()
+            calls = await queries.calls_of(engine, "outage")
+            return spilled_once, spilled_twice, counting.outcomes, pending, writer, calls
+        finally:
+            await engine.dispose()
+
+    spilled_once, spilled_twice, outcomes, pending, writer, calls = asyncio.run(run())
+    assert spilled_once == spilled_twice == {"written": 2, "spilled": 3}  # counted once
+    assert pending == 4
+    # Every record once: written directly, or spilled and then replayed.
+    assert outcomes == {"written": 3, "spilled": 3, "replayed": 3}
+    assert [c["seq"] for c in calls] == list(range(6))
+    assert writer.pending == 0 and writer.journal.bytes == 0
+
+
+def _wait_for(condition, what: str, timeout: float = 30.0):
+    async def wait():
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)  # polling a condition; assertions are on the data
+    return wait()
+
+
+def test_the_background_writer_rides_out_an_outage(fresh_postgres, forwarder, tmp_path):
+    upgrade(fresh_postgres)
+
+    async def run():
+        engine = create_engine(forwarder.route(fresh_postgres))
+        counting = Counting()
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20), observer=counting,
+                        flush_interval=0.01)
+        writer.start()
+        try:
+            forwarder.cut()
+            for i in range(3):
+                writer.submit(_record("loop", i))
+            await _wait_for(lambda: not writer.db_healthy, "the writer to see the outage")
+            assert writer.pending == 3 and writer.journal.bytes > 0
+            forwarder.start()
+            await _wait_for(lambda: writer.db_healthy and writer.pending == 0,
+                            "the journal to be replayed")
+            writer.submit(_record("loop", 3))
+            await writer.close()
+            return counting.outcomes, await queries.calls_of(engine, "loop"), writer
+        finally:
+            await engine.dispose()
+
+    outcomes, calls, writer = asyncio.run(run())
+    assert outcomes["spilled"] == outcomes["replayed"] == 3
+    assert [c["seq"] for c in calls] == [0, 1, 2, 3]  # close() wrote the last one
+    assert writer.journal.bytes == 0
+
+
+def test_records_a_closing_writer_cannot_write_wait_in_the_journal(fresh_postgres, forwarder,
+                                                                   tmp_path):
+    upgrade(fresh_postgres)
+
+    async def run():
+        engine = create_engine(forwarder.route(fresh_postgres))
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20))
+        writer.start()
+        forwarder.cut()
+        for i in range(3):
+            writer.submit(_record("closing", i))
+        await writer.close(timeout=2)  # the database is down: nothing raises, nothing lost
+        left = writer.journal.bytes
+        forwarder.start()
+        counting = Counting()
+        restarted = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20),
+                           observer=counting)
+        await restarted.flush()
+        calls = await queries.calls_of(engine, "closing")
+        await engine.dispose()
+        return left, counting.outcomes, calls
+
+    left, outcomes, calls = asyncio.run(run())
+    assert left > 0
+    assert outcomes == {"replayed": 3} and [c["seq"] for c in calls] == [0, 1, 2]
+
+
+def test_a_full_batch_wakes_the_writer_before_its_interval(db_url, tmp_path):
+    async def run():
+        engine = create_engine(db_url)
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20),
+                        flush_interval=3600, batch_records=3)
+        writer.start()
+        try:
+            for i in range(3):
+                writer.submit(_record("batch", i))
+            await _wait_for(lambda: writer.pending == 0, "the batch to be written")
+            return await queries.calls_of(engine, "batch")
+        finally:
+            await writer.close()
+            await engine.dispose()
+
+    assert [c["seq"] for c in asyncio.run(run())] == [0, 1, 2]
