@@ -44,7 +44,8 @@ def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tracetap.journal"):
         assert list(read_segment(segment)) == PAYLOADS[:-1]
     offset = _size(PAYLOADS[:-1])
-    assert f"journal {segment.name}: torn record at byte {offset} ignored" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        f"journal {segment.name}: torn record at byte {offset} ignored"]
 
 
 def test_a_corrupt_record_ends_the_segment_there(tmp_path):
@@ -53,6 +54,11 @@ def test_a_corrupt_record_ends_the_segment_there(tmp_path):
     data[_size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # one bit rot in the third payload
     segment.write_bytes(bytes(data))
     assert list(read_segment(segment)) == PAYLOADS[:2]
+
+
+def test_an_empty_last_record_is_read(tmp_path):
+    _, segment = _sealed(tmp_path, [b"a", b""])  # the segment ends with a bare header
+    assert list(read_segment(segment)) == [b"a", b""]
 
 
 def test_a_cut_inside_a_header_is_ignored(tmp_path):
