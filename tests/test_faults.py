@@ -185,46 +185,63 @@ def test_missing_logprobs_are_counted(loop_thread, serve_app, db_url, tmp_path):
         proxy.stop()
 
 
-def _firehose(total_events: int, event_bytes: int, sent: list[int]) -> web.Application:
-    """An upstream that streams large events as fast as it is allowed to."""
-    content = "x" * event_bytes
-    event = ("data: " + json.dumps({"id": "f", "model": "f", "choices": [
-        {"index": 0, "delta": {"content": content}, "finish_reason": None}]}) + "\n\n").encode()
+class Firehose:
+    """An upstream that streams large events as fast as it is allowed to, and says whether
+    it is blocked inside a write (pushed back) or between writes (merely slow)."""
 
-    async def chat(request: web.Request) -> web.StreamResponse:
+    def __init__(self, total_events: int, event_bytes: int):
+        self.total_events = total_events
+        self.sent = 0
+        self.writing = False
+        self.event = ("data: " + json.dumps({"id": "f", "model": "f", "choices": [
+            {"index": 0, "delta": {"content": "x" * event_bytes}, "finish_reason": None}]})
+            + "\n\n").encode()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        warm_up = (await request.json()).get("max_tokens") == 1
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(total_events):
-            await response.write(event)
-            sent[0] += len(event)
+        for _ in range(1 if warm_up else self.total_events):
+            self.writing = True
+            await response.write(self.event)
+            self.writing = False
+            if not warm_up:
+                self.sent += len(self.event)
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+    def stalled(self, quiet: float = 1.0, timeout: float = 60.0) -> None:
+        """Return once the upstream has sat inside one write for ``quiet`` seconds."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while not (self.writing and self.sent == last and time.monotonic() - since >= quiet):
+            assert time.monotonic() < deadline, "the upstream was never pushed back"
+            if self.sent != last or not self.writing:
+                last, since = self.sent, time.monotonic()
+            time.sleep(0.05)  # polling a condition; the assertions are on bytes and RSS
 
 
 def test_slow_client_applies_backpressure_with_bounded_memory(
         serve_app, fresh_postgres, run_proxy):
     upgrade(fresh_postgres)
-    sent = [0]
     total_events, event_bytes = 600, 64 * 1024  # ~38 MiB if nothing pushed back
-    upstream = serve_app(_firehose(total_events, event_bytes, sent))
+    firehose = Firehose(total_events, event_bytes)
+    upstream = serve_app(firehose.app())
     proxy = run_proxy(upstream + "/v1", fresh_postgres, "--upstream-flavor", "openai")
-    baseline = proxy.rss_bytes()
+    with openai.OpenAI(base_url=proxy.episode_url("warm"), api_key="x") as client:
+        list(client.chat.completions.create(model="f", messages=[{"role": "user",
+                                            "content": "x"}], max_tokens=1, stream=True))
+    baseline = proxy.rss_bytes()  # after one stream: what a first request loads is not growth
     sock = _stream_request(proxy.port, "/episodes/slow/v1/chat/completions", {
         "model": "f", "stream": True, "messages": [{"role": "user", "content": "x"}]})
-    # Wait until the upstream is blocked: its byte count stops moving.
-    last, still_since = -1, time.monotonic()
-    deadline = time.monotonic() + 30
-    while time.monotonic() - still_since < 1.0:
-        assert time.monotonic() < deadline, "upstream never stalled"
-        if sent[0] != last:
-            last, still_since = sent[0], time.monotonic()
-        time.sleep(0.05)
+    firehose.stalled()
     stalled_rss = proxy.rss_bytes()
-    assert sent[0] < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
+    assert firehose.sent < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
     assert stalled_rss - baseline < 16 * 1024 * 1024
 
     received = 0
