@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sqlite3
 import time
 
+import msgspec
 import pytest
 from asyncpg.exceptions import IntegrityConstraintViolationError
 from sqlalchemy.exc import DBAPIError
@@ -15,7 +17,7 @@ from conftest import Forwarder, free_port
 from proxy.ids import uuid7
 from storage import queries
 from storage.engine import create_engine, upgrade
-from storage.journal import Journal
+from storage.journal import Journal, read_segment
 from storage.records import CallRecord, ChoiceRecord
 from storage.rows import insert_calls
 from storage.writer import Writer, WriterObserver
@@ -53,9 +55,12 @@ def test_a_full_journal_drops_and_counts_instead_of_blocking(db_url, tmp_path, c
         accepted, outcomes, dropped, calls = asyncio.run(run())
     assert accepted == [True, True, True, False, False]
     # Nothing is lost silently: the log names what was dropped, and the cure.
-    [first, _] = [r.getMessage() for r in caplog.records if "DROPPED" in r.getMessage()]
-    assert first.startswith("JOURNAL FULL (")
-    assert "of episode full DROPPED; raise --journal-max-bytes" in first
+    messages = [r.getMessage() for r in caplog.records if "DROPPED" in r.getMessage()]
+    assert len(messages) == 2
+    for message in messages:
+        assert re.fullmatch(r"JOURNAL FULL \(\d+ bytes\): call [0-9a-f-]{36} of episode full "
+                            r"DROPPED; raise --journal-max-bytes or bring the database back",
+                            message), message
     assert dropped == 2 and outcomes == {"dropped": 2, "written": 3}
     assert [c["seq"] for c in calls] == [0, 1, 2]
     assert calls[0]["choices"][0]["completion_logprobs"] == [-0.5, -0.25]
@@ -198,8 +203,23 @@ def _wait_for(condition, what: str, timeout: float = 30.0):
     return wait()
 
 
-def test_the_background_writer_rides_out_an_outage(fresh_postgres, forwarder, tmp_path):
+def test_the_background_writer_retries_through_outages_and_says_so_once(
+        fresh_postgres, forwarder, tmp_path, caplog):
     upgrade(fresh_postgres)
+
+    async def outage(writer: Writer, first_seq: int) -> None:
+        forwarder.cut()
+        for seq in range(first_seq, first_seq + 3):
+            writer.submit(_record("loop", seq))
+            # Each attempt seals what came since the last one: a new segment on disk means
+            # the writer tried again (it backs off, but never gives up).
+            segments = seq - first_seq + 1
+            await _wait_for(lambda n=segments: len(writer.journal.pending()) == n,
+                            f"attempt {segments} during the outage")
+        assert writer.db_healthy is False and writer.pending == 3
+        forwarder.start()
+        await _wait_for(lambda: writer.db_healthy and writer.pending == 0,
+                        "the journal to be replayed")
 
     async def run():
         engine = create_engine(forwarder.route(fresh_postgres))
@@ -208,28 +228,32 @@ def test_the_background_writer_rides_out_an_outage(fresh_postgres, forwarder, tm
                         flush_interval=0.01)
         writer.start()
         try:
-            forwarder.cut()
-            for i in range(3):
-                writer.submit(_record("loop", i))
-            await _wait_for(lambda: not writer.db_healthy, "the writer to see the outage")
-            assert writer.pending == 3 and writer.journal.bytes > 0
-            forwarder.start()
-            await _wait_for(lambda: writer.db_healthy and writer.pending == 0,
-                            "the journal to be replayed")
-            writer.submit(_record("loop", 3))
+            await outage(writer, 0)
+            await outage(writer, 3)  # the backoff starts over after a recovery
+            writer.submit(_record("loop", 6))
             await writer.close()
+            await writer.close()  # closing twice is harmless
             return counting.outcomes, await queries.calls_of(engine, "loop"), writer
         finally:
             await engine.dispose()
 
-    outcomes, calls, writer = asyncio.run(run())
-    assert outcomes["spilled"] == outcomes["replayed"] == 3
-    assert [c["seq"] for c in calls] == [0, 1, 2, 3]  # close() wrote the last one
+    with caplog.at_level(logging.WARNING, logger="tracetap.writer"):
+        outcomes, calls, writer = asyncio.run(run())
+    # Per outage, the first batch failed (spilled, then replayed); the two behind it
+    # waited their turn and were written once the database was back.
+    assert outcomes == {"spilled": 2, "replayed": 2, "written": 5}
+    assert [c["seq"] for c in calls] == list(range(7))  # close() wrote the last one
     assert writer.journal.bytes == 0
+    messages = [r.getMessage() for r in caplog.records]
+    failed = [m for m in messages if m.startswith("database write failed")]
+    assert len(failed) == 2  # once per outage, not once per attempt
+    assert all(m.startswith("database write failed, journaling until it is back: ") and
+               not m.endswith(": None") for m in failed)
+    assert messages.count("database is back; journal replayed") == 2
 
 
 def test_records_a_closing_writer_cannot_write_wait_in_the_journal(fresh_postgres, forwarder,
-                                                                   tmp_path):
+                                                                   tmp_path, caplog):
     upgrade(fresh_postgres)
 
     async def run():
@@ -241,6 +265,7 @@ def test_records_a_closing_writer_cannot_write_wait_in_the_journal(fresh_postgre
             writer.submit(_record("closing", i))
         await writer.close(timeout=2)  # the database is down: nothing raises, nothing lost
         left = writer.journal.bytes
+        assert writer.pending == 3
         forwarder.start()
         counting = Counting()
         restarted = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20),
@@ -250,8 +275,12 @@ def test_records_a_closing_writer_cannot_write_wait_in_the_journal(fresh_postgre
         await engine.dispose()
         return left, counting.outcomes, calls
 
-    left, outcomes, calls = asyncio.run(run())
+    with caplog.at_level(logging.WARNING, logger="tracetap.writer"):
+        left, outcomes, calls = asyncio.run(run())
     assert left > 0
+    [closed] = [r.getMessage() for r in caplog.records if "writer closed" in r.getMessage()]
+    assert closed.startswith("writer closed with 3 records still journaled: ")
+    assert not closed.endswith(": None")
     assert outcomes == {"replayed": 3} and [c["seq"] for c in calls] == [0, 1, 2]
 
 
@@ -271,3 +300,101 @@ def test_a_full_batch_wakes_the_writer_before_its_interval(db_url, tmp_path):
             await engine.dispose()
 
     assert [c["seq"] for c in asyncio.run(run())] == [0, 1, 2]
+
+
+class BlackHole:
+    """A database address that accepts connections and never answers (a hung server)."""
+
+    def __init__(self, loop_thread):
+        self.loop_thread = loop_thread
+        self.port = free_port()
+        self.transports = []
+
+        async def start():
+            self.server = await asyncio.start_server(self._swallow, "127.0.0.1", self.port)
+        loop_thread.run(start())
+
+    async def _swallow(self, reader, writer):
+        self.transports.append(writer.transport)
+        while await reader.read(65536):
+            pass
+
+    def close(self):
+        async def close():
+            self.server.close()
+            for transport in self.transports:
+                transport.abort()
+        self.loop_thread.run(close())
+
+
+def test_closing_never_hangs_on_a_database_that_does_not_answer(db_url, loop_thread,
+                                                                 tmp_path):
+    hole = BlackHole(loop_thread)
+
+    async def run():
+        engine = create_engine(f"postgresql://postgres@127.0.0.1:{hole.port}/x")
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20),
+                        flush_interval=0.01)
+        writer.start()
+        for i in range(3):
+            writer.submit(_record("hung", i))
+        await asyncio.sleep(0.1)  # lets the loop start its write, which will never return
+        # A shutdown is bounded by close()'s timeout (--drain-timeout), not by the database.
+        await asyncio.wait_for(writer.close(timeout=1), 30)
+        await engine.dispose()
+        return writer.pending
+
+    try:
+        assert asyncio.run(run()) == 3
+    finally:
+        hole.close()
+
+    async def replay():  # nothing lost: the next process writes it
+        engine = create_engine(db_url)
+        await Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20)).flush()
+        calls = await queries.calls_of(engine, "hung")
+        await engine.dispose()
+        return calls
+
+    assert [c["seq"] for c in asyncio.run(replay())] == [0, 1, 2]
+
+
+def test_sealed_records_are_written_from_memory_up_to_cache_records(db_url, tmp_path):
+    """The happy path never re-reads the disk, and memory stays bounded: the newest sealed
+    segments, up to ``cache_records`` records, are written from memory; older ones are
+    read back from disk. To tell which is which, each segment on disk is rewritten with
+    the same records marked model="disk"."""
+    small = len(Writer.encode(_record("cache", 0))) + 8
+    big = _record("cache", 0)
+    big.prompt_ids = list(range(1000, 1000 + 4 * small))
+    assert len(Writer.encode(big)) + 8 >= 4 * small > 3 * small
+
+    async def run():
+        engine = create_engine(db_url)
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20,
+                                        segment_bytes=4 * small), cache_records=4)
+        for seq in range(6):  # segments: [0] [1] [2 3 4 5]: 1 + 1 + 4 records
+            record = _record("cache", seq)
+            if seq < 2:
+                record.prompt_ids = big.prompt_ids
+            writer.submit(record)
+        segments = writer.journal.pending()
+        assert [len(list(read_segment(s))) for s in segments] == [1, 1, 4]
+        for segment in segments:
+            _mark_on_disk(segment, tmp_path / "scratch")
+        await writer.flush()
+        calls = await queries.calls_of(engine, "cache")
+        await engine.dispose()
+        return {c["seq"]: c["model"] for c in calls}
+
+    assert asyncio.run(run()) == {0: "disk", 1: "disk", 2: None, 3: None, 4: None, 5: None}
+
+
+def _mark_on_disk(segment, scratch) -> None:
+    """Rewrite a sealed segment with the same records, each with model="disk"."""
+    marked = Journal(scratch / segment.stem, max_bytes=1 << 20)
+    for payload in read_segment(segment):
+        record = msgspec.msgpack.decode(payload, type=CallRecord)
+        record.model = "disk"
+        marked.append(Writer.encode(record))
+    segment.write_bytes(marked.seal().read_bytes())
