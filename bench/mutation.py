@@ -111,7 +111,10 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
         f"source_paths =\n    {packages}\n"
         f"only_mutate =\n    {module}\n"
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
-        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n")
+        # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
+        # fail already count, a leak warning at exit must not crash mutmut's own run.
+        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"
+        "    -W\n    ignore::pytest.PytestUnraisableExceptionWarning\n")
     log = scratch / "mutmut.log"
     with open(log, "wb") as out:
         done = subprocess.run(["mutmut", "run", "--max-children", str(max_children)],

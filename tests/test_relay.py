@@ -32,15 +32,22 @@ def _dumps(value) -> bytes:
     return json.dumps(value, ensure_ascii=False).encode()
 
 
-def _logprobs(words, logprobs) -> dict:
+def _alternatives(word: str, logprob: float, top: int) -> list[dict]:
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+            for t, lp in [(word, logprob), ("alt", logprob - 1.0)][:top]]
+
+
+def _logprobs(words, logprobs, top: int = 0) -> dict:
     return {"content": [{"token": w, "logprob": lp, "bytes": list(w.encode()),
-                         "top_logprobs": []} for w, lp in zip(words, logprobs)]}
+                         "top_logprobs": _alternatives(w, lp, top)}
+                        for w, lp in zip(words, logprobs)]}
 
 
 def whole_reply(asked: dict) -> bytes:
     token_ids = asked.get("return_token_ids") is True
     choice = {"index": 0, "message": {"role": "assistant", "content": "".join(WORDS)},
-              "logprobs": _logprobs(WORDS, LOGPROBS) if asked.get("logprobs") else None,
+              "logprobs": _logprobs(WORDS, LOGPROBS, asked.get("top_logprobs") or 0)
+              if asked.get("logprobs") else None,
               "finish_reason": "stop", "stop_reason": None,
               "token_ids": IDS if token_ids else None}
     return _dumps({**HEAD, "object": "chat.completion", "choices": [choice], "usage": USAGE,
@@ -55,8 +62,8 @@ def stream_writes(asked: dict) -> list[bytes]:
     for i, word in enumerate(WORDS):
         choice = {"index": 0, "delta": {"role": "assistant", "content": word} if i == 0
                   else {"content": word},
-                  "logprobs": _logprobs([word], [LOGPROBS[i]]) if asked.get("logprobs")
-                  else None,
+                  "logprobs": _logprobs([word], [LOGPROBS[i]], asked.get("top_logprobs") or 0)
+                  if asked.get("logprobs") else None,
                   "finish_reason": "stop" if i == len(WORDS) - 1 else None}
         if token_ids:
             choice["token_ids"] = [IDS[i]]
@@ -189,26 +196,49 @@ def test_a_client_that_asks_for_everything_gets_the_upstreams_bytes(
     assert call["choices"][0]["text"] == "".join(WORDS)
 
 
-def test_a_whole_reply_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced):
-    direct = _raw(spaced.url, False, {})
-    proxied = _raw(proxy_to_spaced.episode_url("strip"), False, {})
+# What a client may ask for itself while the proxy adds the rest (and takes it out again).
+PARTIAL = {
+    "nothing": {},
+    "logprobs": {"logprobs": True, "top_logprobs": 2},
+    "token-ids": {"extra_body": {"return_token_ids": True}},
+}
+PARTIAL_STREAMED = {**PARTIAL, "usage": {"stream_options": {"include_usage": True}}}
+
+
+def _stored_tops(asks: dict) -> list | None:
+    """The alternatives capture keeps: only those the client asked for."""
+    top = asks.get("top_logprobs") or 0
+    if not top:
+        return None
+    return [[{"token": a["token"], "logprob": a["logprob"]} for a in _alternatives(w, lp, top)]
+            for w, lp in zip(WORDS, LOGPROBS)]
+
+
+@pytest.mark.parametrize("asks", PARTIAL.values(), ids=PARTIAL.keys())
+def test_a_whole_reply_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, asks):
+    direct = _raw(spaced.url, False, asks)
+    proxied = _raw(proxy_to_spaced.episode_url("strip"), False, asks)
+    assert spaced.received[-1]["logprobs"] is True  # the proxy did add something
+    assert spaced.received[-1]["return_token_ids"] is True
     assert json.loads(proxied) == json.loads(direct)
-    assert b"token_ids\": [" not in proxied and b"\"logprobs\": {" not in proxied
     for value in _raw_values(direct):  # what was not removed keeps the upstream's bytes
         assert value in proxied, value
     [call] = proxy_to_spaced.calls("strip")
-    assert call["choices"][0]["completion_ids"] == IDS
-    assert call["choices"][0]["completion_logprobs"] == LOGPROBS
+    choice = call["choices"][0]
+    assert (choice["completion_ids"], choice["completion_logprobs"]) == (IDS, LOGPROBS)
+    assert call["prompt_ids"] == PROMPT_IDS
+    assert choice["top_logprobs"] == _stored_tops(asks)
     assert call["response"].encode() == proxied  # stored as the client received it
 
 
-def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced):
-    direct = _events(_raw(spaced.url, True, {}))
-    proxied = _events(_raw(proxy_to_spaced.episode_url("strip-stream"), True, {}))
+@pytest.mark.parametrize("asks", PARTIAL_STREAMED.values(), ids=PARTIAL_STREAMED.keys())
+def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, asks):
+    direct = _events(_raw(spaced.url, True, asks))
+    proxied = _events(_raw(proxy_to_spaced.episode_url("strip-stream"), True, asks))
     upstream_asked = spaced.received[-1]
     assert upstream_asked["stream_options"] == {"include_usage": True}
     assert upstream_asked["logprobs"] is True and upstream_asked["return_token_ids"] is True
-    assert len(proxied) == len(direct)  # the usage chunk the proxy asked for is gone
+    assert len(proxied) == len(direct)  # a usage chunk only if the client asked for one
     for mine, theirs in zip(proxied, direct):
         if not theirs.startswith(b"data: {"):
             assert mine == theirs  # the comment and [DONE]
@@ -219,6 +249,7 @@ def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced):
     [call] = proxy_to_spaced.calls("strip-stream")
     choice = call["choices"][0]
     assert (choice["completion_ids"], choice["completion_logprobs"]) == (IDS, LOGPROBS)
+    assert choice["top_logprobs"] == _stored_tops(asks)
     assert (call["prompt_tokens"], call["completion_tokens"]) == (4, 3)
 
 

@@ -26,9 +26,13 @@ from storage.writer import Writer, WriterObserver
 class Counting(WriterObserver):
     def __init__(self):
         self.outcomes: dict[str, int] = {}
+        self.writes: list[tuple[float, int]] = []
 
     def records(self, outcome: str, count: int) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + count
+
+    def db_write(self, seconds: float, count: int) -> None:
+        self.writes.append((seconds, count))
 
 
 def _record(episode: str, i: int) -> CallRecord:
@@ -192,6 +196,7 @@ def test_an_outage_counts_each_record_spilled_once_then_replayed(fresh_postgres,
     assert outcomes == {"written": 3, "spilled": 3, "replayed": 3}
     assert [c["seq"] for c in calls] == list(range(6))
     assert writer.pending == 0 and writer.journal.bytes == 0
+    assert writer._failed == set()  # nothing remembered of the outage once it is replayed
 
 
 def _wait_for(condition, what: str, timeout: float = 30.0):
@@ -385,9 +390,11 @@ def test_sealed_records_are_written_from_memory_up_to_cache_records(db_url, tmp_
         await writer.flush()
         calls = await queries.calls_of(engine, "cache")
         await engine.dispose()
-        return {c["seq"]: c["model"] for c in calls}
+        return {c["seq"]: c["model"] for c in calls}, writer._cache
 
-    assert asyncio.run(run()) == {0: "disk", 1: "disk", 2: None, 3: None, 4: None, 5: None}
+    models, held = asyncio.run(run())
+    assert models == {0: "disk", 1: "disk", 2: None, 3: None, 4: None, 5: None}
+    assert held == {}  # once written, nothing of it stays in memory
 
 
 def _mark_on_disk(segment, scratch) -> None:
@@ -398,3 +405,23 @@ def _mark_on_disk(segment, scratch) -> None:
         record.model = "disk"
         marked.append(Writer.encode(record))
     segment.write_bytes(marked.seal().read_bytes())
+
+
+def test_each_committed_batch_reports_its_size_and_duration(db_url, tmp_path):
+    async def run():
+        engine = create_engine(db_url)
+        counting = Counting()
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20), observer=counting)
+        for i in range(3):
+            writer.submit(_record("timed", i))
+        started = time.perf_counter()
+        await writer.flush()
+        elapsed = time.perf_counter() - started
+        writer.submit(_record("timed", 3))
+        await writer.flush()
+        await engine.dispose()
+        return counting.writes, elapsed
+
+    writes, elapsed = asyncio.run(run())
+    assert [count for _, count in writes] == [3, 1]
+    assert 0 < writes[0][0] <= elapsed  # the commit's own time, inside the flush's
