@@ -18,6 +18,7 @@ from aiohttp import web
 
 from conftest import Proxy, free_port
 from proxy.settings import Settings
+from storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WORDS = ["Hé", " there", ",  friend"]  # a double space: re-encoding would not keep it
@@ -112,6 +113,15 @@ class SpacedUpstream:
 
     def release(self) -> None:
         self.loop_thread.loop.call_soon_threadsafe(self.released.set)
+
+
+@pytest.fixture
+def db_url(tmp_path) -> str:
+    """SQLite only: what is checked here does not depend on the database (the storage
+    tests run on both)."""
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    return url
 
 
 @pytest.fixture

@@ -35,6 +35,15 @@ def _recording_engine(seen: list[str | None]) -> web.Application:
 
 
 @pytest.fixture
+def db_url(tmp_path) -> str:
+    """SQLite only: what is checked here does not depend on the database (the storage
+    tests run on both)."""
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
 def start_proxy(loop_thread, db_url, tmp_path):
     started: list[Proxy] = []
 
