@@ -38,7 +38,7 @@ MODULES = {
     "proxy/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
-    "exporters/pipeline.py": ["tests/test_incremental.py"],
+    "exporters/pipeline.py": ["tests/test_export_runs.py"],
 }
 PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations"]
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}
