@@ -343,7 +343,8 @@ def test_closing_never_hangs_on_a_database_that_does_not_answer(db_url, loop_thr
         writer.start()
         for i in range(3):
             writer.submit(_record("hung", i))
-        await asyncio.sleep(0.1)  # lets the loop start its write, which will never return
+        # The background loop is inside its write, which will never return.
+        await _wait_for(writer._flushing.locked, "the writer to start writing")
         # A shutdown is bounded by close()'s timeout (--drain-timeout), not by the database.
         await asyncio.wait_for(writer.close(timeout=1), 30)
         await engine.dispose()
