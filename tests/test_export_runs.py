@@ -194,10 +194,14 @@ def test_a_second_export_into_the_same_directory_is_refused_while_one_runs(db_ur
 
 
 def test_incremental_needs_finished_only_and_no_overwrite(db_url, tmp_path):
-    with pytest.raises(ExportError, match="needs --finished-only"):
+    with pytest.raises(ExportError) as unfinished:
         export(db_url, tmp_path / "a", incremental=True, finished_only=False)
-    with pytest.raises(ExportError, match="contradict"):
+    assert str(unfinished.value) == (
+        "--incremental needs --finished-only: an unfinished episode can still grow, so it "
+        "cannot be exported once and for all")
+    with pytest.raises(ExportError) as both:
         export(db_url, tmp_path / "b", incremental=True, overwrite=True)
+    assert str(both.value) == "--incremental and --overwrite contradict each other"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
