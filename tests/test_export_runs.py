@@ -331,3 +331,18 @@ def test_bad_arguments_and_a_failed_write_are_clear_errors(db_url, tmp_path):
         export(db_url, out)
     assert str(failed.value).startswith(f"cannot write to {out}: ")
     assert list((out / "calls").iterdir()) == []  # not even a hidden temp file
+
+
+def test_a_manifest_without_recent_finishes_keeps_its_watermark(db_url, tmp_path):
+    """A manifest whose overlap set is missing (written before it existed, or edited)
+    still never moves its watermark back."""
+    out = tmp_path / "out"
+    _db(db_url, calls("a"), finish("a", 1.0))
+    export(db_url, out, incremental=True)
+    t = finished_at(db_url, "a")
+    edited = manifest(out)
+    edited["watermark"], edited["recent"] = t + 30, {}
+    (out / "_manifest.json").write_text(json.dumps(edited))
+    assert export(db_url, out, incremental=True).episodes == 0
+    assert manifest(out)["watermark"] == t + 30
+    assert export(db_url, out, incremental=True).episodes == 0
