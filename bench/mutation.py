@@ -7,14 +7,15 @@ that call the mutated function). Tests that run the proxy as a subprocess do not
 mutmut only sees the functions called in its own process.
 
     pip install 'mutmut>=3.8,<4'      # not a test dependency: nothing imports it
-    nice -n 10 python bench/mutation.py                      # all modules
+    nice -n 10 python bench/mutation.py                      # all modules, ~22 min on 2 cores
     nice -n 10 python bench/mutation.py storage/journal.py   # one module
     python bench/mutation.py --show                          # also print each survivor's diff
 
 For each module it prints the mutants, how many the tests killed, and every survivor:
 either one that docs/testing.md lists as equivalent (with why), or UNEXPLAINED, which a new
 test should kill. The exit status is 1 when a module scores under --target or any survivor
-is unexplained.
+is unexplained. Do not edit the repository while it runs: each module's scratch copy is
+taken when that module starts.
 """
 
 from __future__ import annotations
