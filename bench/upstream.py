@@ -6,6 +6,10 @@ talking to it directly gets exactly what it asked for and the proxy's injections
 what they would cost against a real engine. All bodies are built once at start-up;
 a request costs one small msgspec decode and one or more socket writes.
 
+Bodies are written by the standard library's ``json`` with non-ASCII text escaped
+(``"w\u00e9..."``), not by the proxy's encoder: a proxy that decoded and re-encoded what
+it relays would write ``é`` instead, and fail the benchmark's byte-identity check.
+
     python bench/upstream.py --port 8000
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 from itertools import product
 
@@ -39,12 +44,15 @@ class ChatRequest(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(ChatRequest).decode
-_encode = msgspec.json.encode
+
+
+def _encode(value) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _tokens(seed: int = 7) -> tuple[list[str], list[int], list[float], list[int]]:
     rnd = random.Random(seed)
-    words = [f" w{rnd.randrange(10_000)}" for _ in range(COMPLETION_TOKENS)]
+    words = [f" wé{rnd.randrange(10_000)}" for _ in range(COMPLETION_TOKENS)]
     ids = [rnd.randrange(151_000) for _ in range(COMPLETION_TOKENS)]
     logprobs = [-rnd.random() * 3 for _ in range(COMPLETION_TOKENS)]
     prompt_ids = [rnd.randrange(151_000) for _ in range(PROMPT_TOKENS)]

@@ -130,7 +130,9 @@ def test_n_greater_than_one_stores_one_choice_per_index(proxy):
                                               max_tokens=8)
         list(client.chat.completions.create(model="mock-model", messages=MESSAGES, n=3,
                                             max_tokens=8, stream=True))
-    for call in proxy.calls("n2"):
+    calls = proxy.calls("n2")
+    assert [c["stream"] for c in calls] == [False, True]  # both stored, in arrival order
+    for call in calls:
         assert [c["index"] for c in call["choices"]] == [0, 1, 2]
         for stored, returned in zip(call["choices"], resp.choices):
             assert stored["text"] == returned.message.content

@@ -305,6 +305,45 @@ def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(pr
             adapt(rows[0])
 
 
+# The datasets' columns and types as README.md documents them, written out by hand: the
+# exporter's own constants cannot be the reference for what it writes.
+_TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
+DOCUMENTED_CALLS = pa.schema([
+    ("call_id", pa.string()), ("choice_index", pa.int32()), ("episode_id", pa.string()),
+    ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
+    ("t_start", _TIME), ("t_end", _TIME), ("endpoint", pa.string()), ("model", pa.string()),
+    ("policy_version", pa.string()), ("request", pa.string()), ("response", pa.string()),
+    ("prompt_ids", _IDS), ("completion_ids", _IDS),
+    ("completion_logprobs", pa.list_(pa.float32())), ("token_source", pa.string()),
+    ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
+    ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
+    ("reward", pa.float64()),
+])
+DOCUMENTED_TRAJECTORIES = pa.schema([
+    ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
+    ("task_id", pa.string()), ("call_ids", pa.list_(pa.string())),
+    ("choice_indices", pa.list_(pa.int32())), ("prompt_ids", _IDS), ("response_ids", _IDS),
+    ("response_mask", pa.list_(pa.int8())), ("response_logprobs", pa.list_(pa.float32())),
+    ("num_turns", pa.int32()), ("split_reason", pa.string()), ("finish_reason", pa.string()),
+    ("policy_versions", pa.list_(pa.string())), ("reward", pa.float64()),
+    ("rewards", pa.string()), ("outcome", pa.string()), ("harness", pa.string()),
+    ("harness_config", pa.string()),
+])
+
+
+def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
+    run_episode(proxy, "schema", 2, finish={"reward": 1.0})
+    export(proxy.settings.db, tmp_path)
+    for name, documented in (("calls", DOCUMENTED_CALLS),
+                             ("trajectories", DOCUMENTED_TRAJECTORIES)):
+        [file] = (tmp_path / name).glob("*.parquet")
+        written = pq.read_schema(file)
+        assert written.remove_metadata() == documented, name
+        # Changing a column means a new schema version, which readers can check.
+        assert written.metadata[b"tracetap.schema_version"] == b"1"
+        assert written.metadata[b"tracetap.dataset"] == name.encode()
+
+
 # ---- loading and trainers ----------------------------------------------------------------
 
 def test_loads_with_pyarrow_pandas_and_datasets_and_feeds_every_adapter(proxy, tmp_path):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -37,20 +39,77 @@ def _poll_calls(proxy: Proxy, episode: str, timeout: float = 20.0) -> list[dict]
     raise AssertionError(f"no call stored for {episode}")
 
 
-def test_client_disconnect_mid_stream_stores_the_partial_call(proxy):
-    port = int(proxy.url.rsplit(":", 1)[1])
-    sock = _stream_request(port, "/episodes/gone/v1/chat/completions", {
-        "model": "mock-model", "stream": True, "messages": [{"role": "user", "content": "x"}],
-        "mock_completion_tokens": 500, "mock_chunk_delay_s": 0.01})
-    received = b""
-    while received.count(b"data: ") < 5:
-        received += sock.recv(65536)
-    sock.close()
-    [call] = _poll_calls(proxy, "gone")
-    assert call["status"] == "client_disconnected"
-    ids = call["choices"][0]["completion_ids"]
-    assert 0 < len(ids) < 500  # the tokens received so far, and the upstream was cut off
-    assert len(call["choices"][0]["completion_logprobs"]) == len(ids)
+class Trickle:
+    """An upstream that streams one token every 10 ms for a minute, unless cut off."""
+
+    def __init__(self):
+        self.sent = 0
+        self.outcome: str | None = None  # "cut" or "finished"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(6000):
+                chunk = {"id": "t", "model": "trickle", "choices": [{
+                    "index": 0, "delta": {"content": "x"}, "token_ids": [i],
+                    "logprobs": {"content": [{"token": "x", "logprob": -0.5}]},
+                    "finish_reason": None}]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.sent += 1
+                await asyncio.sleep(0.01)
+            self.outcome = "finished"
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.outcome = "cut"  # the proxy dropped our connection: generation stops
+            raise
+        return response
+
+
+def _requests_by_code(proxy) -> dict[str, float]:
+    with urllib.request.urlopen(proxy.url + "/metrics") as resp:
+        metrics = resp.read().decode()
+    found = {}
+    for labels, value in re.findall(r"^tracetap_requests_total\{(.*)\} (\S+)$", metrics,
+                                    re.MULTILINE):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if pairs["route"] == "chat_completions":
+            found[pairs["code"]] = float(value)
+    return found
+
+
+def test_client_disconnect_mid_stream_cancels_upstream_stores_the_call_and_counts_499(
+        loop_thread, serve_app, db_url, tmp_path):
+    trickle = Trickle()
+    upstream = serve_app(trickle.app())
+    settings = Settings(upstream=upstream + "/v1", db=db_url, data_dir=str(tmp_path / "d"),
+                        port=free_port(), upstream_flavor="vllm")
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        sock = _stream_request(settings.port, "/episodes/gone/v1/chat/completions", {
+            "model": "trickle", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+        received = b""
+        while received.count(b"data: ") < 5:
+            received += sock.recv(65536)
+        sock.close()
+        deadline = time.monotonic() + 30
+        while trickle.outcome is None:
+            assert time.monotonic() < deadline, "the upstream request was never cancelled"
+            time.sleep(0.05)  # polling: the proxy notices at its next write to the client
+        assert trickle.outcome == "cut" and trickle.sent < 6000
+        [call] = _poll_calls(proxy, "gone")
+        assert call["status"] == "client_disconnected"
+        ids = call["choices"][0]["completion_ids"]
+        assert ids == list(range(len(ids))) and 5 <= len(ids) <= trickle.sent
+        assert len(call["choices"][0]["completion_logprobs"]) == len(ids)
+        assert _requests_by_code(proxy) == {"499": 1.0}
+    finally:
+        proxy.stop()
 
 
 def test_upstream_failing_mid_stream_ends_the_client_stream_and_is_recorded(proxy):
@@ -126,46 +185,63 @@ def test_missing_logprobs_are_counted(loop_thread, serve_app, db_url, tmp_path):
         proxy.stop()
 
 
-def _firehose(total_events: int, event_bytes: int, sent: list[int]) -> web.Application:
-    """An upstream that streams large events as fast as it is allowed to."""
-    content = "x" * event_bytes
-    event = ("data: " + json.dumps({"id": "f", "model": "f", "choices": [
-        {"index": 0, "delta": {"content": content}, "finish_reason": None}]}) + "\n\n").encode()
+class Firehose:
+    """An upstream that streams large events as fast as it is allowed to, and says whether
+    it is blocked inside a write (pushed back) or between writes (merely slow)."""
 
-    async def chat(request: web.Request) -> web.StreamResponse:
+    def __init__(self, total_events: int, event_bytes: int):
+        self.total_events = total_events
+        self.sent = 0
+        self.writing = False
+        self.event = ("data: " + json.dumps({"id": "f", "model": "f", "choices": [
+            {"index": 0, "delta": {"content": "x" * event_bytes}, "finish_reason": None}]})
+            + "\n\n").encode()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        warm_up = (await request.json()).get("max_tokens") == 1
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(total_events):
-            await response.write(event)
-            sent[0] += len(event)
+        for _ in range(1 if warm_up else self.total_events):
+            self.writing = True
+            await response.write(self.event)
+            self.writing = False
+            if not warm_up:
+                self.sent += len(self.event)
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+    def stalled(self, quiet: float = 1.0, timeout: float = 60.0) -> None:
+        """Return once the upstream has sat inside one write for ``quiet`` seconds."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while not (self.writing and self.sent == last and time.monotonic() - since >= quiet):
+            assert time.monotonic() < deadline, "the upstream was never pushed back"
+            if self.sent != last or not self.writing:
+                last, since = self.sent, time.monotonic()
+            time.sleep(0.05)  # polling a condition; the assertions are on bytes and RSS
 
 
 def test_slow_client_applies_backpressure_with_bounded_memory(
         serve_app, fresh_postgres, run_proxy):
     upgrade(fresh_postgres)
-    sent = [0]
     total_events, event_bytes = 600, 64 * 1024  # ~38 MiB if nothing pushed back
-    upstream = serve_app(_firehose(total_events, event_bytes, sent))
+    firehose = Firehose(total_events, event_bytes)
+    upstream = serve_app(firehose.app())
     proxy = run_proxy(upstream + "/v1", fresh_postgres, "--upstream-flavor", "openai")
-    baseline = proxy.rss_bytes()
+    with openai.OpenAI(base_url=proxy.episode_url("warm"), api_key="x") as client:
+        list(client.chat.completions.create(model="f", messages=[{"role": "user",
+                                            "content": "x"}], max_tokens=1, stream=True))
+    baseline = proxy.rss_bytes()  # after one stream: what a first request loads is not growth
     sock = _stream_request(proxy.port, "/episodes/slow/v1/chat/completions", {
         "model": "f", "stream": True, "messages": [{"role": "user", "content": "x"}]})
-    # Wait until the upstream is blocked: its byte count stops moving.
-    last, still_since = -1, time.monotonic()
-    deadline = time.monotonic() + 30
-    while time.monotonic() - still_since < 1.0:
-        assert time.monotonic() < deadline, "upstream never stalled"
-        if sent[0] != last:
-            last, still_since = sent[0], time.monotonic()
-        time.sleep(0.05)
+    firehose.stalled()
     stalled_rss = proxy.rss_bytes()
-    assert sent[0] < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
+    assert firehose.sent < total_events * (event_bytes + 100) / 2, "no backpressure upstream"
     assert stalled_rss - baseline < 16 * 1024 * 1024
 
     received = 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from datetime import timedelta
 from types import SimpleNamespace
 
 from hypothesis import given, settings
@@ -92,3 +94,8 @@ def test_json_of_the_wrong_shape_is_noted_not_raised(value, endpoint):
     capture.add(json.dumps(value).encode())
     capture.choices()
     capture.reassembled(with_logprobs=True)
+
+
+def test_the_shared_machine_profile_is_in_effect():
+    if os.environ.get("HYPOTHESIS_PROFILE", "shared-2-core") == "shared-2-core":
+        assert settings().deadline == timedelta(seconds=5)

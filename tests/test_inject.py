@@ -47,3 +47,50 @@ def test_strip_chunk_drops_the_added_usage_chunk():
     chunk = strip_chunk(b'{"choices":[{"delta":{"content":"a"},"token_ids":[5],"logprobs":{}}],'
                         b'"usage":null,"prompt_token_ids":[1]}', injected)
     assert json.loads(chunk) == {"choices": [{"delta": {"content": "a"}, "logprobs": None}]}
+
+
+def test_what_the_client_asked_for_itself_is_known():
+    chat = {"messages": [], "logprobs": True}
+    assert prepare(chat, CHAT, "vllm").client_top_logprobs == 0
+    chat = {"messages": [], "logprobs": True, "top_logprobs": 2}
+    injected = prepare(chat, CHAT, "vllm")
+    assert injected.client_top_logprobs == 2 and not injected.logprobs
+    assert chat["top_logprobs"] == 2  # left alone
+    completions = {"prompt": "x", "logprobs": 0}
+    assert prepare(completions, COMPLETIONS, "vllm").client_top_logprobs == 0
+
+
+def test_completions_ask_for_the_sampled_token_only():
+    body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    injected = prepare(body, COMPLETIONS, "sglang")
+    assert body["logprobs"] == 0  # no alternatives: they cost the engine time
+    assert injected.logprobs is True and injected.client_top_logprobs == 0
+    # The client's other stream options stay.
+    assert body["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    assert injected.usage is True and body["return_token_ids"] is True
+
+
+def test_strip_body_nulls_token_ids_inside_completion_choices():
+    injected = prepare({"prompt": "x"}, COMPLETIONS, "vllm")
+    reply = (b'{"id":"c","choices":[{"index":0,"text":"hi","logprobs":{"tokens":["hi"]},'
+             b'"prompt_token_ids":[1,2],"token_ids":[3]}]}')
+    assert json.loads(strip_body(reply, injected)) == {"id": "c", "choices": [
+        {"index": 0, "text": "hi", "logprobs": None, "prompt_token_ids": None,
+         "token_ids": None}]}
+
+
+def test_a_stream_chunk_with_content_is_never_dropped_for_its_usage():
+    injected = prepare({"messages": [], "stream": True}, CHAT, "vllm")
+    last = (b'{"choices":[{"index":0,"delta":{"content":"end"},"finish_reason":"stop"}],'
+            b'"usage":{"prompt_tokens":1,"completion_tokens":1}}')
+    chunk = strip_chunk(last, injected)
+    assert chunk is not None
+    assert json.loads(chunk)["choices"] == [
+        {"index": 0, "delta": {"content": "end"}, "finish_reason": "stop"}]
+    # The client asked for usage itself: its usage chunk and "usage": null stay.
+    own = prepare({"messages": [], "stream": True, "stream_options": {"include_usage": True}},
+                  CHAT, "vllm")
+    usage = b'{"choices":[],"usage":{"prompt_tokens":1}}'
+    assert json.loads(strip_chunk(usage, own)) == json.loads(usage)
+    assert json.loads(strip_chunk(b'{"choices":[],"usage":null}', own)) == {
+        "choices": [], "usage": None}

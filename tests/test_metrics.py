@@ -49,7 +49,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def settled(proxy: Proxy, timeout: float = 5.0) -> Samples:
+def settled(proxy: Proxy, timeout: float = 30.0) -> Samples:
     """Scrape once every handler has left (a stream's bookkeeping ends after its last byte)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -185,6 +185,62 @@ def test_plain_lists_are_accepted():
     assert list(t.prompt_ids) == [1] and list(t.response_logprobs) == [-0.5]
 
 
+
+def test_a_single_turn_row_carries_its_own_call_and_choice():
+    class Choice:
+        index, finish_reason = 1, "length"
+        completion_ids, completion_logprobs = [5, 6], [-0.5, -0.25]
+
+    class Call:  # plain lists, as a Python caller would pass them
+        call_id, seq, instance, t_start, t_end = "half", 0, "", 0.0, 1.0
+        status, http_status, policy_version = "ok", 200, "v3"
+        prompt_ids, choices = None, [Choice()]
+
+    [t] = build_trajectories([Call()])
+    assert (t.trajectory_id, t.call_ids, t.choice_indices) == ("half:1", ["half"], [1])
+    assert (t.split_reason, t.finish_reason, t.policy_versions) == (
+        "no_token_ids", "length", ["v3"])
+    assert list(t.prompt_ids) == [] and list(t.response_ids) == [5, 6]
+    assert list(t.response_mask) == [1, 1]
+    assert list(t.response_logprobs) == [-0.5, -0.25]
+
+    Call.prompt_ids, Choice.completion_ids = [1, 2], None  # a prompt but no completion ids
+    [t] = build_trajectories([Call()])
+    assert list(t.prompt_ids) == [1, 2] and list(t.response_ids) == []
+    assert list(t.response_logprobs) == []
+
+
+def test_a_single_turn_row_from_storage_bytes_keeps_its_logprobs():
+    [t] = build_trajectories([make_call("half", 0, None, [[5, 6, 7]])])
+    assert list(t.response_ids) == [5, 6, 7]
+    assert list(t.response_logprobs) == [-1 / 8, -2 / 8, -3 / 8]
+
+
+def test_choices_stored_out_of_order_are_read_in_index_order():
+    call = make_call("a", 0, [1], [[2], [3]])
+    call.choices.reverse()  # index 1 first, as a database may return them
+    assert [(t.choice_indices, t.split_reason) for t in build_trajectories([call])] == [
+        ([0], None), ([1], "sample")]
+
+
+def test_logprobs_that_do_not_pair_with_the_ids_are_unknown():
+    call = make_call("a", 0, [1], [[2, 3]])
+    call.choices[0].completion_logprobs = array("d", [-0.5]).tobytes()  # one for two ids
+    [t] = build_trajectories([call])
+    assert t.response_logprobs is None and list(t.response_mask) == [1, 1]
+
+
+def test_a_turn_without_logprobs_still_masks_every_later_turn():
+    calls = [
+        make_call("a", 0, [1], [[2]], logprobs=False),
+        make_call("b", 2, [1, 2, 9], [[3]]),
+        make_call("c", 4, [1, 2, 9, 3, 9], [[4]]),
+    ]
+    [t] = build_trajectories(calls)
+    assert t.response_logprobs is None
+    assert list(t.response_ids) == [2, 9, 3, 9, 4]
+    assert list(t.response_mask) == [1, 0, 1, 0, 1]
+
 # ---- property: random call forests -------------------------------------------------------
 
 TOKENS = st.lists(st.integers(0, 2), max_size=3)  # a tiny vocabulary: accidental prefixes

@@ -1,0 +1,197 @@
+"""Mutation testing of the modules that carry tracetap's promises, with mutmut.
+
+A habit, not a CI gate: run it after changing one of these modules or its tests. Each
+module is mutated on its own, in a scratch copy of the repository, and tested with only
+the fast tests that exercise it (MODULES below; mutmut narrows that further to the tests
+that call the mutated function). Tests that run the proxy as a subprocess do not count:
+mutmut only sees the functions called in its own process.
+
+    pip install 'mutmut>=3.8,<4'      # not a test dependency: nothing imports it
+    nice -n 10 python bench/mutation.py                      # all modules, ~22 min on 2 cores
+    nice -n 10 python bench/mutation.py storage/journal.py   # one module
+    python bench/mutation.py --show                          # also print each survivor's diff
+
+For each module it prints the mutants, how many the tests killed, and every survivor:
+either one that docs/testing.md lists as equivalent (with why), or UNEXPLAINED, which a new
+test should kill. The exit status is 1 when a module scores under --target or any survivor
+is unexplained. Do not edit the repository while it runs: each module's scratch copy is
+taken when that module starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "testing.md"
+
+# module -> the fast tests that exercise it
+MODULES = {
+    "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
+    "storage/writer.py": ["tests/test_writer.py", "tests/test_journal.py"],
+    "proxy/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
+    "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
+    "exporters/trajectories.py": ["tests/test_trajectories.py"],
+    "exporters/pipeline.py": ["tests/test_export_runs.py"],
+}
+PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations"]
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", metavar="MODULE",
+                        help=f"default: all of {', '.join(MODULES)}")
+    parser.add_argument("--workdir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "tracetap-mutation")
+    parser.add_argument("--max-children", type=int, default=2, help="parallel mutants")
+    parser.add_argument("--target", type=float, default=0.9, help="killed share to reach")
+    parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    args = parser.parse_args(argv)
+    unknown = set(args.modules) - set(MODULES)
+    if unknown:
+        parser.error(f"not a module of MODULES: {', '.join(sorted(unknown))}")
+    if shutil.which("mutmut") is None:
+        print("mutmut is not installed: pip install 'mutmut>=3.8,<4'", file=sys.stderr)
+        return 2
+
+    equivalents = documented_equivalents(DOC)
+    failed = False
+    rows = []
+    for module in args.modules or list(MODULES):
+        started = time.monotonic()
+        results = run_module(module, args.workdir, args.max_children)
+        seconds = time.monotonic() - started
+        survivors = {name: status for name, status in results.items() if status not in KILLED}
+        killed = len(results) - len(survivors)
+        score = killed / len(results) if results else 1.0
+        unexplained = 0
+        print(f"\n{module}: {len(results)} mutants, {killed} killed, {len(survivors)} not "
+              f"({score:.1%} killed) in {seconds:.0f}s")
+        for name, status in sorted(survivors.items(), key=lambda kv: _number(kv[0])):
+            change = mutant_change(args.workdir / _slug(module), name)
+            why = equivalents.get((_function(name), change))
+            if why is None:
+                unexplained += 1
+            label = "equivalent" if why else "UNEXPLAINED"
+            print(f"  {label:<11} {status:<10} {_function(name)} #{_number(name)}: "
+                  f"`{change[0]}` -> `{change[1]}`")
+            if args.show:
+                print(_indent(mutant_diff(args.workdir / _slug(module), name)))
+        rows.append((module, len(results), killed, score, unexplained))
+        failed |= score < args.target or unexplained > 0
+
+    total = sum(r[1] for r in rows)
+    killed = sum(r[2] for r in rows)
+    print(f"\n{'module':<28}{'mutants':>8}{'killed':>8}{'score':>8}{'unexplained':>13}")
+    for module, n, k, score, unexplained in rows:
+        print(f"{module:<28}{n:>8}{k:>8}{score:>8.1%}{unexplained:>13}")
+    if total:
+        print(f"{'all':<28}{total:>8}{killed:>8}{killed / total:>8.1%}"
+              f"{sum(r[4] for r in rows):>13}")
+    return 1 if failed else 0
+
+
+def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
+    """Mutate ``module`` in a fresh scratch copy; mutant name -> mutmut's status."""
+    scratch = workdir / _slug(module)
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    _copy_repository(scratch)
+    tests = "\n    ".join(MODULES[module])
+    packages = "\n    ".join(PACKAGES)
+    (scratch / "setup.cfg").write_text(
+        "[mutmut]\n"
+        f"source_paths =\n    {packages}\n"
+        f"only_mutate =\n    {module}\n"
+        f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
+        # fail already count, a leak warning at exit must not crash mutmut's own run.
+        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"
+        "    -W\n    ignore::pytest.PytestUnraisableExceptionWarning\n")
+    log = scratch / "mutmut.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(["mutmut", "run", "--max-children", str(max_children)],
+                              cwd=scratch, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}); see {log}:\n"
+                         + log.read_text(errors="replace")[-3000:])
+    listing = subprocess.run(["mutmut", "results", "--all", "true"], cwd=scratch,
+                             capture_output=True, text=True, check=True).stdout
+    return dict(re.findall(r"^\s+(\S+): (.+)$", listing, re.MULTILINE))
+
+
+def mutant_diff(scratch: Path, name: str) -> str:
+    return subprocess.run(["mutmut", "show", name], cwd=scratch, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def mutant_change(scratch: Path, name: str) -> tuple[str, str]:
+    """The mutated source: (removed lines, added lines), each joined and stripped."""
+    lines = mutant_diff(scratch, name).splitlines()
+    old = " ".join(x[1:].strip() for x in lines if x.startswith("-") and not x.startswith("---"))
+    new = " ".join(x[1:].strip() for x in lines if x.startswith("+") and not x.startswith("+++"))
+    return old, new
+
+
+def documented_equivalents(doc: Path) -> dict[tuple[str, tuple[str, str]], str]:
+    """Rows of the doc's equivalent-mutant tables: | `function` | `old` → `new` | why |.
+
+    Matched on the function and the change, not on mutmut's numbers, which shift when
+    the function is edited."""
+    row = re.compile(r"^\|\s*`(?P<function>[^`]+)`\s*\|\s*`(?P<old>[^`]*)`\s*→\s*"
+                     r"`(?P<new>[^`]*)`\s*\|(?P<why>.+)\|\s*$")
+    found = {}
+    for line in doc.read_text().splitlines() if doc.exists() else ():
+        match = row.match(line)
+        if match:
+            old, new = (match[k].replace("\\|", "|") for k in ("old", "new"))
+            found[(match["function"], (old, new))] = match["why"].strip()
+    return found
+
+
+def _copy_repository(scratch: Path) -> None:
+    """The working tree as git sees it (tracked and new files, nothing ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            target = scratch / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def _function(name: str) -> str:
+    """``storage.writer.xǁWriterǁ_run__mutmut_3`` -> ``storage.writer.Writer._run``."""
+    qualified = name.rsplit("__mutmut_", 1)[0]
+    module, _, function = qualified.rpartition(".")
+    if function.startswith("xǁ"):
+        function = ".".join(function[2:].split("ǁ"))
+    elif function.startswith("x_"):
+        function = function[2:]
+    return f"{module}.{function}"
+
+
+def _number(name: str) -> int:
+    return int(name.rsplit("__mutmut_", 1)[1])
+
+
+def _slug(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def _indent(text: str) -> str:
+    return "\n".join("      " + line for line in text.splitlines())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

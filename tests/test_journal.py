@@ -1,0 +1,112 @@
+"""The on-disk journal on its own: framing, torn and corrupt records, segments, limits."""
+
+from __future__ import annotations
+
+import logging
+import stat
+
+from storage.journal import Journal, read_segment
+
+PAYLOADS = [b"first", b"", b"x" * 1000, b"last one"]
+FRAME = 8  # length + crc32
+
+
+def _size(payloads: list[bytes]) -> int:
+    return sum(FRAME + len(p) for p in payloads)
+
+
+def _sealed(tmp_path, payloads=PAYLOADS):
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    for payload in payloads:
+        assert journal.append(payload)
+    return journal, journal.seal()
+
+
+def test_records_come_back_in_order_from_a_private_segment(tmp_path):
+    journal = Journal(tmp_path / "new" / "nested" / "journal", max_bytes=1 << 20)
+    assert journal.seal() is None  # nothing written yet: nothing to seal
+    for payload in PAYLOADS:
+        assert journal.append(payload)
+    assert journal.active_records == len(PAYLOADS) and journal.bytes == _size(PAYLOADS)
+    segment = journal.seal()
+    assert journal.active_records == 0 and journal.bytes == _size(PAYLOADS)
+    assert journal.pending() == [segment] and segment.name == "000000000001.seg"
+    assert list(read_segment(segment)) == PAYLOADS
+    # Prompts and completions are in there: only the proxy's user may read them.
+    assert stat.S_IMODE(segment.stat().st_mode) == 0o600
+    journal.remove(segment)
+    assert journal.pending() == [] and journal.bytes == 0 and not segment.exists()
+
+
+def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
+    _, segment = _sealed(tmp_path)
+    segment.write_bytes(segment.read_bytes()[:-3])  # SIGKILL in the middle of the last write
+    with caplog.at_level(logging.WARNING, logger="tracetap.journal"):
+        assert list(read_segment(segment)) == PAYLOADS[:-1]
+    offset = _size(PAYLOADS[:-1])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"journal {segment.name}: torn record at byte {offset} ignored"]
+
+
+def test_a_corrupt_record_ends_the_segment_there(tmp_path):
+    _, segment = _sealed(tmp_path)
+    data = bytearray(segment.read_bytes())
+    data[_size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # one bit rot in the third payload
+    segment.write_bytes(bytes(data))
+    assert list(read_segment(segment)) == PAYLOADS[:2]
+
+
+def test_an_empty_last_record_is_read(tmp_path):
+    _, segment = _sealed(tmp_path, [b"a", b""])  # the segment ends with a bare header
+    assert list(read_segment(segment)) == [b"a", b""]
+
+
+def test_a_cut_inside_a_header_is_ignored(tmp_path):
+    _, segment = _sealed(tmp_path)
+    segment.write_bytes(segment.read_bytes() + b"\x05\x00\x00")  # 3 of a header's 8 bytes
+    assert list(read_segment(segment)) == PAYLOADS
+
+
+def test_segments_left_on_disk_are_recovered_and_numbering_goes_on(tmp_path):
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    journal.append(b"a")
+    first = journal.seal()
+    journal.append(b"bb")
+    second = journal.seal()
+    journal.append(b"ccc")  # the process dies with this segment still active
+    active = tmp_path / "j" / "000000000003.seg"
+    assert [first.name, second.name] == ["000000000001.seg", "000000000002.seg"]
+
+    reopened = Journal(tmp_path / "j", max_bytes=1 << 20)
+    assert reopened.recovered() == [first, second, active]
+    assert reopened.pending() == [first, second, active]
+    assert reopened.bytes == _size([b"a", b"bb", b"ccc"])
+    reopened.append(b"dddd")
+    newest = reopened.seal()
+    assert newest.name == "000000000004.seg"
+    assert [list(read_segment(s)) for s in reopened.pending()] == [
+        [b"a"], [b"bb"], [b"ccc"], [b"dddd"]]
+    journal.close()
+
+
+def test_a_full_journal_refuses_the_record_that_would_not_fit(tmp_path):
+    journal = Journal(tmp_path / "j", max_bytes=2 * (FRAME + 10))
+    assert journal.append(b"x" * 10) and journal.append(b"y" * 10)  # exactly full
+    assert not journal.append(b"")  # even an empty record takes a header
+    segment = journal.seal()
+    assert not journal.append(b"z")  # sealed segments count until they are removed
+    journal.remove(segment)
+    assert journal.append(b"z" * 20) and journal.bytes == FRAME + 20
+    journal.close()
+
+
+def test_the_active_segment_is_full_at_segment_bytes(tmp_path):
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20, segment_bytes=2 * (FRAME + 10))
+    journal.append(b"x" * 10)
+    assert not journal.active_full
+    journal.append(b"x" * 9)
+    assert not journal.active_full  # one byte short
+    journal.append(b"")
+    assert journal.active_full
+    journal.close()
+    assert journal.pending() and journal.bytes == _size([b"x" * 10, b"x" * 9, b""])

@@ -1,0 +1,195 @@
+"""Episode keys and tagging: only a key's hash is stored, any replica honours it, and the
+tagger asks the database only what it cannot know yet."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+from sqlalchemy import text
+
+from conftest import Proxy, free_port
+from proxy.errors import ProxyError
+from proxy.tagging import Tagger, hash_key, validate_episode_id
+from storage.engine import create_engine
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def _mint(proxy, episode: str) -> str:
+    request = urllib.request.Request(proxy.url + "/tracetap/episodes",
+                                     json.dumps({"id": episode}).encode(), method="POST")
+    with urllib.request.urlopen(request) as reply:
+        return json.loads(reply.read())["api_key"]
+
+
+def _ask_with_key(base_url: str, key: str) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
+    with client:
+        client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=2)
+
+
+def _episode_rows(db: str) -> list[tuple]:
+    async def read():
+        engine = create_engine(db)
+        try:
+            async with engine.connect() as conn:
+                return [tuple(r) for r in await conn.execute(text("SELECT * FROM episodes"))]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def test_the_database_holds_the_sha256_of_an_episode_key_never_the_key(proxy):
+    key = _mint(proxy, "hashed")
+    assert key.startswith("tt-") and len(key) > 40
+    [row] = _episode_rows(proxy.settings.db)
+    assert hashlib.sha256(key.encode()).hexdigest() in row
+    assert not any(key in str(value) or key[3:] in str(value) for value in row)
+
+
+def test_a_key_works_on_another_replica_and_after_a_restart(proxy, loop_thread, tmp_path):
+    key = _mint(proxy, "roaming")
+
+    def replica(name: str) -> Proxy:
+        settings = msgspec.structs.replace(proxy.settings, port=free_port(),
+                                           data_dir=str(tmp_path / name))
+        return Proxy(loop_thread, settings).start()
+
+    other = replica("other")
+    try:
+        _ask_with_key(other.url, key)  # minted elsewhere: found in the database
+        request = urllib.request.Request(other.url + "/tracetap/episodes/roaming/finish",
+                                         b'{"reward": 1}', method="POST",
+                                         headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request) as reply:
+            assert reply.status == 200  # the key may report its own episode's result there
+        assert [c["episode_id"] for c in other.calls("roaming")] == ["roaming"]
+    finally:
+        other.stop()
+    proxy.stop()
+    restarted = replica("restarted")
+    try:
+        _ask_with_key(restarted.url, key)
+        assert len(restarted.calls("roaming")) == 2
+        assert restarted.calls(None) == []
+    finally:
+        restarted.stop()
+
+
+# ---- the tagger on its own: what it asks the database, and when -----------------------------
+
+class Lookups:
+    """Stands in for the database's answers, and counts the questions."""
+
+    def __init__(self, keys: dict[str, str] | None = None, registered: set[str] = frozenset()):
+        self.keys = {hash_key(k): e for k, e in (keys or {}).items()}
+        self.registered = set(registered)
+        self.asked: list[str] = []
+
+    async def key_owner(self, digest: str) -> str | None:
+        self.asked.append(digest)
+        return self.keys.get(digest)
+
+    async def is_registered(self, episode: str) -> bool:
+        self.asked.append(episode)
+        return episode in self.registered
+
+    def tagger(self, *, require_episode=False, require_registered=False) -> Tagger:
+        return Tagger(key_owner=self.key_owner, is_registered=self.is_registered,
+                      require_episode=require_episode, require_registered=require_registered)
+
+
+def _tag(tagger: Tagger, path: str | None = None, key: str | None = None,
+         header: str | None = None):
+    headers = {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    if header is not None:
+        headers["X-Tracetap-Episode"] = header
+    return asyncio.run(tagger.episode_for(headers, path))
+
+
+def _refused(tagger: Tagger, **where) -> tuple[int, str, str]:
+    with pytest.raises(ProxyError) as info:
+        _tag(tagger, **where)
+    return info.value.status, info.value.code, info.value.message
+
+
+def test_a_key_owner_is_asked_once_then_remembered():
+    lookups = Lookups({"tt-a": "ep-a"})
+    tagger = lookups.tagger()
+    assert _tag(tagger, key="tt-a") == _tag(tagger, key="tt-a") == "ep-a"
+    assert lookups.asked == [hash_key("tt-a")]  # the hash, and only once
+    tagger.remember("ep-b", hash_key("tt-b"))  # minted here: never asked at all
+    assert _tag(tagger, key="tt-b") == "ep-b" and len(lookups.asked) == 1
+
+
+def test_an_unknown_key_is_asked_again_next_time():
+    lookups = Lookups()
+    tagger = lookups.tagger()
+    assert _refused(tagger, key="tt-later") == (401, "invalid_api_key",
+                                               "unknown tracetap episode key")
+    lookups.keys[hash_key("tt-later")] = "ep-later"  # another replica mints it meanwhile
+    assert _tag(tagger, key="tt-later") == "ep-later"
+    assert asyncio.run(tagger.owns("tt-later", "ep-later"))
+    assert not asyncio.run(tagger.owns("tt-later", "ep-other"))
+
+
+def test_precedence_path_then_key_then_header_and_a_key_tags_only_its_own():
+    tagger = Lookups({"tt-a": "ep-a"}).tagger()
+    assert _tag(tagger, path="p", header="h") == "p"
+    assert _tag(tagger, header="h") == "h"
+    assert _tag(tagger) is None  # untagged, not refused
+    assert _tag(tagger, path="ep-a", key="tt-a", header="ep-a") == "ep-a"
+    other = (403, "forbidden", "this API key belongs to another episode")
+    assert _refused(tagger, path="ep-b", key="tt-a") == other
+    assert _refused(tagger, key="tt-a", header="ep-b") == other
+    assert _tag(tagger, path="p", key="sk-not-ours") == "p"  # other keys are not ours
+
+
+def test_require_episode_refuses_an_untagged_call_with_how_to_tag_it():
+    tagger = Lookups().tagger(require_episode=True)
+    with pytest.raises(ProxyError) as info:
+        _tag(tagger)
+    assert (info.value.status, info.value.code) == (400, "episode_required")
+    assert info.value.message == (
+        "this proxy requires an episode: use /episodes/<id>/v1 as the base URL, an episode "
+        "API key, or the X-Tracetap-Episode header")
+    assert _tag(tagger, header="h") == "h"
+
+
+def test_require_registered_asks_until_an_episode_is_registered_then_remembers():
+    lookups = Lookups({"tt-k": "ep-k"})
+    tagger = lookups.tagger(require_registered=True)
+    assert _refused(tagger, path="ep-new") == (
+        404, "not_found", "episode 'ep-new' is not registered (--require-registered)")
+    lookups.registered.add("ep-new")
+    assert _tag(tagger, path="ep-new") == _tag(tagger, header="ep-new") == "ep-new"
+    assert lookups.asked.count("ep-new") == 2  # the refusal, then the first success
+    assert _tag(tagger, key="tt-k") == "ep-k"  # a key's episode is registered by minting
+    assert "ep-k" not in lookups.asked
+    tagger.remember("ep-here", None)
+    assert _tag(tagger, path="ep-here") == "ep-here" and "ep-here" not in lookups.asked
+
+
+@pytest.mark.parametrize("value", ["a", "A-z_0.9:x", "x" * 128])
+def test_valid_episode_ids(value):
+    assert validate_episode_id(value) == value
+
+
+@pytest.mark.parametrize("value", ["", "x" * 129, "has space", "slash/", "é", 7, None])
+def test_invalid_episode_ids_are_a_clear_400(value):
+    with pytest.raises(ProxyError) as info:
+        validate_episode_id(value)
+    assert (info.value.status, info.value.code) == (400, "invalid_episode_id")
+    assert info.value.message.startswith(f"invalid episode id {repr(value)[:80]}: use 1-128 ")
+    tagger = Lookups().tagger()
+    if isinstance(value, str) and value:
+        assert _refused(tagger, header=value)[:2] == (400, "invalid_episode_id")

@@ -1,0 +1,286 @@
+"""What the client receives, byte for byte, and when the call is journaled.
+
+The upstream here writes JSON the way Python's ``json`` does (spaces after ``:`` and
+``,``, non-ASCII as is), not the way the proxy's encoder would: a reply the proxy decoded
+and re-encoded could not pass for the upstream's own. It behaves like vLLM otherwise:
+logprobs, token ids and the usage chunk only when asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import openai
+import pytest
+from aiohttp import web
+
+from conftest import Proxy, free_port
+from proxy.settings import Settings
+from storage.engine import upgrade
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+WORDS = ["Hé", " there", ",  friend"]  # a double space: re-encoding would not keep it
+IDS = [1001, 1002, 1003]
+PROMPT_IDS = [7, 8, 9, 10]
+LOGPROBS = [-0.25, -1.5, -0.125]
+HEAD = {"id": "chatcmpl-spaced", "created": 1700000000, "model": "spaced-model"}
+USAGE = {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}
+
+
+def _dumps(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()
+
+
+def _alternatives(word: str, logprob: float, top: int) -> list[dict]:
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+            for t, lp in [(word, logprob), ("alt", logprob - 1.0)][:top]]
+
+
+def _logprobs(words, logprobs, top: int = 0) -> dict:
+    return {"content": [{"token": w, "logprob": lp, "bytes": list(w.encode()),
+                         "top_logprobs": _alternatives(w, lp, top)}
+                        for w, lp in zip(words, logprobs)]}
+
+
+def whole_reply(asked: dict) -> bytes:
+    token_ids = asked.get("return_token_ids") is True
+    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(WORDS)},
+              "logprobs": _logprobs(WORDS, LOGPROBS, asked.get("top_logprobs") or 0)
+              if asked.get("logprobs") else None,
+              "finish_reason": "stop", "stop_reason": None,
+              "token_ids": IDS if token_ids else None}
+    return _dumps({**HEAD, "object": "chat.completion", "choices": [choice], "usage": USAGE,
+                   "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if token_ids else None})
+
+
+def stream_writes(asked: dict) -> list[bytes]:
+    """The stream as the upstream writes it, one write per element."""
+    token_ids = asked.get("return_token_ids") is True
+    usage = (asked.get("stream_options") or {}).get("include_usage") is True
+    writes = [b": warming up\n\n"]  # an SSE comment: relayed, never parsed as data
+    for i, word in enumerate(WORDS):
+        choice = {"index": 0, "delta": {"role": "assistant", "content": word} if i == 0
+                  else {"content": word},
+                  "logprobs": _logprobs([word], [LOGPROBS[i]], asked.get("top_logprobs") or 0)
+                  if asked.get("logprobs") else None,
+                  "finish_reason": "stop" if i == len(WORDS) - 1 else None}
+        if token_ids:
+            choice["token_ids"] = [IDS[i]]
+        chunk = {**HEAD, "object": "chat.completion.chunk", "choices": [choice]}
+        if token_ids and i == 0:
+            chunk["prompt_token_ids"] = PROMPT_IDS
+        if usage:
+            chunk["usage"] = None
+        event = b"data: " + _dumps(chunk) + b"\n\n"
+        writes += [event[:20], event[20:]] if i == 1 else [event]  # one event in two reads
+    if usage:
+        chunk = {**HEAD, "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
+        writes.append(b"data: " + _dumps(chunk) + b"\n\n")
+    writes.append(b"data: [DONE]\n\n")
+    return writes
+
+
+class SpacedUpstream:
+    """The upstream app; ``hold`` keeps each stream open after ``[DONE]`` until released."""
+
+    def __init__(self, loop_thread, hold: bool = False):
+        self.loop_thread = loop_thread
+        self.hold = hold
+        self.received: list[dict] = []
+        self.released = asyncio.Event()  # created outside the loop: bound on first wait
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        asked = await request.json()
+        self.received.append(asked)
+        if not asked.get("stream"):
+            return web.Response(body=whole_reply(asked), content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for data in stream_writes(asked):
+            await response.write(data)
+            await asyncio.sleep(0)  # let each write go out on its own
+        if self.hold:
+            await self.released.wait()
+        await response.write_eof()
+        return response
+
+    def release(self) -> None:
+        self.loop_thread.loop.call_soon_threadsafe(self.released.set)
+
+
+@pytest.fixture
+def db_url(tmp_path) -> str:
+    """SQLite only: what is checked here does not depend on the database (the storage
+    tests run on both)."""
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def spaced(loop_thread, serve_app):
+    upstream = SpacedUpstream(loop_thread)
+    upstream.url = serve_app(upstream.app()) + "/v1"
+    return upstream
+
+
+@pytest.fixture
+def held(loop_thread, serve_app):
+    upstream = SpacedUpstream(loop_thread, hold=True)
+    upstream.url = serve_app(upstream.app()) + "/v1"
+    return upstream
+
+
+def _proxy(loop_thread, upstream: SpacedUpstream, db_url: str, tmp_path) -> Proxy:
+    settings = Settings(upstream=upstream.url, db=db_url, data_dir=str(tmp_path / "d"),
+                        port=free_port(), upstream_flavor="vllm")
+    return Proxy(loop_thread, settings).start()
+
+
+@pytest.fixture
+def proxy_to_spaced(loop_thread, spaced, db_url, tmp_path):
+    proxy = _proxy(loop_thread, spaced, db_url, tmp_path)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def proxy_to_held(loop_thread, held, db_url, tmp_path):
+    proxy = _proxy(loop_thread, held, db_url, tmp_path)
+    yield proxy
+    held.release()  # a failed test must not leave the proxy waiting on the upstream
+    proxy.stop()
+
+
+# What the client asks for itself: everything capture needs, or nothing.
+EVERYTHING = {"logprobs": True, "top_logprobs": 0,
+              "extra_body": {"return_token_ids": True}}
+EVERYTHING_STREAMED = {**EVERYTHING, "stream_options": {"include_usage": True}}
+
+
+def _raw(base_url: str, stream: bool, asks: dict) -> bytes:
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    with client:
+        if not stream:
+            return client.chat.completions.with_raw_response.create(
+                model="spaced-model", messages=MESSAGES, **asks).content
+        with client.chat.completions.with_streaming_response.create(
+                model="spaced-model", messages=MESSAGES, stream=True, **asks) as response:
+            return b"".join(response.iter_bytes())
+
+
+def _raw_values(data: bytes) -> list[bytes]:
+    """Each top-level value but the choices, and each value inside a choice, as written."""
+    top = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+    values = [bytes(v) for k, v in top.items() if k != "choices"]
+    choices = msgspec.json.decode(top.get("choices", b"[]"),
+                                  type=list[dict[str, msgspec.Raw]])
+    return values + [bytes(v) for choice in choices for v in choice.values()]
+
+
+def _events(stream: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_asks_for_everything_gets_the_upstreams_bytes(
+        proxy_to_spaced, spaced, stream):
+    asks = EVERYTHING_STREAMED if stream else EVERYTHING
+    direct = _raw(spaced.url, stream, asks)
+    proxied = _raw(proxy_to_spaced.episode_url("raw"), stream, asks)
+    assert proxied == direct
+    assert b",  friend" in direct and "Hé".encode() in direct
+    # Nothing was added to the request: the proxy had nothing to take out again.
+    assert spaced.received[0] == spaced.received[1]
+    [call] = proxy_to_spaced.calls("raw")
+    assert call["status"] == "ok" and call["prompt_ids"] == PROMPT_IDS
+    assert call["choices"][0]["completion_ids"] == IDS
+    assert call["choices"][0]["completion_logprobs"] == LOGPROBS
+    assert call["choices"][0]["text"] == "".join(WORDS)
+
+
+# What a client may ask for itself while the proxy adds the rest (and takes it out again).
+PARTIAL = {
+    "nothing": {},
+    "logprobs": {"logprobs": True, "top_logprobs": 2},
+    "token-ids": {"extra_body": {"return_token_ids": True}},
+}
+PARTIAL_STREAMED = {**PARTIAL, "usage": {"stream_options": {"include_usage": True}}}
+
+
+def _stored_tops(asks: dict) -> list | None:
+    """The alternatives capture keeps: only those the client asked for."""
+    top = asks.get("top_logprobs") or 0
+    if not top:
+        return None
+    return [[{"token": a["token"], "logprob": a["logprob"]} for a in _alternatives(w, lp, top)]
+            for w, lp in zip(WORDS, LOGPROBS)]
+
+
+@pytest.mark.parametrize("asks", PARTIAL.values(), ids=PARTIAL.keys())
+def test_a_whole_reply_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, asks):
+    direct = _raw(spaced.url, False, asks)
+    proxied = _raw(proxy_to_spaced.episode_url("strip"), False, asks)
+    assert spaced.received[-1]["logprobs"] is True  # the proxy did add something
+    assert spaced.received[-1]["return_token_ids"] is True
+    assert json.loads(proxied) == json.loads(direct)
+    for value in _raw_values(direct):  # what was not removed keeps the upstream's bytes
+        assert value in proxied, value
+    [call] = proxy_to_spaced.calls("strip")
+    choice = call["choices"][0]
+    assert (choice["completion_ids"], choice["completion_logprobs"]) == (IDS, LOGPROBS)
+    assert call["prompt_ids"] == PROMPT_IDS
+    assert choice["top_logprobs"] == _stored_tops(asks)
+    assert call["response"].encode() == proxied  # stored as the client received it
+
+
+@pytest.mark.parametrize("asks", PARTIAL_STREAMED.values(), ids=PARTIAL_STREAMED.keys())
+def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, asks):
+    direct = _events(_raw(spaced.url, True, asks))
+    proxied = _events(_raw(proxy_to_spaced.episode_url("strip-stream"), True, asks))
+    upstream_asked = spaced.received[-1]
+    assert upstream_asked["stream_options"] == {"include_usage": True}
+    assert upstream_asked["logprobs"] is True and upstream_asked["return_token_ids"] is True
+    assert len(proxied) == len(direct)  # a usage chunk only if the client asked for one
+    for mine, theirs in zip(proxied, direct):
+        if not theirs.startswith(b"data: {"):
+            assert mine == theirs  # the comment and [DONE]
+            continue
+        assert json.loads(mine[6:]) == json.loads(theirs[6:])
+        for value in _raw_values(theirs[6:].strip()):
+            assert value in mine, value
+    [call] = proxy_to_spaced.calls("strip-stream")
+    choice = call["choices"][0]
+    assert (choice["completion_ids"], choice["completion_logprobs"]) == (IDS, LOGPROBS)
+    assert choice["top_logprobs"] == _stored_tops(asks)
+    assert (call["prompt_tokens"], call["completion_tokens"]) == (4, 3)
+
+
+@pytest.mark.parametrize("asks", [{}, EVERYTHING_STREAMED], ids=["rewritten", "relayed"])
+def test_a_stream_is_journaled_before_the_client_sees_done(proxy_to_held, held, asks):
+    """The upstream keeps its connection open after [DONE]: the call must be on disk
+    (then in the database) by the time the client has read [DONE], not when the
+    upstream lets go."""
+    client = openai.OpenAI(base_url=proxy_to_held.episode_url("done"), api_key="x",
+                           max_retries=0)
+    with client, client.chat.completions.with_streaming_response.create(
+            model="spaced-model", messages=MESSAGES, stream=True, **asks) as response:
+        seen = b""
+        for data in response.iter_bytes():
+            seen += data
+            if b"data: [DONE]" in seen:
+                break
+        assert b"data: [DONE]" in seen
+        [call] = proxy_to_held.calls("done")  # the upstream has not ended the stream yet
+        held.release()
+    assert call["status"] == "ok" and call["http_status"] == 200
+    assert call["choices"][0]["completion_ids"] == IDS
+    assert call["choices"][0]["finish_reason"] == "stop"
+    assert proxy_to_held.calls("done") == [call]  # and never a second time
