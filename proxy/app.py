@@ -77,7 +77,7 @@ async def _lifecycle(app: web.Application):
     admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token)
-    resolver.quiet = state.idle.wait  # llama-cpp-python cuts streams when asked meanwhile
+    resolver.quiet = state.quiet  # llama-cpp-python cuts streams when asked meanwhile
     log.info("exposed to agents: %s", state.exposure.describe())
     app[STATE] = state
     writer.start()

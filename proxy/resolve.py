@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 
 from proxy.inject import CHAT, COMPLETIONS
-from proxy.tokenizers import EngineTokenizer, NoChatTemplate, TokenizeFailed, detect
+from proxy.tokenizers import EngineTokenizer, NoChatTemplate, Quiet, TokenizeFailed, detect
 from proxy.upstream import UpstreamClient
 from storage.records import CallRecord, ChoiceRecord
 
@@ -69,8 +67,8 @@ class TokenResolver:
     def __init__(self, client: UpstreamClient, missing=None, concurrency: int = 8):
         self.client = client
         self.on_missing = missing
-        # Resolves when no model call is in flight (set by the app: ProxyState.idle.wait).
-        self.quiet: Callable[[], Awaitable[Any]] | None = None
+        # A window with no model call in flight (set by the app: ProxyState.quiet).
+        self.quiet: Quiet | None = None
         self._tokenizers: dict[str, EngineTokenizer | None] = {}
         self._detecting: dict[str, asyncio.Lock] = {}
         self._logged: set[tuple[str, str]] = set()

@@ -6,6 +6,7 @@ One instance per app (under an AppKey), so there is no module-level mutable stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -62,6 +63,11 @@ class ProxyState:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        # Questions to an engine that cuts streams when asked anything (llama-cpp-python):
+        # while one is out, new model calls wait for its answer.
+        self._asking = 0
+        self._not_asking = asyncio.Event()
+        self._not_asking.set()
 
     async def admit(self) -> None:
         """Wait while paused (bounded), then count the call as in flight."""
@@ -72,8 +78,24 @@ class ProxyState:
                 raise ProxyError(503, "the proxy is paused for a weight update; retry shortly",
                                  "server_error", "paused",
                                  headers={"Retry-After": "5"}) from None
-        self.inflight += 1
+        while self._asking:
+            await self._not_asking.wait()
+        self.inflight += 1  # no await since the check: no question can start in between
         self.idle.clear()
+
+    @contextlib.asynccontextmanager
+    async def quiet(self):
+        """A window with no model call in flight; calls that arrive meanwhile wait."""
+        while not self.idle.is_set():
+            await self.idle.wait()
+        self._asking += 1  # no await since the check: no call can be admitted in between
+        self._not_asking.clear()
+        try:
+            yield
+        finally:
+            self._asking -= 1
+            if not self._asking:
+                self._not_asking.set()
 
     def release(self) -> None:
         self.inflight -= 1
