@@ -313,7 +313,8 @@ DOCUMENTED_CALLS = pa.schema([
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
     ("t_start", _TIME), ("t_end", _TIME), ("endpoint", pa.string()), ("model", pa.string()),
     ("policy_version", pa.string()), ("request", pa.string()), ("response", pa.string()),
-    ("prompt_ids", _IDS), ("completion_ids", _IDS),
+    ("upstream_request", pa.string()), ("prompt_ids", _IDS), ("prompt_source", pa.string()),
+    ("ids_missing", pa.string()), ("completion_ids", _IDS),
     ("completion_logprobs", pa.list_(pa.float32())), ("token_source", pa.string()),
     ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
@@ -327,7 +328,10 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("num_turns", pa.int32()), ("split_reason", pa.string()), ("finish_reason", pa.string()),
     ("policy_versions", pa.list_(pa.string())), ("reward", pa.float64()),
     ("rewards", pa.string()), ("outcome", pa.string()), ("harness", pa.string()),
-    ("harness_config", pa.string()),
+    ("harness_config", pa.string()), ("drift_cause", pa.string()), ("drift_position", pa.int32()),
+    ("drift_expected_token", pa.int32()), ("drift_received_token", pa.int32()),
+    ("drift_message_index", pa.int32()), ("drift_expected_text", pa.string()),
+    ("drift_received_text", pa.string()), ("drift_call_id", pa.string()),
 ])
 
 
@@ -340,7 +344,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"1"
+        assert written.metadata[b"tracetap.schema_version"] == b"2"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

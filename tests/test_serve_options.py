@@ -87,10 +87,9 @@ def test_forward_client_auth_passes_the_clients_key_never_an_episode_key(
         own.models.list()  # relayed paths forward it too
     assert seen == ["Bearer sk-client-own"] * 2
 
-    request = urllib.request.Request(forwarding.url + "/tracetap/episodes", b'{"id": "k"}',
-                                     method="POST")
-    with urllib.request.urlopen(request) as reply:
-        key = json.loads(reply.read())["api_key"]
+    status, created = forwarding.admin("POST", "/tracetap/episodes", {"id": "k"})
+    assert status == 201, created
+    key = created["api_key"]
     seen.clear()
     with openai.OpenAI(base_url=forwarding.url + "/v1", api_key=key, max_retries=0) as agent:
         agent.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=2)

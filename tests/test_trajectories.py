@@ -196,7 +196,8 @@ def test_a_single_turn_row_carries_its_own_call_and_choice():
         status, http_status, policy_version = "ok", 200, "v3"
         prompt_ids, choices = None, [Choice()]
 
-    [t] = build_trajectories([Call()])
+    assert build_trajectories([Call()]) == []  # by default: no ids, no training row
+    [t] = build_trajectories([Call()], keep_untokenized=True)
     assert (t.trajectory_id, t.call_ids, t.choice_indices) == ("half:1", ["half"], [1])
     assert (t.split_reason, t.finish_reason, t.policy_versions) == (
         "no_token_ids", "length", ["v3"])
@@ -205,13 +206,13 @@ def test_a_single_turn_row_carries_its_own_call_and_choice():
     assert list(t.response_logprobs) == [-0.5, -0.25]
 
     Call.prompt_ids, Choice.completion_ids = [1, 2], None  # a prompt but no completion ids
-    [t] = build_trajectories([Call()])
+    [t] = build_trajectories([Call()], keep_untokenized=True)
     assert list(t.prompt_ids) == [1, 2] and list(t.response_ids) == []
     assert list(t.response_logprobs) == []
 
 
 def test_a_single_turn_row_from_storage_bytes_keeps_its_logprobs():
-    [t] = build_trajectories([make_call("half", 0, None, [[5, 6, 7]])])
+    [t] = build_trajectories([make_call("half", 0, None, [[5, 6, 7]])], keep_untokenized=True)
     assert list(t.response_ids) == [5, 6, 7]
     assert list(t.response_logprobs) == [-1 / 8, -2 / 8, -3 / 8]
 
