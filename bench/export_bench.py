@@ -32,10 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from storage import queries  # noqa: E402
-from storage.engine import create_engine, upgrade  # noqa: E402
-from storage.records import CallRecord, ChoiceRecord  # noqa: E402
-from storage.rows import insert_calls  # noqa: E402
+from tracetap.storage import queries  # noqa: E402
+from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import insert_calls  # noqa: E402
 
 BATCH_EPISODES = 250
 
@@ -108,7 +108,7 @@ async def _build(args, url: str) -> None:
 # ---- measuring ---------------------------------------------------------------------------
 
 def _export_child(args) -> None:
-    from exporters import export
+    from tracetap.exporters import export
 
     started = time.perf_counter()
     summary = export(args.db, args.out)
@@ -140,7 +140,7 @@ def _measure_export(url: str, out: Path) -> tuple[dict, float]:
 def _pyarrow_only(out: Path, scratch: Path) -> float:
     import pyarrow.parquet as pq
 
-    from exporters.parquet import ROW_GROUP_ROWS, writer_options
+    from tracetap.exporters.parquet import ROW_GROUP_ROWS, writer_options
 
     seconds = 0.0
     for name in ("calls", "trajectories"):

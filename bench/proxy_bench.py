@@ -34,7 +34,7 @@ from report import print_report
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from storage.engine import upgrade  # noqa: E402
+from tracetap.storage.engine import upgrade  # noqa: E402
 
 
 def free_port() -> int:
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             upgrade(db)
             target = Target(name, f"http://127.0.0.1:{ports[name]}", episode_path=True,
                             metrics=True, api=args.api)
-            target.process = spawn(["-m", "proxy.cli", "--log-level", "WARNING", "serve",
+            target.process = spawn(["-m", "tracetap", "--log-level", "WARNING", "serve",
                                     "--upstream", origin + "/v1", "--port", str(ports[name]),
                                     "--db", db, "--data-dir", str(work / name)], logs[name])
             targets.append(target)

@@ -13,9 +13,9 @@ import time
 
 import msgspec
 
-from proxy.apis.chat_reply import read_chunk
-from proxy.apis.messages import translate as messages
-from proxy.apis.responses import translate as responses
+from tracetap.proxy.apis.chat_reply import read_chunk
+from tracetap.proxy.apis.messages import translate as messages
+from tracetap.proxy.apis.responses import translate as responses
 
 N, RUNS = 20_000, 5
 CHUNK = msgspec.json.encode({

@@ -37,13 +37,13 @@ import asyncpg  # noqa: E402
 from aiohttp import web  # noqa: E402
 from pgtemp import create_database, drop_database  # noqa: E402
 
-from demo.engine import EngineConfig, EngineServer  # noqa: E402
-from storage.engine import create_engine, upgrade  # noqa: E402
-from storage.records import CallRecord, ChoiceRecord  # noqa: E402
-from storage.rows import insert_calls  # noqa: E402
-from viewer import PREFIX  # noqa: E402
-from viewer.access import Access  # noqa: E402
-from viewer.app import ViewerConfig, build_viewer  # noqa: E402
+from tracetap.demo.engine import EngineConfig, EngineServer  # noqa: E402
+from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import insert_calls  # noqa: E402
+from tracetap.viewer import PREFIX  # noqa: E402
+from tracetap.viewer.access import Access  # noqa: E402
+from tracetap.viewer.app import ViewerConfig, build_viewer  # noqa: E402
 
 TOKEN = "bench-token"
 T0 = 1_760_000_000.0

@@ -30,12 +30,12 @@ from pgtemp import create_database, drop_database
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.ids import uuid7  # noqa: E402
-from storage.engine import create_engine, upgrade  # noqa: E402
-from storage.journal import Journal  # noqa: E402
-from storage.records import CallRecord, ChoiceRecord  # noqa: E402
-from storage.rows import call_row, choice_rows, episode_rows  # noqa: E402
-from storage.writer import Writer  # noqa: E402
+from tracetap.proxy.ids import uuid7  # noqa: E402
+from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.journal import Journal  # noqa: E402
+from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import call_row, choice_rows, episode_rows  # noqa: E402
+from tracetap.storage.writer import Writer  # noqa: E402
 
 TOKENS = 256
 

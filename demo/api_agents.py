@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from demo.agent import MAX_TURNS, SYSTEM, TOOLS, AgentRun, Task, Turn, lookup
+from tracetap.demo.agent import MAX_TURNS, SYSTEM, TOOLS, AgentRun, Task, Turn, lookup
 
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
 MESSAGES_TOOLS = [{"name": f["name"], "description": f["description"],

@@ -39,10 +39,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from demo import messages, responses, sending
-from demo import tokenizer as tok
-from demo.generate import TOP_LOGPROBS_MAX, Completion, Sampling, generate_chat, generate_text
-from demo.wire import (
+from tracetap.demo import messages, responses, sending
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.generate import (
+    TOP_LOGPROBS_MAX,
+    Completion,
+    Sampling,
+    generate_chat,
+    generate_text,
+)
+from tracetap.demo.wire import (
     FLAVORS,
     LLAMA_SERVER,
     OPENAI_FIELDS,

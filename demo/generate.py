@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from demo import tokenizer as tok
+from tracetap.demo import tokenizer as tok
 
 TOP_LOGPROBS_MAX = 20
 ARGS_TOKENS_PER_EVENT = 4

@@ -27,9 +27,9 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from demo import tokenizer as tok
-from demo.generate import Completion
-from demo.wire import ChatTurn, EngineRequest, InputError, Shape
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.generate import Completion
+from tracetap.demo.wire import ChatTurn, EngineRequest, InputError, Shape
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _ERROR_TYPES = {

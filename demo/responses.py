@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from demo import tokenizer as tok
-from demo.generate import Completion, logprob_rows
-from demo.wire import ChatTurn, EngineRequest, InputError, Shape
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.generate import Completion, logprob_rows
+from tracetap.demo.wire import ChatTurn, EngineRequest, InputError, Shape
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "assistant", "system", "developer")

@@ -72,7 +72,7 @@ class Plan:
 
 def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
     """Phases of episodes; the episodes of a phase run concurrently (a GRPO group)."""
-    from demo.agent import TASKS
+    from tracetap.demo.agent import TASKS
 
     prefix = f"demo-{run_id}"
     solo = [[Plan(f"{prefix}-solo-{k}", "append-only", TASKS[(k - 1) % 3], 2 + (k - 1) % 3)]
@@ -131,12 +131,12 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
     import aiohttp
     from aiohttp import web
 
-    from demo.engine import EngineConfig, EngineServer
-    from exporters import ExportError, export_async
-    from proxy.app import build_app
-    from proxy.keys import STATE
-    from proxy.settings import Settings
-    from storage.engine import upgrade_async
+    from tracetap.demo.engine import EngineConfig, EngineServer
+    from tracetap.exporters import ExportError, export_async
+    from tracetap.proxy.app import build_app
+    from tracetap.proxy.keys import STATE
+    from tracetap.proxy.settings import Settings
+    from tracetap.storage.engine import upgrade_async
 
     run_id = uuid.uuid4().hex[:6]
     phases = plan_episodes(run_id, append_only)
@@ -205,7 +205,7 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
 
 async def _keep_viewing(settings, phases: list[list[Plan]]) -> None:
     """Print where to look in the viewer, then serve until Ctrl-C (or SIGTERM)."""
-    from viewer import PREFIX
+    from tracetap.viewer import PREFIX
 
     ui = f"{settings.base_url}{PREFIX}"
     rewrite = next(p.id for phase in phases for p in phase if p.variant == "context-rewrite")
@@ -229,8 +229,8 @@ async def _keep_viewing(settings, phases: list[list[Plan]]) -> None:
 async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
     from openai import AsyncOpenAI
 
-    from demo.agent import run_agent
-    from demo.api_agents import run_messages_agent, run_responses_agent
+    from tracetap.demo.agent import run_agent
+    from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
 
     harness = {"name": "tracetap-demo-agent",
                "config": {"variant": plan.variant, "seed": plan.seed,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 from aiohttp import web
 
-from demo.wire import EngineRequest
+from tracetap.demo.wire import EngineRequest
 
 
 def _abort(request: web.Request) -> None:

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from demo import tokenizer as tok
-from demo.generate import Completion, Event, logprob_rows
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.generate import Completion, Event, logprob_rows
 
 # "llamacpp" is the older name of "llama-server" (llama.cpp's C++ server).
 Flavor = Literal["vllm", "openai", "llama-server", "llamacpp", "llama-cpp-python"]

@@ -1,6 +1,6 @@
 """Parquet export of captured episodes: per-call rows and training-ready trajectories.
 
-    from exporters import export
+    from tracetap.exporters import export
     summary = export("sqlite:///tracetap-data/tracetap.db", "data/", incremental=True)
 
 Names resolve on first use, so that ``tracetap serve`` (whose CLI imports
@@ -28,18 +28,18 @@ __all__ = [
 ]
 
 _HOMES = {
-    "ADAPTERS": ("exporters.adapters", "ADAPTERS"),
-    "CALLS_SCHEMA": ("exporters.schema", "CALLS"),
-    "SCHEMA_VERSION": ("exporters.schema", "SCHEMA_VERSION"),
-    "SPLIT_REASONS": ("exporters.trajectories", "SPLIT_REASONS"),
-    "TRAJECTORIES_SCHEMA": ("exporters.schema", "TRAJECTORIES"),
-    "ExportError": ("exporters.parquet", "ExportError"),
-    "ExportSummary": ("exporters.pipeline", "ExportSummary"),
-    "Progress": ("exporters.pipeline", "Progress"),
-    "Trajectory": ("exporters.trajectories", "Trajectory"),
-    "build_trajectories": ("exporters.trajectories", "build_trajectories"),
-    "export": ("exporters.pipeline", "export"),
-    "export_async": ("exporters.pipeline", "export_async"),
+    "ADAPTERS": ("tracetap.exporters.adapters", "ADAPTERS"),
+    "CALLS_SCHEMA": ("tracetap.exporters.schema", "CALLS"),
+    "SCHEMA_VERSION": ("tracetap.exporters.schema", "SCHEMA_VERSION"),
+    "SPLIT_REASONS": ("tracetap.exporters.trajectories", "SPLIT_REASONS"),
+    "TRAJECTORIES_SCHEMA": ("tracetap.exporters.schema", "TRAJECTORIES"),
+    "ExportError": ("tracetap.exporters.parquet", "ExportError"),
+    "ExportSummary": ("tracetap.exporters.pipeline", "ExportSummary"),
+    "Progress": ("tracetap.exporters.pipeline", "Progress"),
+    "Trajectory": ("tracetap.exporters.trajectories", "Trajectory"),
+    "build_trajectories": ("tracetap.exporters.trajectories", "build_trajectories"),
+    "export": ("tracetap.exporters.pipeline", "export"),
+    "export_async": ("tracetap.exporters.pipeline", "export_async"),
 }
 
 
@@ -58,10 +58,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from exporters.adapters import ADAPTERS
-    from exporters.parquet import ExportError
-    from exporters.pipeline import ExportSummary, Progress, export, export_async
-    from exporters.schema import CALLS as CALLS_SCHEMA
-    from exporters.schema import SCHEMA_VERSION
-    from exporters.schema import TRAJECTORIES as TRAJECTORIES_SCHEMA
-    from exporters.trajectories import SPLIT_REASONS, Trajectory, build_trajectories
+    from tracetap.exporters.adapters import ADAPTERS
+    from tracetap.exporters.parquet import ExportError
+    from tracetap.exporters.pipeline import ExportSummary, Progress, export, export_async
+    from tracetap.exporters.schema import CALLS as CALLS_SCHEMA
+    from tracetap.exporters.schema import SCHEMA_VERSION
+    from tracetap.exporters.schema import TRAJECTORIES as TRAJECTORIES_SCHEMA
+    from tracetap.exporters.trajectories import SPLIT_REASONS, Trajectory, build_trajectories

@@ -27,7 +27,7 @@ def _checked(row: Mapping[str, Any]) -> Mapping[str, Any]:
     if not trainable(row):
         raise UntrainableRow(f"trajectory {row.get('trajectory_id')!r} has no token ids "
                              f"(split_reason {row['split_reason']!r}); filter rows with "
-                             "exporters.adapters.trainable")
+                             "tracetap.exporters.adapters.trainable")
     return row
 
 

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exporters.pipeline import ExportError, export  # pyarrow is loaded only from here
+    from tracetap.exporters.pipeline import ExportError, export  # pyarrow is loaded only from here
 
     db = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
     datasets = ("calls", "trajectories") if args.dataset == "all" else (args.dataset,)

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from exporters.trajectories import Trajectory
-from proxy.history import diff_excerpts, excerpt, history_cause
+from tracetap.exporters.trajectories import Trajectory
+from tracetap.proxy.history import diff_excerpts, excerpt, history_cause
 
 _decode = msgspec.json.Decoder(dict).decode
 

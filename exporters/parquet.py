@@ -20,7 +20,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from exporters.schema import SCHEMAS, with_metadata
+from tracetap.exporters.schema import SCHEMAS, with_metadata
 
 MANIFEST = "_manifest.json"
 FORMAT = "tracetap-export"

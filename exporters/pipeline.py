@@ -20,8 +20,9 @@ from pathlib import Path
 import msgspec
 import pyarrow.compute as pc
 
-from exporters.drift import explain
-from exporters.parquet import (
+from tracetap import __version__
+from tracetap.exporters.drift import explain
+from tracetap.exporters.parquet import (
     DATASETS,
     DatasetWriter,
     ExportDir,
@@ -31,10 +32,9 @@ from exporters.parquet import (
     Selection,
     run_id,
 )
-from exporters.schema import SCHEMA_VERSION, calls_batches, trajectories_batch
-from exporters.trajectories import build_trajectories
-from proxy import __version__
-from storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
+from tracetap.exporters.schema import SCHEMA_VERSION, calls_batches, trajectories_batch
+from tracetap.exporters.trajectories import build_trajectories
+from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
 
 SETTLE_SECONDS = 60.0
 

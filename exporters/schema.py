@@ -14,8 +14,8 @@ from itertools import accumulate
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from exporters.trajectories import Trajectory
-from storage.scan import ROW, ScannedEpisode
+from tracetap.exporters.trajectories import Trajectory
+from tracetap.storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.

@@ -7,7 +7,7 @@ import asyncio
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from storage.tables import metadata
+from tracetap.storage.tables import metadata
 
 config = context.config
 

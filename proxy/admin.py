@@ -11,14 +11,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.budgets import Budget
-from proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
-from proxy.headers import bearer
-from proxy.ids import uuid7
-from proxy.keys import STATE
-from proxy.metrics import CONTENT_TYPE
-from proxy.tagging import KEY_PREFIX, hash_key, validate_episode_id
-from storage import queries
+from tracetap.proxy.budgets import Budget
+from tracetap.proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
+from tracetap.proxy.headers import bearer
+from tracetap.proxy.ids import uuid7
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.metrics import CONTENT_TYPE
+from tracetap.proxy.tagging import KEY_PREFIX, hash_key, validate_episode_id
+from tracetap.storage import queries
 
 
 class Harness(msgspec.Struct, forbid_unknown_fields=True):

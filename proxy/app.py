@@ -9,21 +9,21 @@ import logging
 
 from aiohttp import web
 
-from proxy import admin, flavor, handlers
-from proxy.admin_token import ensure_admin_token
-from proxy.keys import STATE
-from proxy.metrics import Metrics
-from proxy.pool import Pool
-from proxy.resolve import TokenResolver
-from proxy.settings import Settings
-from proxy.state import ProxyState
-from proxy.tagging import Tagger
-from proxy.ui import mount_viewer
-from proxy.upstream import UpstreamClient
-from storage import queries
-from storage.engine import create_engine
-from storage.journal import Journal
-from storage.writer import Writer
+from tracetap.proxy import admin, flavor, handlers
+from tracetap.proxy.admin_token import ensure_admin_token
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.metrics import Metrics
+from tracetap.proxy.pool import Pool
+from tracetap.proxy.resolve import TokenResolver
+from tracetap.proxy.settings import Settings
+from tracetap.proxy.state import ProxyState
+from tracetap.proxy.tagging import Tagger
+from tracetap.proxy.ui import mount_viewer
+from tracetap.proxy.upstream import UpstreamClient
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine
+from tracetap.storage.journal import Journal
+from tracetap.storage.writer import Writer
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from proxy.inject import CHAT
-from proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
-from storage.records import ChoiceRecord
+from tracetap.proxy.inject import CHAT
+from tracetap.proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
+from tracetap.storage.records import ChoiceRecord
 
 _TOKEN_ID_PREFIX = "token_id:"
 

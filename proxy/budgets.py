@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from proxy.errors import ProxyError
+from tracetap.proxy.errors import ProxyError
 
 # Episodes whose usage is kept; beyond that the least recently used is dropped (it
 # restarts at zero), so memory stays bounded on a proxy serving millions of episodes.

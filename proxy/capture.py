@@ -14,14 +14,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.apis.chat_reply import read_chunk_bytes
-from proxy.errors import ProxyError, bad_request
-from proxy.inject import COMPLETIONS, Injected
-from proxy.routing import Route
-from proxy.sse import Event
-from proxy.state import ProxyState
-from proxy.wire import decode_object, encode
-from storage.records import CallRecord
+from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.errors import ProxyError, bad_request
+from tracetap.proxy.inject import COMPLETIONS, Injected
+from tracetap.proxy.routing import Route
+from tracetap.proxy.sse import Event
+from tracetap.proxy.state import ProxyState
+from tracetap.proxy.wire import decode_object, encode
+from tracetap.storage.records import CallRecord
 
 
 class ModelCall:

@@ -11,8 +11,8 @@ import os
 import socket
 import sys
 
-from proxy import __version__
-from proxy.settings import add_serve_arguments, settings_from_args
+from tracetap import __version__
+from tracetap.proxy.settings import add_serve_arguments, settings_from_args
 
 log = logging.getLogger("tracetap")
 
@@ -49,28 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     upgrade.set_defaults(run=_db_upgrade)
 
     export = commands.add_parser("export", help="write episodes as Parquet for RL trainers")
-    from exporters import command as export_command  # cheap: pyarrow loads only in its run
+    from tracetap.exporters import command as export_command  # cheap: pyarrow loads only in its run
 
     export_command.add_arguments(export)
     export.set_defaults(run=export_command.run)
 
     drift = commands.add_parser("drift", help="why an export's trajectories split: per cause, "
                                 "harness and episode (a table, or --json)")
-    from exporters import drift_command  # cheap: pyarrow loads only in its run
+    from tracetap.exporters import drift_command  # cheap: pyarrow loads only in its run
 
     drift_command.add_arguments(drift)
     drift.set_defaults(run=drift_command.run)
 
     ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
                              "running proxy")
-    from viewer import command as ui_command  # cheap: the server loads only in its run
+    from tracetap.viewer import command as ui_command  # cheap: the server loads only in its run
 
     ui_command.add_arguments(ui)
     ui.set_defaults(run=ui_command.run)
 
     demo = commands.add_parser("demo", help="the whole loop locally, no GPU: mock engine, "
                                "proxy, scripted openai-SDK agent, Parquet export")
-    from demo import runner as demo_runner  # cheap: servers load only in its run
+    from tracetap.demo import runner as demo_runner  # cheap: servers load only in its run
 
     demo_runner.add_arguments(demo)
     demo.set_defaults(run=demo_runner.run)
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from proxy.admin_token import ensure_admin_token
-    from proxy.app import build_app
-    from proxy.startup_check import check_upstreams
-    from storage.engine import prepare_schema, redact_url
+    from tracetap.proxy.admin_token import ensure_admin_token
+    from tracetap.proxy.app import build_app
+    from tracetap.proxy.startup_check import check_upstreams
+    from tracetap.storage.engine import prepare_schema, redact_url
 
     settings = settings_from_args(args)
     check_upstreams(settings.upstreams, settings.upstream_api_key)
@@ -156,7 +156,7 @@ def _listen_unix(path: str) -> socket.socket:
 
 
 def _admin_token(args: argparse.Namespace) -> int:
-    from proxy.admin_token import read_admin_token, token_path
+    from tracetap.proxy.admin_token import read_admin_token, token_path
 
     token = read_admin_token(args.data_dir)
     if token is None:
@@ -179,7 +179,7 @@ def _tune_gc() -> None:
 def _db_upgrade(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from storage.engine import redact_url, revisions, upgrade
+    from tracetap.storage.engine import redact_url, revisions, upgrade
 
     url = args.db
     if not url and args.data_dir:
@@ -197,7 +197,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _mock_engine(args: argparse.Namespace) -> int:
-    from demo.engine import main as engine_main
+    from tracetap.demo.engine import main as engine_main
 
     engine_main(args.extra)
     return 0

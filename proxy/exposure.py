@@ -13,7 +13,7 @@ import re
 
 import msgspec
 
-from proxy.errors import ProxyError
+from tracetap.proxy.errors import ProxyError
 
 
 class Rule(msgspec.Struct, frozen=True):

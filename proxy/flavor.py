@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from proxy.pool import Target
-from proxy.upstream import UpstreamClient
+from tracetap.proxy.pool import Target
+from tracetap.proxy.upstream import UpstreamClient
 
 log = logging.getLogger("tracetap.flavor")
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "llama.cpp": "llamacpp"}

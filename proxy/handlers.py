@@ -7,22 +7,22 @@ import time
 
 from aiohttp import web
 
-from proxy.budgets import BudgetExceeded
-from proxy.capture import ModelCall
-from proxy.errors import ProxyError, speaks_anthropic, too_large
-from proxy.exposure import check_raw_path, refused
-from proxy.headers import (
+from tracetap.proxy.budgets import BudgetExceeded
+from tracetap.proxy.capture import ModelCall
+from tracetap.proxy.errors import ProxyError, speaks_anthropic, too_large
+from tracetap.proxy.exposure import check_raw_path, refused
+from tracetap.proxy.headers import (
     EPISODE_HEADER,
     OVERHEAD_HEADER,
     response_headers,
     upstream_request_headers,
 )
-from proxy.ids import uuid7
-from proxy.keys import STATE
-from proxy.routing import Route
-from proxy.sse import SSEParser
-from proxy.upstream import Reply, UpstreamBroken
-from storage.records import CallRecord
+from tracetap.proxy.ids import uuid7
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.routing import Route
+from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.upstream import Reply, UpstreamBroken
+from tracetap.storage.records import CallRecord
 
 _STATUS_BY_CODE = {
     "upstream_timeout": "upstream_timeout",

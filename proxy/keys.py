@@ -2,6 +2,6 @@
 
 from aiohttp import web
 
-from proxy.state import ProxyState
+from tracetap.proxy.state import ProxyState
 
 STATE = web.AppKey("state", ProxyState)

@@ -15,11 +15,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-from storage.writer import WriterObserver
+from tracetap.storage.writer import WriterObserver
 
 if TYPE_CHECKING:
-    from proxy.apis import Reassembly
-    from proxy.state import ProxyState
+    from tracetap.proxy.apis import Reassembly
+    from tracetap.proxy.state import ProxyState
 
 # Seconds. Overhead is sub-millisecond when all is well; durations reach minutes for
 # long generations.

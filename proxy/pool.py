@@ -13,8 +13,8 @@ import hashlib
 import logging
 from urllib.parse import urlsplit
 
-from proxy.settings import UpstreamSpec
-from proxy.upstream import ConnectFailed, Reply, UpstreamClient
+from tracetap.proxy.settings import UpstreamSpec
+from tracetap.proxy.upstream import ConnectFailed, Reply, UpstreamClient
 
 log = logging.getLogger("tracetap.pool")
 

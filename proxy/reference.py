@@ -1,6 +1,6 @@
 """docs/reference.md, generated from the command line's own definitions so it cannot drift.
 
-    python -m proxy.reference > docs/reference.md
+    python -m tracetap.proxy.reference > docs/reference.md
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from proxy.cli import build_parser
+from tracetap.proxy.cli import build_parser
 
 HEADER = """# Command reference
 
-Generated from the argparse definitions by `python -m proxy.reference > docs/reference.md`;
+Generated from the argparse definitions by `python -m tracetap.proxy.reference > docs/reference.md`;
 `tests/test_startup.py` fails when it is out of date. Every `tracetap serve` option also
 reads a `TRACETAP_*` environment variable (flags win over the environment).
 """

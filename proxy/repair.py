@@ -25,11 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from proxy.history import Turn, equivalent, turn, turn_cause
-from proxy.inject import CHAT
+from tracetap.proxy.history import Turn, equivalent, turn, turn_cause
+from tracetap.proxy.inject import CHAT
 
 if TYPE_CHECKING:
-    from proxy.capture import ModelCall
+    from tracetap.proxy.capture import ModelCall
 
 MAX_EPISODES = 10_000  # episodes remembered; the least recently used are forgotten
 MAX_TURNS = 1024  # remembered replies per episode

@@ -29,10 +29,10 @@ import logging
 
 import msgspec
 
-from proxy.inject import CHAT, COMPLETIONS
-from proxy.tokenizers import EngineTokenizer, NoChatTemplate, Quiet, TokenizeFailed, detect
-from proxy.upstream import UpstreamClient
-from storage.records import CallRecord, ChoiceRecord
+from tracetap.proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.tokenizers import EngineTokenizer, NoChatTemplate, Quiet, TokenizeFailed, detect
+from tracetap.proxy.upstream import UpstreamClient
+from tracetap.storage.records import CallRecord, ChoiceRecord
 
 log = logging.getLogger("tracetap.resolve")
 

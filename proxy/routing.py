@@ -12,10 +12,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import NamedTuple
 
-from proxy.apis import WireApi
-from proxy.apis.chat import CHAT_API, COMPLETIONS_API
-from proxy.apis.messages import translate as messages_translate
-from proxy.apis.responses import translate as responses_translate
+from tracetap.proxy.apis import WireApi
+from tracetap.proxy.apis.chat import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis.messages import translate as messages_translate
+from tracetap.proxy.apis.responses import translate as responses_translate
 
 TRANSLATABLE = ("responses", "messages")
 CAPTURED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import msgspec
 
-from proxy.budgets import Budget
-from proxy.exposure import Exposure
-from proxy.model_map import ModelMap
-from proxy.routing import parse_translate
+from tracetap.proxy.budgets import Budget
+from tracetap.proxy.exposure import Exposure
+from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.routing import parse_translate
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 

@@ -11,7 +11,7 @@ import logging
 import urllib.error
 import urllib.request
 
-from proxy.settings import UpstreamSpec
+from tracetap.proxy.settings import UpstreamSpec
 
 log = logging.getLogger("tracetap")
 

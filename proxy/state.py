@@ -11,21 +11,21 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.apis.messages.capture import MessagesApi
-from proxy.apis.responses.capture import ResponsesApi
-from proxy.budgets import Budgets
-from proxy.errors import ProxyError
-from proxy.exposure import Exposure
-from proxy.ids import instance_id
-from proxy.metrics import Metrics
-from proxy.model_map import ModelMap
-from proxy.pool import Pool
-from proxy.repair import Repair
-from proxy.routing import Routing
-from proxy.settings import Settings
-from proxy.tagging import Tagger
-from storage.records import CallRecord
-from storage.writer import Writer
+from tracetap.proxy.apis.messages.capture import MessagesApi
+from tracetap.proxy.apis.responses.capture import ResponsesApi
+from tracetap.proxy.budgets import Budgets
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.exposure import Exposure
+from tracetap.proxy.ids import instance_id
+from tracetap.proxy.metrics import Metrics
+from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.pool import Pool
+from tracetap.proxy.repair import Repair
+from tracetap.proxy.routing import Routing
+from tracetap.proxy.settings import Settings
+from tracetap.proxy.tagging import Tagger
+from tracetap.storage.records import CallRecord
+from tracetap.storage.writer import Writer
 
 log = logging.getLogger("tracetap")
 

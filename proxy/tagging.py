@@ -9,8 +9,8 @@ import hashlib
 import re
 from collections.abc import Awaitable, Callable, Mapping
 
-from proxy.errors import bad_request, forbidden, not_found, unauthorized
-from proxy.headers import EPISODE_HEADER, bearer
+from tracetap.proxy.errors import bad_request, forbidden, not_found, unauthorized
+from tracetap.proxy.headers import EPISODE_HEADER, bearer
 
 _EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KEY_PREFIX = "tt-"

@@ -27,7 +27,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.upstream import UpstreamClient
+from tracetap.proxy.upstream import UpstreamClient
 
 # What a chat request may carry that changes how vLLM's /tokenize renders it.
 _VLLM_CHAT_KEYS = ("model", "messages", "tools", "add_generation_prompt",

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.admin import serves_admin
-from proxy.keys import STATE
-from proxy.settings import Settings
-from viewer import PREFIX
-from viewer.access import Access
-from viewer.app import ViewerConfig, build_viewer
+from tracetap.proxy.admin import serves_admin
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.settings import Settings
+from tracetap.viewer import PREFIX
+from tracetap.viewer.access import Access
+from tracetap.viewer.app import ViewerConfig, build_viewer
 
 
 def mount_viewer(app: web.Application, settings: Settings) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
+from tracetap.proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
 
 log = logging.getLogger("tracetap.upstream")
 

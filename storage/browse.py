@@ -14,7 +14,7 @@ import msgspec
 from sqlalchemy import case, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.tables import FAILED_SQL, Call, Choice, Episode
+from tracetap.storage.tables import FAILED_SQL, Call, Choice, Episode
 
 SORTS = {
     "created": Episode.created_at,

@@ -10,7 +10,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-import migrations
+from tracetap import migrations
 
 # "postgres://" is what Heroku-style providers and many .env files give.
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",

@@ -9,9 +9,9 @@ import msgspec
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.codec import unpack_ids, unpack_logprobs
-from storage.rows import insert_ignoring_duplicates
-from storage.tables import Call, Choice, Episode
+from tracetap.storage.codec import unpack_ids, unpack_logprobs
+from tracetap.storage.rows import insert_ignoring_duplicates
+from tracetap.storage.tables import Call, Choice, Episode
 
 _json = msgspec.json.encode
 

@@ -10,9 +10,9 @@ import msgspec
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.codec import pack_ids, pack_logprobs
-from storage.records import CallRecord
-from storage.tables import Call, Choice, Episode
+from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.records import CallRecord
+from tracetap.storage.tables import Call, Choice, Episode
 
 _json = msgspec.json.encode
 _EPISODE_NULLS = dict.fromkeys(c.name for c in Episode.__table__.columns)

@@ -24,10 +24,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import Select
 
-from storage.codec import SWAPPED as _SWAPPED
-from storage.codec import native_ids, native_logprobs
-from storage.engine import DatabaseURLError, async_url, create_engine, redact_url
-from storage.tables import Call, Choice, Episode
+from tracetap.storage.codec import SWAPPED as _SWAPPED
+from tracetap.storage.codec import native_ids, native_logprobs
+from tracetap.storage.engine import DatabaseURLError, async_url, create_engine, redact_url
+from tracetap.storage.tables import Call, Choice, Episode
 
 
 class ScanError(Exception):

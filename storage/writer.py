@@ -20,9 +20,9 @@ from pathlib import Path
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.journal import Journal, read_segment
-from storage.records import CallRecord
-from storage.rows import insert_calls
+from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.records import CallRecord
+from tracetap.storage.rows import insert_calls
 
 log = logging.getLogger("tracetap.writer")
 

@@ -29,14 +29,14 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, settings
 
-from demo.engine import EngineConfig, EngineServer
-from proxy.admin_token import read_admin_token
-from proxy.app import build_app
-from proxy.keys import STATE
-from proxy.settings import Settings
-from proxy.sse import SSEParser
-from storage import queries
-from storage.engine import create_engine, upgrade
+from tracetap.demo.engine import EngineConfig, EngineServer
+from tracetap.proxy.admin_token import read_admin_token
+from tracetap.proxy.app import build_app
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.settings import Settings
+from tracetap.proxy.sse import SSEParser
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine, upgrade
 
 PG_ADMIN = os.environ.get("TRACETAP_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -261,7 +261,7 @@ class ProxyProcess:
     def __init__(self, *, upstream: str, db: str, data_dir: Path, log: Path,
                  extra: tuple[str, ...] = (), env: dict | None = None):
         self.port = free_port()
-        self.args = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream,
+        self.args = [sys.executable, "-m", "tracetap", "serve", "--upstream", upstream,
                      "--db", db, "--data-dir", str(data_dir), "--port", str(self.port), *extra]
         self.log = log
         self.env = {**os.environ, **(env or {})}

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port
-from demo.engine import EngineConfig, EngineServer, make_engine_app
-from proxy.settings import Settings
+from tracetap.demo.engine import EngineConfig, EngineServer, make_engine_app
+from tracetap.proxy.settings import Settings
 
 TOOLS_RESPONSES = [{"type": "function", "name": "lookup", "description": "look a fact up",
                     "parameters": {"type": "object", "properties": {"step": {"type": "integer"}},
@@ -41,7 +41,7 @@ def make_proxy(loop_thread, tmp_path):
 
     def start(engine: EngineServer, **settings) -> Proxy:
         db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        from storage.engine import upgrade
+        from tracetap.storage.engine import upgrade
 
         upgrade(db)
         proxy = Proxy(loop_thread, Settings(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from proxy.assemble import Capture
-from proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.assemble import Capture
+from tracetap.proxy.inject import CHAT, COMPLETIONS
 
 
 def _chunk(**choice) -> bytes:

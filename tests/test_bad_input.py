@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from conftest import Proxy, free_port
-from proxy.settings import Settings
+from tracetap.proxy.settings import Settings
 
 
 def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import free_port, stored_calls
-from demo import tokenizer as tok
+from tracetap.demo import tokenizer as tok
 
-CLI = [sys.executable, "-m", "proxy.cli"]
+CLI = [sys.executable, "-m", "tracetap"]
 DEMO_TIMEOUT_S = 120
 
 

@@ -7,14 +7,14 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from exporters import export
-from exporters.drift import explain, reply_message
-from exporters.trajectories import build_trajectories
-from proxy import cli
-from proxy.history import CAUSES, history_cause, turn, turn_cause
-from storage.scan import ScannedCall
 from tests import harnesses as h
 from tests.test_trajectories import make_call
+from tracetap.exporters import export
+from tracetap.exporters.drift import explain, reply_message
+from tracetap.exporters.trajectories import build_trajectories
+from tracetap.proxy import cli
+from tracetap.proxy.history import CAUSES, history_cause, turn, turn_cause
+from tracetap.storage.scan import ScannedCall
 
 # (style, turns, extra body, stop, the cause of each split)
 STYLES = {

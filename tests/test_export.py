@@ -23,15 +23,22 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
-import exporters
-from demo.engine import EngineConfig
-from exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
-from exporters import schema as export_schema
-from exporters.adapters import ADAPTERS, UntrainableRow, to_openrlhf, to_slime, to_trl, to_verl
-from exporters.command import ProgressBar, timestamp
-from proxy import __version__, cli
-from storage import queries
-from storage.engine import create_engine
+from tracetap import __version__, exporters
+from tracetap.demo.engine import EngineConfig
+from tracetap.exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
+from tracetap.exporters import schema as export_schema
+from tracetap.exporters.adapters import (
+    ADAPTERS,
+    UntrainableRow,
+    to_openrlhf,
+    to_slime,
+    to_trl,
+    to_verl,
+)
+from tracetap.exporters.command import ProgressBar, timestamp
+from tracetap.proxy import cli
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {"step": {"type": "integer"}}},

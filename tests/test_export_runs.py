@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
-from exporters import ExportError, export
-from proxy.ids import uuid7
-from storage import queries
-from storage.engine import create_engine
-from storage.records import CallRecord, ChoiceRecord
-from storage.rows import insert_calls
+from tracetap.exporters import ExportError, export
+from tracetap.proxy.ids import uuid7
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.rows import insert_calls
 
 SETTLE = 60.0  # "trails the newest exported finished_at by a minute"
 

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.assemble import Capture
-from proxy.capture import ModelCall
-from proxy.errors import ProxyError
-from proxy.inject import CHAT, COMPLETIONS
-from proxy.model_map import ModelMap
-from proxy.repair import Repair
-from proxy.routing import Routing
-from proxy.sse import SSEParser
+from tracetap.proxy.assemble import Capture
+from tracetap.proxy.capture import ModelCall
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.repair import Repair
+from tracetap.proxy.routing import Routing
+from tracetap.proxy.sse import SSEParser
 
 _STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False))
 _CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")

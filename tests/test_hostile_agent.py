@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, admin_call, free_port
-from demo.engine import EngineConfig, make_engine_app
-from proxy.settings import Settings
-from storage.engine import upgrade
+from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
 
 SECRET = "sk-upstream-SECRET-77c1"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -266,7 +266,7 @@ def test_serve_generates_an_owner_only_admin_token_and_the_cli_reads_it(
     token_file = data / "admin-token"
     assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
     assert str(token_file) in (tmp_path / "proxy-0.log").read_text()
-    printed = subprocess.run([sys.executable, "-m", "proxy.cli", "admin-token",
+    printed = subprocess.run([sys.executable, "-m", "tracetap", "admin-token",
                               "--data-dir", str(data)], capture_output=True, text=True,
                              check=True).stdout.strip()
     assert printed == token_file.read_text().strip() == proxy.admin_token
@@ -317,7 +317,7 @@ def test_admin_api_on_a_unix_socket(upstream, run_proxy, tmp_path, loop_thread):
 def test_bad_allow_path_rules_fail_at_start(upstream, tmp_path):
     for rule in ("relative/path", "/v1/../sleep", "FETCH /x", "/tracetap/episodes"):
         result = subprocess.run(
-            [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream,
+            [sys.executable, "-m", "tracetap", "serve", "--upstream", upstream,
              "--data-dir", str(tmp_path), "--allow-path", rule],
             capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, rule

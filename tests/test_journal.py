@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import stat
 
-from storage.journal import Journal, read_segment
+from tracetap.storage.journal import Journal, read_segment
 
 PAYLOADS = [b"first", b"", b"x" * 1000, b"last one"]
 FRAME = 8  # length + crc32

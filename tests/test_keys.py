@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import text
 
 from conftest import Proxy, free_port
-from proxy.errors import ProxyError
-from proxy.tagging import Tagger, hash_key, validate_episode_id
-from storage.engine import create_engine
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.tagging import Tagger, hash_key, validate_episode_id
+from tracetap.storage.engine import create_engine
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

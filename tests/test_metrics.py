@@ -21,10 +21,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LoopThread, Proxy, free_port
-from demo.engine import EngineServer
-from proxy.metrics import OTHER, Metrics
-from proxy.settings import Settings
-from storage.engine import upgrade
+from tracetap.demo.engine import EngineServer
+from tracetap.proxy.metrics import OTHER, Metrics
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 Samples = dict[tuple[str, frozenset], float]

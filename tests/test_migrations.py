@@ -7,8 +7,8 @@ import asyncio
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from storage.engine import create_engine
-from storage.tables import metadata
+from tracetap.storage.engine import create_engine
+from tracetap.storage.tables import metadata
 
 
 def _diff(url: str) -> list:

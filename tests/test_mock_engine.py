@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from demo import tokenizer as tok
-from demo.engine import EngineConfig, EngineServer
-from demo.generate import Sampling, generate_chat
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine import EngineConfig, EngineServer
+from tracetap.demo.generate import Sampling, generate_chat
 
 TOOLS = [
     {

@@ -13,8 +13,8 @@ import anthropic
 import openai
 import pytest
 
-from demo import tokenizer as tok
-from demo.engine import EngineConfig, EngineServer
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine import EngineConfig, EngineServer
 
 SCHEMA = {"type": "object", "properties": {"step": {"type": "integer"}}}
 RESPONSES_TOOL = {

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 
 from conftest import Proxy, free_port
-from demo.engine import EngineConfig, EngineServer
-from proxy.pool import Pool
-from proxy.settings import Settings, UpstreamSpec, parse_upstreams
+from tracetap.demo.engine import EngineConfig, EngineServer
+from tracetap.proxy.pool import Pool
+from tracetap.proxy.settings import Settings, UpstreamSpec, parse_upstreams
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

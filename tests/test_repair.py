@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporters import export
-from proxy.inject import CHAT
-from proxy.repair import Repair
-from proxy.settings import Settings
 from tests import harnesses as h
 from tests.conftest import free_port
+from tracetap.exporters import export
+from tracetap.proxy.inject import CHAT
+from tracetap.proxy.repair import Repair
+from tracetap.proxy.settings import Settings
 
 REPAIRED = {"langchain": h.reserialized, "strip": h.stripped, "smolagents": h.text_parts}
 EXPLAINED = {"dropper": (h.dropped, "assistant_turn_dropped"),

@@ -6,8 +6,8 @@ import openai
 import pyarrow.dataset as ds
 
 from conftest import stored_calls
-from exporters import export
-from storage.engine import upgrade
+from tracetap.exporters import export
+from tracetap.storage.engine import upgrade
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"step": {"type": "integer"}}}}}]

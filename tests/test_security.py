@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from conftest import Forwarder, Proxy, free_port, stored_calls
-from demo.engine import EngineConfig, make_engine_app
-from proxy.settings import Settings
-from storage.engine import upgrade
+from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
 
 SECRET = "sk-upstream-SECRET-3f9a1c"
 CONTENT = "what the lighthouse keeper said, 41c7"  # findable in any dump
@@ -100,7 +100,7 @@ def test_unknown_keys_and_unregistered_episodes_are_refused(guarded):
 
 def test_serve_refuses_a_public_bind_without_an_admin_token(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9/v1",
+        [sys.executable, "-m", "tracetap", "serve", "--upstream", "http://127.0.0.1:9/v1",
          "--host", "0.0.0.0", "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 2

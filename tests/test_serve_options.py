@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port, stored_calls
-from demo.engine import EngineConfig, make_engine_app
-from proxy.settings import Settings
-from storage.engine import upgrade
+from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

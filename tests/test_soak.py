@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import free_port, stored_calls
-from storage.engine import upgrade
+from tracetap.storage.engine import upgrade
 
 SECONDS = float(os.environ.get("TRACETAP_SOAK_SECONDS", "60"))
 CLIENTS = 64
@@ -28,7 +28,7 @@ EPISODES = 16
 def engine_process(tmp_path):
     port = free_port()
     log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115 - closed below
-    process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "mock-engine", "--port",
+    process = subprocess.Popen([sys.executable, "-m", "tracetap", "mock-engine", "--port",
                                 str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

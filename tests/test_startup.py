@@ -11,7 +11,7 @@ from conftest import free_port
 
 def _serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--data-dir", str(tmp_path / "d"),
+        [sys.executable, "-m", "tracetap", "serve", "--data-dir", str(tmp_path / "d"),
          "--port", str(free_port()), *args],
         capture_output=True, text=True, timeout=60)
 
@@ -31,7 +31,7 @@ def test_a_port_in_use_fails_before_anything_is_announced(engine, tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "proxy.cli", "serve", "--upstream", engine.url,
+            [sys.executable, "-m", "tracetap", "serve", "--upstream", engine.url,
              "--data-dir", str(tmp_path / "d"), "--port", str(port)],
             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -40,7 +40,7 @@ def test_a_port_in_use_fails_before_anything_is_announced(engine, tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tracetap", *args], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -66,7 +66,7 @@ def test_a_database_url_that_cannot_be_parsed_is_echoed_with_its_password_masked
 def test_every_serve_option_documents_its_variable():
     import argparse
 
-    from proxy.settings import add_serve_arguments
+    from tracetap.proxy.settings import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -81,9 +81,9 @@ def test_every_serve_option_documents_its_variable():
 def test_the_command_reference_is_up_to_date():
     from pathlib import Path
 
-    from proxy.cli import build_parser
-    from proxy.reference import render
+    from tracetap.proxy.cli import build_parser
+    from tracetap.proxy.reference import render
 
     written = (Path(__file__).parent.parent / "docs" / "reference.md").read_text()
     assert written == render(build_parser()), (
-        "docs/reference.md is stale: python -m proxy.reference > docs/reference.md")
+        "docs/reference.md is stale: python -m tracetap.proxy.reference > docs/reference.md")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from proxy import state as state_module
-from proxy.settings import Settings
-from proxy.state import ProxyState
+from tracetap.proxy import state as state_module
+from tracetap.proxy.settings import Settings
+from tracetap.proxy.state import ProxyState
 
 
 def test_arrival_counters_keep_the_most_recent_episodes_only(monkeypatch):

@@ -19,14 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-from demo import tokenizer as tok
-from demo.engine import EngineConfig, make_engine_app
-from exporters import export
-from proxy import cli
-from proxy.resolve import REMEDIES
-from proxy.settings import Settings
-from storage.records import IDS_MISSING
 from tests.conftest import Proxy, free_port
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.exporters import export
+from tracetap.proxy import cli
+from tracetap.proxy.resolve import REMEDIES
+from tracetap.proxy.settings import Settings
+from tracetap.storage.records import IDS_MISSING
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]

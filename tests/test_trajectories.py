@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporters.trajectories import SPLIT_REASONS, build_trajectories
-from storage.scan import ScannedCall, ScannedChoice
+from tracetap.exporters.trajectories import SPLIT_REASONS, build_trajectories
+from tracetap.storage.scan import ScannedCall, ScannedChoice
 
 
 def make_call(call_id, t_start, prompt, completions, *, t_end=None, logprobs=True, seq=0,

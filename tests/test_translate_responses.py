@@ -17,9 +17,9 @@ from pydantic import TypeAdapter
 
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
-from demo import tokenizer as tok
-from proxy.apis.responses import translate as api
-from proxy.apis.responses.translate import (
+from tracetap.demo import tokenizer as tok
+from tracetap.proxy.apis.responses import translate as api
+from tracetap.proxy.apis.responses.translate import (
     StreamTranslator,
     Untranslatable,
     error_from_chat,

@@ -18,14 +18,14 @@ import pytest
 from sqlalchemy import update
 
 from conftest import free_port
-from storage import browse, queries
-from storage.engine import create_engine, upgrade
-from storage.records import CallRecord, ChoiceRecord
-from storage.rows import insert_calls
-from storage.scan import Reader
-from storage.tables import Episode
-from viewer import access, conversation, jsonview, params, tokens
-from viewer.access import SESSION_SECONDS
+from tracetap.storage import browse, queries
+from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.rows import insert_calls
+from tracetap.storage.scan import Reader
+from tracetap.storage.tables import Episode
+from tracetap.viewer import access, conversation, jsonview, params, tokens
+from tracetap.viewer.access import SESSION_SECONDS
 
 UI = "/tracetap/ui"
 T0 = 1_700_000_000.0
@@ -292,7 +292,7 @@ def test_with_an_admin_listener_the_agent_port_has_no_viewer(loop_thread, engine
     from aiohttp import web
 
     from conftest import Proxy
-    from proxy.settings import Settings
+    from tracetap.proxy.settings import Settings
 
     admin_port = free_port()
     settings = Settings(upstream=engine.url, data_dir=str(tmp_path), port=free_port(),
@@ -320,7 +320,7 @@ def test_tracetap_ui_browses_a_database_without_a_proxy(tmp_path, db_url):
     log = tmp_path / "ui.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "ui", "--db", db_url, "--port", str(port),
+            [sys.executable, "-m", "tracetap", "ui", "--db", db_url, "--port", str(port),
              "--data-dir", str(tmp_path / "data")], stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}{UI}/"
@@ -346,21 +346,21 @@ def test_tracetap_ui_browses_a_database_without_a_proxy(tmp_path, db_url):
 
 
 def test_tracetap_ui_says_what_is_wrong_with_the_database(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "ui", "--db",
+    done = subprocess.run([sys.executable, "-m", "tracetap", "ui", "--db",
                            f"sqlite:///{tmp_path / 'missing.db'}"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "no database at" in done.stderr
     empty = tmp_path / "empty.db"
     empty.touch()
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "ui", "--db",
+    done = subprocess.run([sys.executable, "-m", "tracetap", "ui", "--db",
                            f"sqlite:///{empty}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "tracetap db upgrade" in done.stderr
 
 
 def test_trajectory_arrays_are_shown_as_exported():
     """Row keeps the exporter's arrays: prompt then response, logprobs 0 on the prompt."""
-    from exporters.trajectories import build_trajectories
-    from storage.scan import ScannedCall, ScannedChoice
+    from tracetap.exporters.trajectories import build_trajectories
+    from tracetap.storage.scan import ScannedCall, ScannedChoice
 
     call = ScannedCall(call_id="a", prompt_ids=array("i", [1, 2]).tobytes(), t_end=1.0,
                        choices=[ScannedChoice(completion_ids=array("i", [3]).tobytes(),
@@ -387,7 +387,7 @@ def test_ui_bench_stays_runnable(postgres):
 
 
 def test_row_cache_reuses_rows_until_the_episode_changes(tmp_path):
-    from viewer.rowcache import RowCache
+    from tracetap.viewer.rowcache import RowCache
 
     url = f"sqlite:///{tmp_path / 'c.db'}"
     upgrade(url)
@@ -411,8 +411,8 @@ def test_row_cache_reuses_rows_until_the_episode_changes(tmp_path):
 
 
 def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
-    from viewer.access import Access
-    from viewer.app import ViewerConfig, build_viewer
+    from tracetap.viewer.access import Access
+    from tracetap.viewer.app import ViewerConfig, build_viewer
 
     config = ViewerConfig(database_url=f"sqlite:///{tmp_path / 'gone.db'}")
     url = serve_app(build_viewer(config, Access(lambda _request: "tok"), mounted=False))
@@ -422,7 +422,7 @@ def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
 
 def test_demo_ui_keeps_the_viewer_up_and_says_where_to_look(tmp_path):
     demo = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "demo", "--ui", "--quiet", "--episodes", "0",
+        [sys.executable, "-m", "tracetap", "demo", "--ui", "--quiet", "--episodes", "0",
          "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     printed = []

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import LoopThread, Proxy, free_port
-from demo.agent import run_agent
-from demo.api_agents import run_messages_agent, run_responses_agent
-from demo.engine import EngineConfig, EngineServer
-from demo.runner import MODEL, plan_episodes
-from exporters import export
-from proxy.settings import Settings
-from storage.engine import upgrade
+from tracetap.demo.agent import run_agent
+from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
+from tracetap.demo.engine import EngineConfig, EngineServer
+from tracetap.demo.runner import MODEL, plan_episodes
+from tracetap.exporters import export
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
 
 CHROMIUM = shutil.which("chromium")
 try:

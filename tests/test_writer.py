@@ -14,13 +14,13 @@ from asyncpg.exceptions import IntegrityConstraintViolationError
 from sqlalchemy.exc import DBAPIError
 
 from conftest import Forwarder, free_port
-from proxy.ids import uuid7
-from storage import queries
-from storage.engine import create_engine, upgrade
-from storage.journal import Journal, read_segment
-from storage.records import CallRecord, ChoiceRecord
-from storage.rows import insert_calls
-from storage.writer import Writer, WriterObserver
+from tracetap.proxy.ids import uuid7
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.rows import insert_calls
+from tracetap.storage.writer import Writer, WriterObserver
 
 
 class Counting(WriterObserver):

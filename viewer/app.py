@@ -15,16 +15,16 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.scan import ScanError
-from viewer import PREFIX, access, live, pages
-from viewer.access import Access, Verdict
-from viewer.detokenize import Detokenizer
-from viewer.headers import SECURITY_HEADERS
-from viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, ROWS, SOURCE, TEMPLATES
-from viewer.params import BadParameter
-from viewer.render import Templates, page
-from viewer.rowcache import RowCache
-from viewer.source import Source
+from tracetap.storage.scan import ScanError
+from tracetap.viewer import PREFIX, access, live, pages
+from tracetap.viewer.access import Access, Verdict
+from tracetap.viewer.detokenize import Detokenizer
+from tracetap.viewer.headers import SECURITY_HEADERS
+from tracetap.viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, ROWS, SOURCE, TEMPLATES
+from tracetap.viewer.params import BadParameter
+from tracetap.viewer.render import Templates, page
+from tracetap.viewer.rowcache import RowCache
+from tracetap.viewer.source import Source
 
 log = logging.getLogger("tracetap.viewer")
 STATIC = Path(__file__).parent / "static"

@@ -35,13 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from proxy.admin_token import ensure_admin_token
-    from proxy.settings import is_loopback
-    from storage.engine import redact_url
-    from storage.scan import Reader, ScanError
-    from viewer import PREFIX
-    from viewer.access import Access
-    from viewer.app import ViewerConfig, build_viewer
+    from tracetap.proxy.admin_token import ensure_admin_token
+    from tracetap.proxy.settings import is_loopback
+    from tracetap.storage.engine import redact_url
+    from tracetap.storage.scan import Reader, ScanError
+    from tracetap.viewer import PREFIX
+    from tracetap.viewer.access import Access
+    from tracetap.viewer.app import ViewerConfig, build_viewer
 
     url = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
     if not is_loopback(args.host) and not args.admin_token:

@@ -16,10 +16,10 @@ import time
 import msgspec
 from aiohttp import web
 
-from storage import browse
-from viewer.headers import SECURITY_HEADERS
-from viewer.keys import CLOSING, CONFIG, SOURCE
-from viewer.render import page as render_page
+from tracetap.storage import browse
+from tracetap.viewer.headers import SECURITY_HEADERS
+from tracetap.viewer.keys import CLOSING, CONFIG, SOURCE
+from tracetap.viewer.render import page as render_page
 
 OVERLAP_S = 5.0
 BATCH = 500

@@ -6,10 +6,10 @@ import re
 
 from aiohttp import web
 
-from storage import browse
-from viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
-from viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
-from viewer.render import page
+from tracetap.storage import browse
+from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
+from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
+from tracetap.viewer.render import page
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CALL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from urllib.parse import urlencode
 
-from storage.browse import SORTS, STATUSES, EpisodeQuery
+from tracetap.storage.browse import SORTS, STATUSES, EpisodeQuery
 
 PAGE_SIZES = (25, 50, 100, 200)
 FILTERS = ("q", "group", "task", "harness", "outcome", "status", "finished", "reward_min",

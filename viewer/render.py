@@ -8,10 +8,10 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from viewer import PREFIX
-from viewer.charts import seconds
-from viewer.keys import TEMPLATES
-from viewer.tokens import REASONS
+from tracetap.viewer import PREFIX
+from tracetap.viewer.charts import seconds
+from tracetap.viewer.keys import TEMPLATES
+from tracetap.viewer.tokens import REASONS
 
 
 def _when(t: float | None) -> str:
@@ -46,7 +46,7 @@ def _reward_class(v: float | None) -> str:
 class Templates:
     def __init__(self) -> None:
         self.env = jinja2.Environment(
-            loader=jinja2.PackageLoader("viewer", "templates"),
+            loader=jinja2.PackageLoader("tracetap.viewer", "templates"),
             autoescape=True,  # every template, .svg included
             trim_blocks=True,
             lstrip_blocks=True,

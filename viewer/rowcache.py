@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from storage import browse
-from storage.scan import Reader
-from viewer.tokens import Row, episode_rows
+from tracetap.storage import browse
+from tracetap.storage.scan import Reader
+from tracetap.viewer.tokens import Row, episode_rows
 
 MAX_TOKENS = 2_000_000  # about 50 MB of arrays
 

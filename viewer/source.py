@@ -12,7 +12,7 @@ import asyncio
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.scan import Reader
+from tracetap.storage.scan import Reader
 
 
 class Source:

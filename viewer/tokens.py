@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from exporters.trajectories import Trajectory, build_trajectories
-from storage.scan import EpisodeFilter, Reader, ScannedCall
+from tracetap.exporters.trajectories import Trajectory, build_trajectories
+from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
 
 WINDOW = 2048
 MAX_WINDOW = 8192

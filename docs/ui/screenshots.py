@@ -23,7 +23,7 @@ ROOT = HERE.parent.parent
 
 
 def main() -> int:
-    demo = subprocess.Popen([sys.executable, "-m", "proxy.cli", "demo", "--ui", "--quiet"],
+    demo = subprocess.Popen([sys.executable, "-m", "tracetap", "demo", "--ui", "--quiet"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     found: dict[str, str] = {}
     for line in demo.stdout:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from proxy.inject import Injected
-from proxy.sse import Event
-from storage.records import ChoiceRecord
+from tracetap.proxy.inject import Injected
+from tracetap.proxy.sse import Event
+from tracetap.storage.records import ChoiceRecord
 
 
 class Reassembly(Protocol):

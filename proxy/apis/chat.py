@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.assemble import Capture
-from proxy.inject import CHAT, COMPLETIONS, Injected, prepare, strip_body, strip_chunk
-from proxy.sse import Event, encode_event
+from tracetap.proxy.assemble import Capture
+from tracetap.proxy.inject import CHAT, COMPLETIONS, Injected, prepare, strip_body, strip_chunk
+from tracetap.proxy.sse import Event, encode_event
 
 DONE = b"[DONE]"
 

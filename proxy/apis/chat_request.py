@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from proxy.apis.translate_errors import Untranslatable
+from tracetap.proxy.apis.translate_errors import Untranslatable
 
 ModelMap = Callable[[str], str]
 

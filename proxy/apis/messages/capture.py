@@ -12,11 +12,11 @@ from typing import Any
 
 import msgspec
 
-from proxy.apis import CaptureBase
-from proxy.inject import Injected
-from proxy.sse import Event
-from proxy.wire import decode_event
-from storage.records import ChoiceRecord
+from tracetap.proxy.apis import CaptureBase
+from tracetap.proxy.inject import Injected
+from tracetap.proxy.sse import Event
+from tracetap.proxy.wire import decode_event
+from tracetap.storage.records import ChoiceRecord
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
            "tool_use": "tool_calls"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.apis.chat_request import (
+from tracetap.proxy.apis.chat_request import (
     ModelMap,
     as_list,
     as_object,
@@ -23,7 +23,7 @@ from proxy.apis.chat_request import (
     optional_number,
     text_part,
 )
-from proxy.apis.translate_errors import Untranslatable
+from tracetap.proxy.apis.translate_errors import Untranslatable
 
 _SERVER_SIDE = {
     "container": "names a code-execution container on Anthropic's servers",

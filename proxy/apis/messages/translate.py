@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
-from proxy.apis.messages.request import to_chat
-from proxy.apis.translate_errors import Untranslatable, read_upstream_error
-from proxy.apis.wire_out import new_id, sse_event
+from tracetap.proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
+from tracetap.proxy.apis.messages.request import to_chat
+from tracetap.proxy.apis.translate_errors import Untranslatable, read_upstream_error
+from tracetap.proxy.apis.wire_out import new_id, sse_event
 
 __all__ = ["StreamTranslator", "Untranslatable", "error_from_chat", "from_chat", "to_chat",
            "untranslatable_error"]

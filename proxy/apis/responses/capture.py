@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 
-from proxy.apis import CaptureBase
-from proxy.inject import Injected
-from proxy.sse import Event
-from proxy.wire import decode_event, decode_object, encode
-from storage.records import ChoiceRecord
+from tracetap.proxy.apis import CaptureBase
+from tracetap.proxy.inject import Injected
+from tracetap.proxy.sse import Event
+from tracetap.proxy.wire import decode_event, decode_object, encode
+from tracetap.storage.records import ChoiceRecord
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
