@@ -312,7 +312,7 @@ def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(pr
             adapt(rows[0])
 
 
-# The datasets' columns and types as README.md documents them, written out by hand: the
+# The datasets' columns and types as docs/export.md documents them, written out by hand: the
 # exporter's own constants cannot be the reference for what it writes.
 _TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
 DOCUMENTED_CALLS = pa.schema([

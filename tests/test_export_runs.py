@@ -1,5 +1,5 @@
 """Export runs on a database filled directly: what one run writes and counts, and what
-the incremental watermark promises (README, "What is on disk").
+the incremental watermark promises (docs/export.md, "What is on disk").
 
 Episodes are written straight into the database (the writer's own insert), and their
 finished_at set by hand where a test needs a commit that landed late. The end-to-end
