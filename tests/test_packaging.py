@@ -10,12 +10,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FOLDERS = ["proxy", "storage", "exporters", "migrations", "viewer", "demo"]

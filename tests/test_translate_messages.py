@@ -4,7 +4,6 @@ checked against the real ``anthropic`` SDK types and stream parser."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import anthropic
 import msgspec
@@ -15,6 +14,7 @@ from anthropic.types.shared import ErrorResponse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
+from translation import decode_named_events, engine_chat, harness_turn
 
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
@@ -42,16 +42,7 @@ BASE = {"model": "claude-x", "max_tokens": 64}
 
 def decode_events(raw: list[bytes]) -> list[dict]:
     """SSE bytes → event payloads; each must be a valid Messages stream event."""
-    out = []
-    for event in b"".join(raw).split(b"\n\n")[:-1]:
-        name, data = event.split(b"\n")
-        assert name.startswith(b"event: ") and data.startswith(b"data: ")
-        payload = json.loads(data[6:])
-        assert payload["type"] == name[7:].decode()
-        if payload["type"] != "error":
-            EVENTS.validate_python(payload)
-        out.append(payload)
-    return out
+    return decode_named_events(raw, lambda p: p["type"] == "error" or EVENTS.validate_python(p))
 
 
 def run_stream(request: dict, chunks: list[dict], response_id="msg_t") -> list[dict]:
@@ -486,12 +477,6 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
         "name": TOOL["name"], "description": TOOL["description"],
         "parameters": TOOL["input_schema"]}}]
 
-    def complete(body: dict) -> dict:
-        post = urllib.request.Request(engine.url + "/chat/completions", method="POST",
-                                      data=json.dumps(body).encode(),
-                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(post, timeout=30) as answer:
-            return json.load(answer)
 
     harness = [{"role": "system", "content": "Be useful."},
                {"role": "user", "content": "Plan a trip."}]
@@ -504,13 +489,11 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
         assert translated["messages"] == harness
         assert tok.apply_chat_template(translated["messages"], translated["tools"]) == (
             tok.apply_chat_template(harness, chat_tools))
-        reply = complete({"model": "m", "messages": harness, "tools": chat_tools,
+        reply = engine_chat(engine.url, {"model": "m", "messages": harness, "tools": chat_tools,
                           "max_tokens": base["max_tokens"]})
-        assert complete(translated)["choices"] == reply["choices"]
+        assert engine_chat(engine.url, translated)["choices"] == reply["choices"]
         message = reply["choices"][0]["message"]
-        harness.append({"role": "assistant", "content": message["content"],
-                        **({"tool_calls": message["tool_calls"]} if message.get("tool_calls")
-                           else {})})
+        harness.append(harness_turn(message))
         answer = Message.model_validate(from_chat(reply, request))
         turns.append({"role": "assistant",
                       "content": [b.model_dump(exclude_none=True) for b in answer.content]})

@@ -4,7 +4,6 @@ checked against the real ``openai`` SDK types and stream parsers."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import msgspec
 import openai
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from translation import decode_named_events, engine_chat, harness_turn
 
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
@@ -35,15 +35,7 @@ TOOL = {"type": "function", "name": "lookup", "description": "Look a thing up",
 
 def decode_events(raw: list[bytes]) -> list[dict]:
     """SSE bytes → event payloads, checking each event's name against its type."""
-    out = []
-    for event in b"".join(raw).split(b"\n\n")[:-1]:
-        name, data = event.split(b"\n")
-        assert name.startswith(b"event: ") and data.startswith(b"data: ")
-        payload = json.loads(data[6:])
-        assert payload["type"] == name[7:].decode()
-        EVENTS.validate_python(payload)
-        out.append(payload)
-    return out
+    return decode_named_events(raw, EVENTS.validate_python)
 
 
 def run_stream(request: dict, chunks: list[dict], response_id="resp_t") -> list[dict]:
@@ -475,12 +467,6 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
         "name": TOOL["name"], "description": TOOL["description"],
         "parameters": TOOL["parameters"]}}]
 
-    def complete(body: dict) -> dict:
-        post = urllib.request.Request(engine.url + "/chat/completions", method="POST",
-                                      data=json.dumps(body).encode(),
-                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(post, timeout=30) as answer:
-            return json.load(answer)
 
     harness = [{"role": "system", "content": "Be useful."},
                {"role": "user", "content": "Plan a trip."}]
@@ -492,12 +478,10 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
         assert translated["messages"] == harness
         assert tok.apply_chat_template(translated["messages"], translated["tools"]) == (
             tok.apply_chat_template(harness, chat_tools))
-        reply = complete({"model": "m", "messages": harness, "tools": chat_tools})
-        assert complete(translated)["choices"] == reply["choices"]
+        reply = engine_chat(engine.url, {"model": "m", "messages": harness, "tools": chat_tools})
+        assert engine_chat(engine.url, translated)["choices"] == reply["choices"]
         message = reply["choices"][0]["message"]
-        harness.append({"role": "assistant", "content": message["content"],
-                        **({"tool_calls": message["tool_calls"]} if message.get("tool_calls")
-                           else {})})
+        harness.append(harness_turn(message))
         response = from_chat(reply, {"model": "m", "input": items, "tools": [TOOL]})
         items += response["output"]
         if not message.get("tool_calls"):
