@@ -3,8 +3,10 @@
 The agent knows nothing about tracetap: it gets an OpenAI base URL and a key. Each turn it
 calls chat.completions with a ``lookup`` tool, appends the assistant message exactly as
 returned (tool calls included) and one tool result per call, until the model answers
-without a tool call. ``rewrite_at`` makes it rewrite its context before that turn (the old
-turns are summarised into one new user message), as long-horizon harnesses do.
+without a tool call. A tool call whose arguments do not fit the tool's schema fails the
+episode (``failure``), as a strict harness would. ``rewrite_at`` makes it rewrite its
+context before that turn (the old turns are summarised into one new user message), as
+long-horizon harnesses do.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class AgentRun:
     task: Task
     turns: list[Turn] = field(default_factory=list)
     rewritten_at: int | None = None
+    failure: str | None = None  # why the episode failed (invalid tool arguments)
 
     @property
     def answer(self) -> str:
@@ -73,12 +76,28 @@ class AgentRun:
 
     def reward(self) -> float:
         """Deterministic: half a point per task keyword in the answer, at most 1."""
+        if self.failure is not None:
+            return 0.0
         words = {w.strip(".,;:!?").lower() for w in self.answer.split()}
         return min(1.0, 0.5 * len(words & self.task.keywords))
 
     def outcome(self) -> str:
         reward = self.reward()
         return "solved" if reward >= 1.0 else "partial" if reward > 0 else "failed"
+
+
+def invalid_arguments(call: dict[str, Any]) -> str | None:
+    """Why a tool call does not fit ``TOOLS`` (None when it does)."""
+    function = call.get("function") or {}
+    if function.get("name") != "lookup":
+        return f"unknown tool {function.get('name')!r}"
+    try:
+        arguments = json.loads(function.get("arguments") or "")
+    except ValueError:
+        return "arguments are not JSON"
+    if not isinstance(arguments, dict) or type(arguments.get("step")) is not int:
+        return f"'step' must be an integer, got {function.get('arguments')}"
+    return None
 
 
 def lookup(task: Task, arguments: str) -> str:
@@ -111,6 +130,10 @@ async def run_agent(client: AsyncOpenAI, task: Task, *, model: str, seed: int = 
         messages.append(assistant)
         if not turn.tool_calls:
             return run
+        for call in turn.tool_calls:
+            run.failure = invalid_arguments(call)
+            if run.failure is not None:
+                return run
         for call in turn.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call["id"],
                              "content": lookup(task, call["function"]["arguments"])})

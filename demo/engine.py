@@ -24,7 +24,7 @@ with no ``[DONE]``; their errors use their own API's shape.
 Per-request fault injection (extra body fields, accepted by every flavor and endpoint):
 ``mock_delay_s``, ``mock_chunk_delay_s``, ``mock_fail_after_chunks`` (events, for named
 streams), ``mock_status``, ``mock_completion_tokens``, ``mock_garbage``, ``mock_tool_rounds``,
-``mock_content``.
+``mock_content``, ``mock_bad_tool_args``.
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tool_rounds: int = 2
     chunk_delay_s: float = 0.0
     max_model_len: int = 32768
+    bad_tool_args: float = 0.0  # seeded failure mode: this fraction of tool calls is invalid
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.bad_tool_args <= 1.0:
+            raise ValueError("bad_tool_args is a fraction in [0, 1]")
         if self.flavor not in FLAVORS:
             raise ValueError(f"unknown engine flavor {self.flavor!r}")
 
@@ -159,7 +162,8 @@ async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
 
 
 def _sampling(
-    req: EngineRequest, max_tokens: int | None, default: int, stop: Any = None
+    req: EngineRequest, max_tokens: int | None, default: int, stop: Any = None,
+    bad_tool_args: float = 0.0,
 ) -> Sampling:
     max_tokens = default if max_tokens is None else max_tokens
     stop = req.stop if stop is None else stop
@@ -171,8 +175,11 @@ def _sampling(
         if value is not None and value < 1:
             raise ApiError(400, f"{param} must be at least 1, got {value}", param)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    bad = bad_tool_args if req.mock_bad_tool_args is None else req.mock_bad_tool_args
+    if not 0.0 <= bad <= 1.0:
+        raise ApiError(400, "mock_bad_tool_args is a fraction in [0, 1]", "mock_bad_tool_args")
     return Sampling(max_tokens, req.seed or 0, stop, req.mock_completion_tokens,
-                    req.mock_content)
+                    req.mock_content, bad)
 
 
 def _shape(
@@ -204,7 +211,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not req.messages:
         raise ApiError(400, "messages must contain at least one message", "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
-    sampling = _sampling(req, max_tokens, config.max_tokens_default)
+    sampling = _sampling(req, max_tokens, config.max_tokens_default,
+                         bad_tool_args=config.bad_tool_args)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     if config.flavor == "llama-cpp-python" and req.top_logprobs is None:
         top_k = None  # it asks for logprobs with top_logprobs only
@@ -258,7 +266,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def create_response(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     req: responses.ResponsesRequest = await _parse(request, responses.ResponsesRequest)
-    sampling = _sampling(req, req.max_output_tokens, config.max_tokens_default)
+    sampling = _sampling(req, req.max_output_tokens, config.max_tokens_default,
+                         bad_tool_args=config.bad_tool_args)
     shape = _shape(request, req, "resp_", responses.top_k(req), "top_logprobs")
     prompt_ids, (c,) = _complete(request, req, responses.to_chat(req), sampling)
     body = responses.response_body(shape, prompt_ids, c, sampling.max_tokens)
@@ -273,7 +282,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     req: messages.MessagesRequest = await _parse(request, messages.MessagesRequest)
     if req.max_tokens is None:
         raise ApiError(400, "max_tokens: Field required", "max_tokens")
-    sampling = _sampling(req, req.max_tokens, config.max_tokens_default, req.stop_sequences)
+    sampling = _sampling(req, req.max_tokens, config.max_tokens_default, req.stop_sequences,
+                         bad_tool_args=config.bad_tool_args)
     shape = _shape(request, req, "chatcmpl-", None, "")
     prompt_ids, (c,) = _complete(request, req, messages.to_chat(req), sampling)
     if req.stream:
@@ -490,6 +500,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tool-rounds", type=int, default=2)
     parser.add_argument("--max-tokens-default", type=int, default=256)
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
+    parser.add_argument("--bad-tool-args", type=float, default=0.0, metavar="FRACTION",
+                        help="seeded failure mode: this fraction of tool calls gets arguments "
+                             "that break the tool's schema")
     args = parser.parse_args(argv)
     config = EngineConfig(
         flavor=args.flavor,
@@ -497,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tool_rounds=args.tool_rounds,
         max_tokens_default=args.max_tokens_default,
         chunk_delay_s=args.chunk_delay_s,
+        bad_tool_args=args.bad_tool_args,
     )
     run_engine(args.host, args.port, config)
 

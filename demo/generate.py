@@ -40,6 +40,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     forced_tokens: int | None = None  # mock_completion_tokens
     content: str | None = None  # mock_content: this exact text, one byte token per byte
+    bad_tool_args: float = 0.0  # the fraction of tool calls whose arguments break the schema
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,10 @@ def _tool_completion(
     preface = _sentence(rng) + "\n" if rng.random() < 0.5 else ""
     # Tool arguments are always a JSON object, whatever the schema leaves unsaid.
     schema = {"type": "object", **parameters} if isinstance(parameters, Mapping) else {}
-    arguments = tok.canonical_json(schema_value(schema or {"type": "object"}, rng))
+    value = schema_value(schema or {"type": "object"}, rng)
+    if bad_arguments(key, sampling.bad_tool_args):
+        value = broken(value, schema)
+    arguments = tok.canonical_json(value)
     call_id = f"chatcmpl-tool-{rng.getrandbits(128):032x}"
     head, args, tail = (tok.encode(part) for part in tok.tool_call_parts(name, arguments))
     pre = tok.encode(preface)
@@ -229,6 +233,23 @@ def _tool_completion(
     events.append(Event(pos, [*tail, tok.EOS], "hidden"))
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     return Completion(key, ids, events, "tool_calls", None, preface or None, [call])
+
+
+def bad_arguments(key: bytes, fraction: float) -> bool:
+    """Whether this choice's tool call gets invalid arguments: seeded by the choice, drawn
+    apart from everything else, so the valid calls are the ones the engine made anyway."""
+    return fraction > 0 and random.Random(key + b"|bad-args").random() < fraction
+
+
+def broken(value: Any, schema: Mapping[str, Any]) -> Any:
+    """Arguments that break the schema: the first required property of another type (a
+    word for a number, a number for a string), or a bare string when nothing is required."""
+    required = [n for n in schema.get("required") or () if isinstance(value, dict) and n in value]
+    if not required:
+        return "invalid"
+    name = required[0]
+    kind = ((schema.get("properties") or {}).get(name) or {}).get("type")
+    return {**value, name: 7 if kind == "string" else "seven"}
 
 
 def _tool(tools: Sequence[Any] | None, tool_choice: Any) -> tuple[str, Any] | None:

@@ -37,6 +37,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     mock_garbage: bool = False
     mock_tool_rounds: int | None = None
     mock_content: str | None = None
+    mock_bad_tool_args: float | None = None
 
 
 class ChatRequest(EngineRequest, kw_only=True):

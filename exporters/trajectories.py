@@ -21,6 +21,9 @@ it leaves it (the top of its trainable part):
                   summarised, a sub-agent)
   "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched (only
                   with keep_untokenized: such rows are not training data)
+  "vetoed"        a reply an overlay rejected (the model sampled again, docs/overlays.md):
+                  a single-turn row of its own, never stitched, never a parent, so it is
+                  never trained as part of the trajectory the harness went on with
 Calls that did not succeed (status != "ok" or HTTP status != 200) are left out.
 
 A "non_prefix" row also says where its prompt left the context it was expected to extend:
@@ -41,7 +44,7 @@ from typing import Protocol
 
 import msgspec
 
-SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids")
+SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids", "vetoed")
 
 
 class ChoiceLike(Protocol):
@@ -131,16 +134,20 @@ def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = Fa
     when it has one, else ``no_token_ids``)."""
     ordered = sorted(calls, key=_arrival)
     nodes: list[_Node] = []
-    untokenized: list[Trajectory] = []
+    single_turn: list[Trajectory] = []
     for call in ordered:
-        if call.status != "ok" or call.http_status != 200:
+        vetoed = call.status == "vetoed"
+        if not (call.status == "ok" or vetoed) or call.http_status != 200:
             continue
         choices = call.choices
         for choice in choices if len(choices) < 2 else sorted(choices, key=_index):
-            if call.prompt_ids is not None and choice.completion_ids is not None:
+            tokenized = call.prompt_ids is not None and choice.completion_ids is not None
+            if tokenized and vetoed:
+                single_turn.append(_single_turn(call, choice, "vetoed"))
+            elif tokenized:
                 nodes.append(_Node(call, choice))
             elif keep_untokenized:
-                untokenized.append(_single_turn(call, choice))
+                single_turn.append(_single_turn(call, choice))
             elif left_out is not None:
                 reason = getattr(call, "ids_missing", None) or "no_token_ids"
                 left_out[reason] = left_out.get(reason, 0) + 1
@@ -148,7 +155,7 @@ def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = Fa
     rows = _tree_rows(nodes)
     for node in nodes:  # parent <-> children cycles would keep token buffers until a GC pass
         node.parent, node.children = None, []
-    return [*rows, *untokenized]
+    return [*rows, *single_turn]
 
 
 def _link(nodes: list[_Node]) -> None:
@@ -295,7 +302,8 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
     )
 
 
-def _single_turn(call: CallLike, choice: ChoiceLike) -> Trajectory:
+def _single_turn(call: CallLike, choice: ChoiceLike,
+                 reason: str = "no_token_ids") -> Trajectory:
     response = array("i", _packed(choice.completion_ids, "i"))
     logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None), len(response) * 4)
     return Trajectory(
@@ -307,7 +315,7 @@ def _single_turn(call: CallLike, choice: ChoiceLike) -> Trajectory:
         response_mask=array("b", b"\x01" * len(response)),
         response_logprobs=None if logprobs is None else array("d", logprobs),
         policy_versions=[call.policy_version],
-        split_reason="no_token_ids",
+        split_reason=reason,
         finish_reason=choice.finish_reason,
     )
 

@@ -17,6 +17,7 @@ from tracetap.proxy.headers import bearer
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.metrics import CONTENT_TYPE
+from tracetap.proxy.overlays.hooks import EpisodeInfo
 from tracetap.proxy.tagging import KEY_PREFIX, hash_key, validate_episode_id
 from tracetap.storage import queries
 
@@ -34,6 +35,7 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     metadata: dict[str, Any] | None = None
     budget: Budget | None = None
     repair_history: bool | None = None  # None: the proxy's --repair-history
+    overlay: str | None = None  # a loaded --overlay NAME; kept in metadata["overlay"] too
 
 
 class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,16 +114,20 @@ async def create_episode(request: web.Request) -> web.Response:
     api_key = KEY_PREFIX + secrets.token_urlsafe(32)
     key_hash = hash_key(api_key)
     harness = spec.harness or Harness()
+    metadata = _with_overlay(state, spec)
     try:
         await queries.create_episode(
             state.engine, episode_id=episode_id, key_hash=key_hash, group_id=spec.group_id,
             task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
-            metadata=spec.metadata,
+            metadata=metadata,
         )
     except queries.EpisodeExists as exc:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
                          "episode_exists") from exc
     state.tagger.remember(episode_id, key_hash)
+    if spec.overlay is not None:
+        state.overlays.register(EpisodeInfo(id=episode_id, task_id=spec.task_id,
+                                            harness=harness.name, metadata=metadata or {}))
     if spec.budget is not None:
         state.budgets.set(episode_id, spec.budget)
     if spec.repair_history is not None:
@@ -129,6 +135,19 @@ async def create_episode(request: web.Request) -> web.Response:
     base_url = f"{state.settings.base_url}/episodes/{episode_id}/v1"
     return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
                              status=201)
+
+
+def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
+    """The metadata to store: with ``"overlay"`` when the episode opts in (so tools that
+    compare runs, such as ``tracetap compare``, can select by it)."""
+    given = (spec.metadata or {}).get("overlay")
+    if given is not None and given != spec.overlay:
+        raise bad_request('choose an overlay with "overlay", not metadata["overlay"]',
+                          "overlay_in_metadata")
+    if spec.overlay is None:
+        return spec.metadata
+    state.overlays.check(spec.overlay)
+    return {**(spec.metadata or {}), "overlay": spec.overlay}
 
 
 @_errors

@@ -13,6 +13,7 @@ from tracetap.proxy import admin, flavor, handlers
 from tracetap.proxy.admin_token import ensure_admin_token
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.metrics import Metrics
+from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.resolve import TokenResolver
 from tracetap.proxy.settings import Settings
@@ -27,11 +28,13 @@ from tracetap.storage.writer import Writer
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
+OVERLAYS = web.AppKey("overlays", dict)
 
 
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(client_max_size=settings.max_body)
     app[SETTINGS] = settings
+    app[OVERLAYS] = load_overlays(settings.overlay)  # the operator's code, imported at start
     app.cleanup_ctx.append(_lifecycle)
     r = app.router
     r.add_post("/tracetap/episodes", admin.create_episode)
@@ -76,9 +79,12 @@ async def _lifecycle(app: web.Application):
     )
     admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
-                       tagger=tagger, metrics=metrics, admin_token=admin_token)
+                       tagger=tagger, metrics=metrics, admin_token=admin_token,
+                       overlays=app[OVERLAYS])
     resolver.quiet = state.quiet  # llama-cpp-python cuts streams when asked meanwhile
     log.info("exposed to agents: %s", state.exposure.describe())
+    if app[OVERLAYS]:
+        log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
     app[STATE] = state
     writer.start()
     background = []

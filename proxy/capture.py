@@ -41,6 +41,7 @@ class ModelCall:
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.repaired = False  # the model's own turns put back (proxy.repair)
+        self.overlay = None  # proxy.overlays.hooks.OverlayLog, when an overlay runs
         self.stream_translator = None
         self.stream = False
         self.status = "ok"
@@ -236,6 +237,7 @@ class ModelCall:
             prompt_source=prompt_source,
             upstream_request=None if self.upstream_request is None
             else self.upstream_request.decode("utf-8", "replace"),
+            overlay=None if self.overlay is None else encode(self.overlay).decode(),
             choices=choices,
         )
 

@@ -19,6 +19,7 @@ from tracetap.proxy.headers import (
 )
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
+from tracetap.proxy.overlays.review import review
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
@@ -29,6 +30,7 @@ _STATUS_BY_CODE = {
     "upstream_unreachable": "upstream_unreachable",
     "upstream_error": "upstream_error",
     "paused": "paused",
+    "overlay_failed": "overlay_failed",
 }
 
 
@@ -85,6 +87,9 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             except web.HTTPRequestEntityTooLarge as exc:
                 raise too_large(state.settings.max_body) from exc
             upstream_body = call.parse_request(body)
+            overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
+            if overlay is not None:
+                upstream_body = await overlay.prepare(call, upstream_body)
             await state.admit()
             call.admitted = True
             # Stamped after any pause: a call released by a resume runs on the new weights.
@@ -96,6 +101,9 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                 identity=True,
             )
             call.upstream_started()
+            if overlay is not None and overlay.reviews_reply(call):
+                return await review(overlay, request, call, route, lambda attempt, b: _send(
+                    request, attempt, route, path, headers, b), upstream_body)
             target, reply = await _send(request, call, route, path, headers, upstream_body)
             fallback = state.routing.fallback(route) if reply.status == 404 else None
             if fallback is not None:

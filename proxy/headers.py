@@ -21,6 +21,7 @@ HOP_BY_HOP = frozenset(
 )
 SECRET = frozenset({"authorization", "api-key", "x-api-key", "proxy-authorization", "cookie"})
 EPISODE_HEADER = "X-Tracetap-Episode"
+OVERLAY_HEADER = "X-Tracetap-Overlay"
 OVERHEAD_HEADER = "x-tracetap-overhead-ms"
 
 
@@ -35,7 +36,7 @@ def upstream_request_headers(
     out: dict[str, str] = {}
     for name, value in incoming.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower == EPISODE_HEADER.lower():
+        if lower in HOP_BY_HOP or lower in _TAGS:
             continue
         if lower in SECRET and not (forward_client_auth and not _is_episode_key(value)):
             continue
@@ -48,6 +49,9 @@ def upstream_request_headers(
     if api_key:
         out["Authorization"] = f"Bearer {api_key}"
     return out
+
+
+_TAGS = frozenset({EPISODE_HEADER.lower(), OVERLAY_HEADER.lower()})
 
 
 def response_headers(upstream: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

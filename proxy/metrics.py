@@ -73,6 +73,10 @@ class Metrics(WriterObserver):
                                        "Resent assistant turns replaced by the model's own "
                                        "(--repair-history), by what the harness changed",
                                        ["cause"], registry=r)
+        self.overlay_events = Counter("tracetap_overlay_events_total",
+                                      "What overlay hooks did (docs/overlays.md), by overlay, "
+                                      "hook and action", ["overlay", "hook", "action"],
+                                      registry=r)
         # Agent traffic the proxy refused (the agent is untrusted: count every attempt).
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",

@@ -12,6 +12,7 @@ import msgspec
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
 from tracetap.proxy.routing import parse_translate
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
@@ -52,6 +53,10 @@ class Settings(msgspec.Struct, kw_only=True):
     translate: str = "auto"
     model_map: list[str] = []
     repair_history: bool = False
+    overlay: list[str] = []
+    overlay_fail: str = "open"
+    overlay_timeout: float = 2.0
+    overlay_max_resamples: int = 2
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -94,6 +99,13 @@ class Settings(msgspec.Struct, kw_only=True):
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
         ModelMap(self.model_map)
         parse_translate(self.translate)
+        parse_specs(self.overlay)
+        if self.overlay_fail not in FAIL_MODES:
+            raise ValueError(f"--overlay-fail must be one of {', '.join(FAIL_MODES)}")
+        if not self.overlay_timeout > 0:
+            raise ValueError(f"--overlay-timeout must be positive, got {self.overlay_timeout}")
+        if self.overlay_max_resamples < 0:
+            raise ValueError("--overlay-max-resamples must be 0 or more")
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
@@ -223,6 +235,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="send the engine the model's own earlier turns when a harness resends them "
            "reformatted (equal after normalisation; docs/fidelity.md); per episode: "
            '"repair_history" at registration')
+    a("--overlay", action="append", default=None, metavar="NAME=MODULE:FACTORY",
+      help="load an overlay (lifecycle hooks at the model boundary; docs/overlays.md) from "
+           "your own code: package.module:factory, options as ,key=value; episodes opt in "
+           'with "overlay": NAME at registration or the X-Tracetap-Overlay header '
+           "(repeatable; TRACETAP_OVERLAY takes a space-separated list)")
+    a("--overlay-fail", default=_env("overlay_fail", d.overlay_fail), choices=FAIL_MODES,
+      help="when a hook raises or runs over --overlay-timeout: open leaves the call as it "
+           "was, closed fails it with a clear error; both log and count it")
+    a("--overlay-timeout", type=float,
+      default=float(_env("overlay_timeout", d.overlay_timeout)),
+      help="seconds each hook may run")
+    a("--overlay-max-resamples", type=int,
+      default=int(_env("overlay_max_resamples", d.overlay_max_resamples)),
+      help="times a vetoed reply is sampled again before the last one is delivered")
     a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
       help="default per-episode budget: model calls")
     a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),
@@ -250,5 +276,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.allow_path = [p.strip() for p in (_env("allow_path") or "").split(",") if p.strip()]
     if args.model_map is None:
         args.model_map = [p.strip() for p in (_env("model_map") or "").split(",") if p.strip()]
+    if args.overlay is None:
+        args.overlay = (_env("overlay") or "").split()
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
     return Settings(**fields)

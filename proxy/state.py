@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,11 +22,13 @@ from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.overlays.runner import Overlays
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.repair import Repair
 from tracetap.proxy.routing import Routing
 from tracetap.proxy.settings import Settings
 from tracetap.proxy.tagging import Tagger
+from tracetap.storage import queries
 from tracetap.storage.records import CallRecord
 from tracetap.storage.writer import Writer
 
@@ -38,7 +43,8 @@ SEQ_EPISODES = 100_000
 
 class ProxyState:
     def __init__(self, settings: Settings, *, engine: AsyncEngine, writer: Writer,
-                 pool: Pool, tagger: Tagger, metrics: Metrics, admin_token: str):
+                 pool: Pool, tagger: Tagger, metrics: Metrics, admin_token: str,
+                 overlays: Mapping[str, Any] | None = None):
         self.settings = settings
         self.admin_token = admin_token
         self.exposure = Exposure(settings.allow_path)
@@ -46,6 +52,11 @@ class ProxyState:
         self.repair = Repair(settings.repair_history,
                              None if metrics is None else metrics.repaired)
         self.model_map = ModelMap(settings.model_map)
+        self.overlays = Overlays(overlays or {}, fail=settings.overlay_fail,
+                                 timeout=settings.overlay_timeout,
+                                 max_resamples=settings.overlay_max_resamples, metrics=metrics,
+                                 registered=functools.partial(queries.episode_registration,
+                                                              engine))
         self.routing = Routing(settings.translate, native={
             "responses": ResponsesApi(), "messages": MessagesApi()})
         self.engine = engine

@@ -107,6 +107,13 @@ def _episode_dict(row) -> dict[str, Any]:
     }
 
 
+async def episode_registration(engine: AsyncEngine, episode_id: str) -> dict[str, Any] | None:
+    """One episode's row (no calls): what registration said about it."""
+    async with engine.connect() as conn:
+        row = (await conn.execute(select(Episode).where(Episode.id == episode_id))).first()
+    return None if row is None else _episode_dict(row)
+
+
 async def get_episode(engine: AsyncEngine, episode_id: str) -> dict[str, Any] | None:
     """One episode with a summary of each stored call, in arrival order."""
     async with engine.connect() as conn:

@@ -55,6 +55,9 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     upstream_request: str | None = None
     # Why some of the call's token ids are missing (proxy.resolve.REMEDIES), if they are.
     ids_missing: str | None = None
+    # JSON: the overlay the call ran under, its events and what the harness received
+    # when that was not the model's reply (docs/overlays.md); None without an overlay.
+    overlay: str | None = None
     choices: list[ChoiceRecord] = []
 
 
@@ -85,4 +88,6 @@ STATUSES = (
     "paused",
     "budget_exceeded",
     "passthrough",  # an exposed, uncaptured path (e.g. count_tokens) called in an episode
+    "vetoed",  # an overlay rejected the reply and had the model sample again
+    "overlay_failed",  # an overlay hook failed under --overlay-fail closed
 )

@@ -50,6 +50,7 @@ def call_row(record: CallRecord, stored_at: float) -> dict:
             "none" if record.prompt_ids is None else "engine"),
         "upstream_request": record.upstream_request,
         "ids_missing": record.ids_missing,
+        "overlay": record.overlay,
         "stored_at": stored_at,
     }
 

@@ -72,6 +72,8 @@ class Call(Base):
     upstream_request: Mapped[str | None] = mapped_column(Text)
     # Why some token ids are missing, when they are (proxy.resolve.REMEDIES).
     ids_missing: Mapped[str | None] = mapped_column(String(32))
+    # JSON: overlay name, events, the reply the harness got when rewritten (0004).
+    overlay: Mapped[str | None] = mapped_column(Text)
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
 

@@ -1,0 +1,195 @@
+"""Pre-action review: the model's whole reply is held, ``after_model`` accepts, rewrites or
+vetoes it, and a vetoed turn is sampled again with the overlay's feedback.
+
+A streamed reply is buffered to its end, then replayed to the client in its own API: the
+client's first byte waits for the whole generation (of every attempt). Each attempt is
+its own call record; a vetoed one has status "vetoed" and is journaled before the next
+is asked, the delivered one before the client sees its end.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from tracetap.proxy.apis.chat_reply import read_reply
+from tracetap.proxy.capture import ModelCall
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.headers import response_headers
+from tracetap.proxy.ids import uuid7
+from tracetap.proxy.overlays import deliver
+from tracetap.proxy.overlays.hooks import ModelReply, OverlayLog, Rewrite, ToolCall, Veto
+from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.upstream import Reply, UpstreamBroken
+
+if TYPE_CHECKING:
+    from tracetap.proxy.overlays.runner import Session
+    from tracetap.proxy.routing import Route
+
+Send = Callable[["ModelCall", bytes], Awaitable[tuple[Any, Reply]]]
+
+
+async def review(
+    session: Session, request: web.Request, call: ModelCall, route: Route, send: Send, body: bytes
+) -> web.StreamResponse:
+    """Send, hold the reply, let the overlay judge it; re-sample while it vetoes."""
+    harness = session.harness
+    attempt = call
+    for number in range(session.overlays.max_resamples + 1):
+        try:
+            target, reply = await send(attempt, body)
+            attempt.upstream_url = target.base_url
+            attempt.http_status = reply.status
+            out = await _hold(attempt, reply)
+            chat = _model_reply(attempt, reply)
+            if chat is None:  # an error, or nothing readable: the client gets it as it came
+                break
+            seen = len(session.log.events)
+            verdict = await session.hook(
+                "after_model",
+                _proposed(chat, attempt, number),
+                session.episode.state,
+                returns=(Rewrite, Veto),
+            )
+        except ProxyError as error:
+            if attempt is not call:  # the handler records its own call; this one is ours
+                attempt.status = (
+                    "upstream_error" if error.code == "upstream_error" else "overlay_failed"
+                )
+                attempt.http_status, attempt.error = error.status, error.message
+                attempt.submit()
+                _spend(attempt)
+            raise
+        if isinstance(verdict, Rewrite):
+            session.event("after_model", "rewrite", verdict.reason)
+            rewritten = deliver.rewritten_chat(chat, verdict)
+            shown = deliver.client_body(attempt, rewritten)
+            session.log.delivered = shown.decode("utf-8", "replace")
+            out = deliver.client_stream(attempt, rewritten) if _streamed(attempt, reply) else shown
+            break
+        if not isinstance(verdict, Veto):
+            if len(session.log.events) == seen:  # else it failed open, and said so
+                session.event("after_model", "accept")
+            break
+        if number == session.overlays.max_resamples:
+            session.event("after_model", "resample_limit", verdict.reason)
+            break
+        session.event("after_model", "veto", verdict.reason)
+        attempt.status = "vetoed"
+        attempt.error = f"vetoed by overlay {session.episode.name!r}: {verdict.reason}"[:1000]
+        attempt.submit()
+        if attempt is not call:
+            _spend(attempt)
+        # The rejected turn and the feedback stay in the model's context (overlays.context).
+        session.episode.context.add(
+            harness, len(harness), [_assistant(chat), {"role": "user", "content": verdict.feedback}]
+        )
+        attempt, body = _resample(session, call, route, attempt, number + 1)
+    attempt.submit()  # journaled before the client sees the end of the reply
+    if attempt is not call:
+        _spend(attempt)
+    response_class = web.StreamResponse if _streamed(attempt, reply) else web.Response
+    response = response_class(status=reply.status, headers=response_headers(reply.headers.items()))
+    if isinstance(response, web.Response):
+        response.body = out
+        return response
+    try:
+        await response.prepare(request)
+        await response.write(out)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the harness went away; the record is journaled already
+    return response
+
+
+def _streamed(call: ModelCall, reply: Reply) -> bool:
+    return call.stream and reply.content_type == "text/event-stream"
+
+
+async def _hold(call: ModelCall, reply: Reply) -> bytes:
+    """The whole reply, captured; returns what the client would get for it."""
+    try:
+        if not _streamed(call, reply):
+            raw = await reply.read()
+            call.upstream_done()
+            call.first_byte()
+            return call.client_view(raw, ok=reply.status == 200)
+        parser, out = SSEParser(), bytearray()
+        async for data in reply.iter_chunks():
+            call.first_byte()
+            for event in parser.feed(data):
+                out += call.on_event(event)
+        tail = parser.flush()
+        if tail is not None:
+            out += call.on_event(tail)
+        call.upstream_done()
+        return bytes(out)
+    except UpstreamBroken as exc:
+        call.upstream_done()
+        call.status, call.error = "upstream_error", str(exc)
+        # Nothing has reached the client yet, so it gets a clean error, not a cut stream.
+        raise ProxyError(
+            502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
+        ) from exc
+    finally:
+        reply.close()
+
+
+def _model_reply(call: ModelCall, reply: Reply) -> dict[str, Any] | None:
+    """The model's reply as a chat completion (as capture read it), or None if there is
+    none to judge: an error status, a cut stream, unreadable data."""
+    if reply.status != 200 or call.status != "ok" or call.capture.errors:
+        return None
+    if _streamed(call, reply) and not call.done:
+        return None
+    chat = call.capture.reassembled(with_logprobs=False)
+    return chat if chat["choices"] else None
+
+
+def _proposed(chat: dict[str, Any], call: ModelCall, number: int) -> ModelReply:
+    reply = read_reply(chat)
+    return ModelReply(
+        content=reply.text,
+        tool_calls=[
+            ToolCall(id=t.id, name=t.name, arguments=t.arguments) for t in reply.tool_calls
+        ],
+        finish_reason=reply.finish_reason,
+        tools=copy.deepcopy(call.payload.get("tools")),
+        attempt=number,
+    )
+
+
+def _assistant(chat: dict[str, Any]) -> dict[str, Any]:
+    """The rejected turn as the next request's assistant message."""
+    message = (chat.get("choices") or [{}])[0].get("message") or {}
+    out = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def _resample(
+    session: Session, call: ModelCall, route: Route, previous: ModelCall, number: int
+) -> tuple[ModelCall, bytes]:
+    """A new call record for the next attempt: the harness's request, the model's view."""
+    state = call.state
+    attempt = ModelCall(state, route, uuid7())
+    attempt.episode_id = call.episode_id
+    attempt.seq = state.next_seq(call.episode_id)
+    attempt.policy_version = call.policy_version
+    attempt.parse_request((call.request_text or "").encode())
+    session.log = attempt.overlay = OverlayLog(
+        name=session.episode.name, attempt=number, retry_of=previous.call_id
+    )
+    body = session.model_body(attempt, attempt.payload["messages"])
+    attempt.upstream_started()
+    return attempt, body
+
+
+def _spend(call: ModelCall) -> None:
+    """Budgets count every attempt (the handler counts the first)."""
+    prompt_tokens, completion_tokens = call.capture.tokens()
+    call.state.budgets.spend(call.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))

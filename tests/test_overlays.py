@@ -1,0 +1,423 @@
+"""Model-boundary overlays (docs/overlays.md): each hook's effect and record, exact
+training data, failing overlays, and the harness's view, through the real SDKs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+
+import openai
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import Proxy, free_port
+from tests.overlay_fixtures import NOTE
+from tracetap.demo.agent import TASKS, run_agent
+from tracetap.demo.engine import EngineConfig
+from tracetap.exporters import export
+from tracetap.proxy.overlays.loader import load_overlays
+from tracetap.proxy.settings import Settings
+from tracetap.storage.engine import upgrade
+
+BAD_ARGS = 0.4  # the engine's seeded fraction of tool calls with invalid arguments
+OVERLAYS = [
+    "noter=tests.overlay_fixtures:noter",
+    "rewriter=tests.overlay_fixtures:rewriter",
+    "vetoer=tests.overlay_fixtures:first_vetoer",
+    "raiser=tests.overlay_fixtures:raiser",
+    "sleeper=tests.overlay_fixtures:sleeper",
+    "validator=tracetap.proxy.overlays.examples:tool_args_validator",
+    "hint=tracetap.proxy.overlays.examples:recovery_hint,pattern=^Fact",
+]
+
+
+@pytest.fixture
+def db_url(request, tmp_path):
+    """SQLite here (the hooks do not depend on the database); the training-data test also
+    runs on Postgres (``pg_proxy``)."""
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def pg_proxy(loop_thread, engine, fresh_postgres, tmp_path):
+    upgrade(fresh_postgres)
+    p = _proxy(loop_thread, engine, fresh_postgres, tmp_path)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def engine_config() -> EngineConfig:
+    return EngineConfig(flavor="vllm", bad_tool_args=BAD_ARGS)
+
+
+def _proxy(loop_thread, engine, db_url, tmp_path, **options) -> Proxy:
+    settings = Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "data"),
+                        port=free_port(), overlay=OVERLAYS, overlay_timeout=0.2, **options)
+    return Proxy(loop_thread, settings).start()
+
+
+@pytest.fixture
+def proxy(loop_thread, engine, db_url, tmp_path):
+    p = _proxy(loop_thread, engine, db_url, tmp_path)
+    yield p
+    p.stop()
+
+
+def register(proxy, episode: str, overlay: str | None = None, **spec) -> None:
+    body = {"id": episode, **spec, **({"overlay": overlay} if overlay else {})}
+    status, reply = proxy.admin("POST", "/tracetap/episodes", body)
+    assert status == 201, reply
+
+
+def agent(proxy, episode: str, task=TASKS[0], seed: int = 0, **client):
+    async def go():
+        async with openai.AsyncOpenAI(base_url=proxy.episode_url(episode), api_key="unused",
+                                      max_retries=0, **client) as sdk:
+            return await run_agent(sdk, task, model="mock-model", seed=seed)
+
+    return proxy.loop.run(go())
+
+
+def chat(proxy, episode: str, messages, *, stream: bool, tools=None, headers=None, **extra):
+    """One chat call through the sync SDK; returns (content, tool calls) as received."""
+    with openai.OpenAI(base_url=proxy.episode_url(episode), api_key="unused", max_retries=0,
+                       default_headers=headers) as sdk:
+        return _chat(sdk, messages, stream=stream, tools=tools, extra=extra)
+
+
+def _chat(sdk, messages, *, stream: bool, tools, extra):
+    kwargs = {"model": "mock-model", "messages": messages, "seed": 1, "extra_body": extra}
+    if tools:
+        kwargs["tools"] = tools
+    if not stream:
+        message = sdk.chat.completions.create(**kwargs).choices[0].message
+        return message.content, [c.function.arguments for c in message.tool_calls or ()]
+    content, arguments = "", {}
+    for chunk in sdk.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                arguments[call.index] = arguments.get(call.index, "") + (
+                    call.function.arguments or "")
+    return content or None, [arguments[i] for i in sorted(arguments)]
+
+
+def overlay_of(call: dict) -> dict:
+    return json.loads(call["overlay"])
+
+
+def events(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(e["hook"], e["action"]) for c in calls for e in overlay_of(c).get("events", [])]
+
+
+def overlay_events(proxy) -> dict[tuple[str, str, str], float]:
+    """tracetap_overlay_events_total by (overlay, hook, action)."""
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    counts = {}
+    for line in lines:
+        if line.startswith("tracetap_overlay_events_total{"):
+            labels = dict(pair.split("=", 1) for pair in line[30:].split("}")[0].split(","))
+            key = tuple(labels[k].strip('"') for k in ("overlay", "hook", "action"))
+            counts[key] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def trajectories(proxy, tmp_path, episode: str) -> list[dict]:
+    status, _ = proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})
+    assert status == 200
+    proxy.flush()
+    export(proxy.settings.db, tmp_path / episode)
+    rows = pq.read_table(tmp_path / episode / "trajectories").to_pylist()
+    return [r for r in rows if r["episode_id"] == episode]
+
+
+SYSTEM = {"role": "system", "content": "Answer."}
+QUESTION = {"role": "user", "content": "What is it?"}
+
+
+# ---- the batch: without the validator some episodes fail, with it they recover --------
+
+def test_the_validator_overlay_recovers_episodes_that_fail_without_it(proxy):
+    batch = [(task, seed) for task in TASKS for seed in range(3)]
+    plain = [agent(proxy, f"plain-{t.id}-{s}", t, s) for t, s in batch]
+    for t, s in batch:
+        register(proxy, f"patched-{t.id}-{s}", "validator", task_id=t.id)
+    patched = [agent(proxy, f"patched-{t.id}-{s}", t, s) for t, s in batch]
+
+    solved_plain = sum(run.failure is None for run in plain)
+    solved_patched = sum(run.failure is None for run in patched)
+    assert 0 < solved_plain < len(batch)  # the seeded failure mode bites
+    assert solved_patched > solved_plain
+    assert all("must be an integer" in run.failure for run in plain if run.failure)
+    calls = {(t.id, s): proxy.calls(f"patched-{t.id}-{s}") for t, s in batch}
+    for key, run in zip(calls, patched):
+        # An episode still lost had every sample of one turn rejected (the re-sample
+        # limit): the overlay delivered the last one, and said so.
+        limited = ("after_model", "resample_limit") in events(calls[key])
+        assert limited == (run.failure is not None), key
+    # Every rejected sample is its own stored call, and the metric counts each.
+    vetoed = [c for cs in calls.values() for c in cs if c["status"] == "vetoed"]
+    assert vetoed and all(events([c]) == [("after_model", "veto")] for c in vetoed)
+    assert overlay_events(proxy)["validator", "after_model", "veto"] == len(vetoed)
+    # The episode's metadata names the overlay, for comparing runs by it.
+    assert proxy.episode(f"patched-{batch[0][0].id}-0")["metadata"] == {"overlay": "validator"}
+
+
+# ---- each hook: its effect, and its record ---------------------------------------------
+
+def test_before_model_adds_context_the_harness_never_sees_and_it_stays(proxy):
+    register(proxy, "noted", "noter", task_id="t1")
+    first = chat(proxy, "noted", [SYSTEM, QUESTION], stream=False)
+    later = [SYSTEM, QUESTION, {"role": "assistant", "content": first[0]},
+             {"role": "user", "content": "And then?"}]
+    chat(proxy, "noted", later, stream=True)
+    calls = proxy.calls("noted")
+    for call in calls:
+        sent = json.loads(call["request"])["messages"]
+        given = json.loads(call["upstream_request"])["messages"]
+        assert NOTE not in json.dumps(sent)  # the harness's request, as it sent it
+        assert given == [sent[0], {"role": "system", "content": NOTE}, *sent[1:]]
+    assert events(calls) == [("before_model", "inject")]  # once; then kept in the context
+    assert NOTE not in (first[0] or "")
+
+
+def test_on_observation_sees_tool_results_and_adds_a_recovery_hint(proxy):
+    register(proxy, "hinted", "hint")
+    run = agent(proxy, "hinted", TASKS[3], seed=7)
+    assert run.failure is None or "must be an integer" in run.failure
+    calls = proxy.calls("hinted")
+    hinted = [c for c in calls if ("on_observation", "inject") in events([c])]
+    assert hinted, events(calls)
+    for call in hinted:
+        given = json.loads(call["upstream_request"])["messages"]
+        assert given[-1]["role"] == "user" and "reported an error" in given[-1]["content"]
+        assert "reported an error" not in call["request"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_after_model_rewrite_reaches_the_harness_and_the_models_reply_is_kept(proxy, stream):
+    register(proxy, f"rewritten-{stream}", "rewriter")
+    content, _ = chat(proxy, f"rewritten-{stream}", [SYSTEM, QUESTION], stream=stream,
+                      logprobs=True)
+    assert content == "Rewritten by the overlay."
+    (call,) = proxy.calls(f"rewritten-{stream}")
+    model_text = call["choices"][0]["text"]
+    assert model_text and model_text != content  # what the model sampled, kept
+    assert json.loads(call["response"])["choices"][0]["message"]["content"] == model_text
+    delivered = json.loads(overlay_of(call)["delivered"])
+    assert delivered["choices"][0]["message"]["content"] == content
+    assert events([call]) == [("after_model", "rewrite")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_vetoed_reply_is_sampled_again_and_stored_as_its_own_call(proxy, stream):
+    register(proxy, f"vetoed-{stream}", "vetoer")
+    content, _ = chat(proxy, f"vetoed-{stream}", [SYSTEM, QUESTION], stream=stream)
+    first, second = proxy.calls(f"vetoed-{stream}")
+    assert (first["status"], second["status"]) == ("vetoed", "ok")
+    assert "first attempt" in first["error"]
+    assert overlay_of(second)["retry_of"] == first["call_id"]
+    assert overlay_of(second)["attempt"] == 1
+    assert content == second["choices"][0]["text"] != first["choices"][0]["text"]
+    given = json.loads(second["upstream_request"])["messages"]
+    assert given[-2] == {"role": "assistant", "content": first["choices"][0]["text"]}
+    assert given[-1] == {"role": "user", "content": "Try once more."}
+    assert json.loads(second["request"]) == json.loads(first["request"])
+
+
+def test_on_episode_start_gets_the_registration_and_its_state_reaches_the_hooks(
+        loop_thread, engine, db_url, tmp_path):
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps({"t-7": "Never call a tool twice.", "*": "Be kind."}))
+    p = _proxy(loop_thread, engine, db_url, tmp_path / "r")
+    reminder = Settings(upstream=engine.url, db=db_url, port=free_port(),
+                        data_dir=str(tmp_path / "r2"),
+                        overlay=[f"remind=tracetap.proxy.overlays.examples:constraint_reminder,"
+                                 f"path={tasks}"])
+    r = Proxy(loop_thread, reminder).start()
+    try:
+        register(r, "reminded", "remind", task_id="t-7")
+        chat(r, "reminded", [SYSTEM, QUESTION], stream=False)
+        (call,) = r.calls("reminded")
+        given = json.loads(call["upstream_request"])["messages"]
+        assert given[1] == {"role": "system", "content": "Constraints: Never call a tool twice."}
+    finally:
+        r.stop()
+        p.stop()
+
+
+# ---- exact training data ------------------------------------------------------------------
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_trained_tokens_are_exactly_the_model_sampled_ones(request, tmp_path, database):
+    """Vetoes, re-samples and injected context in one episode: every trainable token is a
+    completion id the engine returned for a call the harness went on with; a vetoed
+    sample is only ever trained in its own row; overlay-written tokens are context."""
+    proxy = request.getfixturevalue("proxy" if database == "sqlite" else "pg_proxy")
+    register(proxy, "exact", "validator")
+    run = agent(proxy, "exact", TASKS[0], seed=0)
+    assert run.failure is None
+    calls = {c["call_id"]: c for c in proxy.calls("exact")}
+    vetoed = {i for i, c in calls.items() if c["status"] == "vetoed"}
+    assert vetoed
+    rows = trajectories(proxy, tmp_path, "exact")
+    main = [r for r in rows if r["split_reason"] is None]
+    assert len(main) == 1  # the overlay's additions stay in the context: one trajectory
+    for row in rows:
+        trained = [t for t, m in zip(row["response_ids"], row["response_mask"]) if m]
+        sampled = [t for i in row["call_ids"] for t in calls[i]["choices"][0]["completion_ids"]]
+        if row["split_reason"] == "vetoed":
+            assert row["call_ids"][0] in vetoed and trained == sampled
+            continue
+        assert not vetoed & set(row["call_ids"])
+        assert trained == sampled
+    # The vetoed sample and the feedback sit in the main row as context only (mask 0).
+    row = main[0]
+    context = row["prompt_ids"] + [t for t, m in zip(row["response_ids"], row["response_mask"])
+                                   if not m]
+    feedback = b"Call the tool again with arguments that match its schema."
+    assert bytes(t for t in context if t < 256).find(feedback) >= 0
+    assert {r["call_ids"][0] for r in rows if r["split_reason"] == "vetoed"} == vetoed
+
+
+# ---- failing overlays ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", ["raiser", "sleeper"])
+def test_a_raising_or_slow_overlay_leaves_calls_intact_when_failing_open(proxy, overlay):
+    reference = chat(proxy, "no-overlay", [SYSTEM, QUESTION], stream=False)
+    register(proxy, f"broken-{overlay}", overlay)
+    for stream in (False, True):
+        assert chat(proxy, f"broken-{overlay}", [SYSTEM, QUESTION], stream=stream) == reference
+    calls = proxy.calls(f"broken-{overlay}")
+    assert [c["status"] for c in calls] == ["ok", "ok"]
+    assert all(c["upstream_request"] is None for c in calls)  # the model got the request
+    failure = "error" if overlay == "raiser" else "timeout"
+    assert {a for _, a in events(calls)} == {failure}
+    assert {h for h, _ in events(calls)} >= {"before_model", "after_model"}
+    assert overlay_events(proxy)[overlay, "after_model", failure] == 2
+
+
+@pytest.mark.parametrize("overlay", ["raiser", "sleeper"])
+def test_a_failing_overlay_fails_the_call_clearly_when_closed(
+        loop_thread, engine, db_url, tmp_path, overlay):
+    p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_fail="closed")
+    try:
+        register(p, "closed", overlay)
+        with pytest.raises(openai.InternalServerError) as caught:
+            chat(p, "closed", [SYSTEM, QUESTION], stream=True)
+        assert caught.value.code == "overlay_failed"
+        assert f"overlay '{overlay}' failed in" in caught.value.message
+        (call,) = p.calls("closed")
+        assert (call["status"], call["http_status"]) == ("overlay_failed", 500)
+    finally:
+        p.stop()
+
+
+# ---- the harness's view ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_harness_gets_well_formed_replies_in_its_own_api(
+        loop_thread, engine, db_url, tmp_path, stream):
+    """Translated to chat upstream: rewritten and re-sampled replies in the Responses API."""
+    proxy = _proxy(loop_thread, engine, db_url, tmp_path, translate="all")
+    try:
+        _responses_episodes(proxy, stream)
+    finally:
+        proxy.stop()
+
+
+def _responses_episodes(proxy, stream: bool) -> None:
+    register(proxy, f"responses-{stream}", "rewriter")
+    register(proxy, f"responses-veto-{stream}", "vetoer")
+    with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as sdk:
+        texts = _responses(sdk, stream, f"responses-{stream}", f"responses-veto-{stream}")
+    assert texts[0] == "Rewritten by the overlay."
+    accepted = [c for c in proxy.calls(f"responses-veto-{stream}") if c["status"] == "ok"]
+    assert texts[1] == accepted[0]["choices"][0]["text"]
+
+
+def _responses(sdk, stream: bool, *episodes: str) -> list[str]:
+    texts = []
+    for episode in episodes:
+        kwargs = {"model": "mock-model", "input": "What is it?", "stream": stream,
+                  "extra_headers": {"X-Tracetap-Episode": episode}}
+        if stream:
+            with sdk.responses.stream(**{k: v for k, v in kwargs.items() if k != "stream"}) as s:
+                texts.append(s.get_final_response().output_text)
+        else:
+            texts.append(sdk.responses.create(**kwargs).output_text)
+    return texts
+
+
+def test_tool_call_rewrites_reach_the_harness_as_tool_calls(proxy):
+    register(proxy, "tool-rewrite", "rewriter")
+    for stream in (False, True):
+        from tracetap.demo.agent import TOOLS
+
+        _, arguments = chat(proxy, "tool-rewrite", [SYSTEM, QUESTION], stream=stream,
+                            tools=TOOLS)
+        assert arguments == ['{"step":1}']
+
+
+# ---- overlays come from the operator's code only --------------------------------------------
+
+def test_overlays_cannot_be_loaded_or_named_freely_through_the_api(proxy):
+    for name in ("tests.overlay_fixtures:raiser", "os:system", "unknown"):
+        status, body = proxy.admin("POST", "/tracetap/episodes", {"overlay": name})
+        assert status == 400 and body["error"]["code"] == "unknown_overlay", body
+        with pytest.raises(openai.BadRequestError, match="unknown overlay"):
+            chat(proxy, "by-header", [QUESTION], stream=False, headers={
+                "X-Tracetap-Overlay": name})
+    status, body = proxy.admin("POST", "/tracetap/episodes",
+                               {"metadata": {"overlay": "validator"}})
+    assert status == 400 and body["error"]["code"] == "overlay_in_metadata"
+    refused = proxy.calls("by-header")  # recorded as refused, never sent upstream
+    assert [(c["status"], c["http_status"], c["choices"]) for c in refused] == [
+        ("bad_request", 400, [])] * 3
+
+
+def test_the_header_opts_an_unregistered_episode_in(proxy):
+    chat(proxy, "by-header", [SYSTEM, QUESTION], stream=False,
+         headers={"X-Tracetap-Overlay": "noter"})
+    (call,) = proxy.calls("by-header")
+    assert overlay_of(call)["name"] == "noter"
+    assert NOTE in call["upstream_request"]
+
+
+def test_loading_mistakes_are_clear_at_start():
+    for spec, message in [("x", "use NAME=package.module:factory"),
+                          ("x=no_such_module:f", "cannot import no_such_module"),
+                          ("x=tests.overlay_fixtures:nothing", "has no callable"),
+                          ("x=tests.overlay_fixtures:not_async", "must be an async function"),
+                          ("x=tracetap.proxy.overlays.examples:constraint_reminder,path=/nonexistent",
+                           "failed")]:
+        with pytest.raises(ValueError, match=message):
+            load_overlays([spec])
+    out = subprocess.run([sys.executable, "-m", "tracetap", "serve", "--upstream",
+                          "http://127.0.0.1:9", "--overlay", "x=no_such_module:f"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("tracetap: error: --overlay x:")
+
+
+def test_concurrent_first_calls_start_the_episode_once(proxy):
+    register(proxy, "together", "noter")
+
+    async def both():
+        async with openai.AsyncOpenAI(base_url=proxy.episode_url("together"),
+                                      api_key="unused", max_retries=0) as sdk:
+            return await asyncio.gather(*(sdk.chat.completions.create(
+                model="mock-model", messages=[SYSTEM, QUESTION]) for _ in range(4)))
+
+    proxy.loop.run(both())
+    calls = proxy.calls("together")
+    # One start, one note: the four calls share the state (calls counted 1..4).
+    assert events(calls).count(("before_model", "inject")) == 1
+    assert sum(1 for c in calls if c["upstream_request"] and NOTE in c["upstream_request"]) == 4
