@@ -41,16 +41,31 @@ class Target:
         return f"{self.base}{prefix}{_PATHS[self.api]}"
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """Of the process and its children (``serve --workers N``: the workers)."""
+        total = 0
+        for pid in _tree(self.process.pid):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        return total / 1024
 
     def cpu_seconds(self) -> float:
         if self.process is None:
             return 0.0
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+        total = 0
+        for pid in _tree(self.process.pid):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / TICKS
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, living ones only."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
+    return [pid, *(p for child in children for p in _tree(int(child)))]
 
 
 @dataclass

@@ -4,6 +4,8 @@
     python bench/proxy_bench.py --rounds 3 --seconds 8 --requests 500
     python bench/proxy_bench.py --client rl      # the client asks for logprobs itself
     python bench/proxy_bench.py --api messages   # an Anthropic client, translated to chat
+    python bench/proxy_bench.py --only tracetap-pg tracetap-pg-workers --workers 2
+                                                 # one worker vs 2 (serve --workers 2)
 
 Starts, each in its own process (uvloop everywhere): the fast upstream (bench/upstream.py),
 the bare relay (bench/relay.py), ``tracetap serve`` on a fresh Postgres database
@@ -35,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.storage.engine import upgrade  # noqa: E402
+
+VARIANTS = ("tracetap-pg", "tracetap-sqlite", "tracetap-pg-workers")
 
 
 def free_port() -> int:
@@ -131,20 +135,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="the wire API tracetap's client speaks; Responses and Messages "
                              "are translated to chat for this chat-only upstream, so direct "
                              "and relay (chat) are the baseline for the translated path")
-    parser.add_argument("--only", nargs="*", choices=("tracetap-pg", "tracetap-sqlite"),
-                        help="tracetap variants to run (default both)")
+    parser.add_argument("--only", nargs="*", choices=VARIANTS,
+                        help="tracetap variants to run (default: Postgres and SQLite, and "
+                             "Postgres with --workers when it is above 1)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="also run tracetap-pg-workers: Postgres, serve --workers N")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="tracetap-bench-"))
-    ports = {name: free_port() for name in ("upstream", "relay", "tracetap-pg",
-                                            "tracetap-sqlite")}
+    ports = {name: free_port() for name in ("upstream", "relay", *VARIANTS)}
     origin = f"http://127.0.0.1:{ports['upstream']}"
     logs = {name: work / f"{name}.log" for name in ports}
     upstream = Target("direct", origin)
     targets = [upstream, Target("relay", f"http://127.0.0.1:{ports['relay']}")]
-    variants = args.only or ["tracetap-pg", "tracetap-sqlite"]
-    pg_url = None
+    variants = args.only or ["tracetap-pg", "tracetap-sqlite",
+                             *(["tracetap-pg-workers"] if args.workers > 1 else [])]
+    pg_urls = []
     try:
         upstream.process = spawn([str(ROOT / "bench/upstream.py"), "--port",
                                   str(ports["upstream"])], logs["upstream"])
@@ -152,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         targets[1].process = spawn([str(ROOT / "bench/relay.py"), "--port", str(ports["relay"]),
                                     "--upstream", origin], logs["relay"])
         for name in variants:
-            if name == "tracetap-pg":
-                pg_url = create_database()
-                db = pg_url
+            workers = ["--workers", str(args.workers)] if name == "tracetap-pg-workers" else []
+            if name.startswith("tracetap-pg"):
+                pg_urls.append(create_database())
+                db = pg_urls[-1]
             else:
                 db = f"sqlite:///{work / 'sqlite' / 'tracetap.db'}"
                 (work / "sqlite").mkdir()
@@ -163,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                             metrics=True, api=args.api)
             target.process = spawn(["-m", "tracetap", "--log-level", "WARNING", "serve",
                                     "--upstream", origin + "/v1", "--port", str(ports[name]),
-                                    "--db", db, "--data-dir", str(work / name)], logs[name])
+                                    "--db", db, "--data-dir", str(work / name), *workers],
+                                   logs[name])
             targets.append(target)
         uvloop.run(bench(targets, upstream, args, logs))
     finally:
         for t in reversed(targets):
             stop(t.process)
-        if pg_url is not None:
-            drop_database(pg_url)
+        for url in pg_urls:
+            drop_database(url)
         if args.keep_logs:
             print(f"logs in {work}")
     return 0

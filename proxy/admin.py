@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
@@ -167,7 +168,8 @@ async def finish_episode(request: web.Request) -> web.Response:
     deadline = asyncio.get_running_loop().time() + FINISH_GRACE
     while not (found := await queries.finish_episode(
             state.engine, episode_id, reward=spec.reward, rewards=spec.rewards,
-            outcome=spec.outcome, info=spec.info, create_missing=state.served(episode_id))):
+            outcome=spec.outcome, info=spec.info,
+            create_missing=state.arrivals.served(episode_id))):
         if asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(0.1)  # polling the database for a row another process writes
@@ -208,18 +210,20 @@ async def list_episodes(request: web.Request) -> web.Response:
 
 @_errors
 async def put_policy(request: web.Request) -> web.Response:
+    """Stamp later calls of every process on the database with a policy version."""
     _require_admin(request)
     spec = await _decode(request, PolicyUpdate)
     if not spec.version:
         raise bad_request("version must not be empty")
-    request.app[STATE].policy_version = spec.version
+    controls = request.app[STATE].controls
+    await _stored(controls.set_policy(spec.version))
     return web.json_response({"version": spec.version})
 
 
 @_errors
 async def get_policy(request: web.Request) -> web.Response:
     _require_admin(request)
-    return web.json_response({"version": request.app[STATE].policy_version})
+    return web.json_response({"version": request.app[STATE].controls.policy_version})
 
 
 class Pause(msgspec.Struct, forbid_unknown_fields=True):
@@ -233,35 +237,41 @@ class Resume(msgspec.Struct, forbid_unknown_fields=True):
 
 @_errors
 async def pause(request: web.Request) -> web.Response:
-    """Hold new model calls (for a weight sync); in-flight calls finish."""
+    """Hold new model calls in every process (for a weight sync); in-flight calls finish."""
     _require_admin(request)
     spec = await _decode(request, Pause)
     state = request.app[STATE]
-    state.running.clear()
-    state.metrics.set_paused(True)
+    serial = await _stored(state.controls.pause())
     drained = True
     if spec.wait:
-        try:
-            await asyncio.wait_for(state.idle.wait(), max(0.0, spec.timeout))
-        except asyncio.TimeoutError:
-            drained = False
-    return web.json_response({"paused": True, "drained": drained, "inflight": state.inflight,
-                              "policy_version": state.policy_version})
+        drained = await state.controls.drained(serial, max(0.0, spec.timeout))
+    return web.json_response({"paused": True, "drained": drained,
+                              "inflight": state.gate.inflight,
+                              "policy_version": state.controls.policy_version})
 
 
 @_errors
 async def resume(request: web.Request) -> web.Response:
-    """Stamp the new policy version, then release the held calls."""
+    """Stamp the new policy version, then release the held calls (in every process)."""
     _require_admin(request)
     spec = await _decode(request, Resume)
     if spec.policy_version is not None and not 0 < len(spec.policy_version) <= 128:
         raise bad_request("policy_version must be 1-128 characters")
-    state = request.app[STATE]
-    if spec.policy_version is not None:
-        state.policy_version = spec.policy_version
-    state.running.set()
-    state.metrics.set_paused(False)
-    return web.json_response({"paused": False, "policy_version": state.policy_version})
+    controls = request.app[STATE].controls
+    await _stored(controls.resume(spec.policy_version))
+    return web.json_response({"paused": False, "policy_version": controls.policy_version})
+
+
+async def _stored(change):
+    """An admin change is stored before it is answered; a database that refuses it is a
+    503 (nothing was applied: the change is applied after it is stored)."""
+    try:
+        return await change
+    except (SQLAlchemyError, OSError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise ProxyError(503, f"the change was not stored, the database refused it: {reason}",
+                         "server_error", "database_unavailable",
+                         headers={"Retry-After": "5"}) from exc
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -276,7 +286,7 @@ async def readyz(request: web.Request) -> web.Response:
     ready = any(u["healthy"] for u in upstreams)
     body = {
         "ready": ready,
-        "paused": not state.running.is_set(),
+        "paused": state.gate.paused,
         "upstreams": upstreams,
         "journal": {"bytes": state.writer.journal.bytes, "pending_records": state.writer.pending},
         "database_writes_ok": state.writer.db_healthy,

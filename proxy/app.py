@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 
 from aiohttp import web
 
@@ -16,7 +17,7 @@ from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.resolve import TokenResolver
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.settings import Settings, Worker
 from tracetap.proxy.state import ProxyState
 from tracetap.proxy.tagging import Tagger
 from tracetap.proxy.ui import mount_viewer
@@ -29,13 +30,21 @@ from tracetap.storage.writer import Writer
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
 OVERLAYS = web.AppKey("overlays", dict)
+WORKER = web.AppKey("worker", Worker)
+WORKER_HEADER = "X-Tracetap-Worker"
+METRICS_REFRESH_SECONDS = 1.0
 
 
-def build_app(settings: Settings) -> web.Application:
+def build_app(settings: Settings, worker: Worker | None = None) -> web.Application:
+    """The proxy; ``worker`` when it is one of ``serve --workers N`` processes."""
     app = web.Application(client_max_size=settings.max_body)
     app[SETTINGS] = settings
     app[OVERLAYS] = load_overlays(settings.overlay)  # the operator's code, imported at start
     app.cleanup_ctx.append(_lifecycle)
+    if worker is not None:
+        app[WORKER] = worker
+        app.on_response_prepare.append(functools.partial(
+            _identify, f"{worker.index}:{os.getpid()}"))
     r = app.router
     r.add_post("/tracetap/episodes", admin.create_episode)
     r.add_get("/tracetap/episodes", admin.list_episodes)
@@ -57,11 +66,18 @@ def build_app(settings: Settings) -> web.Application:
     return app
 
 
+async def _identify(value: str, request: web.Request, response: web.StreamResponse) -> None:
+    """Which worker answered (index:pid), for tests and debugging."""
+    response.headers[WORKER_HEADER] = value
+
+
 async def _lifecycle(app: web.Application):
     settings = app[SETTINGS]
+    worker = app.get(WORKER)
     engine = create_engine(settings.database_url)
-    metrics = Metrics()
-    journal = Journal(settings.journal_dir, settings.journal_max_bytes)
+    metrics = Metrics(multiprocess_dir=worker and worker.metrics_dir)
+    journal = Journal(settings.worker_journal(worker.index if worker else 0),
+                      settings.journal_max_bytes)
     client = UpstreamClient(timeout=settings.upstream_timeout,
                             connect_timeout=settings.connect_timeout,
                             max_connections=settings.max_connections,
@@ -81,13 +97,22 @@ async def _lifecycle(app: web.Application):
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token,
                        overlays=app[OVERLAYS])
-    resolver.quiet = state.quiet  # llama-cpp-python cuts streams when asked meanwhile
+    resolver.quiet = state.gate.quiet  # llama-cpp-python cuts streams when asked meanwhile
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
     app[STATE] = state
+    # What the shared controls say (a pause, the policy version) holds from the first call.
+    try:
+        await state.controls.refresh()
+    except Exception as exc:  # the database is down: serve, and follow it once it is back
+        log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
     writer.start()
-    background = []
+    background = [asyncio.create_task(state.controls.run())]
+    if worker is not None:
+        # Gauges mirrored from a worker's state are read from files by whichever worker is
+        # scraped, so each worker keeps its own current.
+        background.append(asyncio.create_task(_keep_refreshing(state)))
     if len(pool.targets) > 1:
         background.append(asyncio.create_task(pool.keep_checking()))
     if settings.upstream_flavor == "auto":
@@ -106,6 +131,7 @@ async def _lifecycle(app: web.Application):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await state.controls.close()
         await writer.close(timeout=settings.drain_timeout)
         await client.close()
         try:
@@ -114,3 +140,9 @@ async def _lifecycle(app: web.Application):
             log.warning("database connections did not close in time")
         log.info("tracetap stopped; %d records left in the journal for the next start",
                  writer.pending)
+
+
+async def _keep_refreshing(state: ProxyState) -> None:
+    while True:
+        state.metrics.refresh(state)
+        await asyncio.sleep(METRICS_REFRESH_SECONDS)

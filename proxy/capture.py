@@ -215,7 +215,7 @@ class ModelCall:
         return CallRecord(
             call_id=self.call_id,
             episode_id=self.episode_id,
-            seq=state.next_seq(self.episode_id) if self.seq is None else self.seq,
+            seq=state.arrivals.next(self.episode_id) if self.seq is None else self.seq,
             instance=state.instance,
             endpoint=self.endpoint,
             model=model,

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import gc
 import logging
 import os
-import socket
 import sys
 
 from tracetap import __version__
@@ -98,12 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+    from tracetap.proxy import serve
     from tracetap.proxy.admin_token import ensure_admin_token
     from tracetap.proxy.app import build_app
     from tracetap.proxy.startup_check import check_upstreams
-    from tracetap.storage.engine import prepare_schema, redact_url
+    from tracetap.storage.engine import prepare_schema
 
     settings = settings_from_args(args)
     check_upstreams(settings.upstreams, settings.upstream_api_key)
@@ -112,47 +107,29 @@ def _serve(args: argparse.Namespace) -> int:
         token_note = "admin token from --admin-token"
     else:
         token_note = f"admin token in {ensure_admin_token(settings.data_dir)[1]}"
+    if settings.workers > 1:
+        from tracetap.proxy import workers
+
+        return workers.supervise(settings, args.log_level, token_note)
     app = build_app(settings)
     # Bound before anything is announced: a port in use fails here, with its number.
-    sockets = [_listen_tcp(settings.host, settings.port)]
-    admin_at = "the same port"
-    if settings.admin_port is not None:
-        sockets.append(_listen_tcp(settings.host, settings.admin_port))
-        admin_at = f"http://{settings.host}:{settings.admin_port}"
-    if settings.admin_socket is not None:
-        sockets.append(_listen_unix(settings.admin_socket))
-        admin_at = f"unix:{settings.admin_socket}"
-    upstreams = ", ".join(spec.url for spec in settings.upstreams)
-    print(
-        f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
-        f"-> upstream {upstreams}; storing in {redact_url(settings.database_url)} "
-        f"(journal {settings.journal_dir}); admin API on {admin_at}, {token_note}",
-        flush=True,
-    )
-    _tune_gc()
-    web.run_app(app, sock=sockets, print=None, shutdown_timeout=settings.drain_timeout,
-                loop=_new_loop(), access_log=None)
+    sockets, admin_at = serve.listeners(settings)
+    print(announcement(settings, admin_at, token_note), flush=True)
+    serve.run(app, sockets, settings)
     return 0
 
 
-def _listen_tcp(host: str, port: int) -> socket.socket:
-    try:
-        return socket.create_server((host, port), backlog=1024)
-    except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+def announcement(settings, admin_at: str, token_note: str) -> str:
+    from tracetap.storage.engine import redact_url
 
-
-def _listen_unix(path: str) -> socket.socket:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # a socket file left by an earlier run
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # owner only: the socket is the admin credential's door
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    sock.listen(128)
-    return sock
+    upstreams = ", ".join(spec.url for spec in settings.upstreams)
+    journal = f"journal {settings.journal_dir}"
+    if settings.workers > 1:
+        journal = (f"{settings.workers} workers, journals {settings.journal_dir}, "
+                   f"{settings.worker_journal(1).name}, ...")
+    return (f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
+            f"-> upstream {upstreams}; storing in {redact_url(settings.database_url)} "
+            f"({journal}); admin API on {admin_at}, {token_note}")
 
 
 def _admin_token(args: argparse.Namespace) -> int:
@@ -164,16 +141,6 @@ def _admin_token(args: argparse.Namespace) -> int:
                          "`tracetap serve` with this --data-dir once, or pass --admin-token")
     print(token)
     return 0
-
-
-def _tune_gc() -> None:
-    """A call allocates thousands of short-lived containers (decoded logprob entries,
-    aiohttp's header maps) that reference counting frees. At the default threshold the
-    cyclic collector ran every few requests, mostly walking live request objects: 6-8%
-    of the CPU at c=32, with 50 ms full collections over the startup heap. Startup
-    objects are frozen out of the collector, and it runs after 50,000 net allocations."""
-    gc.freeze()
-    gc.set_threshold(50_000)
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -201,14 +168,6 @@ def _mock_engine(args: argparse.Namespace) -> int:
 
     engine_main(args.extra)
     return 0
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 if __name__ == "__main__":

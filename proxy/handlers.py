@@ -80,7 +80,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
         try:
             call.episode_id = await state.tagger.episode_for(
                 request.headers, request.match_info.get("episode"))
-            call.seq = state.next_seq(call.episode_id)  # arrival order, not completion
+            call.seq = state.arrivals.next(call.episode_id)  # arrival order, not completion
             state.budgets.admit(call.episode_id)
             try:
                 body = await request.read()
@@ -90,10 +90,10 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
             if overlay is not None:
                 upstream_body = await overlay.prepare(call, upstream_body)
-            await state.admit()
+            await state.gate.admit()
             call.admitted = True
             # Stamped after any pause: a call released by a resume runs on the new weights.
-            call.policy_version = state.policy_version
+            call.policy_version = state.controls.policy_version
             headers = upstream_request_headers(
                 request.headers,
                 api_key=state.settings.upstream_api_key,
@@ -125,7 +125,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
     finally:
         metrics.inflight.dec()
         if call.admitted:
-            state.release()
+            state.gate.release()
         call.submit()
         prompt_tokens, completion_tokens = call.capture.tokens()
         state.budgets.spend(call.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
@@ -283,7 +283,7 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         if episode_id is not None and request.method == "POST":
             # Not captured, but the episode shows that the call happened, and what came back.
             state.submit(CallRecord(
-                call_id=uuid7(), episode_id=episode_id, seq=state.next_seq(episode_id),
+                call_id=uuid7(), episode_id=episode_id, seq=state.arrivals.next(episode_id),
                 instance=state.instance, endpoint=path[:32], status="passthrough",
                 http_status=0 if code == "499" else int(code), t_start=t_start,
                 t_end=time.time()))

@@ -1,4 +1,11 @@
-"""Prometheus metrics, one registry per app, low-cardinality labels only."""
+"""Prometheus metrics, one registry per app, low-cardinality labels only.
+
+With ``serve --workers N`` each worker writes its values to prometheus_client's
+multiprocess directory and any worker's /metrics reads them all: counters, histograms and
+summaries are summed over the workers (those of a worker that was restarted included);
+each gauge says how it combines in its ``multiprocess_mode`` (``livesum``: summed over
+the running workers; ``livemax``/``livemin``; ``min``; ``liveall``: one series per pid).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from prometheus_client import (
     Histogram,
     Summary,
     generate_latest,
+    multiprocess,
 )
 
 from tracetap.storage.writer import WriterObserver
@@ -32,8 +40,9 @@ OTHER = "other"
 
 
 class Metrics(WriterObserver):
-    def __init__(self, max_models: int = 16):
+    def __init__(self, max_models: int = 16, multiprocess_dir: str | None = None):
         self.registry = r = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
         self.max_models = max_models
         self._models: set[str] = set()
         self._children: dict[tuple, object] = {}
@@ -54,11 +63,12 @@ class Metrics(WriterObserver):
         self.tokens = Counter("tracetap_tokens_total", "Tokens seen, by type and model",
                               ["type", "model"], registry=r)
         self.inflight = Gauge("tracetap_inflight_requests", "Requests being proxied now",
-                              registry=r)
+                              multiprocess_mode="livesum", registry=r)
         self.queue_depth = Gauge("tracetap_capture_queue_depth",
-                                 "Captured records not yet committed to the database", registry=r)
+                                 "Captured records not yet committed to the database",
+                                 multiprocess_mode="livesum", registry=r)
         self.journal_bytes = Gauge("tracetap_journal_bytes", "Bytes in the on-disk journal",
-                                   registry=r)
+                                   multiprocess_mode="livesum", registry=r)
         self.records_total = Counter("tracetap_records_total",
                                      "Call records by outcome: written, spilled, replayed, dropped",
                                      ["outcome"], registry=r)
@@ -104,22 +114,26 @@ class Metrics(WriterObserver):
                                        "Batch writes the database refused (each retry counts)",
                                        registry=r)
         self.db_writes_ok = Gauge("tracetap_db_writes_ok",
-                                  "1 while the writer's last database write succeeded", registry=r)
+                                  "1 while the writer's last database write succeeded",
+                                  multiprocess_mode="livemin", registry=r)
         self.journal_recovered_bytes = Gauge(
             "tracetap_journal_recovered_bytes",
-            "Journal bytes a previous process left on disk, found at this start", registry=r)
+            "Journal bytes a previous process left on disk, found at this start",
+            multiprocess_mode="livesum", registry=r)
         self.start_time = Gauge("tracetap_start_time_seconds",
-                                "When this proxy started, in Unix seconds", registry=r)
+                                "When this proxy started, in Unix seconds",
+                                multiprocess_mode="min", registry=r)
         self.upstream_healthy = Gauge("tracetap_upstream_healthy",
                                       "1 while an upstream is in service, 0 while it is taken out",
-                                      ["upstream"], registry=r)
+                                      ["upstream"], multiprocess_mode="livemin", registry=r)
         self.paused = Gauge("tracetap_paused", "1 while model calls are held for a weight sync",
-                            registry=r)
+                            multiprocess_mode="livemax", registry=r)
         self.pause_start = Gauge("tracetap_pause_start_time_seconds",
                                  "When the current pause began, in Unix seconds; 0 when running",
-                                 registry=r)
+                                 multiprocess_mode="livemax", registry=r)
         self.pause_timeout = Gauge("tracetap_pause_timeout_seconds",
-                                   "How long a held call waits before it is refused", registry=r)
+                                   "How long a held call waits before it is refused",
+                                   multiprocess_mode="livemax", registry=r)
         self.episodes_finished = Counter("tracetap_episodes_finished_total",
                                          "Episodes finished through the admin API", registry=r)
         self.episode_reward = Summary("tracetap_episode_reward",
@@ -198,7 +212,13 @@ class Metrics(WriterObserver):
             self.child(self.upstream_healthy, target.base_url).set(target.healthy)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        # Every worker's values, read from the files they write (a fresh registry each
+        # scrape, as prometheus_client's multiprocess mode asks).
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry)
 
 
 __all__ = ["CONTENT_TYPE", "Metrics"]

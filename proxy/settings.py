@@ -16,11 +16,20 @@ from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
 from tracetap.proxy.routing import parse_translate
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
+MAX_WORKERS = 256
 
 
 class UpstreamSpec(msgspec.Struct, frozen=True):
     url: str
     model: str | None = None  # only this model's calls go here
+
+
+class Worker(msgspec.Struct, frozen=True):
+    """Which of ``serve --workers N`` processes this is (``proxy.workers``)."""
+
+    index: int
+    count: int
+    metrics_dir: str  # prometheus_client's multiprocess directory, shared by the workers
 
 
 class Settings(msgspec.Struct, kw_only=True):
@@ -57,6 +66,7 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_fail: str = "open"
     overlay_timeout: float = 2.0
     overlay_max_resamples: int = 2
+    workers: int = 1
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -75,7 +85,12 @@ class Settings(msgspec.Struct, kw_only=True):
 
     @property
     def journal_dir(self) -> Path:
-        return Path(self.data_dir) / "journal"
+        return self.worker_journal(0)
+
+    def worker_journal(self, index: int) -> Path:
+        """Worker 0 (and a single process) keeps DATA_DIR/journal; worker i, journal-i.
+        Worker i keeps index i across restarts, so its journal is replayed by itself."""
+        return Path(self.data_dir) / ("journal" if index == 0 else f"journal-{index}")
 
     @property
     def admin_listener(self) -> bool:
@@ -96,6 +111,8 @@ class Settings(msgspec.Struct, kw_only=True):
         if self.admin_port is not None and not (
                 0 < self.admin_port < 65536 and self.admin_port != self.port):
             raise ValueError(f"--admin-port must be 1-65535 and not --port, got {self.admin_port}")
+        if not 0 < self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be 1-{MAX_WORKERS}, got {self.workers}")
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
         ModelMap(self.model_map)
         parse_translate(self.translate)
@@ -263,6 +280,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       default=not _env_bool("no_overhead_header"),
       help="do not add x-tracetap-overhead-ms to non-streaming replies")
     a("--public-url", default=_env("public_url"), help="base URL agents reach the proxy at")
+    a("--workers", type=int, default=int(_env("workers", d.workers)),
+      help="processes serving the port (SO_REUSEPORT; Linux, BSD, macOS), each with its own "
+           "journal (DATA_DIR/journal, journal-1, ...); a crashed one is restarted "
+           "(docs/scaling.md)")
     a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
       help="seconds a call waits while paused (POST /tracetap/pause) before a 503")
 

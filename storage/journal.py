@@ -108,3 +108,15 @@ def read_segment(segment: Path) -> Iterator[bytes]:
             return
         yield payload
         offset = start + length
+
+
+def adopt(orphan: Path, into: Path) -> int:
+    """Move the segments of a journal no process will open again (``serve --workers`` run
+    with fewer workers than before) into ``into``, to be replayed there; returns how many.
+    Only while no process has either journal open."""
+    segments = sorted(orphan.glob("*" + _SUFFIX))
+    into.mkdir(parents=True, exist_ok=True)
+    after = max((int(p.stem) for p in into.glob("*" + _SUFFIX)), default=0)
+    for number, segment in enumerate(segments, start=after + 1):
+        os.replace(segment, into / f"{number:012d}{_SUFFIX}")
+    return len(segments)

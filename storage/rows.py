@@ -19,8 +19,13 @@ _EPISODE_NULLS = dict.fromkeys(c.name for c in Episode.__table__.columns)
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
+def dialect_insert(dialect: str, table):
+    """An INSERT that has ``on_conflict_do_*`` (Postgres and SQLite both have them)."""
+    return _INSERTS[dialect](table)
+
+
 def insert_ignoring_duplicates(dialect: str, table):
-    return _INSERTS[dialect](table).on_conflict_do_nothing()
+    return dialect_insert(dialect, table).on_conflict_do_nothing()
 
 
 def call_row(record: CallRecord, stored_at: float) -> dict:

@@ -99,4 +99,18 @@ class Choice(Base):
     token_source: Mapped[str] = mapped_column(String(32))  # storage.records.TOKEN_SOURCES
 
 
+class Control(Base):
+    """What every proxy process on one database shares: the pause state, the policy
+    version, and one heartbeat row per running process (``worker:<instance>``)."""
+
+    __tablename__ = "controls"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[str | None] = mapped_column(Text)
+    # Raised by one on every change, in the database: processes apply a row only when its
+    # serial is newer than the one they applied (clocks of replicas may disagree).
+    serial: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
 metadata = Base.metadata

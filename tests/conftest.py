@@ -274,19 +274,24 @@ class ProxyProcess:
     def episode_url(self, episode_id: str) -> str:
         return f"{self.url}/episodes/{episode_id}/v1"
 
-    def start(self, timeout: float = 30.0) -> ProxyProcess:
+    def start(self, timeout: float = 60.0) -> ProxyProcess:
         with open(self.log, "ab") as log:
+            offset = log.tell()
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                             env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"proxy exited early:\n{self.log.read_text()}")
+            # Announced once every process serves (serve --workers N: all N).
+            announced = b"listening on" in self.log.read_bytes()[offset:]
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=1):
-                    return self
+                    if announced:
+                        return self
             except OSError:
-                time.sleep(0.05)  # polling for readiness, not waiting for a result
+                pass
+            time.sleep(0.05)  # polling for readiness, not waiting for a result
         raise RuntimeError(f"proxy did not start:\n{self.log.read_text()}")
 
     def signal(self, sig: int) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import openai
 import pytest
+
+from conftest import Proxy, free_port
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -84,6 +87,35 @@ def test_policy_version_stamps_later_calls(proxy):
         assert proxy.admin("PUT", "/tracetap/policy", {"version": "step-10"})[0] == 200
         client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=4)
     assert [c["policy_version"] for c in proxy.calls("policy")] == [None, "step-10"]
+
+
+def test_pause_and_policy_version_survive_a_restart_and_reach_a_second_process(
+        loop_thread, proxy_settings):
+    first = Proxy(loop_thread, proxy_settings).start()
+    second = Proxy(loop_thread, msgspec.structs.replace(proxy_settings, port=free_port()))
+    second.start()  # another process on the same database, as a worker or replica is
+    try:
+        assert first.admin("PUT", "/tracetap/policy", {"version": "step-3"})[0] == 200
+        status, paused = first.admin("POST", "/tracetap/pause", {"timeout": 20})
+        # Drained means every process on the database holds the pause, none in a call.
+        assert status == 200 and paused["drained"] is True
+        assert second.state.gate.paused  # it reported holding this pause to get there
+        assert second.state.controls.policy_version == "step-3"
+    finally:
+        first.stop()
+        second.stop()
+    restarted = Proxy(loop_thread, proxy_settings).start()
+    try:
+        assert restarted.admin("GET", "/tracetap/policy") == (200, {"version": "step-3"})
+        assert restarted.admin("GET", "/readyz")[1]["paused"] is True
+        assert restarted.admin("POST", "/tracetap/resume", {"policy_version": "step-4"}) == (
+            200, {"paused": False, "policy_version": "step-4"})
+        client = openai.OpenAI(base_url=restarted.episode_url("again"), api_key="x")
+        with client:
+            client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=4)
+        assert [c["policy_version"] for c in restarted.calls("again")] == ["step-4"]
+    finally:
+        restarted.stop()
 
 
 def test_healthz(proxy):

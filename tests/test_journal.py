@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import stat
 
-from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.journal import Journal, adopt, read_segment
 
 PAYLOADS = [b"first", b"", b"x" * 1000, b"last one"]
 FRAME = 8  # length + crc32
@@ -110,3 +110,16 @@ def test_the_active_segment_is_full_at_segment_bytes(tmp_path):
     assert journal.active_full
     journal.close()
     assert journal.pending() and journal.bytes == _size([b"x" * 10, b"x" * 9, b""])
+
+
+def test_an_orphan_journal_is_adopted_after_the_segments_already_there(tmp_path):
+    """serve --workers run with fewer workers than before: worker 0 replays the rest."""
+    own, orphan = Journal(tmp_path / "journal", 1 << 20), Journal(tmp_path / "journal-2", 1 << 20)
+    for journal, payloads in ((own, [b"own"]), (orphan, [b"o1"]), (orphan, [b"o2"])):
+        for payload in payloads:
+            journal.append(payload)
+        journal.seal()
+    assert adopt(tmp_path / "journal-2", tmp_path / "journal") == 2
+    assert not list((tmp_path / "journal-2").iterdir())
+    reopened = Journal(tmp_path / "journal", 1 << 20)
+    assert [p for s in reopened.recovered() for p in read_segment(s)] == [b"own", b"o1", b"o2"]

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from conftest import Proxy, free_port
+from tracetap.proxy import tagging
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.tagging import Tagger, hash_key, validate_episode_id
 from tracetap.storage.engine import create_engine
@@ -126,7 +127,8 @@ def test_a_key_owner_is_asked_once_then_remembered():
     assert _tag(tagger, key="tt-b") == "ep-b" and len(lookups.asked) == 1
 
 
-def test_an_unknown_key_is_asked_again_next_time():
+def test_an_unknown_key_is_asked_again_once_the_miss_expires(monkeypatch):
+    monkeypatch.setattr(tagging, "MISS_SECONDS", 0.0)
     lookups = Lookups()
     tagger = lookups.tagger()
     assert _refused(tagger, key="tt-later") == (401, "invalid_api_key",
@@ -158,7 +160,8 @@ def test_require_episode_refuses_an_untagged_call_with_how_to_tag_it():
     assert _tag(tagger, header="h") == "h"
 
 
-def test_require_registered_asks_until_an_episode_is_registered_then_remembers():
+def test_require_registered_asks_until_an_episode_is_registered_then_remembers(monkeypatch):
+    monkeypatch.setattr(tagging, "MISS_SECONDS", 0.0)
     lookups = Lookups({"tt-k": "ep-k"})
     tagger = lookups.tagger(require_registered=True)
     assert _refused(tagger, path="ep-new") == (
@@ -186,3 +189,32 @@ def test_invalid_episode_ids_are_a_clear_400(value):
     tagger = Lookups().tagger()
     if isinstance(value, str) and value:
         assert _refused(tagger, header=value)[:2] == (400, "invalid_episode_id")
+
+
+def test_key_owners_and_registered_ids_are_bounded(monkeypatch):
+    monkeypatch.setattr(tagging, "REMEMBERED", 2)
+    lookups = Lookups({f"tt-{i}": f"e{i}" for i in range(3)}, {"r0", "r1", "r2"})
+    tagger = lookups.tagger(require_registered=True)
+    assert [_tag(tagger, key=f"tt-{i}") for i in (0, 1, 0)] == ["e0", "e1", "e0"]
+    assert len(lookups.asked) == 2  # the second use of tt-0 was answered from memory
+    assert _tag(tagger, key="tt-2") == "e2"  # tt-1, the least recently used, is forgotten
+    assert _tag(tagger, key="tt-1") == "e1"
+    assert len(lookups.asked) == 4
+    assert [_tag(tagger, path=e) for e in ("r0", "r1", "r2", "r0")] == ["r0", "r1", "r2", "r0"]
+    assert lookups.asked[4:] == ["r0", "r1", "r2", "r0"]  # r0 was forgotten for r2
+
+
+def test_a_miss_is_believed_for_a_second_then_asked_again(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tagging.time, "monotonic", lambda: now[0])
+    lookups = Lookups()
+    tagger = lookups.tagger(require_registered=True)
+    for _ in range(3):
+        assert _refused(tagger, key="tt-wrong")[0] == 401
+        assert _refused(tagger, path="later")[0] == 404
+    assert len(lookups.asked) == 2  # one query each, not one per request
+    lookups.registered.add("later")  # registered through another worker meanwhile
+    now[0] += tagging.MISS_SECONDS
+    assert _tag(tagger, path="later") == "later"
+    assert _refused(tagger, key="tt-wrong")[0] == 401
+    assert len(lookups.asked) == 4

@@ -178,7 +178,7 @@ def _resample(
     state = call.state
     attempt = ModelCall(state, route, uuid7())
     attempt.episode_id = call.episode_id
-    attempt.seq = state.next_seq(call.episode_id)
+    attempt.seq = state.arrivals.next(call.episode_id)
     attempt.policy_version = call.policy_version
     attempt.parse_request((call.request_text or "").encode())
     session.log = attempt.overlay = OverlayLog(

@@ -1,0 +1,66 @@
+"""The ``controls`` table: shared switches (pause, policy version) and process heartbeats.
+
+Read by every proxy process every few hundred milliseconds, written by admin calls; never
+on the model-call path.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tracetap.storage.rows import dialect_insert
+from tracetap.storage.tables import Control
+
+HEARTBEAT = "worker:"
+
+
+async def store(engine: AsyncEngine, name: str, value: str | None) -> int:
+    """Set one control; returns its new serial (one more than the last, per row)."""
+    insert = dialect_insert(engine.dialect.name, Control.__table__)
+    now = time.time()
+    statement = insert.values(name=name, value=value, serial=1, updated_at=now)
+    statement = statement.on_conflict_do_update(
+        index_elements=[Control.name],
+        set_={"value": value, "serial": Control.serial + 1, "updated_at": now},
+    )
+    async with engine.begin() as conn:
+        await conn.execute(statement)
+        # In the same transaction: the row is locked (Postgres) or the database is
+        # (SQLite), so this is the serial of our own write.
+        return (await conn.execute(select(Control.serial).where(Control.name == name))).scalar_one()
+
+
+async def read(engine: AsyncEngine, names: tuple[str, ...]) -> dict[str, tuple[str | None, int]]:
+    """``{name: (value, serial)}`` of the controls that were ever set."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(Control.name, Control.value, Control.serial).where(Control.name.in_(names))
+        )
+        return {name: (value, serial) for name, value, serial in rows}
+
+
+async def peers(engine: AsyncEngine, since: float, besides: str) -> list[str | None]:
+    """Heartbeat values of the other processes that reported after ``since``."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(Control.value).where(
+                Control.name.startswith(HEARTBEAT),
+                Control.name != HEARTBEAT + besides,
+                Control.updated_at >= since,
+            )
+        )
+        return list(rows.scalars())
+
+
+async def forget(engine: AsyncEngine, instance: str, older_than: float) -> None:
+    """Delete this process's heartbeat and those no process refreshed since ``older_than``."""
+    async with engine.begin() as conn:
+        await conn.execute(delete(Control).where(Control.name == HEARTBEAT + instance))
+        await conn.execute(
+            delete(Control).where(
+                Control.name.startswith(HEARTBEAT), Control.updated_at < older_than
+            )
+        )
