@@ -56,21 +56,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "print where to look")
     a("--port", type=int, default=0, metavar="N",
       help="the proxy's port (and so the viewer's); default: a free one")
+    a("--variants", action="store_true",
+      help="also run every task twice under two harness variants (factor context: the agent "
+           "keeps its full history, or summarises it before turn 2), for tracetap packets, "
+           "compare and harnesses")
 
 
 @dataclass(frozen=True)
 class Plan:
     id: str
-    variant: str  # "append-only", "context-rewrite", "group", "responses-api", "messages-api"
+    # "append-only", "context-rewrite", "group", "responses-api", "messages-api",
+    # "harness-full", "harness-summarised" (--variants)
+    variant: str
     task: Any  # agent.Task
     tool_rounds: int
     seed: int = 0
     rewrite_at: int | None = None
     group_id: str | None = None
     api: str = "chat"  # or "responses", "messages": the wire API the agent speaks
+    context: str | None = None  # the harness factor of --variants: "full" or "summarised"
 
 
-def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
+def plan_episodes(run_id: str, append_only: int, variants: bool = False) -> list[list[Plan]]:
     """Phases of episodes; the episodes of a phase run concurrently (a GRPO group)."""
     from tracetap.demo.agent import TASKS
 
@@ -82,7 +89,14 @@ def plan_episodes(run_id: str, append_only: int) -> list[list[Plan]]:
              for k in range(1, 5)]
     apis = [Plan(f"{prefix}-responses", "responses-api", TASKS[0], 2, api="responses"),
             Plan(f"{prefix}-messages", "messages-api", TASKS[2], 2, api="messages")]
-    return [*solo, rewrite, group, apis]
+    phases = [*solo, rewrite, group, apis]
+    if variants:  # one task batch under two harness variants, two seeds each
+        phases.append([
+            Plan(f"{prefix}-{context}-{task.id}-{seed}", f"harness-{context}", task, 2,
+                 seed=seed, rewrite_at=2 if context == "summarised" else None,
+                 context=context)
+            for context in ("full", "summarised") for task in TASKS for seed in (1, 2)])
+    return phases
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.quiet else _say
     try:
         _run_loop(_demo(data_dir.resolve(), args.episodes, say, keep, started, args.ui,
-                        args.port))
+                        args.port, args.variants))
     except KeyboardInterrupt:
         if args.ui:  # the way out of --ui: the proxy and the engine stopped in order
             print("tracetap demo: stopped", flush=True)
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: float,
-                ui: bool = False, port: int = 0) -> None:
+                ui: bool = False, port: int = 0, variants: bool = False) -> None:
     import aiohttp
     from aiohttp import web
 
@@ -139,7 +153,7 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
     from tracetap.storage.engine import upgrade_async
 
     run_id = uuid.uuid4().hex[:6]
-    phases = plan_episodes(run_id, append_only)
+    phases = plan_episodes(run_id, append_only, variants)
     say(f"tracetap demo: data dir {data_dir}")
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(EngineServer(EngineConfig(model=MODEL)))
@@ -199,6 +213,8 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
             raise DemoError(f"the export holds {summary.episodes} episodes and {summary.calls} "
                             f"calls; the demo ran {totals['episodes']} and {totals['calls']}")
         _table(summary, totals, out, keep, time.perf_counter() - started)
+        if variants:
+            _loop_hint(data_dir)
         if ui:
             await _keep_viewing(settings, phases)
 
@@ -232,12 +248,15 @@ async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
     from tracetap.demo.agent import run_agent
     from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
 
-    harness = {"name": "tracetap-demo-agent",
-               "config": {"variant": plan.variant, "seed": plan.seed,
-                          "tool_rounds": plan.tool_rounds, "rewrite_at": plan.rewrite_at}}
+    config = {"variant": plan.variant, "seed": plan.seed, "tool_rounds": plan.tool_rounds,
+              "rewrite_at": plan.rewrite_at}
+    if plan.context is not None:  # a harness factor: docs/harness-engineering.md
+        config["context"] = plan.context
+    harness = {"name": "tracetap-demo-agent", "config": config}
     created = await admin.post("/tracetap/episodes", {
         "id": plan.id, "group_id": plan.group_id, "task_id": plan.task.id,
-        "harness": harness, "metadata": {"demo": True}})
+        "harness": harness,
+        "metadata": {"demo": True, **({"batch": "variants"} if plan.context else {})}})
     group = f", group {plan.group_id} seed {plan.seed}" if plan.group_id else ""
     say(f"> {plan.id:<22} started   {plan.variant}, task {plan.task.id}{group}"
         f"{'' if plan.api == 'chat' else f', {plan.api} API'}")
@@ -334,6 +353,19 @@ def _table(summary, totals: dict, out: Path, keep: bool, seconds: float) -> None
         print(f"\ndata kept in {out.parent}")
     else:
         print("\nthe demo's files are removed now (--clean)")
+    sys.stdout.flush()
+
+
+def _loop_hint(data_dir: Path) -> None:
+    """The harness-engineering loop on what --variants ran (README, docs/harness-engineering.md)."""
+    d = f"--data-dir {data_dir}"
+    print("\nharness engineering on the two variants (the demo's success is outcome solved):")
+    print(f"  tracetap packets {d} --out {data_dir / 'packets'} --success-outcome solved "
+          "--where meta.batch=variants --batch config.context")
+    print(f"  tracetap compare {d} --baseline config.context=full "
+          "--candidate config.context=summarised --success-outcome solved")
+    print(f"  tracetap harnesses {d} --where meta.batch=variants --factor context "
+          "--factor seed --success-outcome solved")
     sys.stdout.flush()
 
 

@@ -21,17 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--out", required=True, metavar="DIR",
       help="output directory: DIR/calls/ and DIR/trajectories/ Parquet datasets")
-    a("--db", default=os.environ.get("TRACETAP_DB"),
-      help="SQLAlchemy URL (or TRACETAP_DB; default: the SQLite file in --data-dir)")
-    a("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR", "./tracetap-data"))
-    a("--since", type=timestamp, metavar="TIME",
-      help="episodes created at or after TIME (ISO 8601, UTC if no zone; or epoch seconds)")
-    a("--until", type=timestamp, metavar="TIME", help="episodes created before TIME")
-    a("--episode", action="append", default=[], metavar="ID",
-      help="only this episode (repeatable)")
-    a("--group", metavar="ID", help="only episodes of this group")
-    a("--finished-only", action=argparse.BooleanOptionalAction, default=True,
-      help="only episodes finished with POST /tracetap/episodes/{id}/finish (default: on)")
+    add_selection_arguments(parser)
     a("--dataset", choices=DATASET_CHOICES, default="all")
     a("--incremental", action="store_true",
       help="append only episodes finished since the last run (watermark in DIR/_manifest.json)")
@@ -46,10 +36,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="no progress bar (it is shown only on a terminal anyway)")
 
 
+def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The database and which of its episodes: the same flags wherever episodes are read
+    (export, packets, compare, harnesses), so a selection means the same thing."""
+    a = parser.add_argument
+    a("--db", default=os.environ.get("TRACETAP_DB"),
+      help="SQLAlchemy URL (or TRACETAP_DB; default: the SQLite file in --data-dir)")
+    a("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR", "./tracetap-data"))
+    a("--since", type=timestamp, metavar="TIME",
+      help="episodes created at or after TIME (ISO 8601, UTC if no zone; or epoch seconds)")
+    a("--until", type=timestamp, metavar="TIME", help="episodes created before TIME")
+    a("--episode", action="append", default=[], metavar="ID",
+      help="only this episode (repeatable)")
+    a("--group", metavar="ID", help="only episodes of this group")
+    a("--finished-only", action=argparse.BooleanOptionalAction, default=True,
+      help="only episodes finished with POST /tracetap/episodes/{id}/finish (default: on)")
+
+
+def database_url(args: argparse.Namespace) -> str:
+    return args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+
+
 def run(args: argparse.Namespace) -> int:
     from tracetap.exporters.pipeline import ExportError, export  # pyarrow is loaded only from here
 
-    db = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+    db = database_url(args)
     datasets = ("calls", "trajectories") if args.dataset == "all" else (args.dataset,)
     bar = ProgressBar(sys.stderr) if args.progress and sys.stderr.isatty() else None
     try:

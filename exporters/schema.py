@@ -14,12 +14,14 @@ from itertools import accumulate
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracetap.exporters.factors import factors_of_json
 from tracetap.exporters.trajectories import Trajectory
 from tracetap.storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "2"  # 2: token origin, the engine's view of the request, drift columns
+SCHEMA_VERSION = "3"  # 2: token origin, the engine's view of the request, drift columns;
+# 3: harness_factors
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -77,6 +79,8 @@ TRAJECTORIES = pa.schema([
     ("outcome", pa.string()),
     ("harness", pa.string()),
     ("harness_config", pa.string()),  # JSON text
+    # The config's scalar values as [{factor, level}] (exporters.factors), to balance by.
+    ("harness_factors", pa.list_(pa.struct([("factor", pa.string()), ("level", pa.string())]))),
     # Why a "non_prefix" row split (exporters.trajectories, exporters.drift).
     ("drift_cause", pa.string()),
     ("drift_position", pa.int32()),  # first differing token of prompt_ids
@@ -182,6 +186,7 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         "outcome": [e.outcome for e in episodes],
         "harness": [e.harness_name for e in episodes],
         "harness_config": [e.harness_config for e in episodes],
+        "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
     }
     return _batch(columns, schema)

@@ -1,4 +1,5 @@
-"""The ``tracetap`` command: serve, db upgrade, export, drift, ui, demo, mock-engine."""
+"""The ``tracetap`` command: serve, db upgrade, export, drift, packets, compare, harnesses, ui,
+demo, mock-engine."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     drift_command.add_arguments(drift)
     drift.set_defaults(run=drift_command.run)
+
+    from tracetap.analysis import command as analysis_command  # cheap: storage loads only in a run
+
+    analysis_command.add_packets_arguments(commands.add_parser(
+        "packets", help="failed episodes as failure packets for a harness-editing model"))
+    analysis_command.add_compare_arguments(commands.add_parser(
+        "compare", help="Δ_B of harness variants on the same tasks, with intervals"))
+    analysis_command.add_harnesses_arguments(commands.add_parser(
+        "harnesses", help="harness-factor coverage, and a balanced set of configurations"))
 
     ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
                              "running proxy")

@@ -141,7 +141,7 @@ class Reader:
         self._engine: AsyncEngine | None = None
 
     async def __aenter__(self) -> Reader:
-        with self._translated():
+        with self.translated():
             target = async_url(self.url)
             if target.startswith("sqlite"):
                 path = make_url(target).database
@@ -170,11 +170,11 @@ class Reader:
 
     async def count(self, filt: EpisodeFilter) -> int:
         """Episodes matching ``filt`` (for progress; ``skip`` is not subtracted)."""
-        query = select(func.count()).select_from(Episode).where(*_conditions(filt))
+        query = select(func.count()).select_from(Episode).where(*episode_conditions(filt))
         ids = sorted(set(filt.episode_ids))
         chunks = [ids[i:i + self.page_size] for i in range(0, len(ids), self.page_size)]
         total = 0
-        with self._translated():
+        with self.translated():
             async with self.engine.connect() as conn:
                 for chunk in chunks or [None]:
                     counted = query if chunk is None else query.where(Episode.id.in_(chunk))
@@ -188,7 +188,7 @@ class Reader:
             page = [_episode(row) for row in rows
                     if filt.skip.get(row[0], -1.0) != row[6]]  # id, finished_at
             if page:
-                with self._translated():
+                with self.translated():
                     async with self.engine.connect() as conn:
                         calls = await self._rows(
                             conn, Call.episode_id.in_([e.id for e in page]))
@@ -202,9 +202,9 @@ class Reader:
         """Just the bodies of these calls (request, upstream_request, response)."""
         query = select(Call.call_id, Call.endpoint, Call.request, Call.upstream_request,
                        Call.response).where(Call.call_id.in_(call_ids))
-        with self._translated():
+        with self.translated():
             async with self.engine.connect() as conn:
-                rows = await _fetch(conn, query)
+                rows = await fetch(conn, query)
         return {r[0]: ScannedCall(call_id=r[0], endpoint=r[1], request=r[2],
                                   upstream_request=r[3], response=r[4]) for r in rows}
 
@@ -221,9 +221,9 @@ class Reader:
                 query = query.where((Call.t_start > after[0])
                                     | ((Call.t_start == after[0]) & (Call.call_id > after[1])))
             query = query.order_by(Call.t_start, Call.call_id).limit(self.page_size * 2)
-            with self._translated():
+            with self.translated():
                 async with self.engine.connect() as conn:
-                    keys = await _fetch(conn, query)
+                    keys = await fetch(conn, query)
                     if not keys:
                         return
                     rows = await self._rows(conn, Call.call_id.in_([k[0] for k in keys]))
@@ -235,13 +235,13 @@ class Reader:
     async def _pages_by_key(self, filt: EpisodeFilter) -> AsyncIterator[list]:
         last: str | None = None
         while True:
-            query = select(*_EPISODE_COLUMNS).where(*_conditions(filt))
+            query = select(*_EPISODE_COLUMNS).where(*episode_conditions(filt))
             if last is not None:
                 query = query.where(Episode.id > last)
             query = query.order_by(Episode.id).limit(self.page_size)
-            with self._translated():
+            with self.translated():
                 async with self.engine.connect() as conn:
-                    rows = await _fetch(conn, query)
+                    rows = await fetch(conn, query)
             if not rows:
                 return
             last = rows[-1][0]
@@ -252,11 +252,12 @@ class Reader:
         ids = sorted(set(filt.episode_ids))
         for start in range(0, len(ids), self.page_size):
             chunk = ids[start:start + self.page_size]
-            query = (select(*_EPISODE_COLUMNS).where(*_conditions(filt), Episode.id.in_(chunk))
+            query = (select(*_EPISODE_COLUMNS)
+                     .where(*episode_conditions(filt), Episode.id.in_(chunk))
                      .order_by(Episode.id))
-            with self._translated():
+            with self.translated():
                 async with self.engine.connect() as conn:
-                    rows = await _fetch(conn, query)
+                    rows = await fetch(conn, query)
             if rows:
                 yield rows
 
@@ -272,20 +273,20 @@ class Reader:
                 columns[i] = null().label(ROW[i])
         query = (select(*columns).outerjoin(Choice, Choice.call_id == Call.call_id)
                  .where(condition))
-        rows = await _fetch(conn, query)
+        rows = await fetch(conn, query)
         if _SWAPPED:
             rows = [_native_row(row) for row in rows]
         rows.sort(key=_arrival)
         return rows
 
     async def _check_schema(self) -> None:
-        with self._translated():
+        with self.translated():
             async with self.engine.connect() as conn:
                 await conn.execute(select(Episode.id).limit(1))
                 await conn.execute(select(Choice.call_id).limit(1))
 
     @contextlib.contextmanager
-    def _translated(self) -> Iterator[None]:
+    def translated(self) -> Iterator[None]:
         """SQLAlchemy and driver errors become one ScanError with the URL (password masked)."""
         try:
             yield
@@ -308,7 +309,7 @@ def _bulk_read_cache(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def _conditions(filt: EpisodeFilter) -> list:
+def episode_conditions(filt: EpisodeFilter) -> list:
     conditions = []
     if filt.finished_only or filt.finished_from is not None:
         conditions.append(Episode.finished_at.is_not(None))
@@ -323,7 +324,7 @@ def _conditions(filt: EpisodeFilter) -> list:
     return conditions
 
 
-async def _fetch(conn: AsyncConnection, query: Select) -> list:
+async def fetch(conn: AsyncConnection, query: Select) -> list:
     """``query``'s rows as tuples (asyncpg Records on Postgres), from the driver itself."""
     compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
     params = [compiled.params[name] for name in compiled.positiontup or ()]

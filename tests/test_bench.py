@@ -61,3 +61,12 @@ def test_capture_cost_prints_every_step(postgres):
             "database: insert (Postgres)", "database: insert (SQLite)",
             "total, storing in Postgres"} <= set(rows), out
     assert all(float(v) > 0 for v in rows.values())
+
+
+def test_analysis_bench_checks_its_answers(tmp_path):
+    out = run("analysis_bench.py", "--episodes", "600", "--rounds", "1",
+              "--workdir", str(tmp_path))
+    for check in ("one packet per failed episode", "Δ_B equals the built difference",
+                  "every factor level counted"):
+        assert f"[PASS] {check}" in out, out
+    assert re.search(r"^  packets +\d+\.\d+ ", out, re.MULTILINE), out

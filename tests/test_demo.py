@@ -223,3 +223,41 @@ def test_mock_engine_answers_completions_with_and_without_streaming(client):
     assert text == choice.text
     counts = Counter(m.id for m in client.models.list().data)
     assert counts == {"mock-model": 1}
+
+
+def test_two_harness_variants_feed_packets_compare_and_harnesses(tmp_path, capsys):
+    from tracetap.proxy import cli
+
+    data_dir = tmp_path / "variants"
+    out = run_demo("--data-dir", str(data_dir), "--episodes", "0", "--variants",
+                   "--quiet").stdout
+    assert "tracetap compare --data-dir" in out  # the printed loop
+    demo = Demo(data_dir, out)
+    factors = {}
+    for row in demo.trajectories:
+        found = {f["factor"]: f["level"] for f in row["harness_factors"]}
+        if "context" in found:
+            factors.setdefault(row["episode_id"], []).append(found["context"])
+    assert len(factors) == 16
+    # The factor changes the agent: a summarised context splits its episode in two rows.
+    assert {e: len(c) for e, c in factors.items() if c[0] == "full"} == dict.fromkeys(
+        [e for e, c in factors.items() if c[0] == "full"], 1)
+    assert all(len(c) == 2 for c in factors.values() if c[0] == "summarised")
+    common = ["--data-dir", str(data_dir), "--success-outcome", "solved"]
+    assert cli.main(["compare", *common, "--json", "--baseline", "config.context=full",
+                     "--candidate", "config.context=summarised"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    [candidate] = result["candidates"]
+    assert candidate["paired_tasks"] == 4 and result["baseline"]["episodes"] == 8
+    assert candidate["tokens_delta"] != 0  # the summarised agent resends other prompts
+    assert cli.main(["packets", *common, "--out", str(tmp_path / "packets"),
+                     "--where", "meta.batch=variants", "--batch", "config.context"]) == 0
+    assert "failure packets of 16 episodes" in capsys.readouterr().out
+    packets = [json.loads(line) for line in
+               (tmp_path / "packets" / "packets.jsonl").read_text().splitlines()]
+    assert packets and all(p["batch"] == p["harness"]["config"]["context"] for p in packets)
+    assert all(p["outcome"]["outcome"] != "solved" for p in packets)
+    assert cli.main(["harnesses", *common, "--json", "--where", "meta.batch=variants",
+                     "--factor", "context", "--factor", "seed"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["episodes"] == 16 and report["unseen_pairs"] == []

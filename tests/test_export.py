@@ -211,7 +211,8 @@ def test_samples_and_retries_branch_and_nothing_is_trained_twice(proxy, tmp_path
 def test_reward_outcome_group_harness_and_policy_columns(proxy, tmp_path):
     admin(proxy, "POST", "/tracetap/episodes", {
         "id": "meta", "group_id": "g-1", "task_id": "task-7",
-        "harness": {"name": "swe-agent", "config": {"temperature": 0.7}}})
+        "harness": {"name": "swe-agent", "config": {"temperature": 0.7, "retry": True,
+                                                    "tools": ["bash"]}}})
     admin(proxy, "PUT", "/tracetap/policy", {"version": "step-42"})
     run_episode(proxy, "meta", 2, finish={"reward": 1.5, "rewards": {"tests": 1.0},
                                           "outcome": "solved"})
@@ -220,7 +221,11 @@ def test_reward_outcome_group_harness_and_policy_columns(proxy, tmp_path):
     assert (row["group_id"], row["task_id"], row["reward"], row["outcome"]) == (
         "g-1", "task-7", 1.5, "solved")
     assert row["harness"] == "swe-agent"
-    assert json.loads(row["harness_config"]) == {"temperature": 0.7}
+    assert json.loads(row["harness_config"]) == {"temperature": 0.7, "retry": True,
+                                                 "tools": ["bash"]}
+    # Scalar config values are factors (docs/harness-engineering.md); a list is not.
+    assert row["harness_factors"] == [{"factor": "retry", "level": "true"},
+                                      {"factor": "temperature", "level": "0.7"}]
     assert json.loads(row["rewards"]) == {"tests": 1.0}
     assert row["policy_versions"] == ["step-42", "step-42"]
     for call in read(tmp_path, "calls", "meta"):
@@ -335,7 +340,9 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("num_turns", pa.int32()), ("split_reason", pa.string()), ("finish_reason", pa.string()),
     ("policy_versions", pa.list_(pa.string())), ("reward", pa.float64()),
     ("rewards", pa.string()), ("outcome", pa.string()), ("harness", pa.string()),
-    ("harness_config", pa.string()), ("drift_cause", pa.string()), ("drift_position", pa.int32()),
+    ("harness_config", pa.string()),
+    ("harness_factors", pa.list_(pa.struct([("factor", pa.string()), ("level", pa.string())]))),
+    ("drift_cause", pa.string()), ("drift_position", pa.int32()),
     ("drift_expected_token", pa.int32()), ("drift_received_token", pa.int32()),
     ("drift_message_index", pa.int32()), ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()), ("drift_call_id", pa.string()),
@@ -351,7 +358,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"2"
+        assert written.metadata[b"tracetap.schema_version"] == b"3"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

@@ -1,0 +1,258 @@
+"""Δ_B: harness variants compared on the same task batch.
+
+Episodes are paired by task: each variant's repeats of a task are averaged first, so a
+task counts once whatever its number of repeats. For a candidate against the baseline,
+on the tasks both ran: d_t = success rate of the candidate on t - that of the baseline,
+Δ_B = mean of d_t, with a paired bootstrap percentile interval over tasks and an exact
+sign-test p-value over the tasks where d_t != 0 (analysis.stats). A task is fixed when
+d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: tokens
+(prompt + completion, from the calls table) and model latency (the sum of the calls'
+durations), their differences paired by task the same way. With K >= 2 candidates, each
+one's group-normalised advantage is (Δ_B - mean Δ_B) / std Δ_B over the K (population
+std; 0 when all are equal): the reward a GRPO update of a patch proposer uses.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import msgspec
+
+from tracetap.analysis.episodes import AnalysisError, Episode
+from tracetap.analysis.select import Selector, Success
+from tracetap.analysis.stats import bootstrap_interval, mean, normalised, sign_test
+
+
+class Variant(msgspec.Struct, kw_only=True):
+    selector: str
+    episodes: int
+    tasks: int
+    success_rate: float
+    mean_reward: float | None
+    tokens_per_episode: float
+    latency_per_episode: float  # seconds
+
+
+class Flips(msgspec.Struct, kw_only=True):
+    fixed: list[str]
+    broken: list[str]
+    unchanged: int
+
+
+class Candidate(msgspec.Struct, kw_only=True):
+    variant: Variant
+    paired_tasks: int
+    unpaired_tasks: list[str]  # dropped (--allow-unpaired): ran by only one of the two
+    delta: float  # Δ_B
+    interval: tuple[float, float]
+    p_value: float | None  # None: no task changed
+    reward_delta: float | None
+    flips: Flips
+    tokens_delta: float  # per episode, candidate - baseline
+    latency_delta: float
+    advantage: float | None = None  # with K >= 2 candidates
+
+
+class Comparison(msgspec.Struct, kw_only=True):
+    baseline: Variant
+    candidates: list[Candidate]
+    success: Success
+    resamples: int
+    seed: int
+
+
+class _Tasks(msgspec.Struct):
+    """Per task: the means over its repeats."""
+
+    success: dict[str, float]
+    reward: dict[str, float]
+    tokens: dict[str, float]
+    latency: dict[str, float]
+
+
+def compare(
+    episodes: Sequence[Episode],
+    baseline: Selector,
+    candidates: Sequence[Selector],
+    *,
+    success: Success,
+    resamples: int = 2000,
+    seed: int = 0,
+    allow_unpaired: bool = False,
+) -> Comparison:
+    if not candidates:
+        raise AnalysisError("give at least one --candidate selection")
+    if resamples < 1:
+        raise AnalysisError("--resamples must be at least 1")
+    base_eps = _chosen(episodes, baseline, "baseline")
+    base, base_tasks = _variant(base_eps, baseline, success)
+    results = []
+    for selector in candidates:
+        chosen = _chosen(episodes, selector, "candidate")
+        both = {e.id for e in base_eps} & {e.id for e in chosen}
+        if both:
+            raise AnalysisError(
+                f"{len(both)} episodes match both the baseline "
+                f"{baseline.text!r} and the candidate {selector.text!r} "
+                f"(e.g. {min(both)}): the selections must not overlap"
+            )
+        variant, tasks = _variant(chosen, selector, success)
+        results.append(
+            _against(
+                variant, tasks, base_tasks, selector, baseline, resamples, seed, allow_unpaired
+            )
+        )
+    if len(results) >= 2:
+        for result, advantage in zip(results, normalised([r.delta for r in results])):
+            result.advantage = advantage
+    return Comparison(
+        baseline=base, candidates=results, success=success, resamples=resamples, seed=seed
+    )
+
+
+def _chosen(episodes: Sequence[Episode], selector: Selector, role: str) -> list[Episode]:
+    chosen = [e for e in episodes if selector.matches(e)]
+    if not chosen:
+        raise AnalysisError(
+            f"the {role} selection {selector.text!r} matches none of the "
+            f"{len(episodes)} episodes the filters select"
+        )
+    untasked = [e.id for e in chosen if e.task is None]
+    if untasked:
+        raise AnalysisError(
+            f"{len(untasked)} episodes of {selector.text!r} have no task_id "
+            f"(e.g. {untasked[0]}): Δ_B pairs episodes by task; register "
+            "them with task_id or narrow the selection"
+        )
+    return chosen
+
+
+def _variant(
+    episodes: list[Episode], selector: Selector, success: Success
+) -> tuple[Variant, _Tasks]:
+    by_task: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        by_task[e.task].append(e)
+    rewards = [e.summary.reward for e in episodes if e.summary.reward is not None]
+    tasks = _Tasks(
+        success={t: mean([float(success(e)) for e in es]) for t, es in by_task.items()},
+        reward={
+            t: mean(r)
+            for t, es in by_task.items()
+            if (r := [e.summary.reward for e in es if e.summary.reward is not None])
+        },
+        tokens={t: mean([_tokens(e) for e in es]) for t, es in by_task.items()},
+        latency={t: mean([e.summary.latency for e in es]) for t, es in by_task.items()},
+    )
+    variant = Variant(
+        selector=selector.text,
+        episodes=len(episodes),
+        tasks=len(by_task),
+        success_rate=mean([float(success(e)) for e in episodes]),
+        mean_reward=mean(rewards) if rewards else None,
+        tokens_per_episode=mean([_tokens(e) for e in episodes]),
+        latency_per_episode=mean([e.summary.latency for e in episodes]),
+    )
+    return variant, tasks
+
+
+def _against(
+    variant: Variant,
+    tasks: _Tasks,
+    base: _Tasks,
+    selector: Selector,
+    baseline: Selector,
+    resamples: int,
+    seed: int,
+    allow_unpaired: bool,
+) -> Candidate:
+    paired = sorted(tasks.success.keys() & base.success.keys())
+    only_base = sorted(base.success.keys() - tasks.success.keys())
+    only_cand = sorted(tasks.success.keys() - base.success.keys())
+    if not paired:
+        raise AnalysisError(
+            f"the baseline {baseline.text!r} and the candidate "
+            f"{selector.text!r} share no task: Δ_B compares the same tasks"
+        )
+    if (only_base or only_cand) and not allow_unpaired:
+        raise AnalysisError(
+            f"{len(only_base) + len(only_cand)} tasks ran under only one of the baseline "
+            f"{baseline.text!r} and the candidate {selector.text!r} (baseline only: "
+            f"{_few(only_base)}; candidate only: {_few(only_cand)}); Δ_B compares the same "
+            "tasks: narrow the selections or pass --allow-unpaired to drop them"
+        )
+    d = [tasks.success[t] - base.success[t] for t in paired]
+    rewarded = [t for t in paired if t in tasks.reward and t in base.reward]
+    return Candidate(
+        variant=variant,
+        paired_tasks=len(paired),
+        unpaired_tasks=only_base + only_cand,
+        delta=mean(d),
+        interval=bootstrap_interval(d, resamples=resamples, seed=seed),
+        p_value=sign_test(d),
+        reward_delta=mean([tasks.reward[t] - base.reward[t] for t in rewarded])
+        if rewarded
+        else None,
+        flips=Flips(
+            fixed=[t for t, x in zip(paired, d) if x > 0],
+            broken=[t for t, x in zip(paired, d) if x < 0],
+            unchanged=sum(x == 0 for x in d),
+        ),
+        tokens_delta=mean([tasks.tokens[t] - base.tokens[t] for t in paired]),
+        latency_delta=mean([tasks.latency[t] - base.latency[t] for t in paired]),
+    )
+
+
+def _tokens(e: Episode) -> float:
+    return float(e.summary.prompt_tokens + e.summary.completion_tokens)
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def render(c: Comparison) -> str:
+    """The comparison as a table for people."""
+    s = c.success
+    lines = [
+        f"success: outcome in {{{', '.join(s.outcomes)}}}, else reward >= "
+        f"{s.threshold:g}; paired bootstrap {c.resamples} resamples, seed {c.seed}",
+        "",
+    ]
+    header = (
+        f"{'variant':<28} {'episodes':>8} {'tasks':>6} {'success':>8} {'reward':>7} "
+        f"{'tokens/ep':>10} {'latency/ep':>10}"
+    )
+    lines.append(header)
+    for v in [c.baseline, *(x.variant for x in c.candidates)]:
+        reward = "-" if v.mean_reward is None else f"{v.mean_reward:.3f}"
+        lines.append(
+            f"{v.selector[:28]:<28} {v.episodes:>8} {v.tasks:>6} "
+            f"{v.success_rate:>8.3f} {reward:>7} {v.tokens_per_episode:>10.1f} "
+            f"{v.latency_per_episode:>9.3f}s"
+        )
+    lines += ["", f"against the baseline {c.baseline.selector!r}:"]
+    lines.append(
+        f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "
+        f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δtokens':>9} "
+        f"{'Δlatency':>9} {'advantage':>9}"
+    )
+    for x in c.candidates:
+        p = "-" if x.p_value is None else f"{x.p_value:.3g}"
+        adv = "-" if x.advantage is None else f"{x.advantage:+.3f}"
+        interval = f"[{x.interval[0]:+.3f}, {x.interval[1]:+.3f}]"
+        lines.append(
+            f"{x.variant.selector[:28]:<28} {x.paired_tasks:>6} {x.delta:>+7.3f} "
+            f"{interval:>17} {p:>7} {len(x.flips.fixed):>5} "
+            f"{len(x.flips.broken):>6} {x.flips.unchanged:>5} "
+            f"{x.tokens_delta:>+9.1f} {x.latency_delta:>+8.3f}s {adv:>9}"
+        )
+        if x.unpaired_tasks:
+            lines.append(
+                f"  dropped {len(x.unpaired_tasks)} unpaired tasks: {_few(x.unpaired_tasks)}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The episodes an analysis reads: one bulk read, JSON fields decoded once, factors as text.
+
+Factors follow exporters.factors: the harness config's scalar values, as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from tracetap.exporters.factors import factors_of
+from tracetap.storage.scan import EpisodeFilter, Reader, ScanError
+from tracetap.storage.summaries import EpisodeSummary, call_summaries, episode_summaries
+
+
+class AnalysisError(Exception):
+    """An analysis could not run (bad input, empty selection); the message says why."""
+
+
+class Episode(msgspec.Struct, kw_only=True, gc=False):
+    summary: EpisodeSummary
+    config: dict[str, Any]
+    metadata: dict[str, Any]
+    factors: dict[str, str]  # the config's scalar values as levels
+    policies: frozenset[str] = frozenset()  # the calls' policy versions (when asked for)
+
+    @property
+    def id(self) -> str:
+        return self.summary.id
+
+    @property
+    def task(self) -> str | None:
+        return self.summary.task_id
+
+
+def load(
+    db: str, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False
+) -> list[Episode]:
+    """The matching episodes in id order (blocking; runs its own event loop). ``costs``:
+    with their calls' token and latency totals; ``policies``: their policy versions."""
+
+    async def go() -> list[Episode]:
+        async with open_reader(db) as reader:
+            return await read(reader, filt, policies=policies, costs=costs)
+
+    return asyncio.run(go())
+
+
+@contextlib.asynccontextmanager
+async def open_reader(db: str) -> AsyncIterator[Reader]:
+    """A storage Reader whose errors (bad URL, no schema, driver errors) are AnalysisError."""
+    try:
+        async with Reader(db) as reader:
+            yield reader
+    except ScanError as exc:
+        raise AnalysisError(str(exc)) from exc
+
+
+async def read(
+    reader: Reader, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False
+) -> list[Episode]:
+    summaries = await episode_summaries(reader, filt, costs=costs)
+    versions: dict[str, set[str]] = {}
+    if policies and summaries:
+        for call in await call_summaries(reader, [s.id for s in summaries]):
+            if call.policy_version is not None:
+                versions.setdefault(call.episode_id, set()).add(call.policy_version)
+    episodes = []
+    for s in summaries:
+        config = _object(s.harness_config)
+        episodes.append(
+            Episode(
+                summary=s,
+                config=config,
+                metadata=_object(s.metadata),
+                factors=factors_of(config),
+                policies=frozenset(versions.get(s.id, ())),
+            )
+        )
+    return episodes
+
+
+def _object(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    value = msgspec.json.decode(text)
+    return value if isinstance(value, dict) else {}

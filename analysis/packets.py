@@ -1,0 +1,255 @@
+"""Failure packets: each failed episode compiled into what a harness-editing model reads.
+
+Deterministic: the same database and options give byte-identical files (keys sorted,
+packets ordered by batch, task and episode id, no time of the run inside). The packet's
+shape is ``analysis/packet.schema.json``; docs/harness-engineering.md explains it.
+
+Why an episode failed (``failure``): ``unsuccessful`` (not a success, analysis.select),
+``call_error`` (one of its calls failed: an upstream error, a cut stream, a 4xx/5xx
+reply), ``context_length`` (a failed call whose error or reply says the context was too
+long). ``--failure`` chooses which of them select an episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from tracetap.analysis import conversation
+from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read
+from tracetap.analysis.select import Selector, Success, value_of
+from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
+from tracetap.storage.summaries import CallSummary, call_summaries
+
+PACKET_VERSION = "1"
+FAILURES = ("unsuccessful", "call_error", "context_length")
+SCHEMA_FILE = Path(__file__).with_name("packet.schema.json")
+VIEWER = "/tracetap/ui"
+_CONTEXT = re.compile(
+    r"context[ _-]?(length|window)|maximum context|too many tokens|"
+    r"prompt is too long",
+    re.IGNORECASE,
+)
+_CHUNK = 500
+
+
+class Options(msgspec.Struct, kw_only=True, frozen=True):
+    success: Success = Success()
+    failures: tuple[str, ...] = FAILURES
+    steps: int = 5  # the last K action-observation steps
+    max_chars: int = 2000  # per text: system prompt, message, arguments, observation, error
+    batch: str | None = None  # a selector key grouping packets into task batches
+    where: Selector | None = None
+
+
+class PacketSet(msgspec.Struct, kw_only=True):
+    episodes: int  # selected
+    reasons: dict[str, int]  # packets per failure reason
+    packets: list[dict[str, Any]]
+    batches: list[dict[str, Any]] | None = None
+
+
+def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
+    unknown = set(options.failures) - set(FAILURES)
+    if unknown or not options.failures:
+        raise AnalysisError(f"--failure must be among {', '.join(FAILURES)}")
+    if options.steps < 1 or options.max_chars < 1:
+        raise AnalysisError("--steps and --max-chars must be at least 1")
+    return asyncio.run(_build(db, filt, options))
+
+
+async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
+    where = options.where
+    async with open_reader(db) as reader:
+        episodes = await read(reader, filt, policies=bool(where and where.needs_policies))
+        if where is not None:
+            episodes = [e for e in episodes if where.matches(e)]
+        if not episodes:
+            raise AnalysisError(
+                "the selection matches no episode" + (f" (--where {where.text!r})" if where else "")
+            )
+        suspects = [e for e in episodes if not options.success(e) or e.summary.failed_calls]
+        calls = await call_summaries(reader, [e.id for e in suspects])
+        by_episode: dict[str, list[CallSummary]] = defaultdict(list)
+        for call in calls:
+            by_episode[call.episode_id].append(call)
+        failed_ids = [c.call_id for c in calls if _failed(c)]
+        failed_bodies = (
+            await _bodies(reader, failed_ids) if ("context_length" in options.failures) else {}
+        )
+        chosen: list[tuple[Episode, list[str]]] = []
+        for e in suspects:
+            reasons = _reasons(e, by_episode[e.id], failed_bodies, options)
+            if reasons:
+                chosen.append((e, reasons))
+        sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
+        bodies = await _bodies(reader, sorted(sources.values()))
+    packets = [
+        _packet(e, reasons, by_episode[e.id], bodies.get(sources.get(e.id, "")), options)
+        for e, reasons in chosen
+    ]
+    packets.sort(key=lambda p: (p["batch"] or "", p["task_id"] or "", p["episode_id"]))
+    counts = {r: sum(r in p["outcome"]["failure"] for p in packets) for r in options.failures}
+    batches = _batches(episodes, packets, options) if options.batch else None
+    return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches)
+
+
+async def _bodies(reader: Reader, call_ids: Sequence[str]) -> dict[str, ScannedCall]:
+    out: dict[str, ScannedCall] = {}
+    for start in range(0, len(call_ids), _CHUNK):
+        out.update(await reader.bodies(list(call_ids[start : start + _CHUNK])))
+    return out
+
+
+def _failed(call: CallSummary) -> bool:
+    return call.http_status != 200 or call.status not in ("ok", "passthrough")
+
+
+def _reasons(
+    e: Episode, calls: list[CallSummary], bodies: dict[str, ScannedCall], options: Options
+) -> list[str]:
+    reasons = []
+    if "unsuccessful" in options.failures and not options.success(e):
+        reasons.append("unsuccessful")
+    failed = [c for c in calls if _failed(c)]
+    if "call_error" in options.failures and failed:
+        reasons.append("call_error")
+    if "context_length" in options.failures and any(
+        _CONTEXT.search(c.error or "")
+        or _CONTEXT.search((bodies[c.call_id].response or "") if c.call_id in bodies else "")
+        for c in failed
+    ):
+        reasons.append("context_length")
+    return reasons
+
+
+def _packet(
+    e: Episode,
+    reasons: list[str],
+    calls: list[CallSummary],
+    source: ScannedCall | None,
+    options: Options,
+) -> dict[str, Any]:
+    s, budget = e.summary, options.max_chars
+    task, steps = conversation.read(
+        source.request if source else None,
+        source.upstream_request if source else None,
+        source.response if source else None,
+        budget,
+    )
+    answered = [c for c in calls if not _failed(c)]
+    if source is not None and len(answered) == len(steps):
+        for step, call in zip(steps, answered):  # one call per action: link each
+            step.call_id = call.call_id
+    return {
+        "packet_version": PACKET_VERSION,
+        "episode_id": s.id,
+        "group_id": s.group_id,
+        "task_id": s.task_id,
+        "batch": value_of(e, options.batch) if options.batch else None,
+        "harness": {"name": s.harness_name, "config": e.config},
+        "task": msgspec.to_builtins(task),
+        "steps": msgspec.to_builtins(steps[-options.steps :]),
+        "steps_total": len(steps),
+        "outcome": {
+            "success": options.success(e),
+            "failure": reasons,
+            "reward": s.reward,
+            "rewards": _json(s.rewards),
+            "outcome": s.outcome,
+            "info": _json(s.info),
+            "call_errors": [
+                {
+                    "call_id": c.call_id,
+                    "status": c.status,
+                    "http_status": c.http_status,
+                    "error": conversation.cut(c.error, budget),
+                }
+                for c in calls
+                if _failed(c)
+            ],
+        },
+        "calls": [c.call_id for c in calls],
+        "source_call_id": source.call_id if source else None,
+        "viewer": f"{VIEWER}/episodes/{s.id}",
+    }
+
+
+def _json(text: str | None) -> Any:
+    return None if text is None else msgspec.json.decode(text)
+
+
+def _batches(
+    episodes: list[Episode], packets: list[dict[str, Any]], options: Options
+) -> list[dict[str, Any]]:
+    """Per batch: its tasks (failed or not), its episodes, successes and packets."""
+    members: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        members[value_of(e, options.batch) or ""].append(e)
+    packed: dict[str, list[str]] = defaultdict(list)
+    for p in packets:
+        packed[p["batch"] or ""].append(p["episode_id"])
+    return [
+        {
+            "batch": name or None,
+            "tasks": sorted({e.task for e in es if e.task}),
+            "episodes": len(es),
+            "successes": sum(options.success(e) for e in es),
+            "packets": packed.get(name, []),
+        }
+        for name, es in sorted(members.items())
+    ]
+
+
+def encode(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")
+
+
+def write(out: str | os.PathLike, result: PacketSet) -> list[Path]:
+    """packets.jsonl, packets.parquet (and batches.jsonl) in ``out``, each replaced whole."""
+    import pyarrow as pa  # only here: the CLI imports this module's neighbours cheaply
+    import pyarrow.parquet as pq
+
+    root = Path(out)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        encoded = [encode(p) for p in result.packets]
+        lines = b"".join(line + b"\n" for line in encoded)
+        files = [_replace(root / "packets.jsonl", lambda f: f.write_bytes(lines))]
+        table = pa.table(
+            {
+                "episode_id": pa.array([p["episode_id"] for p in result.packets], pa.string()),
+                "batch": pa.array([p["batch"] for p in result.packets], pa.string()),
+                "task_id": pa.array([p["task_id"] for p in result.packets], pa.string()),
+                "harness": pa.array([p["harness"]["name"] for p in result.packets], pa.string()),
+                "failure": pa.array(
+                    [p["outcome"]["failure"] for p in result.packets], pa.list_(pa.string())
+                ),
+                "reward": pa.array([p["outcome"]["reward"] for p in result.packets], pa.float64()),
+                "packet": pa.array([line.decode() for line in encoded], pa.string()),
+            }
+        )
+        files.append(_replace(root / "packets.parquet", lambda f: pq.write_table(table, f)))
+        if result.batches is not None:
+            text = b"".join(encode(b) + b"\n" for b in result.batches)
+            files.append(_replace(root / "batches.jsonl", lambda f: f.write_bytes(text)))
+    except OSError as exc:
+        raise AnalysisError(f"cannot write packets to {root}: {exc.strerror or exc}") from exc
+    return files
+
+
+def _replace(path: Path, writer) -> Path:
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        writer(temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return path
