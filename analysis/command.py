@@ -77,7 +77,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="drop tasks only one side ran (default: an error)",
     )
-    a("--json", action="store_true", help="JSON for scripts instead of a table")
+    a("--json", action="store_true", help="JSON for scripts instead of a table [default off]")
     parser.set_defaults(run=_compare)
 
 
@@ -103,7 +103,7 @@ def add_harnesses_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="propose N configurations covering the space's level pairs evenly (needs --space)",
     )
-    a("--json", action="store_true", help="JSON for scripts instead of a table")
+    a("--json", action="store_true", help="JSON for scripts instead of a table [default off]")
     parser.set_defaults(run=_harnesses)
 
 

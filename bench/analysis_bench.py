@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import insert  # noqa: E402
 
-from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
 from tracetap.storage.tables import Episode  # noqa: E402

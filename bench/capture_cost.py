@@ -30,6 +30,7 @@ from upstream import BODIES, STREAMS
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.capture import ModelCall  # noqa: E402
 from tracetap.proxy.handlers import _observe  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
@@ -38,7 +39,7 @@ from tracetap.proxy.model_map import ModelMap  # noqa: E402
 from tracetap.proxy.repair import Repair  # noqa: E402
 from tracetap.proxy.routing import Routing  # noqa: E402
 from tracetap.proxy.sse import SSEParser  # noqa: E402
-from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
 from tracetap.storage.writer import Writer  # noqa: E402

@@ -32,8 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.storage import queries  # noqa: E402
-from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
 

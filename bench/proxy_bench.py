@@ -36,7 +36,7 @@ from report import print_report
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tracetap.storage.engine import upgrade  # noqa: E402
+from tracetap.migrations import upgrade  # noqa: E402
 
 VARIANTS = ("tracetap-pg", "tracetap-sqlite", "tracetap-pg-workers")
 

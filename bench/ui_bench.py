@@ -38,7 +38,8 @@ from aiohttp import web  # noqa: E402
 from pgtemp import create_database, drop_database  # noqa: E402
 
 from tracetap.demo.engine import EngineConfig, EngineServer  # noqa: E402
-from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
 from tracetap.viewer import PREFIX  # noqa: E402

@@ -4,7 +4,7 @@
     python bench/writer_bench.py --records 20000 --rounds 2
 
 Each round makes two fresh Postgres databases (``tracetap_bench_<random>``, migrated with
-storage.engine.upgrade, dropped at the end). Into one, the records go through the real
+migrations.upgrade, dropped at the end). Into one, the records go through the real
 Writer (journal in a temp dir, batches committed by its background task) as fast as a
 producer can submit them; into the other, the same rows (built by storage/rows.py, so
 the same columns and packing) go in with asyncpg ``copy_records_to_table`` in one
@@ -30,8 +30,9 @@ from pgtemp import create_database, drop_database
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
-from tracetap.storage.engine import create_engine, upgrade  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import call_row, choice_rows, episode_rows  # noqa: E402

@@ -492,27 +492,11 @@ def run_engine(host: str, port: int, config: EngineConfig | None = None) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from tracetap.demo import engine_command
+
     parser = argparse.ArgumentParser(prog="tracetap mock-engine", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--flavor", choices=FLAVORS, default="vllm")
-    parser.add_argument("--model", default="mock-model")
-    parser.add_argument("--tool-rounds", type=int, default=2)
-    parser.add_argument("--max-tokens-default", type=int, default=256)
-    parser.add_argument("--chunk-delay-s", type=float, default=0.0)
-    parser.add_argument("--bad-tool-args", type=float, default=0.0, metavar="FRACTION",
-                        help="seeded failure mode: this fraction of tool calls gets arguments "
-                             "that break the tool's schema")
-    args = parser.parse_args(argv)
-    config = EngineConfig(
-        flavor=args.flavor,
-        model=args.model,
-        tool_rounds=args.tool_rounds,
-        max_tokens_default=args.max_tokens_default,
-        chunk_delay_s=args.chunk_delay_s,
-        bad_tool_args=args.bad_tool_args,
-    )
-    run_engine(args.host, args.port, config)
+    engine_command.add_arguments(parser)
+    engine_command.run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ for every subcommand, and ``tracetap serve`` should not pay for the exporter.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TextIO
+
+from tracetap.exporters.report import missing_note, summary_line
+from tracetap.storage import config
 
 DATASET_CHOICES = ("calls", "trajectories", "all")
 
@@ -22,39 +23,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--out", required=True, metavar="DIR",
       help="output directory: DIR/calls/ and DIR/trajectories/ Parquet datasets")
     add_selection_arguments(parser)
-    a("--dataset", choices=DATASET_CHOICES, default="all")
+    a("--dataset", choices=DATASET_CHOICES, default="all",
+      help="which dataset to write: calls/ (one row per call and choice), trajectories/ "
+           "(training rows) or both [default all]")
     a("--incremental", action="store_true",
-      help="append only episodes finished since the last run (watermark in DIR/_manifest.json)")
-    a("--overwrite", action="store_true", help="replace an existing export in DIR")
+      help="append only episodes finished since the last run (watermark in "
+           "DIR/_manifest.json) [default off]")
+    a("--overwrite", action="store_true", help="replace an existing export in DIR [default off]")
     a("--keep-untokenized", action="store_true",
       help="keep calls without token ids in trajectories/ as single-turn rows marked "
-           "split_reason=no_token_ids (not training data; the adapters refuse them)")
+           "split_reason=no_token_ids (not training data; the adapters refuse them) "
+           "[default off]")
     a("--metrics-file", metavar="FILE",
       help="write this run's tracetap_trajectory_splits_total{cause} in Prometheus text "
            "format (for node_exporter's textfile collector)")
     a("--no-progress", dest="progress", action="store_false",
-      help="no progress bar (it is shown only on a terminal anyway)")
+      help="no progress bar (it is shown only on a terminal anyway) [default: shown]")
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     """The database and which of its episodes: the same flags wherever episodes are read
     (export, packets, compare, harnesses), so a selection means the same thing."""
     a = parser.add_argument
-    a("--db", default=os.environ.get("TRACETAP_DB"),
-      help="SQLAlchemy URL (or TRACETAP_DB; default: the SQLite file in --data-dir)")
-    a("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR", "./tracetap-data"))
+    config.add_location_options(parser, use="to read")
     a("--since", type=timestamp, metavar="TIME",
       help="episodes created at or after TIME (ISO 8601, UTC if no zone; or epoch seconds)")
     a("--until", type=timestamp, metavar="TIME", help="episodes created before TIME")
     a("--episode", action="append", default=[], metavar="ID",
-      help="only this episode (repeatable)")
+      help="only this episode (repeatable); ids not found or not finished are named, and "
+           "nothing is written when none is left")
     a("--group", metavar="ID", help="only episodes of this group")
     a("--finished-only", action=argparse.BooleanOptionalAction, default=True,
-      help="only episodes finished with POST /tracetap/episodes/{id}/finish (default: on)")
+      help="only episodes finished with POST /tracetap/episodes/{id}/finish; "
+           "--no-finished-only reads unfinished ones too [default on]")
 
 
 def database_url(args: argparse.Namespace) -> str:
-    return args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+    return config.database_url(args.db, args.data_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"exported {summary.episodes} episodes: {summary.calls} calls, "
-          f"{summary.trajectories} trajectories, {summary.tokens} tokens, "
-          f"{len(summary.files)} files in {summary.seconds:.1f}s -> {args.out}")
+    print(summary_line(summary, args.out))
+    if summary.not_found or summary.not_finished:
+        print(f"tracetap export: not exported: "
+              f"{missing_note(summary.not_found, summary.not_finished)}", file=sys.stderr)
     if args.metrics_file:
         write_metrics(args.metrics_file, summary.splits)
     if summary.left_out:

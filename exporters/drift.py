@@ -2,7 +2,7 @@
 
 ``build_trajectories`` finds where a "non_prefix" row's prompt left the earlier context
 it shares most with (a token position); ``explain`` reads the two calls' bodies to say
-why, with a cause from ``proxy.history.CAUSES``: the earlier request's messages plus the
+why, with a cause from ``exporters.history.CAUSES``: the earlier request's messages plus the
 model's reply are what the harness was expected to resend, and the first message that
 differs names the cause. Pure: the caller hands over the bodies.
 """
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from tracetap.exporters.history import diff_excerpts, excerpt, history_cause
 from tracetap.exporters.trajectories import Trajectory
-from tracetap.proxy.history import diff_excerpts, excerpt, history_cause
 
 _decode = msgspec.json.Decoder(dict).decode
 

@@ -20,8 +20,9 @@ _COLUMNS = ("trajectory_id", "episode_id", "harness", "split_reason", "call_ids"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("export_dir", metavar="DIR", help="an export directory (tracetap export --out DIR)")
-    a("--json", action="store_true", help="print JSON instead of tables")
-    a("--episode", action="append", default=[], metavar="ID", help="only this episode")
+    a("--json", action="store_true", help="print JSON instead of tables [default off]")
+    a("--episode", action="append", default=[], metavar="ID",
+      help="only this episode (repeatable)")
 
 
 def report(rows: list[dict]) -> dict:

@@ -32,6 +32,7 @@ from tracetap.exporters.parquet import (
     Selection,
     run_id,
 )
+from tracetap.exporters.report import missing_note
 from tracetap.exporters.schema import SCHEMA_VERSION, calls_batches, trajectories_batch
 from tracetap.exporters.trajectories import build_trajectories
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
@@ -49,14 +50,17 @@ class Progress(msgspec.Struct, kw_only=True):
 
 
 class ExportSummary(msgspec.Struct, kw_only=True):
-    """What a run wrote. ``tokens`` counts every token id written, in both datasets."""
+    """What a run wrote: token ids per dataset, and of the trajectories' response ids
+    those trained on (response_mask 1)."""
 
     out: str
     episodes: int = 0
     calls: int = 0
     call_rows: int = 0
+    call_ids: int = 0  # calls/: prompt_ids + completion_ids
     trajectories: int = 0
-    tokens: int = 0
+    trajectory_ids: int = 0  # trajectories/: prompt_ids + response_ids
+    trained_tokens: int = 0  # trajectories/: response_mask == 1
     files: list[str] = []
     seconds: float = 0.0
     watermark: float | None = None
@@ -65,6 +69,14 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     # Rows off an episode's main line, by cause: the drift cause of a "non_prefix" row,
     # else its split_reason (sample, retry, branch, no_token_ids).
     splits: dict[str, int] = {}
+    # Of the --episode ids asked for, those not exported for these reasons.
+    not_found: list[str] = []
+    not_finished: list[str] = []
+
+    @property
+    def tokens(self) -> int:
+        """Every token id written, in both datasets."""
+        return self.call_ids + self.trajectory_ids
 
 
 def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
@@ -110,10 +122,27 @@ async def export_async(
         async with Reader(db, page_size=page_size,
                           with_bodies="calls" in selection.datasets,
                           with_calls="trajectories" in selection.datasets) as reader:
-            return await _run(reader, Path(out), selection, incremental, overwrite, progress,
-                              started, clock)
+            missing = await _missing(reader, selection)
+            summary = await _run(reader, Path(out), selection, incremental, overwrite,
+                                 progress, started, clock)
     except ScanError as exc:
         raise ExportError(str(exc)) from exc
+    summary.not_found, summary.not_finished = missing
+    return summary
+
+
+async def _missing(reader: Reader, selection: Selection) -> tuple[list[str], list[str]]:
+    """The --episode ids that do not exist, and those unfinished when only finished ones
+    are exported; an error when that leaves none, before anything is written."""
+    if not selection.episode_ids:
+        return [], []
+    finished = await reader.finished_at(selection.episode_ids)
+    not_found = [i for i in selection.episode_ids if i not in finished]
+    not_finished = [i for i in selection.episode_ids
+                    if selection.finished_only and i in finished and finished[i] is None]
+    if len(not_found) + len(not_finished) == len(selection.episode_ids):
+        raise ExportError(f"nothing exported: {missing_note(not_found, not_finished)}")
+    return not_found, not_finished
 
 
 async def _run(reader: Reader, out: Path, selection: Selection, incremental: bool,
@@ -204,7 +233,7 @@ def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) ->
         writer.add(batch)
         summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
         summary.call_rows += batch.num_rows
-        summary.tokens += _tokens(batch, "prompt_ids", "completion_ids")
+        summary.call_ids += _tokens(batch, "prompt_ids", "completion_ids")
 
 
 async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPage,
@@ -227,7 +256,8 @@ async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPag
     batch = trajectories_batch(rows, writer.schema)
     writer.add(batch)
     summary.trajectories += batch.num_rows
-    summary.tokens += _tokens(batch, "prompt_ids", "response_ids")
+    summary.trajectory_ids += _tokens(batch, "prompt_ids", "response_ids")
+    summary.trained_tokens += pc.sum(batch.column("response_mask").values).as_py() or 0
 
 
 def _tokens(batch, *columns: str) -> int:

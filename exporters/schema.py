@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from tracetap.exporters.factors import factors_of_json
 from tracetap.exporters.trajectories import Trajectory
-from tracetap.storage.scan import ROW, ScannedEpisode
+from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
@@ -98,11 +98,6 @@ SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 # Characters of request + response text per calls batch: at most 4 UTF-8 bytes each, so
 # a batch's string columns stay under Arrow's 2 GiB per array.
 BODY_CHARS_PER_BATCH = 256 << 20
-# Calls columns copied as they are from the scanned rows.
-_CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
-                "policy_version", "request", "response", "upstream_request", "prompt_source",
-                "ids_missing", "token_source", "finish_reason", "status", "http_status",
-                "error", "prompt_tokens", "completion_tokens")
 
 TrajectoryRow = tuple[ScannedEpisode, Trajectory]
 
@@ -120,11 +115,10 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
-    call_id, *bodies = (ROW.index(n) for n in ("call_id", "request", "response",
-                                                "upstream_request"))
+    call_id = COLUMN.call_id
     start, chars = 0, 0
     for i, row in enumerate(rows):
-        size = sum(len(row[b] or "") for b in bodies)
+        size = sum(len(row[b] or "") for b in BODIES)
         new_call = i > start and row[call_id] != rows[i - 1][call_id]
         if new_call and chars + size > BODY_CHARS_PER_BATCH:
             yield calls_batch(rows[start:i], episodes, schema)
@@ -147,7 +141,6 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         return list(map({e.id: getattr(e, field) for e in episodes}.get, episode_ids))
 
     built = {
-        **{name: columns[name] for name in _CALL_FIELDS},
         "group_id": of_episode("group_id"),
         "task_id": of_episode("task_id"),
         "reward": of_episode("reward"),
@@ -158,6 +151,8 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
                                            pa.float32()),
     }
+    # Every other column is the scanned column of the same name, as it is.
+    built.update((name, columns[name]) for name in schema.names if name not in built)
     return _batch(built, schema)
 
 

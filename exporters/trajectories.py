@@ -87,7 +87,7 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     drift_position: int | None = None
     drift_expected_token: int | None = None
     drift_received_token: int | None = None
-    # Why, from the messages (exporters.drift.explain; proxy.history.CAUSES).
+    # Why, from the messages (exporters.drift.explain; exporters.history.CAUSES).
     drift_cause: str | None = None
     drift_message_index: int | None = None
     drift_expected_text: str | None = None

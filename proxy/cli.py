@@ -1,26 +1,30 @@
-"""The ``tracetap`` command: serve, db upgrade, export, drift, packets, compare, harnesses, ui,
-demo, mock-engine."""
+"""The tracetap command: serve, admin-token, db upgrade, export, drift, packets, compare,
+harnesses, ui, demo, mock-engine."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from tracetap import __version__
 from tracetap.proxy.settings import add_serve_arguments, settings_from_args
+from tracetap.storage import config
 
 log = logging.getLogger("tracetap")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option; docs/reference.md is generated from this."""
-    parser = argparse.ArgumentParser(prog="tracetap", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"tracetap {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("TRACETAP_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR (TRACETAP_LOG_LEVEL)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="tracetap", description="Capture an agent's model calls with their token ids "
+        "and logprobs, and export them as Parquet for RL trainers. Flags win over the "
+        "TRACETAP_* variable each names.")
+    parser.add_argument("--version", action="version", version=f"tracetap {__version__}",
+                        help="print the version and exit")
+    config.add_option(parser, "--log-level", default="INFO", metavar="LEVEL",
+                      help="DEBUG, INFO, WARNING or ERROR")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the capture proxy")
     add_serve_arguments(serve)
@@ -28,21 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     token = commands.add_parser("admin-token", help="print the admin token that serve "
                                 "generated in --data-dir (for scripts: TOKEN=$(tracetap ...))")
-    token.add_argument("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR",
-                                                            "./tracetap-data"))
+    config.add_option(token, "--data-dir", metavar="DIR", default=config.DEFAULT_DATA_DIR,
+                      help=config.DATA_DIR_HELP)
     token.set_defaults(run=_admin_token)
 
-    db = commands.add_parser("db", help="database schema")
-    db_commands = db.add_subparsers(dest="db_command", metavar="{upgrade}")
+    db = commands.add_parser("db", help="database schema: tracetap db upgrade")
+    db_commands = db.add_subparsers(dest="db_command", metavar="SUBCOMMAND")
     db.set_defaults(run=lambda _: db.print_help() or 0)  # `tracetap db` alone: its commands
     upgrade = db_commands.add_parser(
         "upgrade", help="create or migrate the schema (Alembic) of --db, or of the SQLite "
                         "database in --data-dir")
-    upgrade.add_argument("--db", default=os.environ.get("TRACETAP_DB"),
-                         help="postgresql://user@host/db or sqlite:///path.db (TRACETAP_DB)")
-    upgrade.add_argument("--data-dir", default=os.environ.get("TRACETAP_DATA_DIR"),
-                         help="the SQLite database in DIR/tracetap.db, when no --db is given "
-                              "(TRACETAP_DATA_DIR)")
+    config.add_location_options(upgrade, use="to migrate")
     upgrade.set_defaults(run=_db_upgrade)
 
     export = commands.add_parser("export", help="write episodes as Parquet for RL trainers")
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
                              "running proxy")
-    from tracetap.viewer import command as ui_command  # cheap: the server loads only in its run
+    from tracetap.proxy import ui_command  # cheap: the server loads only in its run
 
     ui_command.add_arguments(ui)
     ui.set_defaults(run=ui_command.run)
@@ -81,18 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo_runner.add_arguments(demo)
     demo.set_defaults(run=demo_runner.run)
 
-    mock = commands.add_parser("mock-engine", add_help=False,
-                               help="run the deterministic vLLM-like test engine")
-    mock.set_defaults(run=_mock_engine)
+    mock = commands.add_parser("mock-engine", help="run the deterministic vLLM-like test "
+                               "engine (no GPU, no model)")
+    from tracetap.demo import engine_command  # cheap: the server loads only in its run
+
+    engine_command.add_arguments(mock)
+    mock.set_defaults(run=engine_command.run)
+    _describe(parser)
     return parser
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """A command's help line is also what its own --help says it does."""
+    for group in parser._actions:
+        if isinstance(group, argparse._SubParsersAction):
+            for choice in group._choices_actions:
+                sub = group.choices[choice.dest]
+                sub.description = sub.description or choice.help
+                _describe(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command != "mock-engine" and extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -104,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tracetap.migrations import prepare_schema
     from tracetap.proxy import serve
     from tracetap.proxy.admin_token import ensure_admin_token
     from tracetap.proxy.app import build_app
     from tracetap.proxy.startup_check import check_upstreams
-    from tracetap.storage.engine import prepare_schema
 
     settings = settings_from_args(args)
     check_upstreams(settings.upstreams, settings.upstream_api_key)
@@ -154,15 +165,10 @@ def _admin_token(args: argparse.Namespace) -> int:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from tracetap.migrations import revisions, upgrade
+    from tracetap.storage.engine import redact_url
 
-    from tracetap.storage.engine import redact_url, revisions, upgrade
-
-    url = args.db
-    if not url and args.data_dir:
-        url = f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
-    if not url:
-        raise ValueError("--db (or TRACETAP_DB) or --data-dir is required")
+    url = config.database_url(args.db, args.data_dir)
     before, head = revisions(url)
     if before == head:
         print(f"schema of {redact_url(url)} is already up to date (revision {head})")
@@ -173,11 +179,6 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mock_engine(args: argparse.Namespace) -> int:
-    from tracetap.demo.engine import main as engine_main
-
-    engine_main(args.extra)
-    return 0
 
 
 if __name__ == "__main__":

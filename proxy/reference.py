@@ -13,8 +13,9 @@ from tracetap.proxy.cli import build_parser
 HEADER = """# Command reference
 
 Generated from the argparse definitions by `python -m tracetap.proxy.reference > docs/reference.md`;
-`tests/test_startup.py` fails when it is out of date. Every `tracetap serve` option also
-reads a `TRACETAP_*` environment variable (flags win over the environment).
+`tests/test_startup.py` fails when it is out of date. An option that a `TRACETAP_*`
+environment variable sets names it in brackets, with its default; flags win over the
+environment.
 """
 
 
@@ -25,8 +26,8 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def _command(out: list[str], parser: argparse.ArgumentParser, name: str) -> None:
-    options = [a for a in parser._actions
-               if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    options = [a for a in parser._actions if not isinstance(
+        a, (argparse._HelpAction, argparse._SubParsersAction))]
     subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if options:
         out.append(f"## `{name}`\n")
@@ -34,20 +35,18 @@ def _command(out: list[str], parser: argparse.ArgumentParser, name: str) -> None
             out.append(f"{parser.description}\n")
         out.append("| option | what it does |\n| --- | --- |")
         for action in options:
-            flags = ", ".join(f"`{f}`" for f in action.option_strings)
-            if action.metavar or action.nargs != 0:
-                flags += f" {action.metavar or action.dest.upper()}"
+            flags = (", ".join(f"`{f}`" for f in action.option_strings)
+                     or f"`{action.metavar or action.dest}`")
+            if action.option_strings and (action.metavar or action.nargs != 0):
+                choices = action.choices and "{" + ",".join(map(str, action.choices)) + "}"
+                flags += f" {action.metavar or choices or action.dest.upper()}"
             text = (action.help or "").replace("|", "\\|").replace("\n", " ")
             out.append(f"| {flags} | {text} |")
         out.append("")
+    if not options and parser.description:  # a command of subcommands: what it is for
+        out.append(f"## `{name}`\n\n{parser.description}\n")
     for group in subparsers:
-        helps = {c.dest: c.help for c in group._choices_actions}
         for sub, subparser in group.choices.items():
-            if not subparser.add_help:  # mock-engine passes its own options through
-                out.append(f"## `{name} {sub}`\n\n{helps.get(sub) or ''}; "
-                           f"`{name} {sub} --help` lists its options.\n")
-                continue
-            subparser.description = subparser.description or helps.get(sub)
             _command(out, subparser, f"{name} {sub}")
 
 

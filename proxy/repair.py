@@ -3,7 +3,7 @@
 When an episode has repair on (``--repair-history``, or ``"repair_history": true`` at
 registration), the proxy remembers each assistant reply of the episode as the engine
 returned it. In a later request, an assistant message that is **equal after
-normalisation** to one of them (``proxy.history``: tool arguments equal as JSON values,
+normalisation** to one of them (``exporters.history``: tool arguments equal as JSON values,
 whitespace at the ends, text parts instead of a string, tool calls written out as text)
 but not identical is replaced by the remembered original before the request goes
 upstream. The engine then renders what the model actually produced, so the prompt
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tracetap.proxy.history import Turn, equivalent, turn, turn_cause
+from tracetap.exporters.history import Turn, equivalent, turn, turn_cause
 from tracetap.proxy.inject import CHAT
 
 if TYPE_CHECKING:

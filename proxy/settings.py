@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 from pathlib import Path
 
 import msgspec
@@ -14,6 +13,9 @@ from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.model_map import ModelMap
 from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
 from tracetap.proxy.routing import parse_translate
+from tracetap.storage import config
+from tracetap.storage.config import env as _env
+from tracetap.storage.config import env_flag as _env_bool
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 MAX_WORKERS = 256
@@ -43,7 +45,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_connections: int = 1024
     forward_client_auth: bool = False
     db: str | None = None
-    data_dir: str = "./tracetap-data"
+    data_dir: str = config.DEFAULT_DATA_DIR
     max_body: int = 64 << 20
     journal_max_bytes: int = 1 << 30
     drain_timeout: float = 30.0
@@ -74,9 +76,7 @@ class Settings(msgspec.Struct, kw_only=True):
 
     @property
     def database_url(self) -> str:
-        if self.db:
-            return self.db
-        return f"sqlite:///{Path(self.data_dir).resolve() / 'tracetap.db'}"
+        return config.database_url(self.db, self.data_dir)
 
     @property
     def default_budget(self) -> Budget:
@@ -167,15 +167,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _env(name: str, default=None):
-    return os.environ.get("TRACETAP_" + name.upper().replace("-", "_"), default)
-
-
-def _env_bool(name: str, default: bool = False) -> bool:
-    value = _env(name)
-    return default if value is None else value.lower() in ("1", "true", "yes", "on")
-
-
 def _int_env(name: str) -> int | None:
     value = _env(name)
     return None if value is None else int(value)
@@ -194,10 +185,10 @@ def _documented(parser: argparse.ArgumentParser, defaults: Settings):
         action = kw.get("action")
         shown = {"store_true": "off", "store_false": "on"}.get(
             action, getattr(defaults, kw.get("dest", name), None))
-        note = f"TRACETAP_{name.upper()}"
-        if shown not in (None, [], ["http://unset"]):
-            note += f"; default {shown}"
-        kw["help"] = f"{kw.get('help', '').rstrip()} [{note}]".lstrip()
+        if shown == ["http://unset"]:
+            shown = None
+        kw["help"] = config.described(kw.get("help", ""), var=config.variable(flag),
+                                      default=shown)
         return parser.add_argument(flag, **kw)
 
     return add
@@ -223,9 +214,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="pooled upstream connections")
     a("--forward-client-auth", action="store_true", default=_env_bool("forward_client_auth"),
       help="pass the client's own Authorization header upstream")
-    a("--db", default=_env("db"), help="SQLAlchemy URL (default: SQLite in --data-dir)")
-    a("--data-dir", default=_env("data_dir", d.data_dir),
-      help="SQLite database, journal and admin token; relative to the current directory")
+    a("--db", default=_env("db"), metavar="URL",
+      help=config.db_help("to store into"))
+    a("--data-dir", default=_env("data_dir", d.data_dir), metavar="DIR",
+      help=config.DATA_DIR_HELP)
     a("--max-body", type=int, default=int(_env("max_body", d.max_body)),
       help="request body limit in bytes (413 above)")
     a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)),
@@ -294,10 +286,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if not args.upstream:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
     if args.allow_path is None:
-        args.allow_path = [p.strip() for p in (_env("allow_path") or "").split(",") if p.strip()]
+        args.allow_path = config.env_list("allow_path")
     if args.model_map is None:
-        args.model_map = [p.strip() for p in (_env("model_map") or "").split(",") if p.strip()]
+        args.model_map = config.env_list("model_map")
     if args.overlay is None:
-        args.overlay = (_env("overlay") or "").split()
+        args.overlay = (config.env("overlay") or "").split()
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
     return Settings(**fields)

@@ -1,16 +1,13 @@
-"""Database URLs, async engines and schema upgrades (Alembic is the only way in)."""
+"""Database URLs and async engines (the schema is migrations' job)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-
-from tracetap import migrations
 
 # "postgres://" is what Heroku-style providers and many .env files give.
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
@@ -59,7 +56,7 @@ def is_sqlite(url: str) -> bool:
 def create_engine(url: str, **kwargs) -> AsyncEngine:
     target = async_url(url)
     if target.startswith("sqlite"):
-        _ensure_sqlite_dir(target)
+        ensure_sqlite_dir(target)
         engine = create_async_engine(target, **kwargs)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
@@ -67,7 +64,7 @@ def create_engine(url: str, **kwargs) -> AsyncEngine:
     return create_async_engine(target, **kwargs)
 
 
-def _ensure_sqlite_dir(target: str) -> None:
+def ensure_sqlite_dir(target: str) -> None:
     path = make_url(target).database
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -81,75 +78,3 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
-
-
-def alembic_config(url: str):
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    # Escape % for ConfigParser interpolation (passwords may contain it).
-    config.set_main_option("sqlalchemy.url", async_url(url).replace("%", "%%"))
-    return config
-
-
-def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the schema at ``url`` up to ``revision``. Call from sync code only."""
-    from alembic import command
-    from sqlalchemy.exc import SQLAlchemyError
-
-    target = async_url(url)
-    if target.startswith("sqlite"):
-        _ensure_sqlite_dir(target)
-    try:
-        command.upgrade(alembic_config(url), revision)
-    except (SQLAlchemyError, OSError) as exc:
-        raise DatabaseUnavailable(
-            f"cannot migrate {redact_url(url)}: {getattr(exc, 'orig', None) or exc}"
-        ) from exc
-
-
-def revisions(url: str) -> tuple[str | None, str]:
-    """The schema revision ``url`` is at (None: no schema yet) and the newest one."""
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
-    return asyncio.run(_current_revision(url)), head
-
-
-def prepare_schema(url: str) -> None:
-    """On start: migrate the embedded SQLite; require an up-to-date Postgres.
-
-    Postgres is shared by replicas, so its schema changes only through an explicit
-    ``tracetap db upgrade`` (two replicas migrating at once would race).
-    """
-    if is_sqlite(url):
-        upgrade(url)
-        return
-    current, head = revisions(url)
-    if current != head:
-        raise DatabaseUnavailable(
-            f"the schema of {redact_url(url)} is at revision {current or 'none'}, not {head}: "
-            f"run `tracetap db upgrade --db {redact_url(url)}` first"
-        )
-
-
-async def _current_revision(url: str) -> str | None:
-    from alembic.migration import MigrationContext
-    from sqlalchemy.exc import SQLAlchemyError
-
-    engine = create_engine(url)
-    try:
-        async with engine.connect() as conn:
-            return await conn.run_sync(
-                lambda sync: MigrationContext.configure(sync).get_current_revision())
-    except (SQLAlchemyError, OSError) as exc:
-        raise DatabaseUnavailable(
-            f"cannot reach {redact_url(url)}: {getattr(exc, 'orig', None) or exc}") from exc
-    finally:
-        await engine.dispose()
-
-
-async def upgrade_async(url: str) -> None:
-    """The same, from inside a running event loop (Alembic's env runs its own loop)."""
-    await asyncio.to_thread(upgrade, url)

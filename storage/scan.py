@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import operator
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections import namedtuple
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -49,7 +50,9 @@ class EpisodeFilter(msgspec.Struct, kw_only=True):
 
 # gc=False: scanned structs hold data and never form cycles, so the cyclic collector
 # need not track the hundreds of thousands an export creates.
-class ScannedChoice(msgspec.Struct, kw_only=True, gc=False):
+# Their fields name the columns a scan reads, in the order it reads them (ROW below is
+# generated from them); positional construction from a row slice is the fast path.
+class ScannedChoice(msgspec.Struct, gc=False):
     index: int = 0
     finish_reason: str | None = None
     completion_ids: bytes | None = None  # int32, native byte order
@@ -57,7 +60,7 @@ class ScannedChoice(msgspec.Struct, kw_only=True, gc=False):
     token_source: str = "none"
 
 
-class ScannedCall(msgspec.Struct, kw_only=True, gc=False):
+class ScannedCall(msgspec.Struct, gc=False):
     call_id: str
     episode_id: str | None = None
     seq: int = 0
@@ -78,10 +81,10 @@ class ScannedCall(msgspec.Struct, kw_only=True, gc=False):
     prompt_ids: bytes | None = None  # int32, native byte order
     prompt_source: str | None = None
     ids_missing: str | None = None
-    choices: list[ScannedChoice] = []
+    choices: list[ScannedChoice] = []  # not a column: filled from the rows that follow
 
 
-class ScannedEpisode(msgspec.Struct, kw_only=True, gc=False):
+class ScannedEpisode(msgspec.Struct, gc=False):
     id: str
     group_id: str | None = None
     task_id: str | None = None
@@ -92,7 +95,7 @@ class ScannedEpisode(msgspec.Struct, kw_only=True, gc=False):
     reward: float | None = None
     rewards: str | None = None  # JSON text
     outcome: str | None = None
-    calls: list[ScannedCall] = []
+    calls: list[ScannedCall] = []  # not a column
 
 
 class ScanPage(msgspec.Struct):
@@ -102,27 +105,29 @@ class ScanPage(msgspec.Struct):
     rows: list  # tuples (asyncpg Records on Postgres)
 
 
-_EPISODE_COLUMNS = (Episode.id, Episode.group_id, Episode.task_id, Episode.harness_name,
-                    Episode.harness_config, Episode.created_at, Episode.finished_at,
-                    Episode.reward, Episode.rewards, Episode.outcome)
-_ROW_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.endpoint,
-                Call.model, Call.policy_version, Call.status, Call.http_status, Call.error,
-                Call.t_start, Call.t_end, Call.prompt_tokens, Call.completion_tokens,
-                Call.prompt_ids, Call.prompt_source, Call.ids_missing, Call.request,
-                Call.response,
-                Call.upstream_request, Choice.choice_index,
-                Choice.finish_reason, Choice.completion_ids, Choice.completion_logprobs,
-                Choice.token_source)
+def _columns(struct: type[msgspec.Struct], table, renamed: dict[str, str] | None = None):
+    """The table's columns named by the struct's fields (``renamed``: field → column)."""
+    fields = [f for f in struct.__struct_fields__ if f not in ("calls", "choices")]
+    return tuple(table.__table__.c[(renamed or {}).get(f, f)] for f in fields)
+
+
+_EPISODE_COLUMNS = _columns(ScannedEpisode, Episode)
+_CALL_COLUMNS = _columns(ScannedCall, Call)
+_ROW_COLUMNS = (*_CALL_COLUMNS, *_columns(ScannedChoice, Choice, {"index": "choice_index"}))
 # Bulk reads run on the driver connection, so its own errors come through unwrapped.
 _READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
                 asyncpg.InterfaceError)
-# A row: a call joined with one of its choices (choice columns null when it has none).
-# Token columns are raw stored bytes; request/response are null unless read with bodies.
+# A row: a call joined with one of its choices (choice columns null when it has none):
+# the columns of ScannedCall, then those of ScannedChoice. ROW names them once; COLUMN
+# gives each name's position (COLUMN.call_id == 0). Token columns are raw stored bytes;
+# the bodies are null unless read with bodies.
 ROW = tuple(c.name for c in _ROW_COLUMNS)
-_COL = {name: i for i, name in enumerate(ROW)}
-_BODIES = (_COL["request"], _COL["response"], _COL["upstream_request"])
-_arrival = operator.itemgetter(_COL["episode_id"], _COL["t_start"], _COL["instance"],
-                               _COL["seq"], _COL["choice_index"])
+COLUMN = namedtuple("Column", ROW)(*range(len(ROW)))
+_CHOICE_AT = len(_CALL_COLUMNS)  # row[:_CHOICE_AT] is the call, row[_CHOICE_AT:] its choice
+BODIES = (COLUMN.request, COLUMN.response, COLUMN.upstream_request)  # positions
+_arrival = operator.itemgetter(COLUMN.episode_id, COLUMN.t_start, COLUMN.instance,
+                               COLUMN.seq, COLUMN.choice_index)
+_EPISODE_ID, _FINISHED_AT = map(ScannedEpisode.__struct_fields__.index, ("id", "finished_at"))
 
 
 class Reader:
@@ -181,12 +186,24 @@ class Reader:
                     total += int((await conn.execute(counted)).scalar() or 0)
         return total
 
+    async def finished_at(self, episode_ids: Iterable[str]) -> dict[str, float | None]:
+        """Of these episode ids, those that exist, with when they finished (None: not yet)."""
+        ids = sorted(set(episode_ids))
+        found: dict[str, float | None] = {}
+        with self.translated():
+            async with self.engine.connect() as conn:
+                for start in range(0, len(ids), self.page_size):
+                    query = select(Episode.id, Episode.finished_at).where(
+                        Episode.id.in_(ids[start:start + self.page_size]))
+                    found.update((row[0], row[1]) for row in await fetch(conn, query))
+        return found
+
     async def episodes(self, filt: EpisodeFilter) -> AsyncIterator[ScanPage]:
         """Pages of matching episodes in id order, with their calls in arrival order."""
         for_page = self._pages_by_ids if filt.episode_ids else self._pages_by_key
         async for rows in for_page(filt):
             page = [_episode(row) for row in rows
-                    if filt.skip.get(row[0], -1.0) != row[6]]  # id, finished_at
+                    if filt.skip.get(row[_EPISODE_ID], -1.0) != row[_FINISHED_AT]]
             if page:
                 with self.translated():
                     async with self.engine.connect() as conn:
@@ -244,7 +261,7 @@ class Reader:
                     rows = await fetch(conn, query)
             if not rows:
                 return
-            last = rows[-1][0]
+            last = rows[-1][_EPISODE_ID]
             yield rows
 
     async def _pages_by_ids(self, filt: EpisodeFilter) -> AsyncIterator[list]:
@@ -269,7 +286,7 @@ class Reader:
         """
         columns = list(_ROW_COLUMNS)
         if not self.with_bodies:
-            for i in _BODIES:
+            for i in BODIES:
                 columns[i] = null().label(ROW[i])
         query = (select(*columns).outerjoin(Choice, Choice.call_id == Call.call_id)
                  .where(condition))
@@ -335,43 +352,25 @@ async def fetch(conn: AsyncConnection, query: Select) -> list:
 
 
 def _episode(row) -> ScannedEpisode:
-    # Positional: the columns of _EPISODE_COLUMNS.
-    (id_, group_id, task_id, harness_name, harness_config, created_at, finished_at,
-     reward, rewards, outcome) = row
-    return ScannedEpisode(
-        id=id_, group_id=group_id, task_id=task_id, harness_name=harness_name,
-        harness_config=harness_config, created_at=created_at, finished_at=finished_at,
-        reward=reward, rewards=rewards, outcome=outcome, calls=[],
-    )
+    return ScannedEpisode(*row)  # the columns of _EPISODE_COLUMNS: the struct's fields
 
 
 def _calls(rows: list) -> list[ScannedCall]:
     """ScannedCall structs from rows in arrival order (a call's choices are adjacent)."""
     calls: list[ScannedCall] = []
     last_id = None
-    for (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
-         http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
-         prompt_source, ids_missing, request, response, upstream_request, index, finish, ids,
-         logprobs, source) in rows:
-        if call_id != last_id:
-            last_id = call_id
-            calls.append(ScannedCall(
-                call_id=call_id, episode_id=episode_id, seq=seq, instance=instance,
-                endpoint=endpoint, model=model, policy_version=policy_version,
-                request=request, response=response, status=status, http_status=http_status,
-                error=error, t_start=t_start, t_end=t_end, prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens, prompt_ids=prompt_ids,
-                prompt_source=prompt_source, ids_missing=ids_missing,
-                upstream_request=upstream_request, choices=[]))
-        if index is not None:  # a call without choices (an error) has one null row
-            calls[-1].choices.append(ScannedChoice(
-                index=index, finish_reason=finish, completion_ids=ids,
-                completion_logprobs=logprobs, token_source=source))
+    call_id, choice_index, at = COLUMN.call_id, COLUMN.choice_index, _CHOICE_AT
+    for row in rows:
+        if row[call_id] != last_id:
+            last_id = row[call_id]
+            calls.append(ScannedCall(*row[:at]))
+        if row[choice_index] is not None:  # a call without choices (an error): one null row
+            calls[-1].choices.append(ScannedChoice(*row[at:]))
     return calls
 
 
-_TOKENS = ((_COL["prompt_ids"], native_ids), (_COL["completion_ids"], native_ids),
-           (_COL["completion_logprobs"], native_logprobs))
+_TOKENS = ((COLUMN.prompt_ids, native_ids), (COLUMN.completion_ids, native_ids),
+           (COLUMN.completion_logprobs, native_logprobs))
 
 
 def _native_row(row) -> tuple:

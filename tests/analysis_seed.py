@@ -13,9 +13,10 @@ import asyncio
 import json
 from pathlib import Path
 
+from tracetap.migrations import upgrade
 from tracetap.proxy import cli
 from tracetap.storage import queries
-from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls
 

@@ -30,13 +30,14 @@ from aiohttp import web
 from hypothesis import HealthCheck, settings
 
 from tracetap.demo.engine import EngineConfig, EngineServer
+from tracetap.migrations import upgrade
 from tracetap.proxy.admin_token import read_admin_token
 from tracetap.proxy.app import build_app
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.settings import Settings
 from tracetap.proxy.sse import SSEParser
 from tracetap.storage import queries
-from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.engine import create_engine
 
 PG_ADMIN = os.environ.get("TRACETAP_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -41,7 +41,7 @@ def make_proxy(loop_thread, tmp_path):
 
     def start(engine: EngineServer, **settings) -> Proxy:
         db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        from tracetap.storage.engine import upgrade
+        from tracetap.migrations import upgrade
 
         upgrade(db)
         proxy = Proxy(loop_thread, Settings(

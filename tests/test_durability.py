@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 
 from conftest import Forwarder, free_port, stored_calls
-from tracetap.storage.engine import upgrade
+from tracetap.migrations import upgrade
 
 
 def _ask(base_url: str, i: int, stream: bool) -> bool:

@@ -411,13 +411,13 @@ def test_incremental_export_appends_only_new_episodes(proxy, tmp_path, capsys):
     db, out = proxy.settings.db, tmp_path / "data"
     run_episode(proxy, "first", 2, finish={"reward": 1.0})
     assert cli_export(db, out, "--incremental") == 0
-    assert "exported 1 episodes: 2 calls, 1 trajectories" in capsys.readouterr().out
+    assert "exported 1 episode: 2 calls (" in capsys.readouterr().out
     run_episode(proxy, "second", 2, finish={"reward": 0.0})
     run_episode(proxy, "unfinished", 1)
     assert cli_export(db, out, "--incremental") == 0
-    assert "exported 1 episodes" in capsys.readouterr().out
+    assert "exported 1 episode: " in capsys.readouterr().out
     assert cli_export(db, out, "--incremental") == 0
-    assert "exported 0 episodes" in capsys.readouterr().out
+    assert "exported 0 episodes: " in capsys.readouterr().out
     rows = read(out, "trajectories")
     assert sorted(r["episode_id"] for r in rows) == ["first", "second"]
     assert len({r["trajectory_id"] for r in rows}) == 2
@@ -504,8 +504,8 @@ def test_the_progress_bar_redraws_one_line_and_ends_it():
 
 def test_an_empty_database_gives_empty_datasets_with_the_full_schema(db_url, tmp_path, capsys):
     assert cli_export(db_url, tmp_path) == 0
-    assert "exported 0 episodes: 0 calls, 0 trajectories, 0 tokens, 2 files" in (
-        capsys.readouterr().out)
+    assert ("exported 0 episodes: 0 calls (0 token ids), 0 trajectories (0 token ids, "
+            "0 trained), 2 files in ") in capsys.readouterr().out
     for name, schema in (("calls", CALLS_SCHEMA), ("trajectories", TRAJECTORIES_SCHEMA)):
         table = ds.dataset(tmp_path / name, format="parquet").to_table()
         assert table.num_rows == 0 and table.schema.remove_metadata() == schema

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import text
 
 from tracetap.exporters import ExportError, export
+from tracetap.proxy import cli
 from tracetap.proxy.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
@@ -223,6 +224,54 @@ def _filled(url: str) -> None:
         finish("e1", 1.0), finish("e2", 0.5))
 
 
+def test_the_summary_line_gives_each_dataset_its_figures_from_the_files(db_url, tmp_path,
+                                                                        capsys):
+    _filled(db_url)
+    out = tmp_path / "out"
+    assert cli.main(["export", "--db", db_url, "--out", str(out), "--no-progress",
+                     "--episode", "e1"]) == 0
+    call_rows = pq.read_table(out / "calls").to_pylist()
+    [row] = pq.read_table(out / "trajectories").to_pylist()
+    call_ids = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in call_rows)
+    trajectory_ids = len(row["prompt_ids"]) + len(row["response_ids"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(
+        f"exported 1 episode: 2 calls ({call_ids} token ids), 1 trajectory "
+        f"({trajectory_ids} token ids, {sum(row['response_mask'])} trained), 2 files in ")
+    assert line.endswith(f" -> {out}")
+    assert cli.main(["export", "--db", db_url, "--out", str(out), "--overwrite",
+                     "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("exported 2 episodes: 4 calls (")
+
+
+def test_episodes_not_found_or_not_finished_are_named_and_nothing_is_written(db_url, tmp_path,
+                                                                            capsys):
+    _filled(db_url)
+    out = tmp_path / "out"
+    command = ["export", "--db", db_url, "--out", str(out), "--no-progress"]
+    assert cli.main([*command, "--episode", "typo", "--episode", "open"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("tracetap export: error: nothing exported: 1 episode 'typo' not found in "
+                   "the database; 1 episode 'open' not finished (finish with POST "
+                   "/tracetap/episodes/{id}/finish, or add --no-finished-only to export "
+                   "unfinished episodes)\n")
+    assert not out.exists()  # not even an empty directory
+
+    assert cli.main([*command, "--episode", "e1"]) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert cli.main([*command, "--incremental", "--episode", "x", "--episode", "y"]) == 1
+    assert "2 episodes 'x', 'y' not found" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    assert cli.main([*command, "--overwrite", "--no-finished-only", "--episode", "open",
+                     "--episode", "typo"]) == 0  # the unfinished one, as asked
+    captured = capsys.readouterr()
+    assert captured.out.startswith("exported 1 episode: 1 call (")
+    assert captured.err == ("tracetap export: not exported: 1 episode 'typo' not found in "
+                            "the database\n")
+    assert {r["episode_id"] for r in pq.read_table(out / "calls").to_pylist()} == {"open"}
+
+
 def test_the_summary_and_the_progress_count_what_was_written(db_url, tmp_path):
     _filled(db_url)
     seen = []
@@ -235,9 +284,13 @@ def test_the_summary_and_the_progress_count_what_was_written(db_url, tmp_path):
         2, 4, 5, 3)
     assert summary.calls == len({r["call_id"] for r in call_rows})
     assert summary.call_rows == len(call_rows) and summary.trajectories == len(trajectories)
-    assert summary.tokens == (
-        sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in call_rows)
-        + sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in trajectories))
+    assert summary.call_ids == sum(len(r["prompt_ids"]) + len(r["completion_ids"])
+                                   for r in call_rows)
+    assert summary.trajectory_ids == sum(len(r["prompt_ids"]) + len(r["response_ids"])
+                                         for r in trajectories)
+    assert summary.trained_tokens == sum(sum(r["response_mask"]) for r in trajectories)
+    assert 0 < summary.trained_tokens < sum(len(r["response_ids"]) for r in trajectories)
+    assert summary.tokens == summary.call_ids + summary.trajectory_ids
     assert summary.out == str(tmp_path) and 0 < summary.seconds <= wall
     assert all(r["request"] and r["response"] for r in call_rows)  # bodies were read
     assert [(p.episodes, p.episodes_total) for p in seen] == [(0, 2), (1, 2), (2, 2)]

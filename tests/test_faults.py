@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port, stored_calls
+from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 
 def _stream_request(port: int, path: str, body: dict) -> socket.socket:

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from conftest import Proxy, admin_call, free_port
 from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 SECRET = "sk-upstream-SECRET-77c1"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LoopThread, Proxy, free_port
 from tracetap.demo.engine import EngineServer
+from tracetap.migrations import upgrade
 from tracetap.proxy.metrics import OTHER, Metrics
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 Samples = dict[tuple[str, frozenset], float]

@@ -18,9 +18,9 @@ from tests.overlay_fixtures import NOTE
 from tracetap.demo.agent import TASKS, run_agent
 from tracetap.demo.engine import EngineConfig
 from tracetap.exporters import export
+from tracetap.migrations import upgrade
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 BAD_ARGS = 0.4  # the engine's seeded fraction of tool calls with invalid arguments
 OVERLAYS = [

@@ -25,9 +25,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Proxy, free_port
+from tracetap.migrations import upgrade
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 REPO = Path(__file__).resolve().parents[1]
 PROM_DIR = REPO / "deploy" / "prometheus"

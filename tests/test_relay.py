@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port
+from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WORDS = ["Hé", " there", ",  friend"]  # a double space: re-encoding would not keep it

@@ -7,7 +7,7 @@ import pyarrow.dataset as ds
 
 from conftest import stored_calls
 from tracetap.exporters import export
-from tracetap.storage.engine import upgrade
+from tracetap.migrations import upgrade
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"step": {"type": "integer"}}}}}]

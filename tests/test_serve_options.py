@@ -15,8 +15,8 @@ from aiohttp import web
 
 from conftest import Proxy, free_port, stored_calls
 from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

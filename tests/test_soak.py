@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import free_port, stored_calls
-from tracetap.storage.engine import upgrade
+from tracetap.migrations import upgrade
 
 SECONDS = float(os.environ.get("TRACETAP_SOAK_SECONDS", "60"))
 CLIENTS = 64

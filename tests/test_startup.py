@@ -44,11 +44,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_db_alone_lists_its_commands():
-    result = _cli("db")
-    assert result.returncode == 0 and "upgrade" in result.stdout
-
-
 def test_db_upgrade_says_what_it_did(fresh_postgres):
     first = _cli("db", "upgrade", "--db", fresh_postgres.replace("postgresql://", "postgres://"))
     assert first.returncode == 0, first.stderr
@@ -63,19 +58,16 @@ def test_a_database_url_that_cannot_be_parsed_is_echoed_with_its_password_masked
     assert "s3cret" not in result.stderr and "me:***@host:notaport/db" in result.stderr
 
 
-def test_every_serve_option_documents_its_variable():
-    import argparse
-
-    from tracetap.proxy.settings import add_serve_arguments
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    for action in parser._actions:
-        if action.dest == "help":
-            continue
-        flag = action.option_strings[0]
-        assert action.help and action.help.split("[")[0].strip(), f"{flag} has no help"
-        assert f"[TRACETAP_{flag.lstrip('-').replace('-', '_').upper()}" in action.help, flag
+def test_db_upgrade_migrates_the_database_in_the_data_dir_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRACETAP_DB", raising=False)
+    monkeypatch.setenv("TRACETAP_DATA_DIR", str(tmp_path / "from-the-environment"))
+    result = _cli("db", "upgrade", "--data-dir", str(tmp_path / "given"))
+    assert result.returncode == 0, result.stderr
+    database = (tmp_path / "given" / "tracetap.db").resolve()
+    assert result.stdout.startswith(f"migrated sqlite:///{database} from an empty database")
+    assert not (tmp_path / "from-the-environment").exists()
+    again = _cli("db", "upgrade", "--data-dir", str(tmp_path / "given"))
+    assert "already up to date" in again.stdout
 
 
 def test_the_command_reference_is_up_to_date():

@@ -18,8 +18,9 @@ import pytest
 from sqlalchemy import update
 
 from conftest import free_port
+from tracetap.migrations import upgrade
 from tracetap.storage import browse, queries
-from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.scan import Reader

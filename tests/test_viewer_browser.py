@@ -24,8 +24,8 @@ from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.demo.runner import MODEL, plan_episodes
 from tracetap.exporters import export
+from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-from tracetap.storage.engine import upgrade
 
 CHROMIUM = shutil.which("chromium")
 try:

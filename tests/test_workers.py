@@ -18,8 +18,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import stored_calls
+from tracetap.migrations import upgrade
 from tracetap.proxy.app import WORKER_HEADER
-from tracetap.storage.engine import upgrade
 
 TRIES = 60  # calls it may take the kernel to hand connections to both workers
 

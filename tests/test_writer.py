@@ -14,9 +14,10 @@ from asyncpg.exceptions import IntegrityConstraintViolationError
 from sqlalchemy.exc import DBAPIError
 
 from conftest import Forwarder, free_port
+from tracetap.migrations import upgrade
 from tracetap.proxy.ids import uuid7
 from tracetap.storage import queries
-from tracetap.storage.engine import create_engine, upgrade
+from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls

@@ -1,5 +1,8 @@
 """``tracetap ui``: the trace viewer alone, over a database, without a running proxy.
 
+In proxy/ (not viewer/) because it opens with the proxy's admin token and follows its rule
+for non-loopback addresses; the viewer itself imports no proxy (docs/architecture.md).
+
 Importing this module is cheap (the CLI builds every subcommand's parser): the server
 and Jinja load only inside ``run``.
 """
@@ -8,25 +11,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-from pathlib import Path
 
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get("TRACETAP_" + name.upper(), default)
+from tracetap.storage import config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    config.add_location_options(parser, use="to read")
     a = parser.add_argument
-    a("--db", default=_env("db"),
-      help="SQLAlchemy URL to read, sqlite:///... or postgresql://... (default: TRACETAP_DB, "
-           "else the SQLite file in --data-dir)")
-    a("--data-dir", default=_env("data_dir", "./tracetap-data"),
-      help="where tracetap serve keeps its data: the database and the admin token")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8090)
-    a("--admin-token", default=_env("admin_token"),
-      help="the token that opens the viewer (default: DATA_DIR/admin-token, generated once)")
+    a("--host", default="127.0.0.1",
+      help=config.described("address to listen on; a non-loopback address needs "
+                             "--admin-token", default="127.0.0.1"))
+    a("--port", type=int, default=8090,
+      help=config.described("port the viewer listens on", default=8090))
+    config.add_option(parser, "--admin-token", metavar="TOKEN",
+                      help="the token that opens the viewer; default: the one in "
+                           "DATA_DIR/admin-token, generated once")
     a("--detokenize", metavar="URL", default=None,
       help="an engine base URL (vLLM, SGLang, llama.cpp) whose /detokenize gives token text; "
            "without it tokens are shown by id")
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from tracetap.viewer.access import Access
     from tracetap.viewer.app import ViewerConfig, build_viewer
 
-    url = args.db or f"sqlite:///{Path(args.data_dir).resolve() / 'tracetap.db'}"
+    url = config.database_url(args.db, args.data_dir)
     if not is_loopback(args.host) and not args.admin_token:
         raise ValueError(f"refusing to listen on {args.host} without --admin-token: pass the "
                          "token to use over the network explicitly")
@@ -63,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         token, path = ensure_admin_token(args.data_dir)
         note = f"the admin token in {path} (tracetap admin-token --data-dir {args.data_dir})"
-    config = ViewerConfig(database_url=url, detokenize_url=args.detokenize)
-    app = build_viewer(config, Access(lambda _request: token), mounted=False)
+    viewer_config = ViewerConfig(database_url=url, detokenize_url=args.detokenize)
+    app = build_viewer(viewer_config, Access(lambda _request: token), mounted=False)
     print(f"tracetap ui: http://{args.host}:{args.port}{PREFIX}/ reading {redact_url(url)}; "
           f"log in with {note}", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
