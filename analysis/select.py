@@ -5,7 +5,8 @@ holds. Keys: ``harness`` (the harness name), ``task``, ``group``, ``outcome``,
 ``policy`` (a policy version one of its calls ran under), ``overlay`` (the episode's
 metadata key ``overlay``, set by a model-boundary overlay), ``config.NAME`` (a factor
 of the harness config) and ``meta.NAME`` (a metadata key). Values compare as text, with
-numbers, booleans and null in their JSON spelling (``config.retries=3``).
+numbers, booleans and null in their JSON spelling (``config.retries=3``); a key an
+episode lacks reads as null (``overlay=null``: the episodes run without an overlay).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def check_key(key: str, what: str) -> None:
 def _value_matches(episode: Episode, key: str, value: str) -> bool:
     if key == "policy":
         return value in episode.policies
-    return value_of(episode, key) == value
+    actual = value_of(episode, key)
+    # A key the episode lacks reads as JSON null: `overlay=null` picks the plain runs.
+    return actual == value or (actual is None and value == "null")
 
 
 class Success(msgspec.Struct, frozen=True):

@@ -146,10 +146,20 @@ QUESTION = {"role": "user", "content": "What is it?"}
 
 def test_the_validator_overlay_recovers_episodes_that_fail_without_it(proxy):
     batch = [(task, seed) for task in TASKS for seed in range(3)]
+    for t, s in batch:  # the same harness both times; only the overlay differs
+        register(proxy, f"plain-{t.id}-{s}", task_id=t.id, harness={"name": "scripted"})
     plain = [agent(proxy, f"plain-{t.id}-{s}", t, s) for t, s in batch]
     for t, s in batch:
-        register(proxy, f"patched-{t.id}-{s}", "validator", task_id=t.id)
+        register(proxy, f"patched-{t.id}-{s}", "validator", task_id=t.id,
+                 harness={"name": "scripted"})
     patched = [agent(proxy, f"patched-{t.id}-{s}", t, s) for t, s in batch]
+    for name, runs in (("plain", plain), ("patched", patched)):
+        for (t, s), run in zip(batch, runs):
+            status, reply = proxy.admin(
+                "POST", f"/tracetap/episodes/{name}-{t.id}-{s}/finish",
+                {"reward": float(run.failure is None),
+                 "outcome": "success" if run.failure is None else "failure"})
+            assert status == 200, reply
 
     solved_plain = sum(run.failure is None for run in plain)
     solved_patched = sum(run.failure is None for run in patched)
@@ -168,6 +178,17 @@ def test_the_validator_overlay_recovers_episodes_that_fail_without_it(proxy):
     assert overlay_events(proxy)["validator", "after_model", "veto"] == len(vetoed)
     # The episode's metadata names the overlay, for comparing runs by it.
     assert proxy.episode(f"patched-{batch[0][0].id}-0")["metadata"] == {"overlay": "validator"}
+    # `tracetap compare` reads the positive Δ_B off the same database: tasks paired, each
+    # task's three seeds averaged, so Δ_B is the difference in episodes solved per episode.
+    compared = subprocess.run(
+        [sys.executable, "-m", "tracetap", "compare", "--db", proxy.settings.database_url,
+         "--baseline", "harness=scripted,overlay=null", "--candidate", "overlay=validator",
+         "--json"], capture_output=True, text=True, timeout=120)
+    assert compared.returncode == 0, compared.stderr
+    (candidate,) = json.loads(compared.stdout)["candidates"]
+    assert candidate["paired_tasks"] == len(TASKS)
+    assert candidate["delta"] == pytest.approx((solved_patched - solved_plain) / len(batch))
+    assert candidate["delta"] > 0 and candidate["flips"]["broken"] == []
 
 
 # ---- each hook: its effect, and its record ---------------------------------------------
