@@ -21,7 +21,9 @@ DATASET_CHOICES = ("calls", "trajectories", "all")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--out", required=True, metavar="DIR",
-      help="output directory: DIR/calls/ and DIR/trajectories/ Parquet datasets")
+      help="output directory: DIR/calls/ and DIR/trajectories/ Parquet datasets; or a URI "
+           "such as s3://bucket/prefix (docs/export.md)")
+    add_storage_arguments(parser)
     add_selection_arguments(parser)
     a("--dataset", choices=DATASET_CHOICES, default="all",
       help="which dataset to write: calls/ (one row per call and choice), trajectories/ "
@@ -62,6 +64,14 @@ def database_url(args: argparse.Namespace) -> str:
     return config.database_url(args.db, args.data_dir)
 
 
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """How to reach an object store; credentials come only from the environment."""
+    parser.add_argument(
+        "--s3-endpoint", default=None, metavar="URL",
+        help="S3-compatible server for s3:// (MinIO, Ceph...; default: AWS_ENDPOINT_URL, "
+             "else AWS). Credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY")
+
+
 def run(args: argparse.Namespace) -> int:
     from tracetap.exporters.pipeline import ExportError, export  # pyarrow is loaded only from here
 
@@ -74,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             group=args.group, finished_only=args.finished_only, datasets=datasets,
             incremental=args.incremental, overwrite=args.overwrite,
             keep_untokenized=args.keep_untokenized, progress=bar.update if bar else None,
+            s3_endpoint=args.s3_endpoint,
         )
     except ExportError as exc:
         print(f"tracetap export: error: {exc}", file=sys.stderr)
@@ -81,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(summary_line(summary, args.out))
+    print(summary_line(summary, summary.out))
     if summary.not_found or summary.not_finished:
         print(f"tracetap export: not exported: "
               f"{missing_note(summary.not_found, summary.not_finished)}", file=sys.stderr)

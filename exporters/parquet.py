@@ -1,10 +1,12 @@
 """Streaming the datasets to Parquet, committed all at once through ``_manifest.json``.
 
-Files are written under hidden temporary names (``.part-….parquet.tmp``, which
-pyarrow, pandas and ``datasets`` skip). The manifest is the commit point: it is replaced
-atomically, naming the run's files, and only then are the files renamed into place. A
-run that fails or is killed before that leaves nothing that looks complete; one killed
-after it is finished by the next run (``reconcile``), which also deletes stray temps.
+This module writes into a local directory (``ExportDir``); ``exporters.objectstore`` is
+the same contract on a store without rename. Here files are written under hidden
+temporary names (``.part-….parquet.tmp``, which pyarrow, pandas and ``datasets`` skip).
+The manifest is the commit point: it is replaced atomically, naming the run's files, and
+only then are the files renamed into place. A run that fails or is killed before that
+leaves nothing that looks complete; one killed after it is finished by the next run
+(``reconcile``), which also deletes stray temps.
 """
 
 from __future__ import annotations
@@ -14,17 +16,18 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-
-from tracetap.exporters.schema import SCHEMAS, with_metadata
 
 MANIFEST = "_manifest.json"
 FORMAT = "tracetap-export"
 DATASETS = ("calls", "trajectories")
+# Which calls each run wrote (exporters.ledger): what `tracetap prune` trusts.
+LEDGER = "_ledger"
 _LOCK = ".tracetap-export.lock"
 _TEMP_SUFFIX = ".tmp"
 
@@ -42,7 +45,11 @@ _LIST_COLUMNS = {"prompt_ids", "completion_ids", "completion_logprobs", "respons
 
 
 class ExportError(Exception):
-    """The export could not be written; the message says what and where."""
+    """The export could not be written; the message says what and where, on one line
+    (a storage error's own text, e.g. an S3 SDK's, may span several)."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))
 
 
 class Selection(msgspec.Struct, kw_only=True, frozen=True):
@@ -66,6 +73,8 @@ class RunRecord(msgspec.Struct, kw_only=True):
     trajectories: int
     tokens: int
     files: list[str]
+    # The run's ledger files: every call written to calls/, with its episode's finished_at.
+    ledger: list[str] = []
 
 
 class Manifest(msgspec.Struct, kw_only=True):
@@ -85,6 +94,28 @@ class Manifest(msgspec.Struct, kw_only=True):
     def files(self) -> list[str]:
         return [f for run in self.runs for f in run.files]
 
+    @property
+    def written(self) -> list[str]:
+        """Every file the manifest holds: the datasets' and the ledgers'."""
+        return [f for run in self.runs for f in (*run.files, *run.ledger)]
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    try:
+        return msgspec.json.decode(data, type=Manifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ExportError(f"{where} is not a tracetap export manifest: {exc}") from exc
+
+
+class Target(Protocol):
+    """Where a DatasetWriter's files go (ExportDir, objectstore.StoreDir)."""
+
+    def sink(self, name: str) -> tuple[str, pafs.FileSystem | None]:
+        """Where to write the file the manifest will call ``name``."""
+
+    def discard(self, name: str) -> None:
+        """Delete what ``sink(name)`` received (an aborted run)."""
+
 
 class DatasetWriter:
     """Batches in, row groups out: packs batches into groups, rolls files, writes temps.
@@ -94,11 +125,11 @@ class DatasetWriter:
     memory stays at about two groups per dataset.
     """
 
-    def __init__(self, root: Path, dataset: str, run_id: str, tracetap_version: str):
-        self.root = root
+    def __init__(self, target: Target, dataset: str, run_id: str, schema: pa.Schema):
+        self.target = target
         self.dataset = dataset
         self.run_id = run_id
-        self.schema = with_metadata(SCHEMAS[dataset], dataset, tracetap_version)
+        self.schema = schema
         self.rows = 0
         self.files: list[str] = []  # relative final names, written as temps
         self._group: list[pa.RecordBatch] = []
@@ -140,8 +171,7 @@ class DatasetWriter:
             self._close()
         self._thread.shutdown()
         for name in self.files:
-            with contextlib.suppress(OSError):
-                temp_path(self.root / name).unlink()
+            self.target.discard(name)
 
     def _flush(self) -> None:
         if not self._group:
@@ -165,11 +195,11 @@ class DatasetWriter:
 
     def _open(self) -> None:
         name = f"{self.dataset}/part-{self.run_id}-{len(self.files):05d}.parquet"
-        path = temp_path(self.root / name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        where, filesystem = self.target.sink(name)
         self.files.append(name)
         self._file_rows = 0
-        self._writer = pq.ParquetWriter(path, self.schema, **writer_options(self.schema))
+        self._writer = pq.ParquetWriter(where, self.schema, filesystem=filesystem,
+                                        **writer_options(self.schema))
 
     def _close(self) -> None:
         try:
@@ -200,6 +230,7 @@ class ExportDir:
         self.root = root
         self.manifest: Manifest | None = None
         self.committed = False  # the run's manifest is written: its files must stay
+        self.orphans_deleted = 0  # temps of cut runs, deleted on open
         self._lock_fd: int | None = None
 
     def open(self) -> ExportDir:
@@ -216,9 +247,18 @@ class ExportDir:
             raise
         return self
 
+    def sink(self, name: str) -> tuple[str, None]:
+        path = temp_path(self.root / name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return str(path), None
+
+    def discard(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            temp_path(self.root / name).unlink()
+
     def commit(self, manifest: Manifest) -> None:
         """Make a run visible: the manifest first (atomic), then the files' final names."""
-        for name in manifest.files:
+        for name in manifest.written:
             temp = temp_path(self.root / name)
             if temp.exists():
                 _fsync(temp)
@@ -248,14 +288,11 @@ class ExportDir:
         path = self.root / MANIFEST
         if not path.exists():
             return None
-        try:
-            return msgspec.json.decode(path.read_bytes(), type=Manifest)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ExportError(f"{path} is not a tracetap export manifest: {exc}") from exc
+        return decode_manifest(path.read_bytes(), str(path))
 
     def _reconcile(self) -> None:
         """Finish a cut commit (renames, deletions); drop temps no manifest names."""
-        committed = set(self.manifest.files) if self.manifest else set()
+        committed = set(self.manifest.written) if self.manifest else set()
         for name in committed:
             final, temp = self.root / name, temp_path(self.root / name)
             if not final.exists() and temp.exists():
@@ -264,11 +301,12 @@ class ExportDir:
             if name not in committed:
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / name).unlink()
-        for dataset in DATASETS:
+        for dataset in (*DATASETS, LEDGER):
             directory = self.root / dataset
             if directory.is_dir():
                 for temp in directory.glob(".part-*" + _TEMP_SUFFIX):
                     temp.unlink()
+                    self.orphans_deleted += 1
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

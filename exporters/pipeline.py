@@ -15,13 +15,15 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import datetime
-from pathlib import Path
 
 import msgspec
 import pyarrow.compute as pc
 
 from tracetap import __version__
 from tracetap.exporters.drift import explain
+from tracetap.exporters.ledger import LedgerWriter
+from tracetap.exporters.location import Location, resolve
+from tracetap.exporters.objectstore import StoreDir
 from tracetap.exporters.parquet import (
     DATASETS,
     DatasetWriter,
@@ -33,7 +35,14 @@ from tracetap.exporters.parquet import (
     run_id,
 )
 from tracetap.exporters.report import missing_note
-from tracetap.exporters.schema import SCHEMA_VERSION, calls_batches, trajectories_batch
+from tracetap.exporters.schema import (
+    SCHEMA_VERSION,
+    SCHEMAS,
+    calls_batches,
+    ledger_batch,
+    trajectories_batch,
+    with_metadata,
+)
 from tracetap.exporters.trajectories import build_trajectories
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
 
@@ -77,6 +86,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     def tokens(self) -> int:
         """Every token id written, in both datasets."""
         return self.call_ids + self.trajectory_ids
+    # Files of earlier cut runs that no manifest listed, deleted now (local: stray
+    # temporaries; object storage: orphans past their grace period).
+    orphans_deleted: int = 0
 
 
 def export(db: str, out: str | os.PathLike, **options) -> ExportSummary:
@@ -99,8 +111,11 @@ async def export_async(
     keep_untokenized: bool = False,
     progress: Callable[[Progress], None] | None = None,
     page_size: int = 256,
+    s3_endpoint: str | None = None,
 ) -> ExportSummary:
-    """Export episodes from database ``db`` (a SQLAlchemy URL) into directory ``out``.
+    """Export episodes from database ``db`` (a SQLAlchemy URL) into ``out``: a directory,
+    or a URI pyarrow or fsspec opens (``s3://bucket/prefix``; ``s3_endpoint`` for an
+    S3-compatible server, as ``AWS_ENDPOINT_URL`` does).
 
     ``incremental`` appends only episodes finished since the last run into ``out``;
     without it an existing export is an error unless ``overwrite`` replaces it.
@@ -117,13 +132,14 @@ async def export_async(
     if incremental and overwrite:
         raise ExportError("--incremental and --overwrite contradict each other")
     started, clock = time.time(), time.perf_counter()
+    location = resolve(out, s3_endpoint)
     try:
         # The database first: a bad URL or schema leaves no trace in the output directory.
         async with Reader(db, page_size=page_size,
                           with_bodies="calls" in selection.datasets,
                           with_calls="trajectories" in selection.datasets) as reader:
             missing = await _missing(reader, selection)
-            summary = await _run(reader, Path(out), selection, incremental, overwrite,
+            summary = await _run(reader, location, selection, incremental, overwrite,
                                  progress, started, clock)
     except ScanError as exc:
         raise ExportError(str(exc)) from exc
@@ -145,20 +161,26 @@ async def _missing(reader: Reader, selection: Selection) -> tuple[list[str], lis
     return not_found, not_finished
 
 
-async def _run(reader: Reader, out: Path, selection: Selection, incremental: bool,
+async def _run(reader: Reader, location: Location, selection: Selection, incremental: bool,
                overwrite: bool, progress: Callable[[Progress], None] | None, started: float,
                clock: float) -> ExportSummary:
-    target = ExportDir(out).open()
+    out = location.display
+    target = ExportDir(location.local) if location.local else StoreDir(location)
+    target = target.open()
     writers: dict[str, DatasetWriter] = {}
+    ledger: LedgerWriter | None = None
     try:
         previous = _previous(target.manifest, selection, incremental, overwrite)
-        summary = ExportSummary(out=str(out))
+        summary = ExportSummary(out=out, orphans_deleted=target.orphans_deleted)
         recent = _Recent(previous.watermark if previous else None,
                          previous.recent if previous else {})
         rid = run_id(started)
-        writers = {name: DatasetWriter(target.root, name, rid, __version__)
+        writers = {name: DatasetWriter(target, name, rid,
+                                       with_metadata(SCHEMAS[name], name, __version__))
                    for name in selection.datasets}
-        await _stream(reader, selection, previous, writers, summary, recent, progress, clock)
+        ledger = LedgerWriter(target, rid) if "calls" in writers else None
+        await _stream(reader, selection, previous, writers, ledger, summary, recent, progress,
+                      clock)
         kept = previous.files if previous else []
         for name, writer in writers.items():
             empty = not any(f.startswith(name + "/") for f in kept)
@@ -168,19 +190,19 @@ async def _run(reader: Reader, out: Path, selection: Selection, incremental: boo
         run = RunRecord(run_id=rid, started_at=started, seconds=time.perf_counter() - clock,
                         episodes=summary.episodes, calls=summary.calls,
                         trajectories=summary.trajectories, tokens=summary.tokens,
-                        files=summary.files)
+                        files=summary.files, ledger=ledger.finish() if ledger else [])
         replaced = target.manifest if target.manifest is not previous else None
         target.commit(Manifest(
             schema_version=SCHEMA_VERSION, tracetap_version=__version__, selection=selection,
             watermark=watermark, recent=overlap,
             runs=[*(previous.runs if previous else ()), run],
-            obsolete=[*replaced.files, *replaced.obsolete] if replaced else [],
+            obsolete=[*replaced.written, *replaced.obsolete] if replaced else [],
         ))
         summary.seconds = time.perf_counter() - clock
         return summary
     except BaseException as exc:
         if not target.committed:  # after the commit point the next run finishes the job
-            for writer in writers.values():
+            for writer in (*writers.values(), *([ledger] if ledger else [])):
                 writer.abort()
         if isinstance(exc, OSError):
             raise ExportError(f"cannot write to {out}: {exc}") from exc
@@ -190,7 +212,8 @@ async def _run(reader: Reader, out: Path, selection: Selection, incremental: boo
 
 
 async def _stream(reader: Reader, selection: Selection, previous: Manifest | None,
-                  writers: dict[str, DatasetWriter], summary: ExportSummary, recent: _Recent,
+                  writers: dict[str, DatasetWriter], ledger: LedgerWriter | None,
+                  summary: ExportSummary, recent: _Recent,
                   progress: Callable[[Progress], None] | None, clock: float) -> None:
     filt = EpisodeFilter(
         since=selection.since, until=selection.until, episode_ids=selection.episode_ids,
@@ -210,7 +233,7 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
     report()
     async for page in _prefetched(reader.episodes(filt)):
         if calls is not None:
-            _add_calls(calls, page, summary)
+            _add_calls(calls, ledger, page, summary)
             await asyncio.sleep(0)  # lets the prefetched page's queries move on
         if trajectories is not None:
             await _add_trajectories(reader, trajectories, page, summary,
@@ -224,13 +247,15 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
     if calls is not None and not (selection.finished_only or selection.episode_ids
                                   or selection.group_id):
         async for page in reader.untagged_calls(filt):
-            _add_calls(calls, page, summary)
+            _add_calls(calls, ledger, page, summary)
         report()
 
 
-def _add_calls(writer: DatasetWriter, page: ScanPage, summary: ExportSummary) -> None:
+def _add_calls(writer: DatasetWriter, ledger: LedgerWriter, page: ScanPage,
+               summary: ExportSummary) -> None:
     for batch in calls_batches(page.rows, page.episodes, writer.schema):
         writer.add(batch)
+        ledger.add(ledger_batch(batch, page.episodes))
         summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
         summary.call_rows += batch.num_rows
         summary.call_ids += _tokens(batch, "prompt_ids", "completion_ids")

@@ -95,6 +95,13 @@ _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_receiv
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
 
 SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
+# A run's ledger (exporters.parquet.LEDGER): each call written to calls/, once, with its
+# episode's finished_at as stored (the version exported): what `tracetap prune` trusts.
+CALL_LEDGER = pa.schema([
+    ("call_id", pa.string()),
+    ("episode_id", pa.string()),  # null for a call that carried no episode
+    ("finished_at", pa.float64()),  # epoch seconds; null for an unfinished episode
+])
 # Characters of request + response text per calls batch: at most 4 UTF-8 bytes each, so
 # a batch's string columns stay under Arrow's 2 GiB per array.
 BODY_CHARS_PER_BATCH = 256 << 20
@@ -154,6 +161,16 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
     return _batch(built, schema)
+
+
+def ledger_batch(calls: pa.RecordBatch, episodes: Sequence[ScannedEpisode],
+                 schema: pa.Schema = CALL_LEDGER) -> pa.RecordBatch:
+    """The calls of a calls/ batch, once each (a call has a row per choice)."""
+    finished = {e.id: e.finished_at for e in episodes}
+    pairs = dict.fromkeys(zip(calls.column("call_id").to_pylist(),
+                              calls.column("episode_id").to_pylist()))
+    return _batch({"call_id": [c for c, _ in pairs], "episode_id": [e for _, e in pairs],
+                   "finished_at": [finished.get(e) for _, e in pairs]}, schema)
 
 
 def trajectories_batch(rows: Sequence[TrajectoryRow],

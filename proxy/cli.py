@@ -1,5 +1,5 @@
-"""The tracetap command: serve, admin-token, db upgrade, export, drift, packets, compare,
-harnesses, ui, demo, mock-engine."""
+"""The tracetap command: serve, admin-token, db upgrade, export, prune, drift, packets,
+compare, harnesses, ui, demo, mock-engine."""
 
 from __future__ import annotations
 
@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     export_command.add_arguments(export)
     export.set_defaults(run=export_command.run)
+
+    prune = commands.add_parser("prune", help="delete from the database the episodes an "
+                                "export proves written (--exported OUT; --dry-run)")
+    from tracetap.exporters import prune_command  # cheap: pyarrow loads only in its run
+
+    prune_command.add_arguments(prune)
+    prune.set_defaults(run=prune_command.run)
 
     drift = commands.add_parser("drift", help="why an export's trajectories split: per cause, "
                                 "harness and episode (a table, or --json)")

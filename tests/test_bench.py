@@ -70,3 +70,11 @@ def test_analysis_bench_checks_its_answers(tmp_path):
                   "every factor level counted"):
         assert f"[PASS] {check}" in out, out
     assert re.search(r"^  packets +\d+\.\d+ ", out, re.MULTILINE), out
+
+
+def test_export_s3_bench_writes_the_same_rows_to_s3_as_to_disk(tmp_path):
+    out = run("export_s3_bench.py", "--episodes", "40", "--turns", "2", "--rounds", "1",
+              "--workdir", str(tmp_path))
+    figures = json.loads(out[out.index("{"):])
+    assert figures["episodes"] == 40 and figures["same_rows_everywhere"] is True
+    assert figures["prune_dry_run_episodes"] == 40

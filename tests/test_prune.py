@@ -1,0 +1,164 @@
+"""``tracetap prune --exported``: only rows an export's manifest and ledgers prove written
+go; a pruned then re-exported range loses and duplicates nothing (docs/export.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import text
+
+from tests.objectstore import moto_server
+from tests.test_export_runs import _db, calls, finish, finished_at
+from tracetap.exporters import ExportError, export
+from tracetap.exporters.prune import prune_exported
+from tracetap.storage.engine import create_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(url: str) -> dict[str, set]:
+    """Every row of the three tables, by key."""
+    async def read():
+        engine = create_engine(url)
+        try:
+            async with engine.connect() as conn:
+                q = {"episodes": "SELECT id FROM episodes",
+                     "calls": "SELECT call_id, episode_id FROM calls",
+                     "choices": "SELECT call_id, choice_index FROM choices"}
+                return {k: {tuple(r) for r in await conn.execute(text(s))} for k, s in q.items()}
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def exported_calls(out: Path) -> list[tuple[str, str]]:
+    """(call_id, episode_id) of every calls/ row the manifest lists, one per call and run."""
+    manifest = json.loads((out / "_manifest.json").read_text())
+    found = []
+    for run in manifest["runs"]:
+        for name in run["files"]:
+            if name.startswith("calls/"):
+                table = pq.read_table(out / name, columns=["call_id", "episode_id"])
+                found += sorted(set(zip(*table.to_pydict().values())))
+    return found
+
+
+def test_prune_deletes_only_what_the_export_holds_and_a_rerun_duplicates_nothing(
+        db_url, tmp_path):
+    out = tmp_path / "out"
+    _db(db_url, calls("a"), calls("b"), calls("e", last_n=2),
+        finish("a", 1.0), finish("b", 0.0), finish("e", 0.5))
+    assert export(db_url, out, incremental=True).episodes == 3
+    everything = rows(db_url)["calls"]
+    # After the export: a gets a late call, b is graded again, c finishes, d is running.
+    _db(db_url, calls("a", turns=1), finish("b", 1.0, at=finished_at(db_url, "b") + 1),
+        calls("c"), finish("c", 1.0), calls("d"))
+    everything |= rows(db_url)["calls"]
+
+    before = rows(db_url)
+    dry = prune_exported(db_url, out, dry_run=True)
+    assert rows(db_url) == before  # a dry run deletes nothing...
+    real = prune_exported(db_url, out)
+    assert dry.counts == real.counts  # ...and says exactly what the real one does
+    c = real.counts
+    assert (c.episodes, c.calls, c.choices) == (1, 2, 3)  # e: 2 calls, 1 + 2 choices
+    assert (c.kept_late_calls, c.kept_refinished, c.kept_running) == (1, 1, 0)
+    after = rows(db_url)
+    assert {e for (e,) in after["episodes"]} == {"a", "b", "c", "d"}
+    assert {e for _, e in after["calls"]} == {"a", "b", "c", "d"}
+    assert before["calls"] - after["calls"] == {k for k in before["calls"] if k[1] == "e"}
+
+    assert export(db_url, out, incremental=True).episodes == 2  # b again (new reward), c
+    second = prune_exported(db_url, out)
+    assert (second.counts.episodes, second.counts.kept_late_calls) == (2, 1)  # b, c; a stays
+    assert export(db_url, out, incremental=True).episodes == 0  # nothing comes back twice
+    assert prune_exported(db_url, out).counts.episodes == 0
+
+    left = rows(db_url)["calls"]
+    written = Counter(exported_calls(out))
+    assert set(written) | left == everything  # nothing lost...
+    assert everything - left <= set(written)  # ...nothing pruned that the export lacks...
+    # ...and nothing written twice but b, exported again because it was finished again.
+    assert {k: n for k, n in written.items() if n > 1} == {k: 2 for k in written
+                                                           if k[1] == "b"}
+    assert {e for _, e in left} == {"a", "d"}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_running_episodes_stay_and_untagged_calls_go(db_url, tmp_path):
+    out = tmp_path / "everything"
+    _db(db_url, calls("done"), finish("done", 1.0), calls("running"), calls(None, turns=3))
+    export(db_url, out, finished_only=False)
+    summary = prune_exported(db_url, out)
+    assert (summary.counts.episodes, summary.counts.calls) == (1, 2 + 3)
+    assert summary.counts.kept_running == 1
+    left = rows(db_url)
+    assert {e for (e,) in left["episodes"]} == {"running"}
+    assert {e for _, e in left["calls"]} == {"running"}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_prune_from_an_export_on_s3(db_url, tmp_path, monkeypatch):
+    _db(db_url, calls("a"), calls("b"), finish("a", 1.0), finish("b", 1.0))
+    with moto_server() as s3:
+        for name, value in s3.env().items():
+            monkeypatch.setenv(name, value)
+        uri = f"s3://{s3.bucket()}/data"
+        export(db_url, uri, incremental=True)
+        _db(db_url, calls("c"), finish("c", 1.0))  # not exported
+        summary = prune_exported(db_url, uri)
+    assert (summary.counts.episodes, summary.counts.calls, summary.exported) == (2, 4, uri)
+    assert {e for (e,) in rows(db_url)["episodes"]} == {"c"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tracetap", "prune", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_cli_dry_run_prints_the_same_summary_and_bad_exports_are_refused(
+        db_url, tmp_path):
+    out = tmp_path / "out"
+    _db(db_url, calls("a"), finish("a", 1.0))
+    export(db_url, out)
+    dry = _cli("--exported", str(out), "--db", db_url, "--dry-run")
+    real = _cli("--exported", str(out), "--db", db_url)
+    assert dry.returncode == real.returncode == 0, dry.stderr + real.stderr
+    assert dry.stdout.startswith("dry run: would prune 1 episodes: 2 calls, 2 choices")
+    same = lambda line: line.split(" in ")[0].replace("dry run: would prune", "pruned")  # noqa: E731
+    assert same(dry.stdout) == same(real.stdout)
+    assert rows(db_url)["episodes"] == set()
+
+    trajectories_only = tmp_path / "t"
+    export(db_url, trajectories_only, datasets=["trajectories"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "_manifest.json").write_text("{not json")
+    for target, says in ((tmp_path / "nothing", "no export manifest at .*nothing was pruned"),
+                         (tmp_path / "broken", "is not a tracetap export manifest"),
+                         (trajectories_only, "has no calls/ dataset")):
+        with pytest.raises(ExportError, match=says):
+            prune_exported(db_url, target)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_runs_exported_before_ledgers_existed_prove_nothing(db_url, tmp_path):
+    out = tmp_path / "out"
+    _db(db_url, calls("a"), finish("a", 1.0))
+    export(db_url, out, incremental=True)
+    assert export(db_url, out, incremental=True).calls == 0  # a run with no call: no ledger
+    manifest = json.loads((out / "_manifest.json").read_text())
+    for run in manifest["runs"]:
+        run.pop("ledger")  # as an older tracetap wrote it
+    (out / "_manifest.json").write_text(json.dumps(manifest))
+    summary = prune_exported(db_url, out)
+    assert (summary.counts.episodes, summary.runs_without_ledger) == (0, 1)
+    assert {e for (e,) in rows(db_url)["episodes"]} == {"a"}
