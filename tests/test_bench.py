@@ -61,3 +61,12 @@ def test_capture_cost_prints_every_step(postgres):
             "database: insert (Postgres)", "database: insert (SQLite)",
             "total, storing in Postgres"} <= set(rows), out
     assert all(float(v) > 0 for v in rows.values())
+
+
+def test_overlay_cost_prints_each_variant():
+    out = run("overlay_cost.py", "--calls", "2", "--chunk-delay-ms", "0.5", timeout=60)
+    rows = re.findall(r"^(plain|after_model, .*?)\s+(\d+\.\d)\s+(\d+\.\d)\s+(\d+\.\d\d)\s+"
+                      r"(\d+\.\d\d)$", out, re.MULTILINE)
+    assert [r[0] for r in rows] == ["plain", "after_model, whole reply",
+                                    "after_model, tool calls only"], out
+    assert rows[0][3:] == ("1.00", "1.00")  # the ratios are to the plain stream
