@@ -19,7 +19,8 @@ from tracetap.storage.scan import ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "2"  # 2: token origin, the engine's view of the request, drift columns
+# 2: token origin, the engine's view of the request, drift columns; 3: overlay
+SCHEMA_VERSION = "3"
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -42,6 +43,7 @@ CALLS = pa.schema([
     ("request", pa.string()),  # JSON text
     ("response", pa.string()),  # JSON text; streams reassembled
     ("upstream_request", pa.string()),  # JSON text the engine got, when not `request`
+    ("overlay", pa.string()),  # JSON text: the overlay's record of the call, if one ran
     ("prompt_ids", _IDS),
     ("prompt_source", pa.string()),
     ("ids_missing", pa.string()),  # why token ids are missing, when they are
@@ -96,7 +98,8 @@ SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
 BODY_CHARS_PER_BATCH = 256 << 20
 # Calls columns copied as they are from the scanned rows.
 _CALL_FIELDS = ("call_id", "choice_index", "episode_id", "seq", "endpoint", "model",
-                "policy_version", "request", "response", "upstream_request", "prompt_source",
+                "policy_version", "request", "response", "upstream_request", "overlay",
+                "prompt_source",
                 "ids_missing", "token_source", "finish_reason", "status", "http_status",
                 "error", "prompt_tokens", "completion_tokens")
 
@@ -117,7 +120,7 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
     call_id, *bodies = (ROW.index(n) for n in ("call_id", "request", "response",
-                                                "upstream_request"))
+                                                "upstream_request", "overlay"))
     start, chars = 0, 0
     for i, row in enumerate(rows):
         size = sum(len(row[b] or "") for b in bodies)

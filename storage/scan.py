@@ -110,7 +110,7 @@ _ROW_COLUMNS = (Call.call_id, Call.episode_id, Call.seq, Call.instance, Call.end
                 Call.t_start, Call.t_end, Call.prompt_tokens, Call.completion_tokens,
                 Call.prompt_ids, Call.prompt_source, Call.ids_missing, Call.request,
                 Call.response,
-                Call.upstream_request, Choice.choice_index,
+                Call.upstream_request, Call.overlay, Choice.choice_index,
                 Choice.finish_reason, Choice.completion_ids, Choice.completion_logprobs,
                 Choice.token_source)
 # Bulk reads run on the driver connection, so its own errors come through unwrapped.
@@ -120,7 +120,7 @@ _READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
 # Token columns are raw stored bytes; request/response are null unless read with bodies.
 ROW = tuple(c.name for c in _ROW_COLUMNS)
 _COL = {name: i for i, name in enumerate(ROW)}
-_BODIES = (_COL["request"], _COL["response"], _COL["upstream_request"])
+_BODIES = (_COL["request"], _COL["response"], _COL["upstream_request"], _COL["overlay"])
 _arrival = operator.itemgetter(_COL["episode_id"], _COL["t_start"], _COL["instance"],
                                _COL["seq"], _COL["choice_index"])
 
@@ -350,8 +350,8 @@ def _calls(rows: list) -> list[ScannedCall]:
     last_id = None
     for (call_id, episode_id, seq, instance, endpoint, model, policy_version, status,
          http_status, error, t_start, t_end, prompt_tokens, completion_tokens, prompt_ids,
-         prompt_source, ids_missing, request, response, upstream_request, index, finish, ids,
-         logprobs, source) in rows:
+         prompt_source, ids_missing, request, response, upstream_request, _overlay, index,
+         finish, ids, logprobs, source) in rows:
         if call_id != last_id:
             last_id = call_id
             calls.append(ScannedCall(

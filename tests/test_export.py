@@ -320,7 +320,8 @@ DOCUMENTED_CALLS = pa.schema([
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
     ("t_start", _TIME), ("t_end", _TIME), ("endpoint", pa.string()), ("model", pa.string()),
     ("policy_version", pa.string()), ("request", pa.string()), ("response", pa.string()),
-    ("upstream_request", pa.string()), ("prompt_ids", _IDS), ("prompt_source", pa.string()),
+    ("upstream_request", pa.string()), ("overlay", pa.string()), ("prompt_ids", _IDS),
+    ("prompt_source", pa.string()),
     ("ids_missing", pa.string()), ("completion_ids", _IDS),
     ("completion_logprobs", pa.list_(pa.float32())), ("token_source", pa.string()),
     ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
@@ -351,7 +352,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"2"
+        assert written.metadata[b"tracetap.schema_version"] == b"3"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

@@ -447,6 +447,11 @@ def test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_c
                            for t in calls[i]["choices"][0]["completion_ids"]]
     by_reason = {r["split_reason"]: r["call_ids"] for r in rows}
     assert (by_reason["vetoed"], by_reason[None]) == ([first["call_id"]], [second["call_id"]])
+    # The calls dataset carries each call's overlay record as stored.
+    exported = pq.read_table(tmp_path / "live" / "calls").to_pylist()
+    assert {r["call_id"]: r["overlay"] for r in exported} == {
+        i: c["overlay"] for i, c in calls.items()}
+    assert json.loads(exported[-1]["overlay"])["name"] == "gated"
 
 
 def test_a_reply_without_tool_calls_streams_live_and_is_not_judged(gated_proxy):
