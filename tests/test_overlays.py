@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import Proxy, free_port
 from tests.overlay_fixtures import NOTE
 from tracetap.demo.agent import TASKS, TOOLS, run_agent
-from tracetap.demo.engine import EngineConfig
+from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.settings import Settings
@@ -557,6 +557,29 @@ def test_translated_streams_stay_well_formed_with_live_text_and_a_veto(
             assert [got_arguments] == _tool_arguments(second) != _tool_arguments(first)
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_first_call_translate_auto_falls_back_for_runs_the_hooks(
+        loop_thread, db_url, tmp_path, stream):
+    """An upstream taken for vLLM that lacks the Responses API: the first Responses call
+    is answered 404, translated to chat, and then runs under the overlay like the rest."""
+    engine = EngineServer(EngineConfig(flavor="llama-server"))  # no /v1/responses: 404
+    loop_thread.run(engine.start())
+    proxy = _proxy(loop_thread, engine, db_url, tmp_path, upstream_flavor="vllm")
+    try:
+        register(proxy, f"fallback-{stream}", "rewriter")
+        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as sdk:
+            texts = _responses(sdk, stream, f"fallback-{stream}", f"fallback-{stream}")
+        assert texts == ["Rewritten by the overlay."] * 2
+        first, second = proxy.calls(f"fallback-{stream}")
+        assert first["endpoint"] == second["endpoint"] == "responses:chat"
+        # The native request (answered 404) was not covered; the translated one was.
+        assert events([first]) == [("before_model", "not_covered"), ("after_model", "rewrite")]
+        assert events([second]) == [("after_model", "rewrite")]
+    finally:
+        proxy.stop()
+        loop_thread.run(engine.close())
 
 
 # ---- overlays come from the operator's code only --------------------------------------------
