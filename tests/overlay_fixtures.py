@@ -136,3 +136,10 @@ def not_async():
             return None
 
     return Blocking()
+
+
+def sees_everything():
+    class Unknown(FirstVetoer):
+        after_model_sees = "everything"
+
+    return Unknown()

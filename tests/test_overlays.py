@@ -613,7 +613,9 @@ def test_loading_mistakes_are_clear_at_start():
                           ("x=tests.overlay_fixtures:nothing", "has no callable"),
                           ("x=tests.overlay_fixtures:not_async", "must be an async function"),
                           ("x=tracetap.proxy.overlays.examples:constraint_reminder,path=/nonexistent",
-                           "failed")]:
+                           "failed"),
+                          ("x=tests.overlay_fixtures:sees_everything",
+                           "after_model_sees is 'everything'")]:
         with pytest.raises(ValueError, match=message):
             load_overlays([spec])
     out = subprocess.run([sys.executable, "-m", "tracetap", "serve", "--upstream",
