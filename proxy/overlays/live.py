@@ -11,6 +11,7 @@ a rewrite) continues the same well-formed stream in the client's API.
 from __future__ import annotations
 
 import copy
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -37,25 +38,7 @@ class LiveStream:
 
     async def relay(self, call: ModelCall, reply: Reply) -> bytes:
         """Consume the whole reply (captured); returns the held bytes, not yet sent."""
-        parser, held = SSEParser(), bytearray()
-        try:
-            async for data in reply.iter_chunks():
-                call.first_byte()
-                for event in parser.feed(data):
-                    held += await self._event(call, reply, event)
-            tail = parser.flush()
-            if tail is not None:
-                held += await self._event(call, reply, tail)
-            call.upstream_done()
-            return bytes(held)
-        except UpstreamBroken as exc:
-            call.upstream_done()
-            call.status, call.error = "upstream_error", str(exc)
-            raise ProxyError(
-                502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
-            ) from exc
-        finally:
-            reply.close()
+        return await read_stream(call, reply, lambda event: self._event(call, reply, event))
 
     async def _event(self, call: ModelCall, reply: Reply, event: Event) -> bytes:
         if not self.tool_calls and _tool_call_delta(event.data):
@@ -91,6 +74,37 @@ class LiveStream:
         if self.request.transport is not None:
             self.request.transport.abort()
         return self.response
+
+
+async def read_stream(
+    call: ModelCall, reply: Reply, each: Callable[[Event], Awaitable[bytes]]
+) -> bytes:
+    """Every event of a streamed reply through ``each``; returns what it held back. An
+    upstream that breaks is a 502 ProxyError (the caller knows whether the client
+    already has part of the stream)."""
+    parser, held = SSEParser(), bytearray()
+    try:
+        async for data in reply.iter_chunks():
+            call.first_byte()
+            for event in parser.feed(data):
+                held += await each(event)
+        tail = parser.flush()
+        if tail is not None:
+            held += await each(tail)
+        call.upstream_done()
+        return bytes(held)
+    except UpstreamBroken as exc:
+        raise broken(call, exc) from exc
+    finally:
+        reply.close()
+
+
+def broken(call: ModelCall, exc: UpstreamBroken) -> ProxyError:
+    """The upstream failed mid-reply: recorded on the call, and the error to raise."""
+    call.upstream_done()
+    call.status, call.error = "upstream_error", str(exc)
+    return ProxyError(502, f"upstream failed mid-reply: {exc}", "upstream_error",
+                      "upstream_error")
 
 
 def _chunk(data: bytes | None) -> dict[str, Any] | None:

@@ -25,8 +25,8 @@ from tracetap.proxy.headers import response_headers
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.overlays import deliver
 from tracetap.proxy.overlays.hooks import ModelReply, OverlayLog, Rewrite, ToolCall, Veto
-from tracetap.proxy.overlays.live import LiveStream
-from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.overlays.live import LiveStream, broken, read_stream
+from tracetap.proxy.sse import Event
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 
 if TYPE_CHECKING:
@@ -160,32 +160,23 @@ def _streamed(call: ModelCall, reply: Reply) -> bool:
 
 
 async def _hold(call: ModelCall, reply: Reply) -> bytes:
-    """The whole reply, captured; returns what the client would get for it."""
+    """The whole reply, captured; returns what the client would get for it. Nothing has
+    reached the client yet, so a broken upstream gets it a clean error, not a cut stream."""
+    if _streamed(call, reply):
+
+        async def held(event: Event) -> bytes:
+            return call.on_event(event)
+
+        return await read_stream(call, reply, held)
     try:
-        if not _streamed(call, reply):
-            raw = await reply.read()
-            call.upstream_done()
-            call.first_byte()
-            return call.client_view(raw, ok=reply.status == 200)
-        parser, out = SSEParser(), bytearray()
-        async for data in reply.iter_chunks():
-            call.first_byte()
-            for event in parser.feed(data):
-                out += call.on_event(event)
-        tail = parser.flush()
-        if tail is not None:
-            out += call.on_event(tail)
-        call.upstream_done()
-        return bytes(out)
+        raw = await reply.read()
     except UpstreamBroken as exc:
-        call.upstream_done()
-        call.status, call.error = "upstream_error", str(exc)
-        # Nothing has reached the client yet, so it gets a clean error, not a cut stream.
-        raise ProxyError(
-            502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
-        ) from exc
+        raise broken(call, exc) from exc
     finally:
         reply.close()
+    call.upstream_done()
+    call.first_byte()
+    return call.client_view(raw, ok=reply.status == 200)
 
 
 def _model_reply(call: ModelCall, reply: Reply) -> dict[str, Any] | None:
