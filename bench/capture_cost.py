@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.arrivals import Arrivals  # noqa: E402
 from tracetap.proxy.capture import ModelCall  # noqa: E402
 from tracetap.proxy.handlers import _observe  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
@@ -51,7 +52,7 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
 
 def _state() -> SimpleNamespace:
     """The parts of ProxyState that a ModelCall touches."""
-    return SimpleNamespace(flavor="vllm", instance="bench", next_seq=lambda _: 0,
+    return SimpleNamespace(flavor="vllm", instance="bench", arrivals=Arrivals(),
                            metrics=Metrics(), model_map=ModelMap(), repair=Repair(False))
 
 

@@ -37,7 +37,7 @@ import pgtemp  # noqa: E402
 
 from tracetap.exporters import export  # noqa: E402
 from tracetap.exporters.prune import prune_exported  # noqa: E402
-from tracetap.storage.engine import upgrade  # noqa: E402
+from tracetap.migrations import upgrade  # noqa: E402
 
 
 def _moto() -> tuple[subprocess.Popen, str]:

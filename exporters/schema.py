@@ -21,7 +21,7 @@ from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
 SCHEMA_VERSION = "3"  # 2: token origin, the engine's view of the request, drift columns;
-# 3: harness_factors
+# 3: harness_factors (trajectories), overlay (calls)
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -44,6 +44,7 @@ CALLS = pa.schema([
     ("request", pa.string()),  # JSON text
     ("response", pa.string()),  # JSON text; streams reassembled
     ("upstream_request", pa.string()),  # JSON text the engine got, when not `request`
+    ("overlay", pa.string()),  # JSON text: the overlay's record of the call, if one ran
     ("prompt_ids", _IDS),
     ("prompt_source", pa.string()),
     ("ids_missing", pa.string()),  # why token ids are missing, when they are

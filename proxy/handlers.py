@@ -101,17 +101,23 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                 identity=True,
             )
             call.upstream_started()
+            def send(attempt: ModelCall, b: bytes):  # the route as it is when called
+                return _send(request, attempt, route, path, headers, b)
+
             if overlay is not None and overlay.reviews_reply(call):
-                return await review(overlay, request, call, route, lambda attempt, b: _send(
-                    request, attempt, route, path, headers, b), upstream_body)
-            target, reply = await _send(request, call, route, path, headers, upstream_body)
+                return await review(overlay, request, call, route, send, upstream_body)
+            target, reply = await send(call, upstream_body)
             fallback = state.routing.fallback(route) if reply.status == 404 else None
             if fallback is not None:
                 # --translate auto: the upstream lacks this API, so speak chat to it.
                 reply.close()
                 route = fallback
                 upstream_body = call.reroute(route, body)
-                target, reply = await _send(request, call, route, path, headers, upstream_body)
+                if overlay is not None:  # chat-shaped now: the hooks run as when translated
+                    upstream_body = await overlay.prepare(call, upstream_body)
+                    if overlay.reviews_reply(call):
+                        return await review(overlay, request, call, route, send, upstream_body)
+                target, reply = await send(call, upstream_body)
             call.upstream_url = target.base_url
             call.http_status = reply.status
             if call.stream and reply.content_type == "text/event-stream":

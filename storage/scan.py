@@ -71,6 +71,7 @@ class ScannedCall(msgspec.Struct, gc=False):
     request: str | None = None  # None when the reader skips bodies
     response: str | None = None
     upstream_request: str | None = None  # the engine's view when it differs (with bodies)
+    overlay: str | None = None  # JSON: an overlay's record of the call (with bodies)
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -124,7 +125,8 @@ _READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
 ROW = tuple(c.name for c in _ROW_COLUMNS)
 COLUMN = namedtuple("Column", ROW)(*range(len(ROW)))
 _CHOICE_AT = len(_CALL_COLUMNS)  # row[:_CHOICE_AT] is the call, row[_CHOICE_AT:] its choice
-BODIES = (COLUMN.request, COLUMN.response, COLUMN.upstream_request)  # positions
+BODIES = (COLUMN.request, COLUMN.response, COLUMN.upstream_request,  # positions
+          COLUMN.overlay)
 _arrival = operator.itemgetter(COLUMN.episode_id, COLUMN.t_start, COLUMN.instance,
                                COLUMN.seq, COLUMN.choice_index)
 _EPISODE_ID, _FINISHED_AT = map(ScannedEpisode.__struct_fields__.index, ("id", "finished_at"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from tracetap.proxy.overlays.hooks import Inject, Rewrite, ToolCall, Veto
 
@@ -42,6 +43,37 @@ class FirstVetoer:
         return None
 
 
+class GatedToolVetoer:
+    """Pre-action on tool calls only: the first sample of a turn is vetoed. The hook first
+    waits for the test to open ``gate``, which the test does once its client got text:
+    ``opened`` says, per call of the hook, whether the text had reached the client."""
+
+    after_model_sees = "tool_calls"
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.opened: list[bool] = []
+
+    async def after_model(self, reply, state):
+        self.opened.append(await asyncio.to_thread(self.gate.wait, 5))
+        if reply.attempt == 0:
+            return Veto(feedback="Try once more.", reason="first attempt")
+        return None
+
+
+class ToolRewriter(Rewriter):
+    """``rewriter`` on tool calls only: its content cannot replace text already sent."""
+
+    after_model_sees = "tool_calls"
+
+
+class ToolRaiser:
+    after_model_sees = "tool_calls"
+
+    async def after_model(self, reply, state):
+        raise RuntimeError("after broke")
+
+
 class Raiser:
     async def on_episode_start(self, episode):
         raise RuntimeError("start broke")
@@ -78,6 +110,18 @@ def first_vetoer():
     return FirstVetoer()
 
 
+def gated_tool_vetoer():
+    return GatedToolVetoer()
+
+
+def tool_rewriter():
+    return ToolRewriter()
+
+
+def tool_raiser():
+    return ToolRaiser()
+
+
 def raiser():
     return Raiser()
 
@@ -92,3 +136,10 @@ def not_async():
             return None
 
     return Blocking()
+
+
+def sees_everything():
+    class Unknown(FirstVetoer):
+        after_model_sees = "everything"
+
+    return Unknown()

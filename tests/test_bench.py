@@ -78,3 +78,12 @@ def test_export_s3_bench_writes_the_same_rows_to_s3_as_to_disk(tmp_path):
     figures = json.loads(out[out.index("{"):])
     assert figures["episodes"] == 40 and figures["same_rows_everywhere"] is True
     assert figures["prune_dry_run_episodes"] == 40
+
+
+def test_overlay_cost_prints_each_variant():
+    out = run("overlay_cost.py", "--calls", "2", "--chunk-delay-ms", "0.5", timeout=60)
+    rows = re.findall(r"^(plain|after_model, .*?)\s+(\d+\.\d)\s+(\d+\.\d)\s+(\d+\.\d\d)\s+"
+                      r"(\d+\.\d\d)$", out, re.MULTILINE)
+    assert [r[0] for r in rows] == ["plain", "after_model, whole reply",
+                                    "after_model, tool calls only"], out
+    assert rows[0][3:] == ("1.00", "1.00")  # the ratios are to the plain stream

@@ -7,16 +7,18 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import urllib.request
 
+import anthropic
 import openai
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import Proxy, free_port
 from tests.overlay_fixtures import NOTE
-from tracetap.demo.agent import TASKS, run_agent
-from tracetap.demo.engine import EngineConfig
+from tracetap.demo.agent import TASKS, TOOLS, run_agent
+from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.proxy.overlays.loader import load_overlays
@@ -31,6 +33,9 @@ OVERLAYS = [
     "sleeper=tests.overlay_fixtures:sleeper",
     "validator=tracetap.proxy.overlays.examples:tool_args_validator",
     "hint=tracetap.proxy.overlays.examples:recovery_hint,pattern=^Fact",
+    "gated=tests.overlay_fixtures:gated_tool_vetoer",
+    "toolrewriter=tests.overlay_fixtures:tool_rewriter",
+    "toolraiser=tests.overlay_fixtures:tool_raiser",
 ]
 
 
@@ -58,7 +63,7 @@ def engine_config() -> EngineConfig:
 
 def _proxy(loop_thread, engine, db_url, tmp_path, **options) -> Proxy:
     settings = Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "data"),
-                        port=free_port(), overlay=OVERLAYS, overlay_timeout=0.2, **options)
+                        port=free_port(), overlay=OVERLAYS, **{"overlay_timeout": 0.2, **options})
     return Proxy(loop_thread, settings).start()
 
 
@@ -387,6 +392,217 @@ def test_tool_call_rewrites_reach_the_harness_as_tool_calls(proxy):
         assert arguments == ['{"step":1}']
 
 
+# ---- tool calls only: the text before them streams live ------------------------------------
+
+@pytest.fixture
+def gated_proxy(loop_thread, engine, db_url, tmp_path):
+    """Hooks may wait for the test's client (``gated``): a budget they never reach."""
+    p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_timeout=10)
+    yield p
+    p.stop()
+
+
+def _live_chat(proxy, episode: str, gate, *, tools=TOOLS) -> tuple[str, list[dict]]:
+    """One streamed chat call; the gate opens once the client holds text. Returns the
+    content and the tool calls (id, name, arguments) as the client assembled them."""
+    content, calls = "", {}
+    with openai.OpenAI(base_url=proxy.episode_url(episode), api_key="unused",
+                       max_retries=0) as sdk:
+        for chunk in sdk.chat.completions.create(
+                model="mock-model", messages=[SYSTEM, QUESTION], seed=1, stream=True,
+                **({"tools": tools} if tools else {})):
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    content += choice.delta.content
+                    gate.set()
+                for delta in choice.delta.tool_calls or ():
+                    call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                    call["id"] = delta.id or call["id"]
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def _sampled(call: dict) -> dict:
+    return json.loads(call["response"])["choices"][0]["message"]
+
+
+def test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls(
+        gated_proxy, tmp_path):
+    gated = gated_proxy.state.overlays.loaded["gated"]
+    register(gated_proxy, "live", "gated")
+    content, tool_calls = _live_chat(gated_proxy, "live", gated.gate)
+    # The hook judged only once the client had the text: it went out before the verdict.
+    assert gated.opened == [True, True]
+    first, second = gated_proxy.calls("live")
+    assert (first["status"], second["status"]) == ("vetoed", "ok")
+    vetoed, accepted = _sampled(first), _sampled(second)
+    # The client's text is the first (vetoed) attempt's, as sampled; its tool calls are
+    # the accepted re-sample's, ids included.
+    assert content and content == vetoed["content"]
+    assert tool_calls == [{"id": t["id"], **t["function"]} for t in accepted["tool_calls"]]
+    assert tool_calls != [{"id": t["id"], **t["function"]} for t in vetoed["tool_calls"]]
+    # The harness got a turn the model did not sample as a whole: recorded as delivered.
+    assert accepted["content"] != content
+    delivered = json.loads(overlay_of(second)["delivered"])["choices"][0]["message"]
+    assert delivered["content"] == content
+    assert delivered["tool_calls"] == accepted["tool_calls"]
+    assert overlay_of(first).get("delivered") is None
+
+    # The harness goes on from what it got. Trained tokens stay exactly the sampled ones:
+    # the vetoed attempt (whose text the harness kept) in its own row, the accepted one in
+    # the main row, and the next call, whose prompt holds a turn no call sampled whole,
+    # in a new row (non_prefix), as after a rewrite.
+    turn = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": t["id"], "type": "function",
+         "function": {"name": t["name"], "arguments": t["arguments"]}} for t in tool_calls]}
+    result = {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": "Fact 1."}
+    chat(gated_proxy, "live", [SYSTEM, QUESTION, turn, result], stream=False)
+    calls = {c["call_id"]: c for c in gated_proxy.calls("live")}
+    rows = trajectories(gated_proxy, tmp_path, "live")
+    assert sorted((r["split_reason"] or "", len(r["call_ids"])) for r in rows) == [
+        ("", 1), ("non_prefix", 1), ("vetoed", 1)]
+    for row in rows:
+        trained = [t for t, m in zip(row["response_ids"], row["response_mask"]) if m]
+        assert trained == [t for i in row["call_ids"]
+                           for t in calls[i]["choices"][0]["completion_ids"]]
+    by_reason = {r["split_reason"]: r["call_ids"] for r in rows}
+    assert (by_reason["vetoed"], by_reason[None]) == ([first["call_id"]], [second["call_id"]])
+    # The calls dataset carries each call's overlay record as stored.
+    exported = pq.read_table(tmp_path / "live" / "calls").to_pylist()
+    assert {r["call_id"]: r["overlay"] for r in exported} == {
+        i: c["overlay"] for i, c in calls.items()}
+    assert json.loads(exported[-1]["overlay"])["name"] == "gated"
+
+
+def test_a_reply_without_tool_calls_streams_live_and_is_not_judged(gated_proxy):
+    gated = gated_proxy.state.overlays.loaded["gated"]
+    register(gated_proxy, "live-text", "gated")
+    content, tool_calls = _live_chat(gated_proxy, "live-text", gated.gate, tools=None)
+    assert chat(gated_proxy, "live-text", [SYSTEM, QUESTION], stream=False)[0]
+    calls = gated_proxy.calls("live-text")
+    assert (content, tool_calls) == (_sampled(calls[0])["content"], [])
+    assert [c["status"] for c in calls] == ["ok", "ok"]
+    assert gated.opened == [] and events(calls) == []
+
+
+def test_a_tool_calls_only_rewrite_replaces_the_calls_after_the_live_text(gated_proxy):
+    register(gated_proxy, "live-rewrite", "toolrewriter")
+    content, tool_calls = _live_chat(gated_proxy, "live-rewrite", threading.Event())
+    (call,) = gated_proxy.calls("live-rewrite")
+    sampled = _sampled(call)
+    assert content == sampled["content"]  # the text went out live, as sampled
+    assert [t["arguments"] for t in tool_calls] == ['{"step":1}']
+    assert [t["id"] for t in tool_calls] == [t["id"] for t in sampled["tool_calls"]]
+    delivered = json.loads(overlay_of(call)["delivered"])["choices"][0]["message"]
+    assert (delivered["content"], delivered["tool_calls"][0]["function"]["arguments"]) == (
+        content, '{"step":1}')
+    assert events([call]) == [("after_model", "rewrite")]
+
+
+def test_failing_closed_after_live_text_cuts_the_stream(loop_thread, engine, db_url, tmp_path):
+    """The client has text already, so the failure cannot be an error reply: the stream
+    ends abruptly, as when an upstream breaks mid-stream, and the record says why."""
+    p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_fail="closed")
+    try:
+        register(p, "live-closed", "toolraiser")
+        received = threading.Event()
+        with pytest.raises(openai.APIConnectionError):
+            _live_chat(p, "live-closed", received)
+        assert received.is_set()  # the text before the tool call had arrived
+        (call,) = p.calls("live-closed")
+        assert call["status"] == "overlay_failed"
+        assert "overlay 'toolraiser' failed in after_model" in call["error"]
+    finally:
+        p.stop()
+
+
+# The mock engine writes text before this tool call (its sampling is seeded by the prompt).
+RESPONSES_TOOL = {"type": "function", "name": "lookup", "description": "Look up one fact.",
+                  "parameters": TOOLS[0]["function"]["parameters"]}
+MESSAGES_TOOL = {"name": "lookup", "description": "Look up one fact.",
+                 "input_schema": TOOLS[0]["function"]["parameters"]}
+
+
+def _strings(value) -> list[str]:
+    """Every string in a decoded JSON value."""
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, list) else ()
+    return [s for item in items for s in _strings(item)]
+
+
+def _tool_arguments(call: dict) -> list:
+    """The arguments (decoded) of the tool calls in a stored Responses or Messages reply."""
+    reply = json.loads(call["response"])
+    return [json.loads(i["arguments"]) if i["type"] == "function_call" else i["input"]
+            for i in reply.get("output") or reply.get("content")
+            if i["type"] in ("function_call", "tool_use")]
+
+
+def test_translated_streams_stay_well_formed_with_live_text_and_a_veto(
+        loop_thread, engine, db_url, tmp_path):
+    """Responses and Messages clients (the SDKs parse every event) get the first
+    attempt's text live, then the re-sample's tool call, in their own API."""
+    proxy = _proxy(loop_thread, engine, db_url, tmp_path, translate="all", overlay_timeout=10)
+    try:
+        proxy.state.overlays.loaded["gated"].gate.set()
+        register(proxy, "responses-live", "gated")
+        register(proxy, "messages-live", "gated")
+        sdk = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+        with sdk, sdk.responses.stream(
+                model="mock-model", instructions="Answer.", input="What is it?",
+                tools=[RESPONSES_TOOL],
+                extra_headers={"X-Tracetap-Episode": "responses-live"}) as stream:
+            response = stream.get_final_response()
+        text = response.output_text
+        (function_call,) = [o for o in response.output if o.type == "function_call"]
+        client = anthropic.Anthropic(base_url=proxy.episode_url("messages-live")[:-3],
+                                     api_key="unused", max_retries=0)
+        with client, client.messages.stream(
+                model="mock-model", max_tokens=256, system="Answer.",
+                messages=[{"role": "user", "content": "What is it?"}],
+                tools=[MESSAGES_TOOL]) as stream:
+            message = stream.get_final_message()
+        blocks = {b.type: b for b in message.content}
+        for episode, got_text, got_arguments in [
+                ("responses-live", text, json.loads(function_call.arguments)),
+                ("messages-live", blocks["text"].text, blocks["tool_use"].input)]:
+            first, second = proxy.calls(episode)
+            assert (first["status"], second["status"]) == ("vetoed", "ok")
+            # The client's text is the first attempt's; its tool call the re-sample's.
+            assert got_text and got_text in _strings(json.loads(first["response"]))
+            delivered = json.loads(overlay_of(second)["delivered"])
+            assert got_text in _strings(delivered)
+            assert [got_arguments] == _tool_arguments(second) != _tool_arguments(first)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_first_call_translate_auto_falls_back_for_runs_the_hooks(
+        loop_thread, db_url, tmp_path, stream):
+    """An upstream taken for vLLM that lacks the Responses API: the first Responses call
+    is answered 404, translated to chat, and then runs under the overlay like the rest."""
+    engine = EngineServer(EngineConfig(flavor="llama-server"))  # no /v1/responses: 404
+    loop_thread.run(engine.start())
+    proxy = _proxy(loop_thread, engine, db_url, tmp_path, upstream_flavor="vllm")
+    try:
+        register(proxy, f"fallback-{stream}", "rewriter")
+        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as sdk:
+            texts = _responses(sdk, stream, f"fallback-{stream}", f"fallback-{stream}")
+        assert texts == ["Rewritten by the overlay."] * 2
+        first, second = proxy.calls(f"fallback-{stream}")
+        assert first["endpoint"] == second["endpoint"] == "responses:chat"
+        # The native request (answered 404) was not covered; the translated one was.
+        assert events([first]) == [("before_model", "not_covered"), ("after_model", "rewrite")]
+        assert events([second]) == [("after_model", "rewrite")]
+    finally:
+        proxy.stop()
+        loop_thread.run(engine.close())
+
+
 # ---- overlays come from the operator's code only --------------------------------------------
 
 def test_overlays_cannot_be_loaded_or_named_freely_through_the_api(proxy):
@@ -418,7 +634,9 @@ def test_loading_mistakes_are_clear_at_start():
                           ("x=tests.overlay_fixtures:nothing", "has no callable"),
                           ("x=tests.overlay_fixtures:not_async", "must be an async function"),
                           ("x=tracetap.proxy.overlays.examples:constraint_reminder,path=/nonexistent",
-                           "failed")]:
+                           "failed"),
+                          ("x=tests.overlay_fixtures:sees_everything",
+                           "after_model_sees is 'everything'")]:
         with pytest.raises(ValueError, match=message):
             load_overlays([spec])
     out = subprocess.run([sys.executable, "-m", "tracetap", "serve", "--upstream",

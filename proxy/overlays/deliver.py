@@ -51,9 +51,21 @@ def client_body(call: ModelCall, chat: dict[str, Any]) -> bytes:
 
 def client_stream(call: ModelCall, chat: dict[str, Any]) -> bytes:
     """A whole chat reply as the client's stream: chunks, then the end the API uses."""
-    chunks = _chunks(chat)
+    translator = None
     if call.translation is not None:
         translator = call.translation.StreamTranslator(call.client_payload)
+    return _stream(call, _chunks(chat), translator)
+
+
+def client_tail(call: ModelCall, chat: dict[str, Any], translator: Any) -> bytes:
+    """The end of a stream whose text the client already has: the turn's tool calls, its
+    finish and the stream's end, continuing the client's ``translator`` (as it was before
+    the first tool call; None when the client speaks chat)."""
+    return _stream(call, _chunks(chat)[1:], translator)
+
+
+def _stream(call: ModelCall, chunks: list[dict[str, Any]], translator: Any) -> bytes:
+    if translator is not None:
         out = [piece for chunk in chunks for piece in translator.feed(chunk)]
         return b"".join([*out, *translator.finish()])
     if call.injected.usage:  # the client did not ask for the usage chunk

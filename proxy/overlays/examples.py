@@ -60,6 +60,8 @@ def constraint_reminder(path: str) -> ConstraintReminder:
 
 
 class ToolArgsValidator:
+    after_model_sees = "tool_calls"  # text before the tool calls streams to the client live
+
     async def after_model(self, reply: ModelReply, state: Any) -> Veto | None:
         schemas = {}
         for tool in reply.tools or ():

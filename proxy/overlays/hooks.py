@@ -8,6 +8,10 @@ Every hook is optional and must be ``async``. An overlay is any object with some
     async def on_observation(self, observations: list[Observation], state) -> Inject | None
 
 ``None`` means "leave it as it is". Hooks get copies: changing them changes nothing.
+An overlay whose ``after_model`` judges tool calls only says so with the attribute
+``after_model_sees = "tool_calls"`` (default ``"reply"``): a streamed reply's text before
+its first tool call then reaches the client live, a reply without tool calls is not
+judged, and a ``Rewrite`` can replace only the tool calls (docs/overlays.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ from typing import Any, NamedTuple
 from tracetap.proxy.overlays.hooks import HOOKS
 
 FAIL_MODES = ("open", "closed")  # --overlay-fail
+# What after_model judges: the whole reply (streams held to their end), or its tool calls
+# only (text before the first tool call is relayed live; docs/overlays.md).
+AFTER_MODEL_SEES = ("reply", "tool_calls")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -78,5 +81,11 @@ def load_overlays(values: list[str]) -> dict[str, Any]:
             if not inspect.iscoroutinefunction(getattr(overlay, hook)):
                 # A blocking hook would stall every call and could not be timed out.
                 raise ValueError(f"--overlay {spec.name}: {hook} must be an async function")
+        sees = getattr(overlay, "after_model_sees", "reply")
+        if sees not in AFTER_MODEL_SEES:
+            raise ValueError(
+                f"--overlay {spec.name}: after_model_sees is {sees!r}, not one of "
+                f"{', '.join(AFTER_MODEL_SEES)}"
+            )
         overlays[spec.name] = overlay
     return overlays

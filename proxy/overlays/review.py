@@ -1,10 +1,13 @@
-"""Pre-action review: the model's whole reply is held, ``after_model`` accepts, rewrites or
+"""Pre-action review: the model's reply is held, ``after_model`` accepts, rewrites or
 vetoes it, and a vetoed turn is sampled again with the overlay's feedback.
 
 A streamed reply is buffered to its end, then replayed to the client in its own API: the
-client's first byte waits for the whole generation (of every attempt). Each attempt is
-its own call record; a vetoed one has status "vetoed" and is journaled before the next
-is asked, the delivered one before the client sees its end.
+client's first byte waits for the whole generation (of every attempt). An overlay that
+judges tool calls only (``after_model_sees = "tool_calls"``) gets the text before the
+first tool call relayed live instead (``overlays.live``); the client then gets the
+accepted turn's tool calls after it. Each attempt is its own call record; a vetoed one
+has status "vetoed" and is journaled before the next is asked, the delivered one before
+the client sees its end.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from tracetap.proxy.headers import response_headers
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.overlays import deliver
 from tracetap.proxy.overlays.hooks import ModelReply, OverlayLog, Rewrite, ToolCall, Veto
-from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.overlays.live import LiveStream, broken, read_stream
+from tracetap.proxy.sse import Event
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 
 if TYPE_CHECKING:
@@ -37,16 +41,26 @@ async def review(
 ) -> web.StreamResponse:
     """Send, hold the reply, let the overlay judge it; re-sample while it vetoes."""
     harness = session.harness
-    attempt = call
+    # An overlay that judges tool calls only gets the text before them relayed live.
+    live = LiveStream(request) if call.stream and session.sees_tool_calls_only else None
+    attempt, first = call, None
     for number in range(session.overlays.max_resamples + 1):
+        verdict = None
         try:
             target, reply = await send(attempt, body)
             attempt.upstream_url = target.base_url
             attempt.http_status = reply.status
-            out = await _hold(attempt, reply)
+            if live is not None and number == 0 and reply.status == 200 and _streamed(
+                    attempt, reply):
+                out = await live.relay(attempt, reply)
+            else:
+                out = await _hold(attempt, reply)
             chat = _model_reply(attempt, reply)
             if chat is None:  # an error, or nothing readable: the client gets it as it came
                 break
+            if session.sees_tool_calls_only and not _tool_calls(chat):
+                break  # nothing to judge (a stream's text went out live already)
+            first = first or chat
             seen = len(session.log.events)
             verdict = await session.hook(
                 "after_model",
@@ -55,20 +69,21 @@ async def review(
                 returns=(Rewrite, Veto),
             )
         except ProxyError as error:
-            if attempt is not call:  # the handler records its own call; this one is ours
+            started = live is not None and live.response is not None
+            if attempt is not call or started:  # else the handler records its own call
                 attempt.status = (
                     "upstream_error" if error.code == "upstream_error" else "overlay_failed"
                 )
-                attempt.http_status, attempt.error = error.status, error.message
+                attempt.error = error.message
+            if attempt is not call:
+                attempt.http_status = error.status
                 attempt.submit()
                 _spend(attempt)
+            if started:  # the client's stream has begun: it cannot become an error reply
+                return live.cut()
             raise
         if isinstance(verdict, Rewrite):
             session.event("after_model", "rewrite", verdict.reason)
-            rewritten = deliver.rewritten_chat(chat, verdict)
-            shown = deliver.client_body(attempt, rewritten)
-            session.log.delivered = shown.decode("utf-8", "replace")
-            out = deliver.client_stream(attempt, rewritten) if _streamed(attempt, reply) else shown
             break
         if not isinstance(verdict, Veto):
             if len(session.log.events) == seen:  # else it failed open, and said so
@@ -88,9 +103,15 @@ async def review(
             harness, len(harness), [_assistant(chat), {"role": "user", "content": verdict.feedback}]
         )
         attempt, body = _resample(session, call, route, attempt, number + 1)
+    started = live is not None and live.response is not None
+    if chat is not None and (isinstance(verdict, Rewrite) or (started and attempt is not call)):
+        out = _replaced(session, attempt, reply, chat, verdict, live, first)
     attempt.submit()  # journaled before the client sees the end of the reply
     if attempt is not call:
         _spend(attempt)
+    if started:
+        # A re-sample that failed leaves the live stream no good ending.
+        return live.cut() if chat is None and attempt is not call else await live.finish(out)
     response_class = web.StreamResponse if _streamed(attempt, reply) else web.Response
     response = response_class(status=reply.status, headers=response_headers(reply.headers.items()))
     if isinstance(response, web.Response):
@@ -105,37 +126,57 @@ async def review(
     return response
 
 
+def _replaced(
+    session: Session,
+    attempt: ModelCall,
+    reply: Reply,
+    chat: dict[str, Any],
+    verdict: Rewrite | Veto | None,
+    live: LiveStream | None,
+    first: dict[str, Any] | None,
+) -> bytes:
+    """What the client gets when it is not the accepted attempt's reply as it came: a
+    rewrite; or, on a live stream, the accepted turn's tool calls after the text the
+    client already has (that text is the first attempt's)."""
+    if live is None or live.response is None:
+        rewritten = deliver.rewritten_chat(chat, verdict)
+        shown = deliver.client_body(attempt, rewritten)
+        session.log.delivered = shown.decode("utf-8", "replace")
+        return deliver.client_stream(attempt, rewritten) if _streamed(attempt, reply) else shown
+    rewrite = isinstance(verdict, Rewrite)
+    tool_calls = verdict.tool_calls if rewrite else _proposed(chat, attempt, 0).tool_calls
+    turn = deliver.rewritten_chat(
+        chat, Rewrite(content=live.sent_text or None, tool_calls=tool_calls)
+    )
+    turn.update(id=(first or chat).get("id"), created=(first or chat).get("created"))
+    sampled = (chat["choices"][0].get("message") or {}).get("content") or ""  # as sampled
+    if rewrite or sampled != live.sent_text:
+        session.log.delivered = deliver.client_body(attempt, turn).decode("utf-8", "replace")
+    return deliver.client_tail(attempt, turn, live.translator)
+
+
 def _streamed(call: ModelCall, reply: Reply) -> bool:
     return call.stream and reply.content_type == "text/event-stream"
 
 
 async def _hold(call: ModelCall, reply: Reply) -> bytes:
-    """The whole reply, captured; returns what the client would get for it."""
+    """The whole reply, captured; returns what the client would get for it. Nothing has
+    reached the client yet, so a broken upstream gets it a clean error, not a cut stream."""
+    if _streamed(call, reply):
+
+        async def held(event: Event) -> bytes:
+            return call.on_event(event)
+
+        return await read_stream(call, reply, held)
     try:
-        if not _streamed(call, reply):
-            raw = await reply.read()
-            call.upstream_done()
-            call.first_byte()
-            return call.client_view(raw, ok=reply.status == 200)
-        parser, out = SSEParser(), bytearray()
-        async for data in reply.iter_chunks():
-            call.first_byte()
-            for event in parser.feed(data):
-                out += call.on_event(event)
-        tail = parser.flush()
-        if tail is not None:
-            out += call.on_event(tail)
-        call.upstream_done()
-        return bytes(out)
+        raw = await reply.read()
     except UpstreamBroken as exc:
-        call.upstream_done()
-        call.status, call.error = "upstream_error", str(exc)
-        # Nothing has reached the client yet, so it gets a clean error, not a cut stream.
-        raise ProxyError(
-            502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
-        ) from exc
+        raise broken(call, exc) from exc
     finally:
         reply.close()
+    call.upstream_done()
+    call.first_byte()
+    return call.client_view(raw, ok=reply.status == 200)
 
 
 def _model_reply(call: ModelCall, reply: Reply) -> dict[str, Any] | None:
@@ -147,6 +188,10 @@ def _model_reply(call: ModelCall, reply: Reply) -> dict[str, Any] | None:
         return None
     chat = call.capture.reassembled(with_logprobs=False)
     return chat if chat["choices"] else None
+
+
+def _tool_calls(chat: dict[str, Any]) -> list[Any]:
+    return (chat["choices"][0].get("message") or {}).get("tool_calls") or []
 
 
 def _proposed(chat: dict[str, Any], call: ModelCall, number: int) -> ModelReply:

@@ -230,6 +230,11 @@ class Session:
     def reviews(self) -> bool:
         return getattr(self.episode.overlay, "after_model", None) is not None
 
+    @property
+    def sees_tool_calls_only(self) -> bool:
+        """``after_model`` judges tool calls only: text before them may go out live."""
+        return getattr(self.episode.overlay, "after_model_sees", "reply") == "tool_calls"
+
     def reviews_reply(self, call: ModelCall) -> bool:
         """Whether the reply waits for ``after_model`` (one choice of a chat call)."""
         return self.reviews and self.chat_shaped(call) and call.payload.get("n") in (None, 1)
