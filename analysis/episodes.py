@@ -23,6 +23,7 @@ class AnalysisError(Exception):
 
 class Episode(msgspec.Struct, kw_only=True, gc=False):
     summary: EpisodeSummary
+    # config, metadata, factors: shared by the episodes with the same stored text; read only
     config: dict[str, Any]
     metadata: dict[str, Any]
     factors: dict[str, str]  # the config's scalar values as levels
@@ -69,15 +70,23 @@ async def read(
         for call in await call_summaries(reader, [s.id for s in summaries]):
             if call.policy_version is not None:
                 versions.setdefault(call.episode_id, set()).add(call.policy_version)
+    # Episodes of one harness variant share its config (and often their metadata): each
+    # distinct text is decoded once, and episodes share the read-only result.
+    configs: dict[str | None, tuple[dict[str, Any], dict[str, str]]] = {}
+    metadata: dict[str | None, dict[str, Any]] = {}
     episodes = []
     for s in summaries:
-        config = _object(s.harness_config)
+        if (known := configs.get(s.harness_config)) is None:
+            config = _object(s.harness_config)
+            known = configs[s.harness_config] = (config, factors_of(config))
+        if (meta := metadata.get(s.metadata)) is None:
+            meta = metadata[s.metadata] = _object(s.metadata)
         episodes.append(
             Episode(
                 summary=s,
-                config=config,
-                metadata=_object(s.metadata),
-                factors=factors_of(config),
+                config=known[0],
+                metadata=meta,
+                factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
             )
         )

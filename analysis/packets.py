@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import msgspec
 from tracetap.analysis import conversation
 from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read
 from tracetap.analysis.select import Selector, Success, value_of
-from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
+from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_summaries
 
 PACKET_VERSION = "1"
@@ -37,7 +36,6 @@ _CONTEXT = re.compile(
     r"prompt is too long",
     re.IGNORECASE,
 )
-_CHUNK = 500
 
 
 class Options(msgspec.Struct, kw_only=True, frozen=True):
@@ -82,7 +80,7 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
             by_episode[call.episode_id].append(call)
         failed_ids = [c.call_id for c in calls if _failed(c)]
         failed_bodies = (
-            await _bodies(reader, failed_ids) if ("context_length" in options.failures) else {}
+            await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
         )
         chosen: list[tuple[Episode, list[str]]] = []
         for e in suspects:
@@ -90,7 +88,7 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
             if reasons:
                 chosen.append((e, reasons))
         sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
-        bodies = await _bodies(reader, sorted(sources.values()))
+        bodies = await reader.bodies(sorted(sources.values()))
     packets = [
         _packet(e, reasons, by_episode[e.id], bodies.get(sources.get(e.id, "")), options)
         for e, reasons in chosen
@@ -99,13 +97,6 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
     counts = {r: sum(r in p["outcome"]["failure"] for p in packets) for r in options.failures}
     batches = _batches(episodes, packets, options) if options.batch else None
     return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches)
-
-
-async def _bodies(reader: Reader, call_ids: Sequence[str]) -> dict[str, ScannedCall]:
-    out: dict[str, ScannedCall] = {}
-    for start in range(0, len(call_ids), _CHUNK):
-        out.update(await reader.bodies(list(call_ids[start : start + _CHUNK])))
-    return out
 
 
 def _failed(call: CallSummary) -> bool:
