@@ -12,7 +12,6 @@ long). ``--failure`` chooses which of them select an episode.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 from collections import defaultdict
@@ -22,7 +21,7 @@ from typing import Any
 import msgspec
 
 from tracetap.analysis import conversation
-from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read
+from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read, run
 from tracetap.analysis.select import Selector, Success, value_of
 from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_summaries
@@ -60,7 +59,7 @@ def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         raise AnalysisError(f"--failure must be among {', '.join(FAILURES)}")
     if options.steps < 1 or options.max_chars < 1:
         raise AnalysisError("--steps and --max-chars must be at least 1")
-    return asyncio.run(_build(db, filt, options))
+    return run(_build(db, filt, options))
 
 
 async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
