@@ -21,13 +21,13 @@ from msgspec import UNSET
 MARKER = "[... tracetap cut {} chars ...]"
 
 
-class Task(msgspec.Struct, kw_only=True):
+class Task(msgspec.Struct, kw_only=True, gc=False):
     system: str | None = None
     user: str | None = None
     tools: list[dict[str, Any]] = []  # {name, description, parameters}
 
 
-class Step(msgspec.Struct, kw_only=True):
+class Step(msgspec.Struct, kw_only=True, gc=False):
     index: int
     text: str | None = None
     tool_calls: list[dict[str, Any]] = []  # {name, arguments}
