@@ -116,7 +116,7 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         by_episode: dict[str, list[CallSummary]] = defaultdict(list)
         for call in calls:
             by_episode[call.episode_id].append(call)
-        failed_ids = [c.call_id for c in calls if _failed(c)]
+        failed_ids = [c.call_id for c in calls if c.failed]
         failed_bodies = (
             await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
         )
@@ -137,17 +137,13 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
     return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches)
 
 
-def _failed(call: CallSummary) -> bool:
-    return call.http_status != 200 or call.status not in ("ok", "passthrough")
-
-
 def _reasons(
     e: Episode, calls: list[CallSummary], bodies: dict[str, ScannedCall], options: Options
 ) -> list[str]:
     reasons = []
     if "unsuccessful" in options.failures and not options.success(e):
         reasons.append("unsuccessful")
-    failed = [c for c in calls if _failed(c)]
+    failed = [c for c in calls if c.failed]
     if "call_error" in options.failures and failed:
         reasons.append("call_error")
     if "context_length" in options.failures and any(
@@ -173,7 +169,7 @@ def _packet(
         source.response if source else None,
         budget,
     )
-    answered = [c for c in calls if not _failed(c)]
+    answered = [c for c in calls if not c.failed]
     if source is not None and len(answered) == len(steps):
         for step, call in zip(steps, answered):  # one call per action: link each
             step.call_id = call.call_id
@@ -202,7 +198,7 @@ def _packet(
                     error=conversation.cut(c.error, budget),
                 )
                 for c in calls
-                if _failed(c)
+                if c.failed
             ],
         ),
         calls=[c.call_id for c in calls],

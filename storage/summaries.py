@@ -49,6 +49,7 @@ class CallSummary(msgspec.Struct, kw_only=True, gc=False):
     http_status: int
     error: str | None = None
     policy_version: str | None = None
+    failed: bool = False  # storage.tables.FAILED_SQL: an upstream error, a cut stream, a 4xx/5xx
 
 
 _FAILED = text(FAILED_SQL)  # spelled as ix_calls_failed's condition, so that index serves it
@@ -162,6 +163,7 @@ async def call_summaries(reader: Reader, episode_ids: list[str]) -> list[CallSum
                 http_status=http_status,
                 error=error,
                 policy_version=policy_version,
+                failed=call_id in failed,
             )
         )
     return calls
