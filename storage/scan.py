@@ -218,6 +218,8 @@ class Reader:
 
     async def bodies(self, call_ids: list[str]) -> dict[str, ScannedCall]:
         """Just the bodies of these calls (request, upstream_request, response)."""
+        if not call_ids:
+            return {}
         query = select(Call.call_id, Call.endpoint, Call.request, Call.upstream_request,
                        Call.response).where(among(Call.call_id, call_ids, self.engine))
         with self.translated():

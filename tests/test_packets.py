@@ -48,6 +48,21 @@ def test_packets_equal_the_golden_files_and_are_byte_identical_run_to_run(db_url
     assert [json.loads(r["packet"]) for r in table] == lines(tmp_path / "one" / "packets.jsonl")
 
 
+def test_explicit_episodes_are_read_on_both_backends(db_url, tmp_path, capsys):
+    # Ids are bound as one parameter (a JSON array on SQLite, a text array on Postgres).
+    asyncio.run(seed(db_url))
+    chosen = ("A-t4-0", "A-t1-0", "B-t6-1", "B-t2-0")
+    assert packets(db_url, tmp_path, *(f for e in chosen for f in ("--episode", e))) == 0
+    assert "3 failure packets of 4 episodes" in capsys.readouterr().out
+    found = lines(tmp_path / "packets.jsonl")
+    assert [p["episode_id"] for p in found] == ["B-t2-0", "A-t4-0", "B-t6-1"]  # task order
+    assert [p["calls"] for p in found] == [
+        ["B-t2-0-c0", "B-t2-0-c1"],
+        ["A-t4-0-c0", "A-t4-0-c1"],
+        ["B-t6-1-c0", "B-t6-1-c1"],
+    ]
+
+
 def test_every_packet_follows_the_documented_json_schema(seeded, tmp_path):
     assert packets(seeded, tmp_path, "--max-chars", "40") == 0
     schema = json.loads(SCHEMA_FILE.read_text())
