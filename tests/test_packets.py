@@ -242,3 +242,36 @@ def test_messages_and_responses_bodies_read_as_steps():
         ),
         ([], [], "a and b"),
     ]
+
+
+def test_odd_shaped_bodies_are_read_leniently():
+    # Off the typed path (a number as content, a non-object message and part, a tool that
+    # is not an object): what can be read is, the rest is skipped, nothing raises.
+    request = {
+        "system": 7,
+        "tools": ["ls", {"type": "function", "function": {"name": "ls", "parameters": None}}],
+        "messages": [
+            "stray",
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}, 3]},
+            {"role": "user", "content": "List it."},
+            {
+                "role": "assistant",
+                "content": 42,
+                "tool_calls": [{"id": "c1", "function": {"name": "ls", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": {"not": "text"}},
+        ],
+    }
+    reply = {"role": "assistant", "content": ["x", {"type": "text", "text": "done"}]}
+    response = {"choices": [{"message": reply}]}
+    task, steps = conversation.read(json.dumps(request), None, json.dumps(response), 50)
+    assert (task.system, task.user) == ("Be brief.", "List it.")
+    assert task.tools == [{"name": "ls", "description": None, "parameters": None}]
+    assert [(s.text, s.tool_calls, s.observations) for s in steps] == [
+        (
+            None,
+            [{"name": "ls", "arguments": "{}"}],
+            [{"source": "tool", "name": "ls", "content": None}],
+        ),
+        ("done", [], []),
+    ]
