@@ -16,17 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 MARKER = "[... tracetap cut {} chars ...]"
 
 
-class Task(msgspec.Struct, kw_only=True):
+class Task(msgspec.Struct, kw_only=True, gc=False):
     system: str | None = None
     user: str | None = None
     tools: list[dict[str, Any]] = []  # {name, description, parameters}
 
 
-class Step(msgspec.Struct, kw_only=True):
+class Step(msgspec.Struct, kw_only=True, gc=False):
     index: int
     text: str | None = None
     tool_calls: list[dict[str, Any]] = []  # {name, arguments}
@@ -45,32 +46,172 @@ def cut(text: str | None, budget: int) -> str | None:
 def read(
     request: str | None, upstream_request: str | None, response: str | None, budget: int
 ) -> tuple[Task, list[Step]]:
-    body = _object(upstream_request) or _object(request)
-    if "input" in body or "instructions" in body:
-        messages = _responses_messages(body)
+    body = _body(upstream_request) or _body(request) or _Body()
+    if body.input is not UNSET or body.instructions is not UNSET:
+        messages = [_message(m) for m in _responses_messages(body.input, body.instructions)]
     else:
-        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        if isinstance(body.get("system"), (str, list)):
-            messages = [{"role": "system", "content": body["system"]}, *messages]
+        messages = body.messages or []
+        if body.system is not None:
+            messages = [_Message(role="system", content=body.system), *messages]
     final = _final_message(_object(response))
     if final is not None:
-        messages = [*messages, final]
-    task = Task(tools=[_tool(t) for t in body.get("tools") or () if isinstance(t, dict)])
+        messages = [*messages, _message(final)]
+    task = Task(tools=[_tool(t) for t in body.tools or ()])
     steps: list[Step] = []
-    names: dict[str, str] = {}  # tool call id -> tool name
+    names: dict[Any, Any] = {}  # tool call id -> tool name
     for m in messages:
-        if not isinstance(m, dict):
-            continue
-        role = m.get("role")
+        role = m.role
         if role in ("system", "developer") and task.system is None and not steps:
-            task.system = cut(_text(m.get("content")), budget)
+            task.system = cut(_text(m.content), budget)
         elif role == "assistant":
             steps.append(_action(m, len(steps), names, budget))
         elif role == "user" and task.user is None and not steps:
-            task.user = cut(_text(m.get("content")), budget)
+            task.user = cut(_text(m.content), budget)
         elif role in ("user", "tool") and steps:
             steps[-1].observations += _observations(m, names, budget)
     return task, steps
+
+
+# The few fields a conversation is read from, decoded straight into structs: a request
+# resends the whole conversation, and generic dicts of it cost 2-3x the time (and GC).
+
+
+class _Part(msgspec.Struct, gc=False):
+    """A content block: text, Messages' tool_use / tool_result."""
+
+    type: Any = None
+    text: Any = None
+    id: Any = None
+    name: Any = None
+    input: Any = None
+    tool_use_id: Any = None
+    content: str | list[_Part] | None = None
+
+
+class _Function(msgspec.Struct, gc=False):
+    name: Any = None
+    arguments: Any = None
+
+
+class _ToolCall(msgspec.Struct, gc=False):
+    id: Any = None
+    function: _Function | None = None
+
+
+class _Message(msgspec.Struct, gc=False):
+    role: Any = None
+    content: str | list[_Part] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: Any = None
+
+
+class _Spec(msgspec.Struct, gc=False):
+    name: Any = None
+    description: Any = None
+    parameters: Any = UNSET
+    input_schema: Any = None
+
+
+class _Tool(_Spec, gc=False):
+    function: _Spec | None = None
+
+
+class _Body(msgspec.Struct, gc=False):
+    messages: list[_Message] | None = None
+    system: str | list[_Part] | None = None  # Messages
+    tools: list[_Tool] | None = None
+    input: Any = UNSET  # Responses
+    instructions: Any = UNSET
+
+
+_BODY = msgspec.json.Decoder(_Body)
+_EMPTY = _Body()
+
+
+def _body(text: str | None) -> _Body | None:
+    """A request body; None when it is missing, not JSON, or not a non-empty object."""
+    if not text:
+        return None
+    try:
+        body = _BODY.decode(text)
+    except msgspec.ValidationError:  # a shape off the typed path: read it leniently
+        value = _object(text)
+        return _lenient_body(value) if value else None
+    except msgspec.DecodeError:
+        return None
+    if body == _EMPTY and not _object(text):
+        return None
+    return body
+
+
+def _lenient_body(body: dict[str, Any]) -> _Body:
+    """The typed body from a decoded object of any shape: what the reading ignores
+    (non-object messages, parts and tools; content of other types) is dropped."""
+    messages, tools, system = body.get("messages"), body.get("tools"), body.get("system")
+    return _Body(
+        messages=[_message(m) for m in messages if isinstance(m, dict)]
+        if isinstance(messages, list)
+        else None,
+        system=_parts(system),
+        tools=[_lenient_tool(t) for t in tools if isinstance(t, dict)]
+        if isinstance(tools, list)
+        else None,
+        input=body.get("input", UNSET),
+        instructions=body.get("instructions", UNSET),
+    )
+
+
+def _lenient_tool(tool: dict[str, Any]) -> _Tool:
+    spec = tool.get("function")
+    return _Tool(
+        name=tool.get("name"),
+        description=tool.get("description"),
+        parameters=tool.get("parameters", UNSET),
+        input_schema=tool.get("input_schema"),
+        function=_lenient_tool(spec) if isinstance(spec, dict) else None,
+    )
+
+
+def _message(m: dict[str, Any]) -> _Message:
+    calls = m.get("tool_calls")
+    return _Message(
+        role=m.get("role"),
+        content=_parts(m.get("content")),
+        tool_calls=[
+            _ToolCall(id=c.get("id"), function=_function(c.get("function")))
+            for c in calls
+            if isinstance(c, dict)
+        ]
+        if isinstance(calls, list)
+        else None,
+        tool_call_id=m.get("tool_call_id"),
+    )
+
+
+def _function(fn: Any) -> _Function | None:
+    if not isinstance(fn, dict):
+        return None
+    return _Function(name=fn.get("name"), arguments=fn.get("arguments"))
+
+
+def _parts(content: Any) -> str | list[_Part] | None:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    return [
+        _Part(
+            type=p.get("type"),
+            text=p.get("text"),
+            id=p.get("id"),
+            name=p.get("name"),
+            input=p.get("input"),
+            tool_use_id=p.get("tool_use_id"),
+            content=_parts(p.get("content")),
+        )
+        for p in content
+        if isinstance(p, dict)
+    ]
 
 
 def _object(text: str | None) -> dict[str, Any]:
@@ -83,76 +224,70 @@ def _object(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _text(content: Any) -> str | None:
+def _text(content: str | list[_Part] | None) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = [
-            p.get("text")
-            for p in content
-            if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text")
-        ]
-        return "".join(t for t in texts if isinstance(t, str)) or None
-    return None
+    texts = [p.text for p in content if p.type in ("text", "input_text", "output_text")]
+    return "".join(t for t in texts if isinstance(t, str)) or None
 
 
-def _tool(tool: dict[str, Any]) -> dict[str, Any]:
-    spec = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+def _tool(tool: _Tool) -> dict[str, Any]:
+    spec = tool.function or tool
     return {
-        "name": spec.get("name"),
-        "description": spec.get("description"),
-        "parameters": spec.get("parameters", spec.get("input_schema")),
+        "name": spec.name,
+        "description": spec.description,
+        "parameters": spec.input_schema if spec.parameters is UNSET else spec.parameters,
     }
 
 
-def _action(m: dict[str, Any], index: int, names: dict[str, str], budget: int) -> Step:
+def _action(m: _Message, index: int, names: dict[Any, Any], budget: int) -> Step:
     calls = []
-    for c in m.get("tool_calls") or ():  # chat
-        fn = c.get("function") or {}
-        names[c.get("id")] = fn.get("name")
-        calls.append({"name": fn.get("name"), "arguments": cut(fn.get("arguments"), budget)})
-    content = m.get("content")
+    for c in m.tool_calls or ():  # chat
+        fn = c.function or _NO_FUNCTION
+        names[c.id] = fn.name
+        calls.append({"name": fn.name, "arguments": cut(fn.arguments, budget)})
+    content = m.content
     for block in content if isinstance(content, list) else ():  # messages: tool_use
-        if isinstance(block, dict) and block.get("type") == "tool_use":
-            names[block.get("id")] = block.get("name")
-            arguments = msgspec.json.encode(block.get("input"), order="sorted").decode()
-            calls.append({"name": block.get("name"), "arguments": cut(arguments, budget)})
+        if block.type == "tool_use":
+            names[block.id] = block.name
+            arguments = msgspec.json.encode(block.input, order="sorted").decode()
+            calls.append({"name": block.name, "arguments": cut(arguments, budget)})
     return Step(index=index, text=cut(_text(content), budget), tool_calls=calls)
 
 
-def _observations(m: dict[str, Any], names: dict[str, str], budget: int) -> list[dict]:
-    if m.get("role") == "tool":
+_NO_FUNCTION = _Function()
+
+
+def _observations(m: _Message, names: dict[Any, Any], budget: int) -> list[dict]:
+    if m.role == "tool":
         return [
             {
                 "source": "tool",
-                "name": names.get(m.get("tool_call_id")),
-                "content": cut(_text(m.get("content")), budget),
+                "name": names.get(m.tool_call_id),
+                "content": cut(_text(m.content), budget),
             }
         ]
-    content = m.get("content")
+    content = m.content
     results = (
-        [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
-        if isinstance(content, list)
-        else []
+        [b for b in content if b.type == "tool_result"] if isinstance(content, list) else []
     )
     if results:  # messages: tool results come back in a user turn
         return [
             {
                 "source": "tool",
-                "name": names.get(b.get("tool_use_id")),
-                "content": cut(_text(b.get("content")), budget),
+                "name": names.get(b.tool_use_id),
+                "content": cut(_text(b.content), budget),
             }
             for b in results
         ]
     return [{"source": "user", "name": None, "content": cut(_text(content), budget)}]
 
 
-def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Responses ``input`` items as chat messages."""
+def _responses_messages(items: Any, instructions: Any = None) -> list[dict[str, Any]]:
+    """Responses ``input`` items (and ``instructions``) as chat messages."""
     messages: list[dict[str, Any]] = []
-    if isinstance(body.get("instructions"), str):
-        messages.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
+    if isinstance(instructions, str):
+        messages.append({"role": "system", "content": instructions})
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     for item in items if isinstance(items, list) else ():
@@ -184,6 +319,6 @@ def _final_message(response: dict[str, Any]) -> dict[str, Any] | None:
     if response.get("type") == "message" and response.get("role") == "assistant":
         return {"role": "assistant", "content": response.get("content")}  # messages
     if isinstance(response.get("output"), list):  # responses
-        turn = _responses_messages({"input": response["output"]})
+        turn = _responses_messages(response["output"])
         return turn[0] if turn and turn[0].get("role") == "assistant" else None
     return None

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
 from tracetap.exporters.factors import factors_of
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError
 from tracetap.storage.summaries import EpisodeSummary, call_summaries, episode_summaries
+
+T = TypeVar("T")
 
 
 class AnalysisError(Exception):
@@ -23,6 +25,7 @@ class AnalysisError(Exception):
 
 class Episode(msgspec.Struct, kw_only=True, gc=False):
     summary: EpisodeSummary
+    # config, metadata, factors: shared by the episodes with the same stored text; read only
     config: dict[str, Any]
     metadata: dict[str, Any]
     factors: dict[str, str]  # the config's scalar values as levels
@@ -47,7 +50,20 @@ def load(
         async with open_reader(db) as reader:
             return await read(reader, filt, policies=policies, costs=costs)
 
-    return asyncio.run(go())
+    return run(go())
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, but the task does not hold the result: on Python 3.11,
+    asyncio.run formats the finished task (result and all) while it restores the SIGINT
+    handler, a third of a second for 4,000 packets."""
+    result: list[T] = []
+
+    async def keep() -> None:
+        result.append(await main)
+
+    asyncio.run(keep())
+    return result[0]
 
 
 @contextlib.asynccontextmanager
@@ -69,15 +85,23 @@ async def read(
         for call in await call_summaries(reader, [s.id for s in summaries]):
             if call.policy_version is not None:
                 versions.setdefault(call.episode_id, set()).add(call.policy_version)
+    # Episodes of one harness variant share its config (and often their metadata): each
+    # distinct text is decoded once, and episodes share the read-only result.
+    configs: dict[str | None, tuple[dict[str, Any], dict[str, str]]] = {}
+    metadata: dict[str | None, dict[str, Any]] = {}
     episodes = []
     for s in summaries:
-        config = _object(s.harness_config)
+        if (known := configs.get(s.harness_config)) is None:
+            config = _object(s.harness_config)
+            known = configs[s.harness_config] = (config, factors_of(config))
+        if (meta := metadata.get(s.metadata)) is None:
+            meta = metadata[s.metadata] = _object(s.metadata)
         episodes.append(
             Episode(
                 summary=s,
-                config=config,
-                metadata=_object(s.metadata),
-                factors=factors_of(config),
+                config=known[0],
+                metadata=meta,
+                factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
             )
         )

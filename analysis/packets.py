@@ -12,20 +12,18 @@ long). ``--failure`` chooses which of them select an episode.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from tracetap.analysis import conversation
-from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read
+from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read, run
 from tracetap.analysis.select import Selector, Success, value_of
-from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
+from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_summaries
 
 PACKET_VERSION = "1"
@@ -37,7 +35,6 @@ _CONTEXT = re.compile(
     r"prompt is too long",
     re.IGNORECASE,
 )
-_CHUNK = 500
 
 
 class Options(msgspec.Struct, kw_only=True, frozen=True):
@@ -49,10 +46,49 @@ class Options(msgspec.Struct, kw_only=True, frozen=True):
     where: Selector | None = None
 
 
+# A packet as packet.schema.json describes it; written with sorted keys (fields included).
+class Harness(msgspec.Struct, kw_only=True, gc=False):
+    name: str | None
+    config: dict[str, Any]
+
+
+class CallError(msgspec.Struct, kw_only=True, gc=False):
+    call_id: str
+    status: str
+    http_status: int
+    error: str | None
+
+
+class Outcome(msgspec.Struct, kw_only=True, gc=False):
+    success: bool
+    failure: list[str]
+    reward: float | None
+    rewards: Any
+    outcome: str | None
+    info: Any
+    call_errors: list[CallError]
+
+
+class Packet(msgspec.Struct, kw_only=True, gc=False):
+    packet_version: str
+    episode_id: str
+    group_id: str | None
+    task_id: str | None
+    batch: str | None
+    harness: Harness
+    task: conversation.Task
+    steps: list[conversation.Step]
+    steps_total: int
+    outcome: Outcome
+    calls: list[str]
+    source_call_id: str | None
+    viewer: str
+
+
 class PacketSet(msgspec.Struct, kw_only=True):
     episodes: int  # selected
     reasons: dict[str, int]  # packets per failure reason
-    packets: list[dict[str, Any]]
+    packets: list[Packet]
     batches: list[dict[str, Any]] | None = None
 
 
@@ -62,7 +98,7 @@ def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         raise AnalysisError(f"--failure must be among {', '.join(FAILURES)}")
     if options.steps < 1 or options.max_chars < 1:
         raise AnalysisError("--steps and --max-chars must be at least 1")
-    return asyncio.run(_build(db, filt, options))
+    return run(_build(db, filt, options))
 
 
 async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
@@ -80,9 +116,9 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         by_episode: dict[str, list[CallSummary]] = defaultdict(list)
         for call in calls:
             by_episode[call.episode_id].append(call)
-        failed_ids = [c.call_id for c in calls if _failed(c)]
+        failed_ids = [c.call_id for c in calls if c.failed]
         failed_bodies = (
-            await _bodies(reader, failed_ids) if ("context_length" in options.failures) else {}
+            await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
         )
         chosen: list[tuple[Episode, list[str]]] = []
         for e in suspects:
@@ -90,26 +126,15 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
             if reasons:
                 chosen.append((e, reasons))
         sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
-        bodies = await _bodies(reader, sorted(sources.values()))
+        bodies = await reader.bodies(sorted(sources.values()))
     packets = [
         _packet(e, reasons, by_episode[e.id], bodies.get(sources.get(e.id, "")), options)
         for e, reasons in chosen
     ]
-    packets.sort(key=lambda p: (p["batch"] or "", p["task_id"] or "", p["episode_id"]))
-    counts = {r: sum(r in p["outcome"]["failure"] for p in packets) for r in options.failures}
+    packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
+    counts = {r: sum(r in p.outcome.failure for p in packets) for r in options.failures}
     batches = _batches(episodes, packets, options) if options.batch else None
     return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches)
-
-
-async def _bodies(reader: Reader, call_ids: Sequence[str]) -> dict[str, ScannedCall]:
-    out: dict[str, ScannedCall] = {}
-    for start in range(0, len(call_ids), _CHUNK):
-        out.update(await reader.bodies(list(call_ids[start : start + _CHUNK])))
-    return out
-
-
-def _failed(call: CallSummary) -> bool:
-    return call.http_status != 200 or call.status not in ("ok", "passthrough")
 
 
 def _reasons(
@@ -118,7 +143,7 @@ def _reasons(
     reasons = []
     if "unsuccessful" in options.failures and not options.success(e):
         reasons.append("unsuccessful")
-    failed = [c for c in calls if _failed(c)]
+    failed = [c for c in calls if c.failed]
     if "call_error" in options.failures and failed:
         reasons.append("call_error")
     if "context_length" in options.failures and any(
@@ -136,7 +161,7 @@ def _packet(
     calls: list[CallSummary],
     source: ScannedCall | None,
     options: Options,
-) -> dict[str, Any]:
+) -> Packet:
     s, budget = e.summary, options.max_chars
     task, steps = conversation.read(
         source.request if source else None,
@@ -144,42 +169,42 @@ def _packet(
         source.response if source else None,
         budget,
     )
-    answered = [c for c in calls if not _failed(c)]
+    answered = [c for c in calls if not c.failed]
     if source is not None and len(answered) == len(steps):
         for step, call in zip(steps, answered):  # one call per action: link each
             step.call_id = call.call_id
-    return {
-        "packet_version": PACKET_VERSION,
-        "episode_id": s.id,
-        "group_id": s.group_id,
-        "task_id": s.task_id,
-        "batch": value_of(e, options.batch) if options.batch else None,
-        "harness": {"name": s.harness_name, "config": e.config},
-        "task": msgspec.to_builtins(task),
-        "steps": msgspec.to_builtins(steps[-options.steps :]),
-        "steps_total": len(steps),
-        "outcome": {
-            "success": options.success(e),
-            "failure": reasons,
-            "reward": s.reward,
-            "rewards": _json(s.rewards),
-            "outcome": s.outcome,
-            "info": _json(s.info),
-            "call_errors": [
-                {
-                    "call_id": c.call_id,
-                    "status": c.status,
-                    "http_status": c.http_status,
-                    "error": conversation.cut(c.error, budget),
-                }
+    return Packet(
+        packet_version=PACKET_VERSION,
+        episode_id=s.id,
+        group_id=s.group_id,
+        task_id=s.task_id,
+        batch=value_of(e, options.batch) if options.batch else None,
+        harness=Harness(name=s.harness_name, config=e.config),
+        task=task,
+        steps=steps[-options.steps :],
+        steps_total=len(steps),
+        outcome=Outcome(
+            success=options.success(e),
+            failure=reasons,
+            reward=s.reward,
+            rewards=_json(s.rewards),
+            outcome=s.outcome,
+            info=_json(s.info),
+            call_errors=[
+                CallError(
+                    call_id=c.call_id,
+                    status=c.status,
+                    http_status=c.http_status,
+                    error=conversation.cut(c.error, budget),
+                )
                 for c in calls
-                if _failed(c)
+                if c.failed
             ],
-        },
-        "calls": [c.call_id for c in calls],
-        "source_call_id": source.call_id if source else None,
-        "viewer": f"{VIEWER}/episodes/{s.id}",
-    }
+        ),
+        calls=[c.call_id for c in calls],
+        source_call_id=source.call_id if source else None,
+        viewer=f"{VIEWER}/episodes/{s.id}",
+    )
 
 
 def _json(text: str | None) -> Any:
@@ -187,7 +212,7 @@ def _json(text: str | None) -> Any:
 
 
 def _batches(
-    episodes: list[Episode], packets: list[dict[str, Any]], options: Options
+    episodes: list[Episode], packets: list[Packet], options: Options
 ) -> list[dict[str, Any]]:
     """Per batch: its tasks (failed or not), its episodes, successes and packets."""
     members: dict[str, list[Episode]] = defaultdict(list)
@@ -195,7 +220,7 @@ def _batches(
         members[value_of(e, options.batch) or ""].append(e)
     packed: dict[str, list[str]] = defaultdict(list)
     for p in packets:
-        packed[p["batch"] or ""].append(p["episode_id"])
+        packed[p.batch or ""].append(p.episode_id)
     return [
         {
             "batch": name or None,
@@ -208,8 +233,7 @@ def _batches(
     ]
 
 
-def encode(value: Any) -> bytes:
-    return msgspec.json.encode(value, order="sorted")
+_ENCODER = msgspec.json.Encoder(order="sorted")
 
 
 def write(out: str | os.PathLike, result: PacketSet) -> list[Path]:
@@ -220,25 +244,25 @@ def write(out: str | os.PathLike, result: PacketSet) -> list[Path]:
     root = Path(out)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        encoded = [encode(p) for p in result.packets]
-        lines = b"".join(line + b"\n" for line in encoded)
+        packets = result.packets
+        lines = _ENCODER.encode_lines(packets)  # JSON escapes newlines: one packet a line
         files = [_replace(root / "packets.jsonl", lambda f: f.write_bytes(lines))]
         table = pa.table(
             {
-                "episode_id": pa.array([p["episode_id"] for p in result.packets], pa.string()),
-                "batch": pa.array([p["batch"] for p in result.packets], pa.string()),
-                "task_id": pa.array([p["task_id"] for p in result.packets], pa.string()),
-                "harness": pa.array([p["harness"]["name"] for p in result.packets], pa.string()),
-                "failure": pa.array(
-                    [p["outcome"]["failure"] for p in result.packets], pa.list_(pa.string())
+                "episode_id": pa.array([p.episode_id for p in packets], pa.string()),
+                "batch": pa.array([p.batch for p in packets], pa.string()),
+                "task_id": pa.array([p.task_id for p in packets], pa.string()),
+                "harness": pa.array([p.harness.name for p in packets], pa.string()),
+                "failure": pa.array([p.outcome.failure for p in packets], pa.list_(pa.string())),
+                "reward": pa.array([p.outcome.reward for p in packets], pa.float64()),
+                "packet": pa.array(lines.split(b"\n")[: len(packets)], pa.binary()).cast(
+                    pa.string()
                 ),
-                "reward": pa.array([p["outcome"]["reward"] for p in result.packets], pa.float64()),
-                "packet": pa.array([line.decode() for line in encoded], pa.string()),
             }
         )
         files.append(_replace(root / "packets.parquet", lambda f: pq.write_table(table, f)))
         if result.batches is not None:
-            text = b"".join(encode(b) + b"\n" for b in result.batches)
+            text = _ENCODER.encode_lines(result.batches)
             files.append(_replace(root / "batches.jsonl", lambda f: f.write_bytes(text)))
     except OSError as exc:
         raise AnalysisError(f"cannot write packets to {root}: {exc.strerror or exc}") from exc

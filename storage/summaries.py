@@ -1,6 +1,6 @@
 """Bulk reads for analysis: one row per episode with its calls' totals, and call summaries.
 
-A whole selection is a few queries (per chunk of explicit episode ids), never one per
+A whole selection is a few queries (explicit ids bound as one parameter), never one per
 episode: failed calls are counted through the small ix_calls_failed index, token and
 latency totals summed in the database when asked for. No token arrays and no bodies are
 read here; ``Reader.bodies`` fetches the few bodies a caller needs.
@@ -8,13 +8,13 @@ read here; ``Reader.bodies`` fetches the few bodies a caller needs.
 
 from __future__ import annotations
 
+import operator
+
 import msgspec
 from sqlalchemy import func, select, text
 
-from tracetap.storage.scan import EpisodeFilter, Reader, episode_conditions, fetch
+from tracetap.storage.scan import EpisodeFilter, Reader, among, episode_conditions, fetch
 from tracetap.storage.tables import FAILED_SQL, Call, Episode
-
-_CHUNK = 500  # ids per IN list, small on every backend
 
 
 class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
@@ -49,6 +49,7 @@ class CallSummary(msgspec.Struct, kw_only=True, gc=False):
     http_status: int
     error: str | None = None
     policy_version: str | None = None
+    failed: bool = False  # storage.tables.FAILED_SQL: an upstream error, a cut stream, a 4xx/5xx
 
 
 _FAILED = text(FAILED_SQL)  # spelled as ix_calls_failed's condition, so that index serves it
@@ -85,9 +86,9 @@ async def episode_summaries(
     """Every episode matching ``filt`` (``skip`` and ``finished_from`` apply), in id order,
     with its failed calls counted; ``costs`` also sums its calls' tokens and latency (a
     read of every call row: on SQLite, past the bodies)."""
-    ids = sorted(set(filt.episode_ids))
-    chunks = [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)] or [None]
-    out: list[EpisodeSummary] = []
+    conditions = episode_conditions(filt)
+    if filt.episode_ids:
+        conditions.append(among(Episode.id, sorted(set(filt.episode_ids)), reader.engine))
     with reader.translated():
         async with reader.engine.connect() as conn:
             failed = dict(
@@ -96,36 +97,31 @@ async def episode_summaries(
                     select(Call.episode_id, func.count()).where(_FAILED).group_by(Call.episode_id),
                 )
             )
-            for chunk in chunks:
-                conditions = episode_conditions(filt)
-                if chunk is not None:
-                    conditions.append(Episode.id.in_(chunk))
-                query = select(*_EPISODE_COLUMNS).where(*conditions).order_by(Episode.id)
-                page = [
-                    _summary(row, failed.get(row[0], 0))
-                    for row in await fetch(conn, query)
-                    if filt.skip.get(row[0], -1.0) != row[7]
-                ]  # id, finished_at
-                if costs and page:
-                    totals = (
-                        select(
-                            Call.episode_id,
-                            func.count(),
-                            func.sum(Call.prompt_tokens),
-                            func.sum(Call.completion_tokens),
-                            func.sum(Call.t_end - Call.t_start),
-                        )
-                        .where(Call.episode_id.in_(select(Episode.id).where(*conditions)))
-                        .group_by(Call.episode_id)
+            query = select(*_EPISODE_COLUMNS).where(*conditions).order_by(Episode.id)
+            out = [
+                _summary(row, failed.get(row[0], 0))
+                for row in await fetch(conn, query)
+                if filt.skip.get(row[0], -1.0) != row[7]
+            ]  # id, finished_at
+            if costs and out:
+                totals = (
+                    select(
+                        Call.episode_id,
+                        func.count(),
+                        func.sum(Call.prompt_tokens),
+                        func.sum(Call.completion_tokens),
+                        func.sum(Call.t_end - Call.t_start),
                     )
-                    by_id = {e.id: e for e in page}
-                    for episode_id, calls, prompt, completion, latency in await fetch(conn, totals):
-                        if episode_id in by_id:
-                            e = by_id[episode_id]
-                            e.calls, e.prompt_tokens = int(calls), int(prompt or 0)
-                            e.completion_tokens = int(completion or 0)
-                            e.latency = float(latency or 0.0)
-                out += page
+                    .where(Call.episode_id.in_(select(Episode.id).where(*conditions)))
+                    .group_by(Call.episode_id)
+                )
+                by_id = {e.id: e for e in out}
+                for episode_id, calls, prompt, completion, latency in await fetch(conn, totals):
+                    if episode_id in by_id:
+                        e = by_id[episode_id]
+                        e.calls, e.prompt_tokens = int(calls), int(prompt or 0)
+                        e.completion_tokens = int(completion or 0)
+                        e.latency = float(latency or 0.0)
     return out
 
 
@@ -133,27 +129,28 @@ async def call_summaries(reader: Reader, episode_ids: list[str]) -> list[CallSum
     """The calls of these episodes, in arrival order (t_start, instance, seq); the status
     columns are read for the failed ones only (through ix_calls_failed)."""
     ids = sorted(set(episode_ids))
-    rows: list = []
-    failed: dict[str, tuple] = {}
     with reader.translated():
         async with reader.engine.connect() as conn:
-            for start in range(0, len(ids), _CHUNK):
-                chunk = Call.episode_id.in_(ids[start : start + _CHUNK])
-                rows += await fetch(conn, select(*_CALL_COLUMNS).where(chunk))
+            rows = await fetch(
+                conn, select(*_CALL_COLUMNS).where(among(Call.episode_id, ids, reader.engine))
+            )
             # Every failed call at once: with an episode condition beside it, SQLite would
             # pick the episode index and read each row past its bodies to test the status.
             wanted = set(ids)
-            for call_id, episode_id, status, http_status, error in await fetch(
-                conn,
-                select(
-                    Call.call_id, Call.episode_id, Call.status, Call.http_status, Call.error
-                ).where(_FAILED),
-            ):
-                if episode_id in wanted:
-                    failed[call_id] = (status, http_status, error)
+            failed = {
+                call_id: (status, http_status, error)
+                for call_id, episode_id, status, http_status, error in await fetch(
+                    conn,
+                    select(
+                        Call.call_id, Call.episode_id, Call.status, Call.http_status, Call.error
+                    ).where(_FAILED),
+                )
+                if episode_id in wanted
+            }
+    rows.sort(key=_ARRIVAL)
     calls = []
     for call_id, episode_id, seq, instance, t_start, endpoint, policy_version in rows:
-        status, http_status, error = failed.get(call_id, ("ok", 200, None))
+        status, http_status, error = failed.get(call_id, _ANSWERED)
         calls.append(
             CallSummary(
                 call_id=call_id,
@@ -166,10 +163,14 @@ async def call_summaries(reader: Reader, episode_ids: list[str]) -> list[CallSum
                 http_status=http_status,
                 error=error,
                 policy_version=policy_version,
+                failed=call_id in failed,
             )
         )
-    calls.sort(key=lambda c: (c.episode_id, c.t_start, c.instance, c.seq))
     return calls
+
+
+_ARRIVAL = operator.itemgetter(1, 4, 3, 2)  # episode_id, t_start, instance, seq
+_ANSWERED = ("ok", 200, None)  # status, http_status, error of a call not in ix_calls_failed
 
 
 def _summary(row, failed: int) -> EpisodeSummary:

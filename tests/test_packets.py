@@ -48,6 +48,21 @@ def test_packets_equal_the_golden_files_and_are_byte_identical_run_to_run(db_url
     assert [json.loads(r["packet"]) for r in table] == lines(tmp_path / "one" / "packets.jsonl")
 
 
+def test_explicit_episodes_are_read_on_both_backends(db_url, tmp_path, capsys):
+    # Ids are bound as one parameter (a JSON array on SQLite, a text array on Postgres).
+    asyncio.run(seed(db_url))
+    chosen = ("A-t4-0", "A-t1-0", "B-t6-1", "B-t2-0")
+    assert packets(db_url, tmp_path, *(f for e in chosen for f in ("--episode", e))) == 0
+    assert "3 failure packets of 4 episodes" in capsys.readouterr().out
+    found = lines(tmp_path / "packets.jsonl")
+    assert [p["episode_id"] for p in found] == ["B-t2-0", "A-t4-0", "B-t6-1"]  # task order
+    assert [p["calls"] for p in found] == [
+        ["B-t2-0-c0", "B-t2-0-c1"],
+        ["A-t4-0-c0", "A-t4-0-c1"],
+        ["B-t6-1-c0", "B-t6-1-c1"],
+    ]
+
+
 def test_every_packet_follows_the_documented_json_schema(seeded, tmp_path):
     assert packets(seeded, tmp_path, "--max-chars", "40") == 0
     schema = json.loads(SCHEMA_FILE.read_text())
@@ -226,4 +241,37 @@ def test_messages_and_responses_bodies_read_as_steps():
             None,
         ),
         ([], [], "a and b"),
+    ]
+
+
+def test_odd_shaped_bodies_are_read_leniently():
+    # Off the typed path (a number as content, a non-object message and part, a tool that
+    # is not an object): what can be read is, the rest is skipped, nothing raises.
+    request = {
+        "system": 7,
+        "tools": ["ls", {"type": "function", "function": {"name": "ls", "parameters": None}}],
+        "messages": [
+            "stray",
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}, 3]},
+            {"role": "user", "content": "List it."},
+            {
+                "role": "assistant",
+                "content": 42,
+                "tool_calls": [{"id": "c1", "function": {"name": "ls", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": {"not": "text"}},
+        ],
+    }
+    reply = {"role": "assistant", "content": ["x", {"type": "text", "text": "done"}]}
+    response = {"choices": [{"message": reply}]}
+    task, steps = conversation.read(json.dumps(request), None, json.dumps(response), 50)
+    assert (task.system, task.user) == ("Be brief.", "List it.")
+    assert task.tools == [{"name": "ls", "description": None, "parameters": None}]
+    assert [(s.text, s.tool_calls, s.observations) for s in steps] == [
+        (
+            None,
+            [{"name": "ls", "arguments": "{}"}],
+            [{"source": "tool", "name": "ls", "content": None}],
+        ),
+        ("done", [], []),
     ]
