@@ -33,50 +33,57 @@ sys.path.insert(0, str(ROOT))
 from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.arrivals import Arrivals  # noqa: E402
 from tracetap.proxy.capture import ModelCall  # noqa: E402
-from tracetap.proxy.handlers import _observe  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
 from tracetap.proxy.metrics import Metrics  # noqa: E402
 from tracetap.proxy.model_map import ModelMap  # noqa: E402
 from tracetap.proxy.repair import Repair  # noqa: E402
 from tracetap.proxy.routing import Routing  # noqa: E402
-from tracetap.proxy.sse import SSEParser  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
 from tracetap.storage.writer import Writer  # noqa: E402
 
 BATCH = 256
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Write a short poem about the sea."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write a short poem about the sea."},
+]
 
 
 def _state() -> SimpleNamespace:
     """The parts of ProxyState that a ModelCall touches."""
-    return SimpleNamespace(flavor="vllm", instance="bench", arrivals=Arrivals(),
-                           metrics=Metrics(), model_map=ModelMap(), repair=Repair(False))
+    return SimpleNamespace(
+        flavor="vllm",
+        instance="bench",
+        arrivals=Arrivals(),
+        metrics=Metrics(),
+        model_map=ModelMap(),
+        repair=Repair(False),
+        submit=lambda record: None,
+    )  # journaling is a step of its own
 
 
 CHAT = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 
 
 def _request(stream: bool) -> bytes:
-    return msgspec.json.encode({"model": "bench-model", "messages": MESSAGES,
-                                "max_tokens": 64, "stream": stream})
+    return msgspec.json.encode(
+        {"model": "bench-model", "messages": MESSAGES, "max_tokens": 64, "stream": stream}
+    )
 
 
 def _replied(stream: bool) -> ModelCall:
     """A call that has parsed its request and seen the whole reply."""
     call = ModelCall(_state(), CHAT, uuid7())
     call.parse_request(_request(stream))
-    call.http_status = 200
-    call.upstream_started()
+    call.sending()
+    call.replied("http://bench", 200)
     if stream:
-        parser = SSEParser()
-        for event in parser.feed(b"".join(STREAMS[True, True, True])):
-            call.on_event(event)
+        for _ in call.relay_chunk(b"".join(STREAMS[True, True, True])):
+            pass
+        call.stream_end()
     else:
-        call.client_view(BODIES[True, True], ok=True)
-    call.upstream_done()
+        call.reply_body(BODIES[True, True])
     return call
 
 
@@ -91,7 +98,8 @@ def _cpu_us(step, repeat: int) -> float:
 def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
     state = _state()
     body = _request(stream)
-    events = SSEParser().feed(b"".join(STREAMS[True, True, True]))
+    # One read per event, as the upstream writes them; [DONE] left out, as it journals.
+    events = STREAMS[True, True, True][:-1]
 
     def request() -> None:
         ModelCall(state, CHAT, uuid7()).parse_request(body)
@@ -99,25 +107,29 @@ def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
     def reply() -> None:
         call = ModelCall(state, CHAT, "x")
         call.parse_request(body)
+        call.replied("http://bench", 200)
         if stream:
-            for event in events:
-                call.on_event(event)
+            for data in events:
+                for _ in call.relay_chunk(data):
+                    pass
         else:
-            call.client_view(BODIES[True, True], ok=True)
+            call.reply_body(BODIES[True, True])
 
     replied = _replied(stream)
     record = replied.record()
     return {
         "uuid7 call id": _cpu_us(uuid7, repeat),
-        "request: decode, inject, encode": _cpu_us(request, repeat) - _cpu_us(
-            lambda: ModelCall(state, CHAT, uuid7()), repeat),
-        "reply: capture + strip" + (" (65 events)" if stream else ""):
-            _cpu_us(reply, repeat) - _cpu_us(lambda: ModelCall(state, CHAT, "x")
-                                             .parse_request(body), repeat),
+        "request: decode, inject, encode": _cpu_us(request, repeat)
+        - _cpu_us(lambda: ModelCall(state, CHAT, uuid7()), repeat),
+        "reply: parse + capture + strip" + (" (65 events)" if stream else ""): _cpu_us(
+            reply, repeat
+        )
+        - _cpu_us(lambda: ModelCall(state, CHAT, "x").parse_request(body), repeat),
         "record: build" + (" + reassemble" if stream else ""): _cpu_us(replied.record, repeat),
-        "journal: encode + write(2)": _cpu_us(lambda: journal.append(Writer.encode(record)),
-                                             repeat),
-        "metrics": _cpu_us(lambda: _observe(replied, "chat_completions", 0.01), repeat),
+        "journal: encode + write(2)": _cpu_us(
+            lambda: journal.append(Writer.encode(record)), repeat
+        ),
+        "metrics": _cpu_us(lambda: replied.observe(0.01), repeat),
     }
 
 
@@ -125,8 +137,10 @@ async def _insert_cpu(url: str, stream: bool, batches: int) -> float:
     engine = create_engine(url)
     template = _replied(stream).record()
     try:
-        records = [[msgspec.structs.replace(template, call_id=uuid7(), seq=i)
-                    for i in range(BATCH)] for _ in range(batches + 1)]
+        records = [
+            [msgspec.structs.replace(template, call_id=uuid7(), seq=i) for i in range(BATCH)]
+            for _ in range(batches + 1)
+        ]
         await insert_calls(engine, records[0])  # warm: connection, prepared statements
         started = time.process_time()
         for batch in records[1:]:
@@ -151,9 +165,11 @@ def main() -> int:
         upgrade(postgres)
         for stream in (False, True):
             table[stream]["database: insert (Postgres)"] = asyncio.run(
-                _insert_cpu(postgres, stream, args.batches))
+                _insert_cpu(postgres, stream, args.batches)
+            )
             table[stream]["database: insert (SQLite)"] = asyncio.run(
-                _insert_cpu(sqlite, stream, args.batches))
+                _insert_cpu(sqlite, stream, args.batches)
+            )
     finally:
         drop_database(postgres)
     print(f"{'CPU microseconds per request':44s} {'non-stream':>10s} {'stream':>10s}")

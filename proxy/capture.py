@@ -1,14 +1,36 @@
-"""One model call being captured: request in, reply relayed, record out.
+"""One model call, from the client's request to the stored record.
 
-The record is submitted in the handler's ``finally``, so a cancelled handler (client
-gone) still stores what it saw. What differs between wire APIs lives in ``api`` (the API
+``ModelCall`` owns the call's lifecycle and the rules of capture, so handlers only move
+bytes. In the order a handler calls it:
+
+- start: ``ModelCall(state, route, call_id)``, ``tag(episode_id)`` (arrival order, the
+  episode's budget), ``parse_request(body)`` (the body to send upstream; ``reroute`` for
+  ``--translate auto``), ``await admit()`` (the pause gate; stamps the policy version),
+  ``sending()``;
+- relay: ``replied(upstream_url, http_status)``, then either ``reply_body(body)`` for a
+  whole reply, or ``relay_chunk(data)`` per read of an event stream and ``stream_end()``;
+  each returns the bytes the client gets;
+- finish: ``finish()`` in the handler's ``finally``, always; or, when the call ends
+  early, ``fail(error, status)`` (refused before relaying: the client's error reply) or
+  ``abort(status, error)`` (cut mid-relay) first.
+
+Others read, and never set: ``episode_id``, ``stream``, ``model``, ``payload`` (the
+request as sent upstream), ``status``, ``http_status``, ``capture`` (the reassembly);
+``record()`` builds the stored record, ``observe()`` records the metrics.
+
+Two rules live here and nowhere else: the record is journaled exactly once
+(``journal``), and a stream's record is journaled before the client is given the
+stream's end (``relay_chunk``), so a call that completed for the client is on disk even
+if the process dies next. What differs between wire APIs lives in ``api`` (the API
 spoken to the upstream) and ``translation`` (set when the client speaks another API
 than the upstream: its request and replies are converted to and from chat).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -18,7 +40,7 @@ from tracetap.proxy.apis.chat_reply import read_chunk_bytes
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.inject import COMPLETIONS, Injected
 from tracetap.proxy.routing import Route
-from tracetap.proxy.sse import Event
+from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
 from tracetap.proxy.wire import decode_object, encode
 from tracetap.storage.records import CallRecord
@@ -30,10 +52,12 @@ class ModelCall:
         self.api = api = route.api
         self.translation = route.translation  # a translate module, or None when native
         self.endpoint = route.endpoint
+        self.label = route.label  # the metrics route label
         self.call_id = call_id
         self.t_start = time.time()
         self.perf_start = time.perf_counter()
         self.episode_id: str | None = None
+        self.seq: int | None = None
         self.request_text: str | None = None
         self.payload: dict[str, Any] = {}
         self.injected = Injected()
@@ -47,23 +71,40 @@ class ModelCall:
         self.status = "ok"
         self.http_status = 0
         self.error: str | None = None
+        self.policy_version: str | None = None
+        self.upstream_url: str | None = None
         self.t_first_byte: float | None = None
         self.perf_upstream_start: float | None = None
         self.perf_upstream_end: float | None = None
         self.perf_first_content: float | None = None
         self.client_body: bytes | None = None
-        self.seq: int | None = None
-        self.policy_version: str | None = None
-        self.upstream_url: str | None = None
-        self.admitted = False
+        self._admitted = False
+        self._parser: SSEParser | None = None  # set by a stream's first read
+        self._rewrite = False  # its events are rewritten (else relayed as they come)
         self.done = False  # the upstream sent its end-of-stream marker
-        self.submitted = False
+        self._journaled = False
+
+    # -- start ----------------------------------------------------------------------
+    def tag(self, episode_id: str | None) -> None:
+        """The call belongs to ``episode_id``: its arrival order, and its budget checked
+        (raises BudgetExceeded)."""
+        self.episode_id = episode_id
+        self.seq = self.state.arrivals.next(episode_id)  # arrival order, not completion
+        self.state.budgets.admit(episode_id)
+
+    async def admit(self) -> None:
+        """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""
+        await self.state.gate.admit()
+        self._admitted = True
+        # Stamped after any pause: a call released by a resume runs on the new weights.
+        self.policy_version = self.state.controls.policy_version
 
     # -- request side -----------------------------------------------------------
     def reroute(self, route: Route, body: bytes) -> bytes:
         """Speak another API to the upstream (the first answered 404): the client's
         request is prepared again from its original bytes."""
         self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
+        self.label = route.label
         return self.parse_request(body)
 
     def parse_request(self, body: bytes) -> bytes:
@@ -82,8 +123,10 @@ class ModelCall:
             try:
                 payload = self.translation.to_chat(payload)
             except self.translation.Untranslatable as exc:
-                raise bad_request(f"cannot translate this request to chat completions: "
-                                  f"{exc.message}", "untranslatable") from exc
+                raise bad_request(
+                    f"cannot translate this request to chat completions: {exc.message}",
+                    "untranslatable",
+                ) from exc
             rewritten = True
             if self.stream:
                 self.stream_translator = self.translation.StreamTranslator(self.client_payload)
@@ -100,34 +143,38 @@ class ModelCall:
     @property
     def rewrites_stream(self) -> bool:
         """Whether stream events must be parsed and rewritten (else relayed as they come)."""
-        return (self.injected.any or self.translation is not None
-                or not self.api.ends_with_done)
+        return self.injected.any or self.translation is not None or not self.api.ends_with_done
 
     @property
     def model(self) -> str | None:
         return _str(self.payload.get("model"))
 
     def fail(self, error: ProxyError, status: str) -> web.Response:
+        """Refused before anything was relayed: the client's error reply."""
         self.status = status
         self.http_status = error.status
         self.error = error.message
         return error.response(anthropic=self.endpoint.startswith("messages"))
 
-    # -- reply side ---------------------------------------------------------------
-    def upstream_started(self) -> None:
+    # -- relay ----------------------------------------------------------------------
+    def sending(self) -> None:
         self.perf_upstream_start = time.perf_counter()
 
-    def upstream_done(self) -> None:
-        if self.perf_upstream_end is None:
-            self.perf_upstream_end = time.perf_counter()
+    def replied(self, upstream_url: str, http_status: int) -> None:
+        """The upstream answered (its headers are in)."""
+        self.upstream_url = upstream_url
+        self.http_status = http_status
 
-    def first_byte(self) -> None:
-        if self.t_first_byte is None:
-            self.t_first_byte = time.time()
+    def overhead(self) -> float:
+        """Seconds of the call so far that were not the upstream's."""
+        upstream = (self.perf_upstream_end or 0.0) - (self.perf_upstream_start or 0.0)
+        return (time.perf_counter() - self.perf_start) - upstream
 
-    def client_view(self, body: bytes, ok: bool) -> bytes:
+    def reply_body(self, body: bytes) -> bytes:
         """A whole reply: capture it, and return what the client should receive."""
-        if not ok:
+        self.upstream_done()
+        self.t_first_byte = time.time()
+        if self.http_status != 200:
             if self.translation is not None:
                 body = self.translation.error_from_chat(self.http_status, body)
             self.client_body = body
@@ -135,8 +182,7 @@ class ModelCall:
         self.capture.add(body)
         if self.translation is not None:
             try:
-                body = encode(self.translation.from_chat(decode_object(body),
-                                                         self.client_payload))
+                body = encode(self.translation.from_chat(decode_object(body), self.client_payload))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.error = "upstream reply is not JSON: relayed as it came"
         elif self.injected.any:
@@ -146,6 +192,67 @@ class ModelCall:
                 pass  # not the JSON we expected: the client gets it as it came
         self.client_body = body
         return body
+
+    def relay_chunk(self, data: bytes) -> Iterable[bytes]:
+        """One read of an event stream: the pieces to write to the client, in order.
+
+        The record is journaled before the piece that ends the stream is given out, so
+        the client never holds the end of a stream that is not on disk. A stream relayed
+        as it came is captured after each piece is written (the pieces come from a
+        generator); a rewritten one is captured as it is rewritten."""
+        if self._parser is None:
+            self.t_first_byte = time.time()
+            self._parser = SSEParser()
+            self._rewrite = self.rewrites_stream
+        if self._rewrite:
+            return self._rewritten(data)
+        return self._as_received(data)
+
+    def stream_end(self) -> bytes:
+        """The upstream closed the stream: what is left for the client (an unterminated
+        last event, rewritten), possibly nothing."""
+        self.upstream_done()
+        tail = None if self._parser is None else self._parser.flush()
+        if tail is None:
+            return b""
+        out = self.on_event(tail)
+        return out if self._rewrite else b""
+
+    def abort(self, status: str, error: str) -> None:
+        """The relay was cut (upstream broke, client went away). A stream already
+        journaled as complete keeps its record as it is."""
+        self.upstream_done()
+        if not self._journaled:
+            self.status, self.error = status, error
+
+    def _as_received(self, data: bytes) -> Iterator[bytes]:
+        """Nothing to remove: the upstream's bytes go out as they came, then capture
+        reads them (off the client's time)."""
+        parser = self._parser
+        if b"[DONE]" not in parser.tail(6) + data:
+            yield data
+            for event in parser.feed(data):
+                self.on_event(event)
+            return
+        # This read ends the stream.
+        cut = max(data.find(b"data: [DONE]"), 0)
+        if cut:
+            yield data[:cut]
+        for event in parser.feed(data):
+            self.on_event(event)
+        if self.done:
+            self.journal()
+        yield data[cut:]
+
+    def _rewritten(self, data: bytes) -> list[bytes]:
+        """Events rewritten to drop what the proxy added (or translated): one piece per
+        read. A read that ends the stream is journaled before any of it is returned."""
+        out = []
+        for event in self._parser.feed(data):
+            out.append(self.on_event(event))
+            if self.done and not self._journaled:
+                self.journal()  # as the end is seen: later events are not the call's
+        return [b"".join(out)] if any(out) else []
 
     def on_event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
@@ -170,8 +277,9 @@ class ModelCall:
             # The translator reads the whole chat chunk (usage too) and writes only the
             # client's API, so nothing the proxy asked for can reach the client.
             try:
-                return b"".join(translator.feed(
-                    read_chunk_bytes(data, logprobs=translator.wants_logprobs)))
+                return b"".join(
+                    translator.feed(read_chunk_bytes(data, logprobs=translator.wants_logprobs))
+                )
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return b""  # capture noted the bad chunk; the client's stream stays valid
         if not self.injected.any:
@@ -181,14 +289,61 @@ class ModelCall:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
 
-    # -- record ---------------------------------------------------------------------
-    def submit(self) -> None:
-        """Journal the record, once. Streams do this before the client sees [DONE], so a
-        call that completed for the client is on disk even if the process dies next."""
-        if not self.submitted:
-            self.submitted = True
+    def upstream_done(self) -> None:
+        if self.perf_upstream_end is None:
+            self.perf_upstream_end = time.perf_counter()
+
+    def first_byte(self) -> None:
+        if self.t_first_byte is None:
+            self.t_first_byte = time.time()
+
+    # -- finish ---------------------------------------------------------------------
+    def finish(self) -> None:
+        """The call is over, however it ended: release the pause gate, journal the
+        record (if the stream's end has not already), spend the episode's budget, and
+        leave the metrics for after the reply is on its way."""
+        state = self.state
+        if self._admitted:
+            self._admitted = False
+            state.gate.release()
+        self.journal()
+        prompt_tokens, completion_tokens = self.capture.tokens()
+        state.budgets.spend(self.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
+        asyncio.get_running_loop().call_soon(self.observe, time.perf_counter() - self.perf_start)
+
+    def journal(self) -> None:
+        """Journal the record, exactly once."""
+        if not self._journaled:
+            self._journaled = True
             self.state.submit(self.record())
             self.state.repair.remember(self)
+
+    def observe(self, elapsed: float) -> None:
+        """The call's metrics (bookkeeping, run after the reply)."""
+        metrics = self.state.metrics
+        child = metrics.child
+        route = self.label
+        stream = "true" if self.stream else "false"
+        gone = self.status == "client_disconnected" or not self.http_status
+        child(metrics.requests, route, "499" if gone else str(self.http_status)).inc()
+        child(metrics.duration, route, stream).observe(elapsed)
+        if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
+            upstream = self.perf_upstream_end - self.perf_upstream_start
+            child(metrics.upstream, route).observe(upstream)
+            child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
+        if self.stream and self.perf_first_content is not None:
+            child(metrics.ttft, route).observe(self.perf_first_content - self.perf_start)
+        capture = self.capture
+        if capture.logprobs_missing:
+            metrics.logprobs_missing.inc(capture.logprobs_missing)
+        metrics.captured(capture, route)
+        prompt_tokens, completion_tokens = capture.tokens()
+        if prompt_tokens or completion_tokens:
+            model = metrics.model(capture.model)
+            if prompt_tokens:
+                child(metrics.tokens, "prompt", model).inc(prompt_tokens)
+            if completion_tokens:
+                child(metrics.tokens, "completion", model).inc(completion_tokens)
 
     def record(self) -> CallRecord:
         state = self.state
@@ -235,7 +390,8 @@ class ModelCall:
             completion_tokens=completion_tokens,
             prompt_ids=prompt_ids,
             prompt_source=prompt_source,
-            upstream_request=None if self.upstream_request is None
+            upstream_request=None
+            if self.upstream_request is None
             else self.upstream_request.decode("utf-8", "replace"),
             overlay=None if self.overlay is None else encode(self.overlay).decode(),
             choices=choices,

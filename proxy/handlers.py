@@ -21,7 +21,6 @@ from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.review import review
 from tracetap.proxy.routing import Route
-from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
 
@@ -78,10 +77,9 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
     metrics.inflight.inc()
     try:
         try:
-            call.episode_id = await state.tagger.episode_for(
-                request.headers, request.match_info.get("episode"))
-            call.seq = state.arrivals.next(call.episode_id)  # arrival order, not completion
-            state.budgets.admit(call.episode_id)
+            call.tag(
+                await state.tagger.episode_for(request.headers, request.match_info.get("episode"))
+            )
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge as exc:
@@ -90,17 +88,15 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
             if overlay is not None:
                 upstream_body = await overlay.prepare(call, upstream_body)
-            await state.gate.admit()
-            call.admitted = True
-            # Stamped after any pause: a call released by a resume runs on the new weights.
-            call.policy_version = state.controls.policy_version
+            await call.admit()
             headers = upstream_request_headers(
                 request.headers,
                 api_key=state.settings.upstream_api_key,
                 forward_client_auth=state.settings.forward_client_auth,
                 identity=True,
             )
-            call.upstream_started()
+            call.sending()
+
             def send(attempt: ModelCall, b: bytes):  # the route as it is when called
                 return _send(request, attempt, route, path, headers, b)
 
@@ -118,11 +114,10 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                     if overlay.reviews_reply(call):
                         return await review(overlay, request, call, route, send, upstream_body)
                 target, reply = await send(call, upstream_body)
-            call.upstream_url = target.base_url
-            call.http_status = reply.status
+            call.replied(target.base_url, reply.status)
             if call.stream and reply.content_type == "text/event-stream":
                 return await _relay_stream(request, reply, call)
-            return await _relay_body(request, reply, call)
+            return await _relay_body(reply, call)
         except BudgetExceeded as error:
             metrics.child(metrics.budget_exceeded, error.limit).inc()
             return call.fail(error, "budget_exceeded")
@@ -130,121 +125,72 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
     finally:
         metrics.inflight.dec()
-        if call.admitted:
-            state.gate.release()
-        call.submit()
-        prompt_tokens, completion_tokens = call.capture.tokens()
-        state.budgets.spend(call.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
-        # Metrics are bookkeeping: done after the reply is on its way, not before.
-        asyncio.get_running_loop().call_soon(
-            _observe, call, route.label, time.perf_counter() - call.perf_start)
+        call.finish()
 
 
-async def _send(request: web.Request, call: ModelCall, route: Route, path: str,
-                headers: dict[str, str], body: bytes):
+async def _send(
+    request: web.Request,
+    call: ModelCall,
+    route: Route,
+    path: str,
+    headers: dict[str, str],
+    body: bytes,
+):
     upstream_path = path if route.translation is None else route.api.path
     return await request.app[STATE].pool.send(
-        "POST", _with_query(upstream_path, request), headers, body,
-        episode_id=call.episode_id, model=call.model)
+        "POST",
+        _with_query(upstream_path, request),
+        headers,
+        body,
+        episode_id=call.episode_id,
+        model=call.model,
+    )
 
 
-async def _relay_body(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
+async def _relay_body(reply: Reply, call: ModelCall) -> web.StreamResponse:
     try:
         body = await reply.read()
     except UpstreamBroken as exc:
-        call.status, call.error = "upstream_error", str(exc)
-        raise ProxyError(502, f"upstream failed mid-reply: {exc}", "upstream_error",
-                         "upstream_error") from exc
+        raise ProxyError(
+            502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
+        ) from exc
     finally:
         reply.close()
-    call.upstream_done()
-    call.first_byte()
-    body = call.client_view(body, ok=reply.status == 200)
-    response = web.Response(status=reply.status, body=body,
-                            headers=response_headers(reply.headers.items()))
+    response = web.Response(
+        status=reply.status,
+        body=call.reply_body(body),
+        headers=response_headers(reply.headers.items()),
+    )
     if call.state.settings.overhead_header:
-        overhead = (time.perf_counter() - call.perf_start) - (
-            call.perf_upstream_end - call.perf_upstream_start)
-        response.headers[OVERHEAD_HEADER] = f"{overhead * 1000:.3f}"
+        response.headers[OVERHEAD_HEADER] = f"{call.overhead() * 1000:.3f}"
     return response
 
 
 async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
-    response = web.StreamResponse(status=reply.status,
-                                  headers=response_headers(reply.headers.items()))
-    parser = SSEParser()
-    relay_raw = not call.rewrites_stream
-    sent = False
+    response = web.StreamResponse(
+        status=reply.status, headers=response_headers(reply.headers.items())
+    )
     try:
         await response.prepare(request)
         async for data in reply.iter_chunks():
-            call.first_byte()
-            if relay_raw:
-                await _relay_read(response, parser, call, data)
-            else:
-                sent = await _rewrite_read(response, parser, call, data, sent)
-        tail = parser.flush()
-        if tail is not None:
-            out = call.on_event(tail)
-            if out and not relay_raw:
-                await response.write(out)
-        call.upstream_done()
+            for piece in call.relay_chunk(data):
+                await response.write(piece)
+        tail = call.stream_end()
+        if tail:
+            await response.write(tail)
         await response.write_eof()
     except UpstreamBroken as exc:
-        call.upstream_done()
-        call.status, call.error = "upstream_error", str(exc)
+        call.abort("upstream_error", str(exc))
         # End the client's stream the way the upstream ended ours: abruptly.
         if request.transport is not None:
             request.transport.abort()
     except (ConnectionResetError, asyncio.CancelledError) as exc:
-        call.upstream_done()
-        if not call.submitted:
-            call.status, call.error = "client_disconnected", "client went away mid-stream"
+        call.abort("client_disconnected", "client went away mid-stream")
         if isinstance(exc, asyncio.CancelledError):
             raise
     finally:
         reply.close()
     return response
-
-
-async def _relay_read(response: web.StreamResponse, parser: SSEParser, call: ModelCall,
-                      data: bytes) -> None:
-    """Nothing to remove: the upstream's bytes go out as they came, then capture reads them."""
-    if b"[DONE]" not in parser.tail(6) + data:
-        await response.write(data)
-        for event in parser.feed(data):
-            call.on_event(event)
-        return
-    # This read ends the stream: the call is journaled before the client sees [DONE].
-    cut = max(data.find(b"data: [DONE]"), 0)
-    if cut:
-        await response.write(data[:cut])
-    for event in parser.feed(data):
-        call.on_event(event)
-    if call.done:
-        call.submit()
-    await response.write(data[cut:])
-
-
-async def _rewrite_read(response: web.StreamResponse, parser: SSEParser, call: ModelCall,
-                        data: bytes, sent: bool) -> bool:
-    """Events rewritten to drop what the proxy added; returns whether any byte went out."""
-    out = bytearray()
-    for event in parser.feed(data):
-        piece = call.on_event(event)
-        if call.done and not call.submitted:
-            if out:
-                await response.write(bytes(out))
-                out.clear()
-            call.submit()  # journaled before the client sees [DONE]
-        out += piece
-        if out and not sent:  # the first token goes out at once
-            await response.write(bytes(out))
-            out.clear()
-            sent = True
-    if out:
-        await response.write(bytes(out))
-    return sent
 
 
 async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
@@ -264,13 +210,19 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
     try:
         try:
             _, reply = await state.pool.send(
-                request.method, _with_query(path, request), headers, body,
-                episode_id=episode_id, retry=body is None)
+                request.method,
+                _with_query(path, request),
+                headers,
+                body,
+                episode_id=episode_id,
+                retry=body is None,
+            )
         except ProxyError as error:
             code = str(error.status)
             return error.response(speaks_anthropic(path, request.headers))
-        response = web.StreamResponse(status=reply.status,
-                                      headers=response_headers(reply.headers.items()))
+        response = web.StreamResponse(
+            status=reply.status, headers=response_headers(reply.headers.items())
+        )
         try:
             await response.prepare(request)
             async for data in reply.iter_chunks():
@@ -288,37 +240,20 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         state.metrics.requests.labels("passthrough", code).inc()
         if episode_id is not None and request.method == "POST":
             # Not captured, but the episode shows that the call happened, and what came back.
-            state.submit(CallRecord(
-                call_id=uuid7(), episode_id=episode_id, seq=state.arrivals.next(episode_id),
-                instance=state.instance, endpoint=path[:32], status="passthrough",
-                http_status=0 if code == "499" else int(code), t_start=t_start,
-                t_end=time.time()))
+            state.submit(
+                CallRecord(
+                    call_id=uuid7(),
+                    episode_id=episode_id,
+                    seq=state.arrivals.next(episode_id),
+                    instance=state.instance,
+                    endpoint=path[:32],
+                    status="passthrough",
+                    http_status=0 if code == "499" else int(code),
+                    t_start=t_start,
+                    t_end=time.time(),
+                )
+            )
 
 
 def _with_query(path: str, request: web.Request) -> str:
     return f"{path}?{request.query_string}" if request.query_string else path
-
-
-def _observe(call: ModelCall, route: str, elapsed: float) -> None:
-    metrics = call.state.metrics
-    child = metrics.child
-    stream = "true" if call.stream else "false"
-    gone = call.status == "client_disconnected" or not call.http_status
-    child(metrics.requests, route, "499" if gone else str(call.http_status)).inc()
-    child(metrics.duration, route, stream).observe(elapsed)
-    if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
-        upstream = call.perf_upstream_end - call.perf_upstream_start
-        child(metrics.upstream, route).observe(upstream)
-        child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
-    if call.stream and call.perf_first_content is not None:
-        child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
-    if call.capture.logprobs_missing:
-        metrics.logprobs_missing.inc(call.capture.logprobs_missing)
-    metrics.captured(call.capture, route)
-    prompt_tokens, completion_tokens = call.capture.tokens()
-    if prompt_tokens or completion_tokens:
-        model = metrics.model(call.capture.model)
-        if prompt_tokens:
-            child(metrics.tokens, "prompt", model).inc(prompt_tokens)
-        if completion_tokens:
-            child(metrics.tokens, "completion", model).inc(completion_tokens)

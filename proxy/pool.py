@@ -43,8 +43,9 @@ class Target:
 
 
 class Pool:
-    def __init__(self, specs: list[UpstreamSpec], client: UpstreamClient, *,
-                 health_interval: float = 5.0):
+    def __init__(
+        self, specs: list[UpstreamSpec], client: UpstreamClient, *, health_interval: float = 5.0
+    ):
         self.targets = [Target(spec) for spec in specs]
         self.client = client
         self.health_interval = health_interval
@@ -55,6 +56,8 @@ class Pool:
 
     def candidates(self, episode_id: str | None, model: str | None) -> list[Target]:
         """Targets to try, best first: healthy ones, then the rest as a last resort."""
+        if len(self.targets) == 1:
+            return self.targets  # one upstream: no hashing or sorting on every call
         pool = [t for t in self.targets if model is not None and t.model == model]
         if not pool:
             pool = [t for t in self.targets if t.model is None] or self.targets
@@ -64,9 +67,17 @@ class Pool:
             ordered = sorted(pool, key=lambda t: t.inflight)
         return [t for t in ordered if t.healthy] + [t for t in ordered if not t.healthy]
 
-    async def send(self, method: str, path_qs: str, headers: dict[str, str], body, *,
-                   episode_id: str | None = None, model: str | None = None,
-                   retry: bool = True) -> tuple[Target, Reply]:
+    async def send(
+        self,
+        method: str,
+        path_qs: str,
+        headers: dict[str, str],
+        body,
+        *,
+        episode_id: str | None = None,
+        model: str | None = None,
+        retry: bool = True,
+    ) -> tuple[Target, Reply]:
         """Send to the best target; move on to the next only when nothing was sent."""
         candidates = self.candidates(episode_id, model)
         for attempt, target in enumerate(candidates):
@@ -88,11 +99,14 @@ class Pool:
     def mark_down(self, target: Target) -> None:
         if target.healthy:
             if len(self.targets) == 1:
-                log.warning("upstream %s does not answer; calls fail until it does",
-                            target.base_url)
+                log.warning(
+                    "upstream %s does not answer; calls fail until it does", target.base_url
+                )
             else:
-                log.warning("upstream %s does not answer; its episodes move to the others "
-                            "until it does", target.base_url)
+                log.warning(
+                    "upstream %s does not answer; its episodes move to the others until it does",
+                    target.base_url,
+                )
         target.healthy = False
 
     async def probe(self, target: Target) -> bool:
@@ -116,5 +130,7 @@ class Pool:
             await self.check_health()
 
     def describe(self) -> list[dict]:
-        return [{"url": t.base_url, "model": t.model, "healthy": t.healthy,
-                 "inflight": t.inflight} for t in self.targets]
+        return [
+            {"url": t.base_url, "model": t.model, "healthy": t.healthy, "inflight": t.inflight}
+            for t in self.targets
+        ]

@@ -18,8 +18,13 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def run(script: str, *args: str, timeout: float = 240) -> str:
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -27,9 +32,12 @@ def run(script: str, *args: str, timeout: float = 240) -> str:
 def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postgres):
     out = run("proxy_bench.py", "--rounds", "1", "--seconds", "0.5", "--requests", "25")
     for variant in ("tracetap-pg", "tracetap-sqlite"):
-        summary = re.search(rf"^{variant}: .*\n  records sent (\d+), written (\d+), "
-                            rf"dropped (\d+); .*replies byte-identical to direct: (\w+)$",
-                            out, re.MULTILINE)
+        summary = re.search(
+            rf"^{variant}: .*\n  records sent (\d+), written (\d+), "
+            rf"dropped (\d+); .*replies byte-identical to direct: (\w+)$",
+            out,
+            re.MULTILINE,
+        )
         assert summary, out
         sent, written, dropped, identical = summary.groups()
         assert int(sent) > 0 and written == sent and dropped == "0" and identical == "True"
@@ -39,11 +47,24 @@ def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postg
 
 def test_export_bench_writes_exactly_the_tokens_it_built(tmp_path):
     episodes, turns, completion, observation, prompt = 30, 3, 16, 4, 8
-    out = run("export_bench.py", "--episodes", str(episodes), "--turns", str(turns),
-              "--completion-tokens", str(completion), "--observation-tokens",
-              str(observation), "--prompt-tokens", str(prompt), "--rounds", "2",
-              "--workdir", str(tmp_path))
-    result = json.loads(out[out.index("{"):])
+    out = run(
+        "export_bench.py",
+        "--episodes",
+        str(episodes),
+        "--turns",
+        str(turns),
+        "--completion-tokens",
+        str(completion),
+        "--observation-tokens",
+        str(observation),
+        "--prompt-tokens",
+        str(prompt),
+        "--rounds",
+        "2",
+        "--workdir",
+        str(tmp_path),
+    )
+    result = json.loads(out[out.index("{") :])
     step = completion + observation
     prompts = [prompt + turn * step for turn in range(turns)]
     per_episode = sum(p + completion for p in prompts) + prompts[-1] + completion
@@ -55,12 +76,15 @@ def test_export_bench_writes_exactly_the_tokens_it_built(tmp_path):
 
 
 def test_capture_cost_prints_every_step(postgres):
-    out = run("capture_cost.py", "--repeat", "20", "--batches", "1")
-    rows = dict(re.findall(r"^(\S.*?)\s+(\d+\.\d)\s+\d+\.\d$", out, re.MULTILINE))
-    assert {"uuid7 call id", "reply: capture + strip", "journal: encode + write(2)",
-            "database: insert (Postgres)", "database: insert (SQLite)",
-            "total, storing in Postgres"} <= set(rows), out
-    assert all(float(v) > 0 for v in rows.values())
+    _assert_steps(
+        run("capture_cost.py", "--repeat", "20", "--batches", "1"),
+        "uuid7 call id",
+        "reply: parse + capture + strip",
+        "journal: encode + write(2)",
+        "database: insert (Postgres)",
+        "database: insert (SQLite)",
+        "total, storing in Postgres",
+    )
 
 
 def test_analysis_bench_checks_its_answers(tmp_path):
@@ -87,3 +111,21 @@ def test_overlay_cost_prints_each_variant():
     assert [r[0] for r in rows] == ["plain", "after_model, whole reply",
                                     "after_model, tool calls only"], out
     assert rows[0][3:] == ("1.00", "1.00")  # the ratios are to the plain stream
+
+
+def test_stream_steps_prints_every_step():
+    _assert_steps(
+        run("stream_steps.py", "--rounds", "1", "--repeat", "1"),
+        "SSE parse (65 reads)",
+        "capture (65 events)",
+        "strip (65 events)",
+        "relay path: ModelCall, relay_chunk per read",
+        "body: strip",
+    )
+
+
+def _assert_steps(out: str, *steps: str) -> None:
+    """Each step is printed with a positive CPU figure."""
+    rows = dict(re.findall(r"^(\S.*?)\s{2,}(\d+\.\d)\b", out, re.MULTILINE))
+    assert set(steps) <= set(rows), out
+    assert all(float(v) > 0 for v in rows.values()), out

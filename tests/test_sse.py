@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from tracetap.proxy.sse import SSEParser
 
-STREAM = (b'data: {"a": 1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\r\n\r\n'
-          b"event: x\ndata: [DONE]\n\n")
+STREAM = (
+    b'data: {"a": 1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\r\n\r\nevent: x\ndata: [DONE]\n\n'
+)
 
 
 def _parse(pieces: list[bytes]) -> list:
@@ -24,13 +25,6 @@ def test_events_and_data():
     assert b"".join(e.raw for e in events) == STREAM
 
 
-@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
-def test_any_split_gives_the_same_events(cuts):
-    cuts = sorted(set(cuts))
-    pieces = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)])]
-    assert _parse(pieces) == _parse([STREAM])
-
-
 def test_unterminated_tail_is_flushed():
     parser = SSEParser()
     assert parser.feed(b"data: 1\n\ndata: 2") == [(b"data: 1\n\n", b"1")]
@@ -42,3 +36,31 @@ def test_an_event_without_boundary_does_not_grow_without_bound():
     events = parser.feed(b"data: " + b"x" * 500)
     assert parser.oversized == 1 and events[0].data is None
     assert parser.feed(b"\n\ndata: ok\n\n")[-1].data == b"ok"
+
+
+# LF only, as engines send it: reads that start on an event boundary take a faster path.
+LF_STREAM = (
+    b'data: {"a": 1}\n\n: keep-alive\n\n\n\ndata: {"b":\ndata: 2}\n\n'
+    b"event: x\ndata: [DONE]\n\n\ndata:no-space\n\n"
+)
+
+
+def test_lf_events_and_data():
+    events = _parse([LF_STREAM])
+    assert [e.data for e in events] == [
+        b'{"a": 1}',
+        None,
+        None,
+        b'{"b":\n2}',
+        b"[DONE]",
+        b"no-space",
+    ]
+    assert b"".join(e.raw for e in events) == LF_STREAM
+
+
+@given(st.sampled_from([STREAM, LF_STREAM]), st.lists(st.integers(0, 1 << 10), max_size=12))
+def test_any_split_gives_the_same_events(stream, cuts):
+    """Whole, an LF stream takes the split path; cut mid-event, the regex path."""
+    cuts = sorted({c % (len(stream) + 1) for c in cuts})
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    assert _parse(pieces) == _parse([stream])

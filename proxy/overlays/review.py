@@ -48,8 +48,7 @@ async def review(
         verdict = None
         try:
             target, reply = await send(attempt, body)
-            attempt.upstream_url = target.base_url
-            attempt.http_status = reply.status
+            attempt.replied(target.base_url, reply.status)
             if live is not None and number == 0 and reply.status == 200 and _streamed(
                     attempt, reply):
                 out = await live.relay(attempt, reply)
@@ -77,7 +76,7 @@ async def review(
                 attempt.error = error.message
             if attempt is not call:
                 attempt.http_status = error.status
-                attempt.submit()
+                attempt.journal()
                 _spend(attempt)
             if started:  # the client's stream has begun: it cannot become an error reply
                 return live.cut()
@@ -95,7 +94,7 @@ async def review(
         session.event("after_model", "veto", verdict.reason)
         attempt.status = "vetoed"
         attempt.error = f"vetoed by overlay {session.episode.name!r}: {verdict.reason}"[:1000]
-        attempt.submit()
+        attempt.journal()
         if attempt is not call:
             _spend(attempt)
         # The rejected turn and the feedback stay in the model's context (overlays.context).
@@ -106,7 +105,7 @@ async def review(
     started = live is not None and live.response is not None
     if chat is not None and (isinstance(verdict, Rewrite) or (started and attempt is not call)):
         out = _replaced(session, attempt, reply, chat, verdict, live, first)
-    attempt.submit()  # journaled before the client sees the end of the reply
+    attempt.journal()  # journaled before the client sees the end of the reply
     if attempt is not call:
         _spend(attempt)
     if started:
@@ -174,9 +173,7 @@ async def _hold(call: ModelCall, reply: Reply) -> bytes:
         raise broken(call, exc) from exc
     finally:
         reply.close()
-    call.upstream_done()
-    call.first_byte()
-    return call.client_view(raw, ok=reply.status == 200)
+    return call.reply_body(raw)
 
 
 def _model_reply(call: ModelCall, reply: Reply) -> dict[str, Any] | None:
@@ -230,7 +227,7 @@ def _resample(
         name=session.episode.name, attempt=number, retry_of=previous.call_id
     )
     body = session.model_body(attempt, attempt.payload["messages"])
-    attempt.upstream_started()
+    attempt.sending()
     return attempt, body
 
 

@@ -1,0 +1,83 @@
+"""CPU of each step of relaying one stream (and one body), minimum over many rounds.
+
+    python bench/stream_steps.py              # ~30 s, no database
+
+capture_cost.py gives the steps of a whole call once; on a shared machine its figures
+move by a third from run to run. This times the per-event steps of the bench upstream's
+64-token stream (the client asks for nothing: logprobs, token ids and usage injected and
+stripped) and keeps each step's minimum over ``--rounds`` rounds, which approximates a
+core of its own: SSE parsing of the 65 reads, capture, strip, and the whole relay path
+as ``ModelCall.relay_chunk`` runs it (parsing, capture, strip and the client's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from capture_cost import CHAT, ModelCall, _request, _state
+from upstream import BODIES, STREAMS
+
+from tracetap.proxy.assemble import Capture
+from tracetap.proxy.inject import CHAT as CHAT_ENDPOINT
+from tracetap.proxy.inject import Injected, strip_body, strip_chunk
+from tracetap.proxy.sse import SSEParser
+
+READS = STREAMS[True, True, True][:-1]  # [DONE] left out: its read journals the call
+DATAS = [event.data for event in SSEParser().feed(b"".join(READS))]
+BODY = BODIES[True, True]
+INJECTED = Injected(logprobs=True, usage=True, token_ids=True)
+
+
+def _parse() -> None:
+    parser = SSEParser()
+    for data in READS:
+        parser.feed(data)
+
+
+def _capture() -> None:
+    capture = Capture(CHAT_ENDPOINT)
+    for data in DATAS:
+        capture.add(data)
+
+
+def _relay(state, request: bytes) -> None:
+    call = ModelCall(state, CHAT, "x")
+    call.parse_request(request)
+    call.replied("http://bench", 200)
+    for data in READS:
+        for _ in call.relay_chunk(data):
+            pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--repeat", type=int, default=50, help="runs of a step per round")
+    args = parser.parse_args()
+    state, request = _state(), _request(True)
+    steps = {
+        "SSE parse (65 reads)": _parse,
+        "capture (65 events)": _capture,
+        "strip (65 events)": lambda: [strip_chunk(d, INJECTED) for d in DATAS],
+        "relay path: ModelCall, relay_chunk per read": lambda: _relay(state, request),
+        "body: capture": lambda: Capture(CHAT_ENDPOINT).add(BODY),
+        "body: strip": lambda: strip_body(BODY, INJECTED),
+    }
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            started = time.process_time()
+            for _ in range(args.repeat):
+                step()
+            best[name] = min(best[name], (time.process_time() - started) / args.repeat * 1e6)
+    print(f"{'CPU microseconds, minimum over rounds':40s} {'per stream':>10s} {'per event':>10s}")
+    for name, us in best.items():
+        per_event = f"{us / len(DATAS):10.2f}" if "body" not in name else f"{'':10s}"
+        print(f"{name:40s} {us:10.1f} {per_event}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
