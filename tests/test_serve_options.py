@@ -122,8 +122,9 @@ def test_the_flags_on_the_command_line_and_sigint_drains_then_exits_zero(
         headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request)
-    assert refused.value.code == 400
-    assert json.loads(refused.value.read())["error"]["code"] == "episode_required"
+    with refused.value as error:  # closes its connection now, not at some later GC
+        assert error.code == 400
+        assert json.loads(error.read())["error"]["code"] == "episode_required"
 
     started = threading.Barrier(3)
 

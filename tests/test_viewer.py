@@ -267,7 +267,8 @@ def _get(url: str, token: str | None = None, accept: str = "text/html"):
         with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as reply:
             return reply.status, dict(reply.headers), reply.read().decode()
     except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read().decode()
+        with err:  # its connection closes now, not at some later garbage collection
+            return err.code, dict(err.headers), err.read().decode()
 
 
 def test_the_proxy_serves_the_viewer_only_to_its_admin_token(proxy):
