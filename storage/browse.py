@@ -1,20 +1,19 @@
-"""Reads for the trace viewer: pages of episodes, one episode's calls, one call, what is new.
+"""Pages of episodes and groups for the trace viewer: filtered, sorted, paged lists and
+the sample behind their charts.
 
 Not on the model-call path, and never a copy of the export's reads: token arrays and the
 trajectory merge come from storage.scan and exporters.trajectories. Everything here is
-small per request (a page of rows, one episode's call summaries), so that a database of
-100,000 episodes answers as fast as one of ten.
+small per request (a page of rows), so that a database of 100,000 episodes answers as
+fast as one of ten. One episode or call: storage.details; what is new: storage.changes.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import msgspec
 from sqlalchemy import case, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracetap.storage.tables import FAILED_SQL, Call, Choice, Episode
+from tracetap.storage.tables import FAILED_SQL, Call, Episode
 
 SORTS = {
     "created": Episode.created_at,
@@ -25,7 +24,6 @@ SORTS = {
     "task": Episode.task_id,
 }
 STATUSES = ("ok", "errors", "budget_exceeded")  # of an episode's calls
-COMPLETED = ("ok", "passthrough")  # call statuses that are not failures (with HTTP 200)
 
 
 class EpisodeQuery(msgspec.Struct, kw_only=True, frozen=True):
@@ -96,67 +94,6 @@ class GroupPage(msgspec.Struct, kw_only=True):
     query: EpisodeQuery
 
 
-class CallSummary(msgspec.Struct, kw_only=True):
-    call_id: str
-    seq: int
-    endpoint: str
-    model: str | None
-    policy_version: str | None
-    stream: bool
-    upstream: str | None
-    status: str
-    http_status: int
-    error: str | None
-    t_start: float
-    t_first_byte: float | None
-    t_end: float | None
-    upstream_latency: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-
-    @property
-    def failed(self) -> bool:
-        return self.http_status != 200 or self.status not in COMPLETED
-
-
-class EpisodeInfo(msgspec.Struct, kw_only=True):
-    id: str
-    group_id: str | None
-    task_id: str | None
-    harness_name: str | None
-    harness_config: Any
-    metadata: Any
-    registered: bool
-    created_at: float
-    finished_at: float | None
-    reward: float | None
-    rewards: Any
-    outcome: str | None
-    info: Any
-    calls: list[CallSummary]
-
-
-class StoredChoice(msgspec.Struct, kw_only=True):
-    index: int
-    finish_reason: str | None
-    text: str | None
-    completion_tokens: int | None  # ids stored for this choice, None: none
-    logprobs: int | None
-    token_source: str
-    top_logprobs: Any
-
-
-class StoredCall(msgspec.Struct, kw_only=True):
-    summary: CallSummary
-    episode_id: str | None
-    instance: str
-    request: str | None
-    response: str | None
-    prompt_ids: int | None  # how many prompt ids were stored
-    stored_at: float
-    choices: list[StoredChoice]
-
-
 class ChartSample(msgspec.Struct, kw_only=True):
     """The most recent episodes matching a query, for the episodes page's charts."""
 
@@ -168,42 +105,9 @@ class ChartSample(msgspec.Struct, kw_only=True):
     episodes: int
 
 
-class LiveCall(msgspec.Struct, kw_only=True):
-    call_id: str
-    episode_id: str | None
-    endpoint: str
-    model: str | None
-    status: str
-    http_status: int
-    t_start: float
-    t_end: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    stored_at: float
-
-
-class LiveEpisode(msgspec.Struct, kw_only=True):
-    id: str
-    group_id: str | None
-    task_id: str | None
-    created_at: float
-    finished_at: float | None
-    reward: float | None
-    outcome: str | None
-
-
 # The partial index's own predicate, as literal SQL: the planner uses the index only when
 # the query's condition is the same (bound parameters would not match it).
 _FAILED = text(f"({FAILED_SQL})")
-
-
-def _loads(value: str | None) -> Any:
-    if value is None:
-        return None
-    try:
-        return msgspec.json.decode(value)
-    except msgspec.DecodeError:
-        return value  # shown as the text it is
 
 
 def _conditions(query: EpisodeQuery) -> list:
@@ -364,143 +268,9 @@ async def chart_sample(engine: AsyncEngine, query: EpisodeQuery, limit: int) -> 
         latencies=sorted(latencies), episodes=len(ids))
 
 
-_SUMMARY = (Call.call_id, Call.seq, Call.endpoint, Call.model, Call.policy_version,
-            Call.stream, Call.upstream, Call.status, Call.http_status, Call.error,
-            Call.t_start, Call.t_first_byte, Call.t_end, Call.upstream_latency,
-            Call.prompt_tokens, Call.completion_tokens)
-
-
-def _summary(row) -> CallSummary:
-    return CallSummary(**{c.name: row._mapping[c.name] for c in _SUMMARY})
-
-
-async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | None:
-    """One episode and a summary of each of its calls, in arrival order."""
-    async with engine.connect() as conn:
-        e = (await conn.execute(select(Episode).where(Episode.id == episode_id))).first()
-        if e is None:
-            return None
-        calls = (await conn.execute(
-            select(*_SUMMARY).where(Call.episode_id == episode_id)
-            .order_by(Call.t_start, Call.instance, Call.seq))).all()
-    m = e._mapping
-    return EpisodeInfo(
-        id=e.id, group_id=e.group_id, task_id=e.task_id, harness_name=e.harness_name,
-        harness_config=_loads(e.harness_config), metadata=_loads(m["metadata"]),
-        registered=bool(e.registered), created_at=e.created_at, finished_at=e.finished_at,
-        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome, info=_loads(e.info),
-        calls=[_summary(c) for c in calls])
-
-
 async def group_rewards(engine: AsyncEngine, group_id: str) -> list[GroupMember]:
     async with engine.connect() as conn:
         rows = (await conn.execute(
             select(Episode.id, Episode.reward, Episode.outcome, Episode.finished_at)
             .where(Episode.group_id == group_id).order_by(Episode.id))).all()
     return [GroupMember(**r._mapping) for r in rows]
-
-
-async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
-    """One call as stored, bodies included; token arrays only counted."""
-    ids_length = func.length(Call.prompt_ids)
-    async with engine.connect() as conn:
-        row = (await conn.execute(
-            select(*_SUMMARY, Call.episode_id, Call.instance, Call.request, Call.response,
-                   ids_length.label("prompt_bytes"), Call.stored_at)
-            .where(Call.call_id == call_id))).first()
-        if row is None:
-            return None
-        choices = (await conn.execute(
-            select(Choice.choice_index, Choice.finish_reason, Choice.text,
-                   func.length(Choice.completion_ids).label("ids_bytes"),
-                   func.length(Choice.completion_logprobs).label("lp_bytes"),
-                   Choice.token_source, Choice.top_logprobs)
-            .where(Choice.call_id == call_id).order_by(Choice.choice_index))).all()
-    return StoredCall(
-        summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
-        request=row.request, response=row.response,
-        prompt_ids=None if row.prompt_bytes is None else row.prompt_bytes // 4,
-        stored_at=row.stored_at,
-        choices=[StoredChoice(
-            index=c.choice_index, finish_reason=c.finish_reason, text=c.text,
-            completion_tokens=None if c.ids_bytes is None else c.ids_bytes // 4,
-            logprobs=None if c.lp_bytes is None else c.lp_bytes // 8,
-            token_source=c.token_source, top_logprobs=_loads(c.top_logprobs))
-            for c in choices])
-
-
-async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tuple]:
-    """(endpoint, request, response) of each call: the conversation as the harness sent it."""
-    if not call_ids:
-        return {}
-    async with engine.connect() as conn:
-        rows = (await conn.execute(
-            select(Call.call_id, Call.endpoint, Call.request, Call.response)
-            .where(Call.call_id.in_(call_ids)))).all()
-    return {r.call_id: (r.endpoint, r.request, r.response) for r in rows}
-
-
-async def top_logprobs(engine: AsyncEngine, call_ids: list[str]) -> dict[tuple[str, int], list]:
-    """Per-token alternatives of these calls' choices, where the client asked for them."""
-    if not call_ids:
-        return {}
-    async with engine.connect() as conn:
-        rows = (await conn.execute(
-            select(Choice.call_id, Choice.choice_index, Choice.top_logprobs)
-            .where(Choice.call_id.in_(call_ids), Choice.top_logprobs.is_not(None)))).all()
-    out = {}
-    for r in rows:
-        value = _loads(r.top_logprobs)
-        if isinstance(value, list):
-            out[(r.call_id, r.choice_index)] = value
-    return out
-
-
-async def calls_stored_since(engine: AsyncEngine, since: float, limit: int) -> list[LiveCall]:
-    """Calls committed at or after ``since`` (the writer's stored_at), oldest first."""
-    async with engine.connect() as conn:
-        rows = (await conn.execute(
-            select(Call.call_id, Call.episode_id, Call.endpoint, Call.model, Call.status,
-                   Call.http_status, Call.t_start, Call.t_end, Call.prompt_tokens,
-                   Call.completion_tokens, Call.stored_at)
-            .where(Call.stored_at >= since).order_by(Call.stored_at, Call.call_id)
-            .limit(limit))).all()
-    return [LiveCall(**r._mapping) for r in rows]
-
-
-async def episodes_changed_since(engine: AsyncEngine, since: float,
-                                 limit: int) -> list[LiveEpisode]:
-    """Episodes created or finished at or after ``since``."""
-    columns = (Episode.id, Episode.group_id, Episode.task_id, Episode.created_at,
-               Episode.finished_at, Episode.reward, Episode.outcome)
-    async with engine.connect() as conn:
-        created = (await conn.execute(
-            select(*columns).where(Episode.created_at >= since)
-            .order_by(Episode.created_at).limit(limit))).all()
-        finished = (await conn.execute(
-            select(*columns).where(Episode.finished_at >= since)
-            .order_by(Episode.finished_at).limit(limit))).all()
-    seen = {}
-    for r in (*created, *finished):
-        seen[r.id] = LiveEpisode(**r._mapping)
-    return list(seen.values())
-
-
-async def recent_calls(engine: AsyncEngine, limit: int) -> list[LiveCall]:
-    """The latest stored calls, newest first (the live page's first rows)."""
-    async with engine.connect() as conn:
-        rows = (await conn.execute(
-            select(Call.call_id, Call.episode_id, Call.endpoint, Call.model, Call.status,
-                   Call.http_status, Call.t_start, Call.t_end, Call.prompt_tokens,
-                   Call.completion_tokens, Call.stored_at)
-            .order_by(Call.stored_at.desc(), Call.call_id.desc()).limit(limit))).all()
-    return [LiveCall(**r._mapping) for r in rows]
-
-
-async def episode_stamp(engine: AsyncEngine, episode_id: str) -> tuple[int, float | None]:
-    """(calls, latest stored_at) of an episode: changes whenever a call is added."""
-    async with engine.connect() as conn:
-        row = (await conn.execute(
-            select(func.count(), func.max(Call.stored_at))
-            .where(Call.episode_id == episode_id))).one()
-    return int(row[0]), row[1]

@@ -19,7 +19,7 @@ from sqlalchemy import update
 
 from conftest import free_port
 from tracetap.migrations import upgrade
-from tracetap.storage import browse, queries
+from tracetap.storage import browse, changes, queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls
@@ -136,10 +136,10 @@ def test_episode_pages_filter_sort_and_page_on_both_databases(db_url):
             assert sample.episodes == 2 and sorted(sample.rewards) == [0.0, 0.5]
             assert sample.calls_per_episode == [1, 1] and len(sample.latencies) == 2
 
-            stored = await browse.calls_stored_since(engine, 0.0, 100)
+            stored = await changes.calls_stored_since(engine, 0.0, 100)
             assert len(stored) == 10
-            assert await browse.calls_stored_since(engine, time.time() + 60, 100) == []
-            changed = await browse.episodes_changed_since(engine, T0 + 5, 100)
+            assert await changes.calls_stored_since(engine, time.time() + 60, 100) == []
+            changed = await changes.episodes_changed_since(engine, T0 + 5, 100)
             assert {e.id for e in changed} >= {"broken", "spent", "g-1"}  # created, finished
         finally:
             await engine.dispose()

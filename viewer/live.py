@@ -16,7 +16,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from tracetap.storage import browse
+from tracetap.storage import changes
 from tracetap.viewer.headers import SECURITY_HEADERS
 from tracetap.viewer.keys import CLOSING, CONFIG, SOURCE
 from tracetap.viewer.render import page as render_page
@@ -30,8 +30,8 @@ RECENT = 50
 async def page(request: web.Request) -> web.Response:
     engine = await request.app[SOURCE].engine()
     since = time.time()
-    calls = await browse.recent_calls(engine, RECENT)
-    episodes = await browse.episodes_changed_since(engine, since - 3600, RECENT)
+    calls = await changes.recent_calls(engine, RECENT)
+    episodes = await changes.episodes_changed_since(engine, since - 3600, RECENT)
     episodes.sort(key=lambda e: max(e.created_at, e.finished_at or 0), reverse=True)
     return render_page(request, "live.html", calls=calls, episodes=episodes[:RECENT],
                        since=since, view="live")
@@ -53,9 +53,9 @@ async def events(request: web.Request) -> web.StreamResponse:
     quiet = 0.0
     while not closing.is_set():
         cutoff = since - OVERLAP_S
-        new_calls = [c for c in await browse.calls_stored_since(engine, cutoff, BATCH)
+        new_calls = [c for c in await changes.calls_stored_since(engine, cutoff, BATCH)
                      if c.call_id not in sent_calls]
-        changed = [e for e in await browse.episodes_changed_since(engine, cutoff, BATCH)
+        changed = [e for e in await changes.episodes_changed_since(engine, cutoff, BATCH)
                    if (e.id, e.finished_at) not in sent_episodes]
         chunks = []
         for e in changed:

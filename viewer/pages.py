@@ -6,7 +6,7 @@ import re
 
 from aiohttp import web
 
-from tracetap.storage import browse
+from tracetap.storage import browse, details
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
@@ -68,7 +68,7 @@ async def episode(request: web.Request) -> web.Response:
     if not EPISODE_ID.match(episode_id):
         raise web.HTTPNotFound(text="not an episode id")
     engine = await _engine(request)
-    info = await browse.episode_info(engine, episode_id)
+    info = await details.episode_info(engine, episode_id)
     if info is None:
         return page(request, "error.html", status=404, title="No such episode",
                     message=f"No episode {episode_id!r} in this database.")
@@ -84,14 +84,14 @@ async def episode(request: web.Request) -> web.Response:
         texts = await request.app[DETOKENIZER].texts(
             [*shown, *(split.expected if split else ()), *(split.received if split else ())])
         overlapping = [s.call_id for s in row.spans if s.end > at and s.start < at + size]
-        alternatives = await browse.top_logprobs(engine, overlapping)
+        alternatives = await details.top_logprobs(engine, overlapping)
         window = tokens.window(row, at, size, texts, alternatives)
         overview = tokens.overview(row, size, at)
     leaf = row.trajectory.call_ids[-1] if row is not None else (
         info.calls[-1].call_id if info.calls else None)
     turns = []
     if leaf is not None:
-        bodies = await browse.call_bodies(engine, [leaf])
+        bodies = await details.call_bodies(engine, [leaf])
         if leaf in bodies:
             turns = conversation.turns(*bodies[leaf])
     group = (await browse.group_rewards(engine, info.group_id)
@@ -121,7 +121,7 @@ async def call(request: web.Request) -> web.Response:
     call_id = request.match_info["call"]
     if not CALL_ID.match(call_id):
         raise web.HTTPNotFound(text="not a call id")
-    stored = await browse.stored_call(await _engine(request), call_id)
+    stored = await details.stored_call(await _engine(request), call_id)
     if stored is None:
         return page(request, "error.html", status=404, title="No such call",
                     message=f"No call {call_id!r} in this database.")
@@ -142,7 +142,7 @@ async def call_body(request: web.Request) -> web.Response:
     call_id, which = request.match_info["call"], request.match_info["body"]
     if not CALL_ID.match(call_id):
         raise web.HTTPNotFound(text="not a call id")
-    stored = await browse.stored_call(await _engine(request), call_id)
+    stored = await details.stored_call(await _engine(request), call_id)
     if stored is None:
         raise web.HTTPNotFound(text="no such call")
     body = stored.request if which == "request" else stored.response

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tracetap.storage import browse
+from tracetap.storage import changes
 from tracetap.storage.scan import Reader
 from tracetap.viewer.tokens import Row, episode_rows
 
@@ -24,7 +24,7 @@ class RowCache:
         self.tokens = 0
 
     async def rows(self, reader: Reader, episode_id: str) -> list[Row]:
-        stamp = await browse.episode_stamp(reader.engine, episode_id)
+        stamp = await changes.episode_stamp(reader.engine, episode_id)
         hit = self.items.get(episode_id)
         if hit is not None and hit[0] == stamp:
             self.items.move_to_end(episode_id)

@@ -1,0 +1,170 @@
+"""One episode and one call as the trace viewer shows them: summaries of an episode's
+calls, a call with its bodies, the conversation and top logprobs of a trajectory's calls.
+Token arrays are only counted here; their contents come from storage.scan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tracetap.storage.tables import Call, Choice, Episode
+
+COMPLETED = ("ok", "passthrough")  # call statuses that are not failures (with HTTP 200)
+
+
+class CallSummary(msgspec.Struct, kw_only=True):
+    call_id: str
+    seq: int
+    endpoint: str
+    model: str | None
+    policy_version: str | None
+    stream: bool
+    upstream: str | None
+    status: str
+    http_status: int
+    error: str | None
+    t_start: float
+    t_first_byte: float | None
+    t_end: float | None
+    upstream_latency: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+    @property
+    def failed(self) -> bool:
+        return self.http_status != 200 or self.status not in COMPLETED
+
+
+class EpisodeInfo(msgspec.Struct, kw_only=True):
+    id: str
+    group_id: str | None
+    task_id: str | None
+    harness_name: str | None
+    harness_config: Any
+    metadata: Any
+    registered: bool
+    created_at: float
+    finished_at: float | None
+    reward: float | None
+    rewards: Any
+    outcome: str | None
+    info: Any
+    calls: list[CallSummary]
+
+
+class StoredChoice(msgspec.Struct, kw_only=True):
+    index: int
+    finish_reason: str | None
+    text: str | None
+    completion_tokens: int | None  # ids stored for this choice, None: none
+    logprobs: int | None
+    token_source: str
+    top_logprobs: Any
+
+
+class StoredCall(msgspec.Struct, kw_only=True):
+    summary: CallSummary
+    episode_id: str | None
+    instance: str
+    request: str | None
+    response: str | None
+    prompt_ids: int | None  # how many prompt ids were stored
+    stored_at: float
+    choices: list[StoredChoice]
+
+
+def _loads(value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return msgspec.json.decode(value)
+    except msgspec.DecodeError:
+        return value  # shown as the text it is
+
+
+_SUMMARY = (Call.call_id, Call.seq, Call.endpoint, Call.model, Call.policy_version,
+            Call.stream, Call.upstream, Call.status, Call.http_status, Call.error,
+            Call.t_start, Call.t_first_byte, Call.t_end, Call.upstream_latency,
+            Call.prompt_tokens, Call.completion_tokens)
+
+
+def _summary(row) -> CallSummary:
+    return CallSummary(**{c.name: row._mapping[c.name] for c in _SUMMARY})
+
+
+async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | None:
+    """One episode and a summary of each of its calls, in arrival order."""
+    async with engine.connect() as conn:
+        e = (await conn.execute(select(Episode).where(Episode.id == episode_id))).first()
+        if e is None:
+            return None
+        calls = (await conn.execute(
+            select(*_SUMMARY).where(Call.episode_id == episode_id)
+            .order_by(Call.t_start, Call.instance, Call.seq))).all()
+    m = e._mapping
+    return EpisodeInfo(
+        id=e.id, group_id=e.group_id, task_id=e.task_id, harness_name=e.harness_name,
+        harness_config=_loads(e.harness_config), metadata=_loads(m["metadata"]),
+        registered=bool(e.registered), created_at=e.created_at, finished_at=e.finished_at,
+        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome, info=_loads(e.info),
+        calls=[_summary(c) for c in calls])
+
+
+async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
+    """One call as stored, bodies included; token arrays only counted."""
+    ids_length = func.length(Call.prompt_ids)
+    async with engine.connect() as conn:
+        row = (await conn.execute(
+            select(*_SUMMARY, Call.episode_id, Call.instance, Call.request, Call.response,
+                   ids_length.label("prompt_bytes"), Call.stored_at)
+            .where(Call.call_id == call_id))).first()
+        if row is None:
+            return None
+        choices = (await conn.execute(
+            select(Choice.choice_index, Choice.finish_reason, Choice.text,
+                   func.length(Choice.completion_ids).label("ids_bytes"),
+                   func.length(Choice.completion_logprobs).label("lp_bytes"),
+                   Choice.token_source, Choice.top_logprobs)
+            .where(Choice.call_id == call_id).order_by(Choice.choice_index))).all()
+    return StoredCall(
+        summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
+        request=row.request, response=row.response,
+        prompt_ids=None if row.prompt_bytes is None else row.prompt_bytes // 4,
+        stored_at=row.stored_at,
+        choices=[StoredChoice(
+            index=c.choice_index, finish_reason=c.finish_reason, text=c.text,
+            completion_tokens=None if c.ids_bytes is None else c.ids_bytes // 4,
+            logprobs=None if c.lp_bytes is None else c.lp_bytes // 8,
+            token_source=c.token_source, top_logprobs=_loads(c.top_logprobs))
+            for c in choices])
+
+
+async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tuple]:
+    """(endpoint, request, response) of each call: the conversation as the harness sent it."""
+    if not call_ids:
+        return {}
+    async with engine.connect() as conn:
+        rows = (await conn.execute(
+            select(Call.call_id, Call.endpoint, Call.request, Call.response)
+            .where(Call.call_id.in_(call_ids)))).all()
+    return {r.call_id: (r.endpoint, r.request, r.response) for r in rows}
+
+
+async def top_logprobs(engine: AsyncEngine, call_ids: list[str]) -> dict[tuple[str, int], list]:
+    """Per-token alternatives of these calls' choices, where the client asked for them."""
+    if not call_ids:
+        return {}
+    async with engine.connect() as conn:
+        rows = (await conn.execute(
+            select(Choice.call_id, Choice.choice_index, Choice.top_logprobs)
+            .where(Choice.call_id.in_(call_ids), Choice.top_logprobs.is_not(None)))).all()
+    out = {}
+    for r in rows:
+        value = _loads(r.top_logprobs)
+        if isinstance(value, list):
+            out[(r.call_id, r.choice_index)] = value
+    return out
