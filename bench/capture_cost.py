@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.arrivals import Arrivals  # noqa: E402
+from tracetap.proxy.call_record import call_record  # noqa: E402
 from tracetap.proxy.capture import ModelCall  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
 from tracetap.proxy.metrics import Metrics  # noqa: E402
@@ -116,7 +117,7 @@ def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
             call.reply_body(BODIES[True, True])
 
     replied = _replied(stream)
-    record = replied.record()
+    record = call_record(replied)
     return {
         "uuid7 call id": _cpu_us(uuid7, repeat),
         "request: decode, inject, encode": _cpu_us(request, repeat)
@@ -125,17 +126,19 @@ def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
             reply, repeat
         )
         - _cpu_us(lambda: ModelCall(state, CHAT, "x").parse_request(body), repeat),
-        "record: build" + (" + reassemble" if stream else ""): _cpu_us(replied.record, repeat),
+        "record: build" + (" + reassemble" if stream else ""): _cpu_us(
+            lambda: call_record(replied), repeat
+        ),
         "journal: encode + write(2)": _cpu_us(
             lambda: journal.append(Writer.encode(record)), repeat
         ),
-        "metrics": _cpu_us(lambda: replied.observe(0.01), repeat),
+        "metrics": _cpu_us(lambda: state.metrics.observe_call(replied, 0.01), repeat),
     }
 
 
 async def _insert_cpu(url: str, stream: bool, batches: int) -> float:
     engine = create_engine(url)
-    template = _replied(stream).record()
+    template = call_record(_replied(stream))
     try:
         records = [
             [msgspec.structs.replace(template, call_id=uuid7(), seq=i) for i in range(BATCH)]

@@ -16,7 +16,7 @@ bytes. In the order a handler calls it:
 
 Others read, and never set: ``episode_id``, ``stream``, ``model``, ``payload`` (the
 request as sent upstream), ``status``, ``http_status``, ``capture`` (the reassembly);
-``record()`` builds the stored record, ``observe()`` records the metrics.
+``proxy.call_record.call_record`` builds the stored record, ``Metrics.observe_call`` the metrics.
 
 Two rules live here and nowhere else: the record is journaled exactly once
 (``journal``), and a stream's record is journaled before the client is given the
@@ -37,13 +37,13 @@ import msgspec
 from aiohttp import web
 
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.inject import COMPLETIONS, Injected
+from tracetap.proxy.inject import Injected
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
 from tracetap.proxy.wire import decode_object, encode
-from tracetap.storage.records import CallRecord
 
 
 class ModelCall:
@@ -309,101 +309,15 @@ class ModelCall:
         self.journal()
         prompt_tokens, completion_tokens = self.capture.tokens()
         state.budgets.spend(self.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
-        asyncio.get_running_loop().call_soon(self.observe, time.perf_counter() - self.perf_start)
+        asyncio.get_running_loop().call_soon(
+            state.metrics.observe_call, self, time.perf_counter() - self.perf_start)
 
     def journal(self) -> None:
         """Journal the record, exactly once."""
         if not self._journaled:
             self._journaled = True
-            self.state.submit(self.record())
+            self.state.submit(call_record(self))
             self.state.repair.remember(self)
-
-    def observe(self, elapsed: float) -> None:
-        """The call's metrics (bookkeeping, run after the reply)."""
-        metrics = self.state.metrics
-        child = metrics.child
-        route = self.label
-        stream = "true" if self.stream else "false"
-        gone = self.status == "client_disconnected" or not self.http_status
-        child(metrics.requests, route, "499" if gone else str(self.http_status)).inc()
-        child(metrics.duration, route, stream).observe(elapsed)
-        if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
-            upstream = self.perf_upstream_end - self.perf_upstream_start
-            child(metrics.upstream, route).observe(upstream)
-            child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
-        if self.stream and self.perf_first_content is not None:
-            child(metrics.ttft, route).observe(self.perf_first_content - self.perf_start)
-        capture = self.capture
-        if capture.logprobs_missing:
-            metrics.logprobs_missing.inc(capture.logprobs_missing)
-        metrics.captured(capture, route)
-        prompt_tokens, completion_tokens = capture.tokens()
-        if prompt_tokens or completion_tokens:
-            model = metrics.model(capture.model)
-            if prompt_tokens:
-                child(metrics.tokens, "prompt", model).inc(prompt_tokens)
-            if completion_tokens:
-                child(metrics.tokens, "completion", model).inc(completion_tokens)
-
-    def record(self) -> CallRecord:
-        state = self.state
-        capture = self.capture
-        choices = capture.choices()
-        if capture.errors and self.error is None:
-            self.error = "; ".join(capture.errors)
-        if self.stream and capture.response_id is not None:
-            reassembled = capture.reassembled(with_logprobs=not self.injected.logprobs)
-            if self.translation is not None:
-                reassembled = self.translation.from_chat(reassembled, self.client_payload)
-            response = encode(reassembled)
-        else:
-            response = self.client_body
-        prompt_tokens, completion_tokens = capture.tokens()
-        prompt_ids, prompt_source = capture.prompt_ids, None
-        if prompt_ids is None and self.endpoint == COMPLETIONS:
-            prompt_ids = _token_prompt(self.payload.get("prompt"))
-            prompt_source = None if prompt_ids is None else "request"
-        model = capture.model or _str(self.payload.get("model"))
-        upstream_latency = None
-        if self.perf_upstream_start is not None and self.perf_upstream_end is not None:
-            upstream_latency = self.perf_upstream_end - self.perf_upstream_start
-        return CallRecord(
-            call_id=self.call_id,
-            episode_id=self.episode_id,
-            seq=state.arrivals.next(self.episode_id) if self.seq is None else self.seq,
-            instance=state.instance,
-            endpoint=self.endpoint,
-            model=model,
-            policy_version=self.policy_version,
-            stream=self.stream,
-            upstream=self.upstream_url,
-            request=self.request_text,
-            response=None if response is None else response.decode("utf-8", "replace"),
-            status=self.status,
-            http_status=self.http_status,
-            error=self.error,
-            t_start=self.t_start,
-            t_first_byte=self.t_first_byte,
-            t_end=time.time(),
-            upstream_latency=upstream_latency,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            prompt_ids=prompt_ids,
-            prompt_source=prompt_source,
-            upstream_request=None
-            if self.upstream_request is None
-            else self.upstream_request.decode("utf-8", "replace"),
-            overlay=None if self.overlay is None else encode(self.overlay).decode(),
-            choices=choices,
-        )
-
-
-def _token_prompt(prompt: Any) -> list[int] | None:
-    """A completions prompt given as token ids is the prompt's ids."""
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
-    return None
-
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None

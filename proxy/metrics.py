@@ -27,6 +27,7 @@ from tracetap.storage.writer import WriterObserver
 
 if TYPE_CHECKING:
     from tracetap.proxy.apis import Reassembly
+    from tracetap.proxy.capture import ModelCall
     from tracetap.proxy.state import ProxyState
 
 # Seconds. Overhead is sub-millisecond when all is well; durations reach minutes for
@@ -178,6 +179,33 @@ class Metrics(WriterObserver):
 
     def db_error(self) -> None:
         self.db_write_errors.inc()
+
+    def observe_call(self, call: ModelCall, elapsed: float) -> None:
+        """One model call's metrics (bookkeeping: scheduled to run after the reply)."""
+        metrics = self
+        child = metrics.child
+        route = call.label
+        stream = "true" if call.stream else "false"
+        gone = call.status == "client_disconnected" or not call.http_status
+        child(metrics.requests, route, "499" if gone else str(call.http_status)).inc()
+        child(metrics.duration, route, stream).observe(elapsed)
+        if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
+            upstream = call.perf_upstream_end - call.perf_upstream_start
+            child(metrics.upstream, route).observe(upstream)
+            child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
+        if call.stream and call.perf_first_content is not None:
+            child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
+        capture = call.capture
+        if capture.logprobs_missing:
+            metrics.logprobs_missing.inc(capture.logprobs_missing)
+        metrics.captured(capture, route)
+        prompt_tokens, completion_tokens = capture.tokens()
+        if prompt_tokens or completion_tokens:
+            model = metrics.model(capture.model)
+            if prompt_tokens:
+                child(metrics.tokens, "prompt", model).inc(prompt_tokens)
+            if completion_tokens:
+                child(metrics.tokens, "completion", model).inc(completion_tokens)
 
     def captured(self, capture: Reassembly, route: str) -> None:
         """One call's choices, once stored (those without token ids are counted later, by
