@@ -45,57 +45,45 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_location_options(upgrade, use="to migrate")
     upgrade.set_defaults(run=_db_upgrade)
 
-    export = commands.add_parser("export", help="write episodes as Parquet for RL trainers")
-    from tracetap.exporters import command as export_command  # cheap: pyarrow loads only in its run
+    # Each command's module has add_arguments(parser) and run(args); importing one is cheap
+    # (pyarrow, the servers and the database load only in its run).
+    from tracetap.analysis import command as analysis_command
+    from tracetap.demo import engine_command
+    from tracetap.demo import runner as demo_runner
+    from tracetap.exporters import command as export_command
+    from tracetap.exporters import drift_command, prune_command
+    from tracetap.proxy import ui_command
 
-    export_command.add_arguments(export)
-    export.set_defaults(run=export_command.run)
-
-    prune = commands.add_parser("prune", help="delete from the database the episodes an "
-                                "export proves written (--exported OUT; --dry-run)")
-    from tracetap.exporters import prune_command  # cheap: pyarrow loads only in its run
-
-    prune_command.add_arguments(prune)
-    prune.set_defaults(run=prune_command.run)
-
-    drift = commands.add_parser("drift", help="why an export's trajectories split: per cause, "
-                                "harness and episode (a table, or --json)")
-    from tracetap.exporters import drift_command  # cheap: pyarrow loads only in its run
-
-    drift_command.add_arguments(drift)
-    drift.set_defaults(run=drift_command.run)
-
-    from tracetap.analysis import command as analysis_command  # cheap: storage loads only in a run
-
+    for name, module, help_text in (
+        ("export", export_command, "write episodes as Parquet for RL trainers"),
+        ("prune", prune_command, "delete from the database the episodes an export proves "
+                                 "written (--exported OUT; --dry-run)"),
+        ("drift", drift_command, "why an export's trajectories split: per cause, harness and "
+                                 "episode (a table, or --json)"),
+    ):
+        _add_command(commands, name, module, help_text)
     analysis_command.add_packets_arguments(commands.add_parser(
         "packets", help="failed episodes as failure packets for a harness-editing model"))
     analysis_command.add_compare_arguments(commands.add_parser(
         "compare", help="Δ_B of harness variants on the same tasks, with intervals"))
     analysis_command.add_harnesses_arguments(commands.add_parser(
         "harnesses", help="harness-factor coverage, and a balanced set of configurations"))
-
-    ui = commands.add_parser("ui", help="browse a database in the trace viewer, without a "
-                             "running proxy")
-    from tracetap.proxy import ui_command  # cheap: the server loads only in its run
-
-    ui_command.add_arguments(ui)
-    ui.set_defaults(run=ui_command.run)
-
-    demo = commands.add_parser("demo", help="the whole loop locally, no GPU: mock engine, "
-                               "proxy, scripted openai-SDK agent, Parquet export")
-    from tracetap.demo import runner as demo_runner  # cheap: servers load only in its run
-
-    demo_runner.add_arguments(demo)
-    demo.set_defaults(run=demo_runner.run)
-
-    mock = commands.add_parser("mock-engine", help="run the deterministic vLLM-like test "
-                               "engine (no GPU, no model)")
-    from tracetap.demo import engine_command  # cheap: the server loads only in its run
-
-    engine_command.add_arguments(mock)
-    mock.set_defaults(run=engine_command.run)
+    for name, module, help_text in (
+        ("ui", ui_command, "browse a database in the trace viewer, without a running proxy"),
+        ("demo", demo_runner, "the whole loop locally, no GPU: mock engine, proxy, scripted "
+                              "openai-SDK agent, Parquet export"),
+        ("mock-engine", engine_command, "run the deterministic vLLM-like test engine (no GPU, "
+                                        "no model)"),
+    ):
+        _add_command(commands, name, module, help_text)
     _describe(parser)
     return parser
+
+
+def _add_command(commands, name: str, module, help_text: str) -> None:
+    sub = commands.add_parser(name, help=help_text)
+    module.add_arguments(sub)
+    sub.set_defaults(run=module.run)
 
 
 def _describe(parser: argparse.ArgumentParser) -> None:
