@@ -10,6 +10,7 @@ remembered by (id, finished_at) so they are never written twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import os
 import time
@@ -231,18 +232,21 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
                               tokens=summary.tokens, seconds=time.perf_counter() - clock))
 
     report()
-    async for page in _prefetched(reader.episodes(filt)):
-        if calls is not None:
-            _add_calls(calls, ledger, page, summary)
-            await asyncio.sleep(0)  # lets the prefetched page's queries move on
-        if trajectories is not None:
-            await _add_trajectories(reader, trajectories, page, summary,
-                                    selection.keep_untokenized)
-        summary.episodes += len(page.episodes)
-        for episode in page.episodes:
-            if episode.finished_at is not None:
-                recent.add(episode.id, episode.finished_at)
-        report()
+    # Closed here, not left to the event loop's shutdown, when a write fails: the read
+    # ahead must end while the database is still open (see _prefetched).
+    async with contextlib.aclosing(_prefetched(reader.episodes(filt))) as pages:
+        async for page in pages:
+            if calls is not None:
+                _add_calls(calls, ledger, page, summary)
+                await asyncio.sleep(0)  # lets the prefetched page's queries move on
+            if trajectories is not None:
+                await _add_trajectories(reader, trajectories, page, summary,
+                                        selection.keep_untokenized)
+            summary.episodes += len(page.episodes)
+            for episode in page.episodes:
+                if episode.finished_at is not None:
+                    recent.add(episode.id, episode.finished_at)
+            report()
     # Calls outside any episode never finish; they belong only to a whole-table export.
     if calls is not None and not (selection.finished_only or selection.episode_ids
                                   or selection.group_id):
@@ -303,7 +307,9 @@ async def _prefetched(pages: AsyncIterator) -> AsyncIterator:
             pending = asyncio.ensure_future(iterator.__anext__())
             yield page
     finally:
-        pending.cancel()
+        # Waited for, not cancelled: a cancelled read leaves its query running on the
+        # database driver's thread (aiosqlite), which then reports to an event loop that
+        # has closed ("Exception in thread ..." at exit, under the CLI's error line).
         await asyncio.gather(pending, return_exceptions=True)
         await iterator.aclose()
 

@@ -228,3 +228,36 @@ def test_an_fsspec_only_filesystem_works_too(db_url):
     assert set(summary.files) | {"_manifest.json"} <= names
     assert export(db_url, "memory://tracetap-test/data", incremental=True).episodes == 0
     memory.rm("/tracetap-test", recursive=True)
+
+
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_refused_write_ends_the_read_ahead_before_the_database_closes(
+        db_url, s3_env, monkeypatch):
+    """The export reads the next page while it writes the current one. When a write fails,
+    that read must end while the database is still open: left to the event loop's
+    shutdown, its query can still be on aiosqlite's thread when the loop closes, and the
+    thread then prints "Exception in thread" at exit, under the CLI's one-line error."""
+    from tracetap.storage.scan import Reader
+
+    order: list[str] = []
+    pages, close = Reader.episodes, Reader.__aexit__
+
+    async def watched_pages(self, filt):
+        try:
+            async for page in pages(self, filt):
+                yield page
+        finally:
+            order.append("pages ended")
+
+    async def watched_close(self, *exc_info):
+        order.append("database closed")
+        await close(self, *exc_info)
+
+    monkeypatch.setattr(Reader, "episodes", watched_pages)
+    monkeypatch.setattr(Reader, "__aexit__", watched_close)
+    episodes(db_url, *(f"e{i}" for i in range(12)))
+    with pytest.raises(ExportError, match="no-such-bucket-y"):
+        export(db_url, "s3://no-such-bucket-y/data", page_size=4)
+    assert order == ["pages ended", "database closed"]

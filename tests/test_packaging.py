@@ -76,11 +76,29 @@ def test_the_version_has_one_source():
     assert project["project"]["scripts"]["tracetap"] == "tracetap.proxy.cli:main"
 
 
+def see_dependencies(python: Path) -> None:
+    """Let ``python``'s environment import this one's packages, after its own.
+
+    Listed as paths in a .pth file, so the .pth files of this environment (an editable
+    install of this checkout among them) are not run there: only the wheel provides
+    ``tracetap``.
+    """
+    ours = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+            and Path(p).is_dir()]
+    theirs = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    (Path(theirs) / "test-dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
+
+
 def test_a_users_own_storage_folder_shadows_nothing(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    # The dependencies come from this environment; the wheel is the only thing installed.
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    # The dependencies come from the environment that runs the tests, a virtualenv or the
+    # system's Python (`system_site_packages` would see only the base interpreter's); the
+    # wheel is the only thing installed.
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    see_dependencies(python)
     installed = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--ignore-installed", str(wheel)],
