@@ -7,6 +7,8 @@ database is down, segments accumulate on disk and are replayed when it returns.
 An optional ``prepare`` step completes records just before they are written (the proxy
 fills in token ids an engine did not return): off the request path, and it never fails
 a write.
+A record the database refuses does not hold up the others: the batch is split until it
+is alone (``storage.refusal``), and it goes to the dead-letter file (``storage.quarantine``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.quarantine import Quarantine, entry, raw_entry
 from tracetap.storage.records import CallRecord
-from tracetap.storage.rows import insert_calls
+from tracetap.storage.refusal import Outcome, write_batch
+from tracetap.storage.storable import storable
 
 log = logging.getLogger("tracetap.writer")
 
@@ -51,6 +55,7 @@ class Writer:
         cache_records: int = 50_000,
         batch_records: int = 256,
         prepare: Callable[[list[CallRecord]], Awaitable[None]] | None = None,
+        quarantine: Quarantine | None = None,
     ):
         self.engine = engine
         self.journal = journal
@@ -59,6 +64,7 @@ class Writer:
         self.cache_records = cache_records
         self.batch_records = batch_records
         self.prepare = prepare
+        self.quarantine = quarantine or Quarantine.beside(journal.directory)
         self.db_healthy = True
         self.dropped = 0
         # Decoded records of the active and sealed segments, so the happy path never
@@ -83,7 +89,8 @@ class Writer:
 
     def submit(self, record: CallRecord) -> bool:
         """Journal a finished record; False (and counted) if the journal is full."""
-        if not self.journal.append(_encode(record)):
+        record, payload = self._journalable(record)
+        if not self.journal.append(payload):
             self.dropped += 1
             self.observer.records("dropped", 1)
             log.error(
@@ -103,6 +110,19 @@ class Writer:
         if len(self._active) >= self.batch_records:
             self._wake.set()
         return True
+
+    def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes]:
+        """The record and its journal encoding; a value msgpack cannot hold (an int over
+        64 bits, a lone surrogate) is replaced and the record says so (storage.storable)."""
+        try:
+            return record, _encode(record)
+        except (ValueError, TypeError, OverflowError) as exc:
+            fixed, notes = storable(record, "journal")
+            log.warning("call %s of episode %s cannot be journaled as captured (%s): %s",
+                        record.call_id, record.episode_id, exc, "; ".join(notes))
+            payload = _encode(fixed)  # what still fails is counted dropped by the caller
+            self.observer.records("altered", 1)
+            return fixed, payload
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="tracetap-writer")
@@ -179,7 +199,7 @@ class Writer:
     async def _write_segment(self, segment: Path) -> None:
         records = self._cache.get(segment)
         if records is None:
-            records = [_decode(payload) for payload in read_segment(segment)]
+            records = self._read(segment)
         if self.prepare is not None and records:
             try:
                 await self.prepare(records)
@@ -188,8 +208,7 @@ class Writer:
                               len(records))
         started = time.perf_counter()
         try:
-            if records:
-                await insert_calls(self.engine, records)
+            outcome = await write_batch(self.engine, records)
         except Exception:
             self.observer.db_error()
             if segment not in self._failed:
@@ -197,9 +216,50 @@ class Writer:
                 self.observer.records("spilled", len(records))
             raise
         self.observer.db_write(time.perf_counter() - started, len(records))
+        self._quarantine(outcome)  # before the segment goes: the dead-letter keeps them
         replayed = segment in self._failed
-        self.observer.records("replayed" if replayed else "written", len(records))
+        self.observer.records("replayed" if replayed else "written",
+                              len(records) - len(outcome.refused))
         self._failed.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))
+
+    def _read(self, segment: Path) -> list[CallRecord]:
+        """A segment's records from disk; one that no longer decodes as a record (written
+        by another version, say) goes to the dead-letter file as its bytes, not in the way."""
+        records, undecodable = [], []
+        for payload in read_segment(segment):
+            try:
+                records.append(_decode(payload))
+            except msgspec.DecodeError as exc:
+                undecodable.append(raw_entry(payload,
+                                             f"undecodable journal record: {exc}",
+                                             self.engine.dialect.name))
+        if undecodable and (new := self.quarantine.add(undecodable)):
+            log.error("QUARANTINED %d journal records of %s that do not decode; kept in %s",
+                      new, segment.name, self.quarantine.path)
+            self.observer.records("quarantined", new)
+        return records
+
+    def _quarantine(self, outcome: Outcome) -> None:
+        if not outcome.refused and not outcome.altered:
+            return
+        database = self.engine.dialect.name
+        new_refused = self.quarantine.add(
+            [entry(r.record, "refused", r.reason, database) for r in outcome.refused])
+        new_altered = self.quarantine.add(
+            [entry(a.record, "altered", "; ".join(a.notes), database) for a in outcome.altered])
+        for refused in outcome.refused:
+            log.error("QUARANTINED call %s of episode %s: the database refused it (%s); "
+                      "kept in %s (tracetap quarantine show %s)", refused.record.call_id,
+                      refused.record.episode_id, refused.reason, self.quarantine.path,
+                      refused.record.call_id)
+        for altered in outcome.altered:
+            log.warning("call %s of episode %s stored altered: %s", altered.record.call_id,
+                        altered.record.episode_id, "; ".join(altered.notes))
+        # Counted once per record: a replay after a crash finds them already kept.
+        if new_refused:
+            self.observer.records("quarantined", new_refused)
+        if new_altered:
+            self.observer.records("altered", new_altered)

@@ -1,0 +1,113 @@
+"""The dead-letter file: records the database refused, kept whole with the reason.
+
+One JSON line per record, in ``DATA_DIR/quarantine/<journal>.jsonl`` (one file per
+journal, so ``serve --workers`` processes never share one). ``kind`` says what happened:
+``refused`` (not stored at all) or ``altered`` (stored with the values the database could
+not hold replaced; the line keeps it as captured). ``record`` is the record's journal
+encoding (msgpack, base64 in JSON): ``tracetap quarantine show`` decodes it. A line is
+written and fsynced before the journal segment that held the record is deleted, and a
+replay of the same segment (a crash in between) does not add it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from tracetap.storage.records import CallRecord
+
+KINDS = ("refused", "altered")
+DIRECTORY = "quarantine"
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    call_id: str
+    episode_id: str | None = None
+    kind: str  # KINDS
+    reason: str  # the database's refusal, or what was altered
+    quarantined_at: float
+    database: str  # the dialect that refused it
+    record: bytes  # msgpack of storage.records.CallRecord, as captured
+
+    def call(self) -> CallRecord:
+        return _decode_record(self.record)
+
+
+_encode_line = msgspec.json.Encoder().encode
+_decode_line = msgspec.json.Decoder(Entry).decode
+_encode_record = msgspec.msgpack.Encoder().encode
+_decode_record = msgspec.msgpack.Decoder(CallRecord).decode
+
+
+def directory_of(data_dir: Path) -> Path:
+    return Path(data_dir) / DIRECTORY
+
+
+class Quarantine:
+    """Appends to one dead-letter file; the writer that owns a journal owns its file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._seen: set[tuple[str, str]] | None = None  # read on first add, not at start
+
+    @classmethod
+    def beside(cls, journal_dir: Path) -> Quarantine:
+        """The dead-letter file of the journal in ``journal_dir`` (``DATA_DIR/journal``)."""
+        journal_dir = Path(journal_dir)
+        return cls(directory_of(journal_dir.parent) / f"{journal_dir.name}.jsonl")
+
+    def add(self, entries: list[Entry]) -> int:
+        """Append the entries not already there; returns how many were new."""
+        if self._seen is None:
+            self._seen = {(e.call_id, e.kind) for e in read(self.path)}
+        new = [e for e in entries if (e.call_id, e.kind) not in self._seen]
+        if not new:
+            return 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = b"".join(_encode_line(e) + b"\n" for e in new)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)  # rare, and the journal copy is deleted right after
+        finally:
+            os.close(fd)
+        self._seen.update((e.call_id, e.kind) for e in new)
+        return len(new)
+
+
+def entry(record: CallRecord, kind: str, reason: str, database: str) -> Entry:
+    return Entry(call_id=record.call_id, episode_id=record.episode_id, kind=kind,
+                 reason=reason, quarantined_at=time.time(), database=database,
+                 record=_encode_record(record))
+
+
+def raw_entry(payload: bytes, reason: str, database: str) -> Entry:
+    """A journal payload that is not a record any more: kept as its bytes, named by their
+    hash (the same payload replayed again is the same entry)."""
+    name = "undecodable-" + hashlib.sha256(payload).hexdigest()[:24]
+    return Entry(call_id=name, kind="refused", reason=reason, quarantined_at=time.time(),
+                 database=database, record=payload)
+
+
+def read(path: Path) -> Iterator[Entry]:
+    """The entries of one file, oldest first; a line cut by a crash is skipped."""
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        try:
+            yield _decode_line(line)
+        except msgspec.DecodeError:
+            continue
+
+
+def read_all(data_dir: Path) -> list[Entry]:
+    """Every entry under ``data_dir`` (all workers' files), oldest first."""
+    files = sorted(directory_of(data_dir).glob("*.jsonl"))
+    return sorted((e for f in files for e in read(f)), key=lambda e: e.quarantined_at)
