@@ -6,14 +6,19 @@ file, and ``tracetap quarantine`` shows it."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
+from conftest import Forwarder, free_port, stored_calls
+from tracetap.migrations import upgrade
 from tracetap.storage.quarantine import read_all
 from tracetap.storage.storable import MARK
 
@@ -94,3 +99,83 @@ def _cli(*args: str) -> str:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def test_poison_journaled_before_a_sigkill_is_split_out_on_the_replay(
+        engine, fresh_postgres, run_proxy, loop_thread, tmp_path):
+    """The database is out while an agent sends hostile requests among normal calls of
+    another episode, so all of them are only in the journal when the proxy is SIGKILLed;
+    the next process replays that journal: the outage quarantined nothing, the replay
+    stores every normal call, the hostile ones altered or quarantined, each counted."""
+    upgrade(fresh_postgres)
+    forwarder = Forwarder(loop_thread, free_port())
+    forwarder.start()
+    data_dir = tmp_path / "data"
+    proxy = run_proxy(engine.url, forwarder.route(fresh_postgres), data_dir=data_dir)
+    forwarder.cut()
+    hostile = openai.OpenAI(base_url=proxy.episode_url("hostile"), api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        hostile.completions.create(model="mock", prompt=[1, 2**40, 3], max_tokens=4)
+    hostile.chat.completions.create(model="mock\u0000", messages=MESSAGES, max_tokens=4)
+    # An id this long is refused by Postgres and never shortened: only a relayed path
+    # takes it today, so it is sent the way a relayed route would store it.
+    long_episode = "e" * 300
+    normal = openai.OpenAI(base_url=proxy.episode_url("normal"), api_key="x", max_retries=0)
+    for i in range(20):
+        normal.chat.completions.create(model="mock", max_tokens=4,
+                                       messages=[{"role": "user", "content": f"n{i}"}])
+    _wait_until(lambda: _metric(proxy.url, "tracetap_capture_queue_depth") == 22,
+                "every call journaled")
+    proxy.signal(signal.SIGKILL)
+    assert proxy.wait() == -signal.SIGKILL
+    assert read_all(data_dir) == []  # an outage is never a refusal
+    # A record of an episode id Postgres cannot hold, left in the journal by a process
+    # that wrote it (as a relayed path does today): replayed with the others.
+    _journal_one(data_dir, long_episode)
+    forwarder.start()
+
+    restarted = run_proxy(engine.url, forwarder.route(fresh_postgres), data_dir=data_dir)
+    _wait_until(lambda: _metric(restarted.url, "tracetap_capture_queue_depth") == 0
+                and not list((data_dir / "journal").glob("*.seg")), "the replay")
+    contents = sorted(json.loads(c["request"])["messages"][0]["content"]
+                      for c in stored_calls(fresh_postgres, "normal"))
+    assert contents == sorted(f"n{i}" for i in range(20))
+    stored = stored_calls(fresh_postgres, "hostile")
+    assert len(stored) == 2 and all(MARK in c["error"] for c in stored)
+    entries = read_all(data_dir)
+    assert sorted(e.kind for e in entries) == ["altered", "altered", "refused"]
+    [refused] = [e for e in entries if e.kind == "refused"]
+    assert refused.episode_id == long_episode and "StringDataRightTruncation" in refused.reason
+    outcomes = dict(re.findall(r'^tracetap_records_total\{outcome="(\w+)"\} (\S+)$',
+                               _metrics(restarted.url), re.MULTILINE))
+    assert float(outcomes["quarantined"]) == 1 and float(outcomes["altered"]) == 2
+    assert float(outcomes["replayed"]) == 22  # every record but the refused one
+
+
+def _journal_one(data_dir, episode_id: str) -> None:
+    from tracetap.proxy.ids import uuid7
+    from tracetap.storage.journal import Journal
+    from tracetap.storage.records import CallRecord
+    from tracetap.storage.writer import Writer
+
+    journal = Journal(data_dir / "journal", max_bytes=1 << 20)
+    journal.append(Writer.encode(CallRecord(call_id=uuid7(), episode_id=episode_id,
+                                            endpoint="chat.completions", t_start=1.0)))
+    journal.close()
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def _metric(url: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", _metrics(url), re.MULTILINE)
+    return float(found.group(1)) if found else -1.0
+
+
+def _wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling a condition; the assertions are on the data
