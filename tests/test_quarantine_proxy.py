@@ -25,12 +25,23 @@ from tracetap.storage.storable import MARK
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def _client(proxy, episode: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x", max_retries=0)
+@pytest.fixture
+def clients():
+    """openai clients, closed at the end (each holds a connection pool)."""
+    made: list[openai.OpenAI] = []
+    yield made
+    for client in made:
+        client.close()
 
 
-def test_hostile_requests_never_stop_capture_of_other_episodes(proxy):
-    hostile = _client(proxy, "hostile")
+def _client(made: list, proxy, episode: str) -> openai.OpenAI:
+    made.append(openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x",
+                              max_retries=0))
+    return made[-1]
+
+
+def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients):
+    hostile = _client(clients, proxy, "hostile")
     # A legacy completions prompt of ids outside int32: the engine rejects it, and the
     # ids are all the call has (SQLite and Postgres both refused this batch for ever).
     with pytest.raises(openai.BadRequestError):
@@ -50,7 +61,7 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy):
         urllib.request.urlopen(raw, timeout=30).close()
     except urllib.error.HTTPError as err:  # refused as invalid JSON, and stored as such
         err.close()
-    normal = _client(proxy, "normal")
+    normal = _client(clients, proxy, "normal")
     for _ in range(10):
         reply = normal.chat.completions.create(model="mock", messages=MESSAGES, max_tokens=4,
                                                logprobs=True)
@@ -102,7 +113,7 @@ def _cli(*args: str) -> str:
 
 
 def test_poison_journaled_before_a_sigkill_is_split_out_on_the_replay(
-        engine, fresh_postgres, run_proxy, loop_thread, tmp_path):
+        engine, fresh_postgres, run_proxy, loop_thread, tmp_path, clients):
     """The database is out while an agent sends hostile requests among normal calls of
     another episode, so all of them are only in the journal when the proxy is SIGKILLed;
     the next process replays that journal: the outage quarantined nothing, the replay
@@ -110,17 +121,24 @@ def test_poison_journaled_before_a_sigkill_is_split_out_on_the_replay(
     upgrade(fresh_postgres)
     forwarder = Forwarder(loop_thread, free_port())
     forwarder.start()
+    try:
+        _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, clients)
+    finally:
+        forwarder.cut()
+
+
+def _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, clients):
     data_dir = tmp_path / "data"
     proxy = run_proxy(engine.url, forwarder.route(fresh_postgres), data_dir=data_dir)
     forwarder.cut()
-    hostile = openai.OpenAI(base_url=proxy.episode_url("hostile"), api_key="x", max_retries=0)
+    hostile = _client(clients, proxy, "hostile")
     with pytest.raises(openai.BadRequestError):
         hostile.completions.create(model="mock", prompt=[1, 2**40, 3], max_tokens=4)
     hostile.chat.completions.create(model="mock\u0000", messages=MESSAGES, max_tokens=4)
     # An id this long is refused by Postgres and never shortened: only a relayed path
     # takes it today, so it is sent the way a relayed route would store it.
     long_episode = "e" * 300
-    normal = openai.OpenAI(base_url=proxy.episode_url("normal"), api_key="x", max_retries=0)
+    normal = _client(clients, proxy, "normal")
     for i in range(20):
         normal.chat.completions.create(model="mock", max_tokens=4,
                                        messages=[{"role": "user", "content": f"n{i}"}])
@@ -150,6 +168,7 @@ def test_poison_journaled_before_a_sigkill_is_split_out_on_the_replay(
                                _metrics(restarted.url), re.MULTILINE))
     assert float(outcomes["quarantined"]) == 1 and float(outcomes["altered"]) == 2
     assert float(outcomes["replayed"]) == 22  # every record but the refused one
+    restarted.stop()  # before the forwarder goes: it exits with an empty journal
 
 
 def _journal_one(data_dir, episode_id: str) -> None:
