@@ -24,7 +24,7 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 # Text columns that hold JSON: a NUL there is written as the JSON escape, which JSON
 # readers decode back to the same string; in plain text it becomes U+FFFD.
 _JSON_COLUMNS = frozenset({"request", "response", "upstream_request", "overlay"})
-_IDENTITY = frozenset({"call_id", "episode_id"})  # never shortened: a prefix is another id
+_IDENTITY = frozenset({"call_id", "episode_id"})  # never changed: it would be another id
 _NULLABLE_COUNTS = ("prompt_tokens", "completion_tokens")
 
 
@@ -91,12 +91,14 @@ def _texts(struct, lengths: dict[str, int], postgres: bool, notes: list[str],
         if not isinstance(value, str):
             continue
         column = "choice_index" if name == "index" else name
+        if column in _IDENTITY:  # refused as it is: a changed id could be someone else's
+            continue
         fixed = _text(value, column, postgres)
         if fixed != value:
             what = "NUL escaped" if postgres and "\x00" in value else "invalid characters replaced"
             notes.append(f"{where}{name}: {what}")
         limit = lengths.get(column)
-        if postgres and limit and len(fixed) > limit and column not in _IDENTITY:
+        if postgres and limit and len(fixed) > limit:
             notes.append(f"{where}{name}: {len(fixed)} characters cut to {limit}")
             fixed = fixed[:limit]
         if fixed != value:

@@ -57,6 +57,8 @@ def _poison(kind: str) -> CallRecord:
         record.model = "m" * 300
     elif kind == "long_episode":  # an id is never cut: a prefix would be another episode
         record.episode_id = "e" * 300
+    elif kind == "nul_episode":  # nor changed: "a\ufffdb" could be someone else's episode
+        record.episode_id = "a\x00b"
     elif kind == "counts_over_int64":
         record.prompt_tokens = 2**63
     elif kind == "missing_seq":  # a required value missing: a constraint refuses it
@@ -69,7 +71,8 @@ def _poison(kind: str) -> CallRecord:
 
 
 POISON = ("id_over_int32", "id_over_uint64", "completion_id_negative", "nul", "surrogate",
-          "long_model", "long_episode", "counts_over_int64", "missing_seq", "nan_logprobs")
+          "long_model", "long_episode", "nul_episode", "counts_over_int64", "missing_seq",
+          "nan_logprobs")
 
 # Altered before they are journaled (msgpack cannot hold them): no original to keep.
 JOURNAL_ALTERED = ("id_over_uint64", "surrogate")
@@ -83,7 +86,7 @@ def _expected(kind: str, dialect: str) -> str:
         return "altered"
     if kind in ("nul", "long_model"):
         return "altered" if postgres else "stored"
-    if kind == "long_episode":
+    if kind in ("long_episode", "nul_episode"):
         return "refused" if postgres else "stored"
     if kind == "missing_seq":
         return "refused"
@@ -124,6 +127,8 @@ def test_poison_records_never_hold_up_the_others(db_url, tmp_path, stage, caplog
             await restarted.flush()
             stored = {}
             for episode in {r.episode_id for r in mixed}:
+                if "\x00" in episode and engine.dialect.name == "postgresql":
+                    continue  # not even a query can name it there (it is not stored)
                 for call in await queries.calls_of(engine, episode):
                     stored[call["call_id"]] = call
             return engine.dialect.name, first.outcomes, replay.outcomes, stored, restarted
