@@ -71,11 +71,12 @@ def _choice(choice: ChoiceRecord, postgres: bool, notes: list[str]) -> ChoiceRec
         changes.update(completion_ids=None, token_source="none")
         notes.append(where + "completion_ids: a token id outside int32, ids not stored")
     if choice.top_logprobs is not None:
-        try:
+        try:  # stored as JSON, journaled as msgpack (which has no ints over 64 bits)
             msgspec.json.encode(choice.top_logprobs)
+            msgspec.msgpack.encode(choice.top_logprobs)
         except (TypeError, ValueError, OverflowError):
             changes["top_logprobs"] = None
-            notes.append(where + "top_logprobs: not encodable as JSON, not stored")
+            notes.append(where + "top_logprobs: not encodable, not stored")
     if choice.completion_logprobs is not None and not all(
             type(v) is float or type(v) is int for v in choice.completion_logprobs):
         changes["completion_logprobs"] = None

@@ -63,6 +63,8 @@ def _poison(kind: str) -> CallRecord:
         record.prompt_tokens = 2**63
     elif kind == "missing_seq":  # a required value missing: a constraint refuses it
         record.seq = None
+    elif kind == "huge_top_logprobs":  # from the engine as it was: msgpack cannot hold it
+        record.choices[0].top_logprobs = [[{"token": "a", "logprob": -1, "id": 2**70}]]
     elif kind == "nan_logprobs":  # stored as they are (float64 bytes)
         record.choices[0].completion_logprobs = [math.nan, -math.inf]
     else:
@@ -72,17 +74,17 @@ def _poison(kind: str) -> CallRecord:
 
 POISON = ("id_over_int32", "id_over_uint64", "completion_id_negative", "nul", "surrogate",
           "long_model", "long_episode", "nul_episode", "counts_over_int64", "missing_seq",
-          "nan_logprobs")
+          "huge_top_logprobs", "nan_logprobs")
 
 # Altered before they are journaled (msgpack cannot hold them): no original to keep.
-JOURNAL_ALTERED = ("id_over_uint64", "surrogate")
+JOURNAL_ALTERED = ("id_over_uint64", "surrogate", "huge_top_logprobs")
 
 
 def _expected(kind: str, dialect: str) -> str:
     """stored, altered (stored with a note) or refused (only in the dead-letter file)."""
     postgres = dialect == "postgresql"
     if kind in ("id_over_int32", "id_over_uint64", "completion_id_negative", "surrogate",
-                "counts_over_int64"):
+                "counts_over_int64", "huge_top_logprobs"):
         return "altered"
     if kind in ("nul", "long_model"):
         return "altered" if postgres else "stored"
