@@ -57,9 +57,9 @@ def run_show(args: argparse.Namespace) -> int:
 
     for e in read_all(args.data_dir):
         if e.call_id == args.call_id:
-            try:
-                record = msgspec.to_builtins(e.call())
-            except msgspec.DecodeError:  # an undecodable journal record: its bytes
+            try:  # untyped: a record that no longer fits CallRecord shows as it is
+                record = msgspec.msgpack.decode(e.record)
+            except msgspec.DecodeError:  # not msgpack at all: its bytes
                 record = None
             out = {**msgspec.to_builtins(e), "record": record}
             if record is None:

@@ -5,6 +5,7 @@ the first try and on the replay after a crash."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -241,3 +242,30 @@ def test_an_outage_is_not_a_refusal():
     assert not is_refusal(sqlite3.OperationalError("database is locked"))
     assert not is_refusal(OSError("connection refused"))
     assert not is_refusal(TimeoutError())
+
+
+def test_the_cli_lists_and_shows_what_is_kept_even_bytes_that_do_not_decode(tmp_path, capsys):
+    from tracetap.proxy.cli import main
+    from tracetap.storage.quarantine import entry, raw_entry
+
+    assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("nothing quarantined in ")
+    refused = _poison("missing_seq")
+    quarantine = Quarantine.beside(tmp_path / "journal")
+    quarantine.add([entry(refused, "refused", "IntegrityError: NOT NULL constraint failed: "
+                          "calls.seq", "sqlite"),
+                    raw_entry(b"\xc1 not msgpack", "undecodable journal record: x", "sqlite")])
+    assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert refused.call_id in out and "NOT NULL constraint failed" in out
+    assert "undecodable-" in out and out.rstrip().endswith(
+        "2 records: 2 refused (not stored), 0 stored altered")
+    assert main(["quarantine", "show", refused.call_id, "--data-dir", str(tmp_path)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["record"]["episode_id"] == "poison-missing_seq" and shown["kind"] == "refused"
+    undecodable = next(e.call_id for e in read_all(tmp_path) if e.call_id != refused.call_id)
+    assert main(["quarantine", "show", undecodable, "--data-dir", str(tmp_path)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["record"] is None and shown["record_bytes_base64"]
+    assert main(["quarantine", "show", "no-such-call", "--data-dir", str(tmp_path)]) == 2
+    assert "no quarantined record no-such-call" in capsys.readouterr().err
