@@ -12,14 +12,18 @@ replay of the same segment (a crash in between) does not add it twice.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from tracetap.storage.records import CallRecord
+from tracetap.storage.refusal import Outcome
+
+log = logging.getLogger("tracetap.quarantine")
 
 KINDS = ("refused", "altered")
 DIRECTORY = "quarantine"
@@ -78,6 +82,43 @@ class Quarantine:
             os.close(fd)
         self._seen.update((e.call_id, e.kind) for e in new)
         return len(new)
+
+    def keep(self, outcome: Outcome, database: str) -> tuple[int, int]:
+        """Keep what a batch write refused or altered, and log each; returns how many
+        refused and altered records were new (counted once: a replay after a crash
+        finds them already kept)."""
+        if not outcome.refused and not outcome.altered:
+            return 0, 0
+        refused = self.add([entry(r.record, "refused", r.reason, database)
+                            for r in outcome.refused])
+        altered = self.add([entry(a.record, "altered", "; ".join(a.notes), database)
+                            for a in outcome.altered])
+        for r in outcome.refused:
+            log.error("QUARANTINED call %s of episode %s: the database refused it (%s); "
+                      "kept in %s (tracetap quarantine show %s)", r.record.call_id,
+                      r.record.episode_id, r.reason, self.path, r.record.call_id)
+        for a in outcome.altered:
+            log.warning("call %s of episode %s stored altered: %s", a.record.call_id,
+                        a.record.episode_id, "; ".join(a.notes))
+        return refused, altered
+
+    def decoded(self, payloads: Iterable[bytes], decode: Callable[[bytes], CallRecord],
+                database: str) -> tuple[list[CallRecord], int]:
+        """The records of journal payloads; one that no longer decodes as a record
+        (written by another version, say) is kept here as its bytes, not in the way.
+        Returns the records and how many undecodable ones were new."""
+        records, undecodable = [], []
+        for payload in payloads:
+            try:
+                records.append(decode(payload))
+            except msgspec.DecodeError as exc:
+                undecodable.append(raw_entry(payload, f"undecodable journal record: {exc}",
+                                             database))
+        new = self.add(undecodable) if undecodable else 0
+        if new:
+            log.error("QUARANTINED %d journal records that do not decode; kept in %s",
+                      new, self.path)
+        return records, new
 
 
 def entry(record: CallRecord, kind: str, reason: str, database: str) -> Entry:

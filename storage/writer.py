@@ -23,7 +23,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.journal import Journal, read_segment
-from tracetap.storage.quarantine import Quarantine, entry, raw_entry
+from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
 from tracetap.storage.storable import storable
@@ -226,40 +226,15 @@ class Writer:
         self._pending_count = max(0, self._pending_count - len(records))
 
     def _read(self, segment: Path) -> list[CallRecord]:
-        """A segment's records from disk; one that no longer decodes as a record (written
-        by another version, say) goes to the dead-letter file as its bytes, not in the way."""
-        records, undecodable = [], []
-        for payload in read_segment(segment):
-            try:
-                records.append(_decode(payload))
-            except msgspec.DecodeError as exc:
-                undecodable.append(raw_entry(payload,
-                                             f"undecodable journal record: {exc}",
-                                             self.engine.dialect.name))
-        if undecodable and (new := self.quarantine.add(undecodable)):
-            log.error("QUARANTINED %d journal records of %s that do not decode; kept in %s",
-                      new, segment.name, self.quarantine.path)
+        records, new = self.quarantine.decoded(read_segment(segment), _decode,
+                                               self.engine.dialect.name)
+        if new:
             self.observer.records("quarantined", new)
         return records
 
     def _quarantine(self, outcome: Outcome) -> None:
-        if not outcome.refused and not outcome.altered:
-            return
-        database = self.engine.dialect.name
-        new_refused = self.quarantine.add(
-            [entry(r.record, "refused", r.reason, database) for r in outcome.refused])
-        new_altered = self.quarantine.add(
-            [entry(a.record, "altered", "; ".join(a.notes), database) for a in outcome.altered])
-        for refused in outcome.refused:
-            log.error("QUARANTINED call %s of episode %s: the database refused it (%s); "
-                      "kept in %s (tracetap quarantine show %s)", refused.record.call_id,
-                      refused.record.episode_id, refused.reason, self.quarantine.path,
-                      refused.record.call_id)
-        for altered in outcome.altered:
-            log.warning("call %s of episode %s stored altered: %s", altered.record.call_id,
-                        altered.record.episode_id, "; ".join(altered.notes))
-        # Counted once per record: a replay after a crash finds them already kept.
-        if new_refused:
-            self.observer.records("quarantined", new_refused)
-        if new_altered:
-            self.observer.records("altered", new_altered)
+        refused, altered = self.quarantine.keep(outcome, self.engine.dialect.name)
+        if refused:
+            self.observer.records("quarantined", refused)
+        if altered:
+            self.observer.records("altered", altered)
