@@ -29,8 +29,9 @@ from tracetap.storage.storable import storable
 _DATA_CLASSES = ("22", "23")
 _DATA_STATES = ("54000",)
 # What a value raises before or while the driver binds it: struct (token ids outside
-# int32), sqlite3 (an int over int64: OverflowError; a lone surrogate: UnicodeEncodeError),
-# asyncpg's client-side DataError (a ValueError). None of them comes from a connection.
+# int32), sqlite3 (an int over int64: OverflowError; a lone surrogate: UnicodeEncodeError).
+# None of them comes from a connection. (asyncpg's own bind errors, such as an int out of
+# int4's range, carry SQLSTATE 22000.)
 _VALUE_ERRORS = (ValueError, TypeError, OverflowError, struct.error,
                  sqlite3.IntegrityError, sqlite3.DataError, sqlite3.ProgrammingError)
 

@@ -60,6 +60,8 @@ def _poison(kind: str) -> CallRecord:
         record.episode_id = "e" * 300
     elif kind == "nul_episode":  # nor changed: "a\ufffdb" could be someone else's episode
         record.episode_id = "a\x00b"
+    elif kind == "counts_over_int32":  # Postgres' integer is int4
+        record.completion_tokens = 2**40
     elif kind == "counts_over_int64":
         record.prompt_tokens = 2**63
     elif kind == "missing_seq":  # a required value missing: a constraint refuses it
@@ -74,8 +76,8 @@ def _poison(kind: str) -> CallRecord:
 
 
 POISON = ("id_over_int32", "id_over_uint64", "completion_id_negative", "nul", "surrogate",
-          "long_model", "long_episode", "nul_episode", "counts_over_int64", "missing_seq",
-          "huge_top_logprobs", "nan_logprobs")
+          "long_model", "long_episode", "nul_episode", "counts_over_int32",
+          "counts_over_int64", "missing_seq", "huge_top_logprobs", "nan_logprobs")
 
 # Altered before they are journaled (msgpack cannot hold them): no original to keep.
 JOURNAL_ALTERED = ("id_over_uint64", "surrogate", "huge_top_logprobs")
@@ -87,7 +89,7 @@ def _expected(kind: str, dialect: str) -> str:
     if kind in ("id_over_int32", "id_over_uint64", "completion_id_negative", "surrogate",
                 "counts_over_int64", "huge_top_logprobs"):
         return "altered"
-    if kind in ("nul", "long_model"):
+    if kind in ("nul", "long_model", "counts_over_int32"):
         return "altered" if postgres else "stored"
     if kind in ("long_episode", "nul_episode"):
         return "refused" if postgres else "stored"
