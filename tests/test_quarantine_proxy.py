@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +17,7 @@ import pytest
 
 from conftest import Forwarder, free_port, stored_calls
 from tracetap.migrations import upgrade
+from tracetap.proxy.cli import main
 from tracetap.storage.quarantine import read_all
 from tracetap.storage.storable import MARK
 
@@ -40,7 +39,7 @@ def _client(made: list, proxy, episode: str) -> openai.OpenAI:
     return made[-1]
 
 
-def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients):
+def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients, capsys):
     hostile = _client(clients, proxy, "hostile")
     # A legacy completions prompt of ids outside int32: the engine rejects it, and the
     # ids are all the call has (SQLite and Postgres both refused this batch for ever).
@@ -97,19 +96,18 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients):
     assert metrics.records_total.labels("quarantined")._value.get() == 0
 
     # The CLI lists them with their reason, and shows one whole.
-    listed = _cli("quarantine", "list", "--data-dir", proxy.settings.data_dir)
+    listed = _cli(capsys, "quarantine", "list", "--data-dir", proxy.settings.data_dir)
     assert listed.count("altered") >= len(entries) and "hostile" in listed
     assert "outside int32" in listed
-    shown = json.loads(_cli("quarantine", "show", ids_call["call_id"], "--data-dir",
+    shown = json.loads(_cli(capsys, "quarantine", "show", ids_call["call_id"], "--data-dir",
                             proxy.settings.data_dir))
     assert shown["kind"] == "altered" and shown["record"]["prompt_ids"] == [1, 2**40, 3]
 
 
-def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "tracetap", *args], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+def _cli(capsys, *args: str) -> str:
+    capsys.readouterr()
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
 
 
 def test_poison_journaled_before_a_sigkill_is_split_out_on_the_replay(
