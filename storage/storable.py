@@ -96,7 +96,10 @@ def _texts(struct, lengths: dict[str, int], postgres: bool, notes: list[str],
             continue
         fixed = _text(value, column, postgres)
         if fixed != value:
-            what = "NUL escaped" if postgres and "\x00" in value else "invalid characters replaced"
+            what = ("invalid characters replaced with U+FFFD"
+                    if not postgres or "\x00" not in value
+                    else "NUL written as \\u0000" if column in _JSON_COLUMNS
+                    else "NUL replaced with U+FFFD")
             notes.append(f"{where}{name}: {what}")
         limit = lengths.get(column)
         if postgres and limit and len(fixed) > limit:
