@@ -148,6 +148,21 @@ def read(path: Path) -> Iterator[Entry]:
             continue
 
 
+def count(data_dir: Path) -> tuple[int, int]:
+    """How many records are kept refused and altered under ``data_dir``, without decoding
+    them (for a page that shows the count on every load). A kind is a JSON value of its
+    own: inside a string, its quotes would be escaped."""
+    refused = altered = 0
+    for path in directory_of(data_dir).glob("*.jsonl"):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        refused += data.count(b'"kind":"refused"')
+        altered += data.count(b'"kind":"altered"')
+    return refused, altered
+
+
 def read_all(data_dir: Path) -> list[Entry]:
     """Every entry under ``data_dir`` (all workers' files), oldest first."""
     files = sorted(directory_of(data_dir).glob("*.jsonl"))

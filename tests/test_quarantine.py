@@ -248,15 +248,17 @@ def test_an_outage_is_not_a_refusal():
 
 def test_the_cli_lists_and_shows_what_is_kept_even_bytes_that_do_not_decode(tmp_path, capsys):
     from tracetap.proxy.cli import main
-    from tracetap.storage.quarantine import entry, raw_entry
+    from tracetap.storage.quarantine import count, entry, raw_entry
 
     assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("nothing quarantined in ")
+    assert count(tmp_path) == (0, 0)
     refused = _poison("missing_seq")
     quarantine = Quarantine.beside(tmp_path / "journal")
     quarantine.add([entry(refused, "refused", "IntegrityError: NOT NULL constraint failed: "
                           "calls.seq", "sqlite"),
                     raw_entry(b"\xc1 not msgpack", "undecodable journal record: x", "sqlite")])
+    assert count(tmp_path) == (2, 0)  # what the viewer's list page shows
     assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert refused.call_id in out and "NOT NULL constraint failed" in out

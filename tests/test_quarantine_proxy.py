@@ -95,6 +95,14 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients, c
     assert metrics.records_total.labels("altered")._value.get() == len(entries)
     assert metrics.records_total.labels("quarantined")._value.get() == 0
 
+    # The viewer's list page counts them and says where they are.
+    page = urllib.request.Request(proxy.url + "/tracetap/ui/", headers={
+        "Accept": "text/html", "Authorization": f"Bearer {proxy.admin_token}"})
+    with urllib.request.urlopen(page, timeout=30) as reply:
+        body = reply.read().decode()
+    refused_text = "0 call records refused by the database (not stored)"
+    assert f"{refused_text} and {len(entries)} stored altered are kept in" in body
+
     # The CLI lists them with their reason, and shows one whole.
     listed = _cli(capsys, "quarantine", "list", "--data-dir", proxy.settings.data_dir)
     assert listed.count("altered") >= len(entries) and "hostile" in listed
