@@ -1,5 +1,5 @@
-"""The tracetap command: serve, admin-token, db upgrade, export, prune, drift, packets,
-compare, harnesses, ui, demo, mock-engine."""
+"""The tracetap command: serve, admin-token, db upgrade, export, prune, drift, quarantine,
+packets, compare, harnesses, ui, demo, mock-engine."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tracetap.exporters import command as export_command
     from tracetap.exporters import drift_command, prune_command
     from tracetap.proxy import ui_command
+    from tracetap.storage import quarantine_command
 
     for name, module, help_text in (
         ("export", export_command, "write episodes as Parquet for RL trainers"),
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "written (--exported OUT; --dry-run)"),
         ("drift", drift_command, "why an export's trajectories split: per cause, harness and "
                                  "episode (a table, or --json)"),
+        ("quarantine", quarantine_command, "records the database refused, kept in "
+                                           "--data-dir's dead-letter files: list, show"),
     ):
         _add_command(commands, name, module, help_text)
     analysis_command.add_packets_arguments(commands.add_parser(

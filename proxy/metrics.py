@@ -71,7 +71,10 @@ class Metrics(WriterObserver):
         self.journal_bytes = Gauge("tracetap_journal_bytes", "Bytes in the on-disk journal",
                                    multiprocess_mode="livesum", registry=r)
         self.records_total = Counter("tracetap_records_total",
-                                     "Call records by outcome: written, spilled, replayed, dropped",
+                                     "Call records by outcome: written, spilled, replayed, "
+                                     "dropped, quarantined (refused by the database, kept in "
+                                     "the dead-letter file), altered (stored with values "
+                                     "replaced)",
                                      ["outcome"], registry=r)
         self.db_write_seconds = Histogram("tracetap_db_write_duration_seconds",
                                   "Time to commit one batch of records", buckets=DB_BUCKETS,
@@ -98,7 +101,7 @@ class Metrics(WriterObserver):
         self.budget_exceeded = Counter("tracetap_episode_budget_exceeded_total",
                                        "Model calls refused because the episode spent a "
                                        "budget, by limit", ["limit"], registry=r)
-        for outcome in ("written", "spilled", "replayed", "dropped"):
+        for outcome in ("written", "spilled", "replayed", "dropped", "quarantined", "altered"):
             self.records_total.labels(outcome)
         self._operations(r)
 

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         token, path = ensure_admin_token(args.data_dir)
         note = f"the admin token in {path} (tracetap admin-token --data-dir {args.data_dir})"
-    viewer_config = ViewerConfig(database_url=url, detokenize_url=args.detokenize)
+    viewer_config = ViewerConfig(database_url=url, detokenize_url=args.detokenize,
+                                 data_dir=str(args.data_dir))
     app = build_viewer(viewer_config, Access(lambda _request: token), mounted=False)
     print(f"tracetap ui: http://{args.host}:{args.port}{PREFIX}/ reading {redact_url(url)}; "
           f"log in with {note}", flush=True)

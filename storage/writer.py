@@ -7,6 +7,8 @@ database is down, segments accumulate on disk and are replayed when it returns.
 An optional ``prepare`` step completes records just before they are written (the proxy
 fills in token ids an engine did not return): off the request path, and it never fails
 a write.
+A record the database refuses does not hold up the others: the batch is split until it
+is alone (``storage.refusal``), and it goes to the dead-letter file (``storage.quarantine``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
-from tracetap.storage.rows import insert_calls
+from tracetap.storage.refusal import Outcome, write_batch
+from tracetap.storage.storable import storable
 
 log = logging.getLogger("tracetap.writer")
 
@@ -51,6 +55,7 @@ class Writer:
         cache_records: int = 50_000,
         batch_records: int = 256,
         prepare: Callable[[list[CallRecord]], Awaitable[None]] | None = None,
+        quarantine: Quarantine | None = None,
     ):
         self.engine = engine
         self.journal = journal
@@ -59,6 +64,7 @@ class Writer:
         self.cache_records = cache_records
         self.batch_records = batch_records
         self.prepare = prepare
+        self.quarantine = quarantine or Quarantine.beside(journal.directory)
         self.db_healthy = True
         self.dropped = 0
         # Decoded records of the active and sealed segments, so the happy path never
@@ -83,7 +89,8 @@ class Writer:
 
     def submit(self, record: CallRecord) -> bool:
         """Journal a finished record; False (and counted) if the journal is full."""
-        if not self.journal.append(_encode(record)):
+        record, payload = self._journalable(record)
+        if not self.journal.append(payload):
             self.dropped += 1
             self.observer.records("dropped", 1)
             log.error(
@@ -103,6 +110,19 @@ class Writer:
         if len(self._active) >= self.batch_records:
             self._wake.set()
         return True
+
+    def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes]:
+        """The record and its journal encoding; a value msgpack cannot hold (an int over
+        64 bits, a lone surrogate) is replaced and the record says so (storage.storable)."""
+        try:
+            return record, _encode(record)
+        except (ValueError, TypeError, OverflowError) as exc:
+            fixed, notes = storable(record, "journal")
+            log.warning("call %s of episode %s cannot be journaled as captured (%s): %s",
+                        record.call_id, record.episode_id, exc, "; ".join(notes))
+            payload = _encode(fixed)  # what still fails is counted dropped by the caller
+            self.observer.records("altered", 1)
+            return fixed, payload
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="tracetap-writer")
@@ -179,7 +199,7 @@ class Writer:
     async def _write_segment(self, segment: Path) -> None:
         records = self._cache.get(segment)
         if records is None:
-            records = [_decode(payload) for payload in read_segment(segment)]
+            records = self._read(segment)
         if self.prepare is not None and records:
             try:
                 await self.prepare(records)
@@ -188,8 +208,7 @@ class Writer:
                               len(records))
         started = time.perf_counter()
         try:
-            if records:
-                await insert_calls(self.engine, records)
+            outcome = await write_batch(self.engine, records)
         except Exception:
             self.observer.db_error()
             if segment not in self._failed:
@@ -197,9 +216,25 @@ class Writer:
                 self.observer.records("spilled", len(records))
             raise
         self.observer.db_write(time.perf_counter() - started, len(records))
+        self._quarantine(outcome)  # before the segment goes: the dead-letter keeps them
         replayed = segment in self._failed
-        self.observer.records("replayed" if replayed else "written", len(records))
+        self.observer.records("replayed" if replayed else "written",
+                              len(records) - len(outcome.refused))
         self._failed.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))
+
+    def _read(self, segment: Path) -> list[CallRecord]:
+        records, new = self.quarantine.decoded(read_segment(segment), _decode,
+                                               self.engine.dialect.name)
+        if new:
+            self.observer.records("quarantined", new)
+        return records
+
+    def _quarantine(self, outcome: Outcome) -> None:
+        refused, altered = self.quarantine.keep(outcome, self.engine.dialect.name)
+        if refused:
+            self.observer.records("quarantined", refused)
+        if altered:
+            self.observer.records("altered", altered)

@@ -53,6 +53,8 @@ def test_every_command_is_walked():
         "tracetap packets",
         "tracetap compare",
         "tracetap harnesses",
+        "tracetap quarantine list",
+        "tracetap quarantine show",
     } <= names
 
 

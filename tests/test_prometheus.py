@@ -150,7 +150,7 @@ def test_every_alert_fires_and_stays_silent_in_promtool_unit_tests(promtool):
 
 def test_rules_read_only_metrics_tracetap_exposes():
     known = exposed() | recorded()
-    assert len(recorded()) == 6 and len(alerts()) == 9
+    assert len(recorded()) == 6 and len(alerts()) == 10
     for rule in rules():
         names = metric_names(rule["expr"])
         assert names, rule

@@ -37,6 +37,7 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     detokenize_url: str | None = None  # an engine base URL that answers /detokenize
     engine_api_key: str | None = None
     poll_interval: float = 0.25  # seconds between the live page's database reads
+    data_dir: str | None = None  # where the dead-letter files are (storage.quarantine)
 
 
 def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) -> web.Application:

@@ -6,7 +6,7 @@ import re
 
 from aiohttp import web
 
-from tracetap.storage import browse, details
+from tracetap.storage import browse, details, quarantine
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
@@ -31,8 +31,10 @@ async def episodes(request: web.Request) -> web.Response:
     found = await browse.episode_page(engine, query)
     group = (await browse.group_rewards(engine, query.group_id)
              if query.group_id is not None else None)
+    data_dir = request.app[CONFIG].data_dir
     return page(request, "episodes.html", found=found, group=group, view="episodes",
-                **_listing(request))
+                quarantined=quarantine.count(data_dir) if data_dir else (0, 0),
+                data_dir=data_dir, **_listing(request))
 
 
 async def groups(request: web.Request) -> web.Response:
