@@ -37,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.inject import Injected
@@ -63,6 +64,7 @@ class ModelCall:
         self.injected = Injected()
         self.capture = api.capture(self.injected)
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.dropped = Dropped()  # what translation left out of the client's request
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.repaired = False  # the model's own turns put back (proxy.repair)
         self.overlay = None  # proxy.overlays.hooks.OverlayLog, when an overlay runs
@@ -120,8 +122,10 @@ class ModelCall:
         rewritten = self.state.model_map.apply(payload)
         if self.translation is not None:
             self.client_payload = payload
+            self.dropped = Dropped()  # a reroute translates the request anew
             try:
-                payload = self.translation.to_chat(payload)
+                payload = self.translation.to_chat(payload, dropped=self.dropped,
+                                                   flavor=self.state.flavor)
             except self.translation.Untranslatable as exc:
                 raise bad_request(
                     f"cannot translate this request to chat completions: {exc.message}",
