@@ -50,6 +50,7 @@ from tracetap.proxy.wire import decode_object, encode
 class ModelCall:
     def __init__(self, state: ProxyState, route: Route, call_id: str):
         self.state = state
+        self.route = route
         self.api = api = route.api
         self.translation = route.translation  # a translate module, or None when native
         self.endpoint = route.endpoint
@@ -105,9 +106,13 @@ class ModelCall:
     def reroute(self, route: Route, body: bytes) -> bytes:
         """Speak another API to the upstream (the first answered 404): the client's
         request is prepared again from its original bytes."""
+        self._use(route)
+        return self.parse_request(body)
+
+    def _use(self, route: Route) -> None:
+        self.route = route
         self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
         self.label = route.label
-        return self.parse_request(body)
 
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
@@ -119,6 +124,9 @@ class ModelCall:
         except msgspec.ValidationError as exc:
             raise bad_request("request body must be a JSON object", "invalid_json") from exc
         self.stream = payload.get("stream") is True
+        route = self.state.routing.for_request(self.route, payload)
+        if route is not self.route:  # --translate auto: native would lose logprobs
+            self._use(route)
         rewritten = self.state.model_map.apply(payload)
         if self.translation is not None:
             self.client_payload = payload

@@ -119,11 +119,17 @@ def test_responses_native_on_vllm_is_transparent_and_token_exact(engine, make_pr
             call["response"].replace(" ", "")
 
 
-@pytest.mark.parametrize("translate", ["all", "auto"])
+@pytest.mark.parametrize("translate", ["all", "auto", "auto-vllm"])
 def test_responses_translated_to_chat_tool_loop_is_token_exact(engine, llamacpp, make_proxy,
                                                                translate):
-    upstream = engine if translate == "all" else llamacpp  # auto: chat-only engine
-    proxy = make_proxy(upstream, translate=translate)
+    """A tool loop as langchain's use_responses_api runs it. On vLLM under auto, native
+    Responses would store the tool-call-only turns without logprobs: they are translated,
+    so every turn is trainable."""
+    upstream = llamacpp if translate == "auto" else engine  # auto: chat-only engine
+    if translate == "auto-vllm":
+        proxy = make_proxy(upstream, translate="auto", upstream_flavor="vllm")
+    else:
+        proxy = make_proxy(upstream, translate=translate)
     agent = openai.OpenAI(base_url=proxy.episode_url("rt"), api_key="x", max_retries=0)
     items: list = [{"role": "user", "content": "find the answer"}]
     with agent:
@@ -230,7 +236,8 @@ def test_untranslatable_and_upstream_errors_come_in_the_clients_shape(engine, ma
         with pytest.raises(anthropic.BadRequestError) as server_tool:
             agent.messages.create(model="mock-model", max_tokens=16,
                                   messages=[{"role": "user", "content": "hi"}],
-                                  tools=[{"type": "web_search_20250305", "name": "web_search"}])
+                                  extra_body={"mcp_servers": [{"type": "url", "name": "m",
+                                                               "url": "http://x"}]})
         assert server_tool.value.body["type"] == "error"
         on_broken = anthropic.Anthropic(base_url=broken.url + "/episodes/bad", api_key="x",
                                         max_retries=0)

@@ -26,6 +26,7 @@ FIELDS = frozenset({
     "context_management",
     "citations",
     "is_error",  # tool_result.is_error: the text stays, the flag has no chat field
+    "deferred_tool",  # a tool with defer_loading: hidden until tool search loads it
     # Responses
     "reasoning_summary",
     "include",

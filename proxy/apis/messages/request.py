@@ -120,7 +120,8 @@ class _Turns:
     def turn(self, turn: dict[str, Any], param: str) -> list[dict[str, Any]]:
         role = turn.get("role")
         content = turn.get("content")
-        drop_unknown(turn, {"role", "content"}, self.dropped)
+        # A turn's own output_config (a per-turn effort) has no chat form.
+        drop_unknown(turn, {"role", "content"}, self.dropped, {"output_config": "effort"})
         if role == "user":
             return self._user(content, param)
         if role == "assistant":
@@ -247,6 +248,11 @@ class _Turns:
             # tools their execution, live at Anthropic. The engine never sees them.
             self.dropped.add("hosted_tool")
             return None
+        if tool.get("defer_loading") is True:
+            # Anthropic shows a deferred tool to the model only once tool search loads it
+            # (the client then sends it without the flag): not shown here either.
+            self.dropped.add("deferred_tool")
+            return None
         drop_unknown(tool, _TOOL_KEYS, self.dropped)
         function: dict[str, Any] = {"name": as_str(tool.get("name"), f"{param}.name")}
         if tool.get("description") is not None:
@@ -337,7 +343,7 @@ def _thinking(req: dict[str, Any], dropped: Dropped) -> bool | None:
         return None
     if thinking.get("budget_tokens") is not None:
         dropped.add("thinking")
-    drop_unknown(thinking, {"type", "budget_tokens"}, dropped)
+    drop_unknown(thinking, {"type", "budget_tokens"}, dropped, {"display": "thinking"})
     if thinking.get("type") == "disabled":
         return False
     if thinking.get("type") not in ("enabled", "adaptive"):
