@@ -18,7 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from conftest import Proxy, free_port
+from conftest import Proxy, free_port, scripted_chat_app
 from tracetap.demo.engine import EngineConfig, EngineServer, make_engine_app
 from tracetap.proxy.settings import Settings
 
@@ -383,3 +383,29 @@ def test_a_client_gone_mid_stream_leaves_the_partial_call(slow_engine, make_prox
     if endpoint == "messages:chat":  # through chat: the tokens so far, exactly
         ids = call["choices"][0]["completion_ids"]
         assert ids and len(call["choices"][0]["completion_logprobs"]) == len(ids)
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_reaches_the_client_and_the_record_whichever_field(field, make_proxy,
+                                                                     serve_app):
+    """vLLM now streams ``reasoning`` where it sent ``reasoning_content``: capture and
+    translation read it through the same decoders, so neither loses it."""
+    chunks = [{"id": "chatcmpl-r", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {field: piece}, "finish_reason": None}]}
+        for piece in ("Weigh ", "it.")]
+    chunks.append({"id": "chatcmpl-r", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "Yes."}, "finish_reason": "stop"}]})
+    upstream = serve_app(scripted_chat_app(chunks))
+    proxy = make_proxy(FakeEngine(upstream + "/v1"), upstream_flavor="vllm")
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/rf", api_key="x",
+                                max_retries=0)
+    with agent, agent.messages.stream(model="m", max_tokens=16,
+                                      messages=[{"role": "user", "content": "?"}]) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in final.content] == [("thinking", "Weigh it."), ("text", "Yes.")]
+    (call,) = proxy.calls("rf")
+    stored = msgspec.json.decode(call["response"])
+    assert stored["content"][0] == {"type": "thinking", "thinking": "Weigh it.",
+                                    "signature": ""}
+
