@@ -105,8 +105,11 @@ def test_tools_tool_choice_and_stream_options():
     assert chat["stream_options"] == {"include_usage": True}
     for anthropic_choice, chat_choice in (("auto", "auto"), ("any", "required"),
                                           ("none", "none")):
-        translated = to_chat({**BASE, "messages": [], "tool_choice": {"type": anthropic_choice}})
+        translated = to_chat({**BASE, "messages": [], "tools": [TOOL],
+                              "tool_choice": {"type": anthropic_choice}})
         assert translated["tool_choice"] == chat_choice
+    # vLLM refuses a tool_choice without tools: none left, none sent.
+    assert "tool_choice" not in to_chat({**BASE, "messages": [], "tool_choice": {"type": "auto"}})
 
 
 def test_history_tool_use_and_results_become_tool_calls_and_tool_messages():

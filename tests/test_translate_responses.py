@@ -108,7 +108,10 @@ def test_tools_choice_format_reasoning_and_stream_options():
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert "logprobs" not in chat  # capture adds its own; only a client's ask is translated
     for choice in ("auto", "none", "required"):
-        assert to_chat({"input": "x", "tool_choice": choice})["tool_choice"] == choice
+        assert to_chat({"input": "x", "tools": [TOOL],
+                        "tool_choice": choice})["tool_choice"] == choice
+    # vLLM refuses a tool_choice without tools: none left, none sent.
+    assert "tool_choice" not in to_chat({"input": "x", "tool_choice": "auto"})
     assert "reasoning_effort" not in to_chat({"input": "x", "reasoning": {"effort": "minimal"}})
 
 

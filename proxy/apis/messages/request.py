@@ -77,6 +77,8 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
     if req.get("tool_choice") is not None:
         _tool_choice(as_object(req["tool_choice"], "tool_choice", "`tool_choice`"), chat,
                      names, drops)
+        if "tools" not in chat:  # engines refuse a tool_choice without tools
+            chat.pop("tool_choice", None)
     if optional_int(req, "max_tokens") is not None:
         chat["max_tokens"] = req["max_tokens"]
     for key in ("temperature", "top_p"):

@@ -79,7 +79,7 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
         choice = _tool_choice(req["tool_choice"], names)
         if choice is None:
             drops.add("tool_choice")  # hosted, allowed_tools, or a dropped tool: engine picks
-        else:
+        elif "tools" in chat:  # engines refuse a tool_choice without tools
             chat["tool_choice"] = choice
     if optional_int(req, "max_output_tokens") is not None:
         chat["max_tokens"] = req["max_output_tokens"]
