@@ -32,6 +32,10 @@ _CLAUDE = {"cache_control": 3, "context_management": 1, "deferred_tool": 1, "eff
 _CODEX = {"hosted_tool": 2, "include": 1, "metadata": 1, "prompt_cache_key": 1,
           "reasoning_summary": 1, "store": 1}
 DROPPED = {
+    "claude-code-2.1.197-first.json": {"cache_control": 3, "context_management": 1,
+                                       "metadata": 1},
+    "claude-code-2.1.197-subagent-tool-turns.json": {"cache_control": 3, "is_error": 2,
+                                                     "metadata": 1},
     "claude-code-2.1.332-first.json": _CLAUDE,
     "claude-code-2.1.332-tool-turns.json": {**_CLAUDE, "is_error": 1},
     "codex-0.171.0-first.json": _CODEX,
@@ -137,6 +141,19 @@ def test_captured_request_translates_to_an_equivalent_chat_request(name, engine)
     assert reply["choices"][0]["logprobs"]["content"]
 
 
+def test_claude_code_thinking_settings_become_the_engines_options():
+    """2.1.197 turns thinking off for its subagents and asks for effort high."""
+    body = load("claude-code-2.1.197-subagent-tool-turns.json")["body"]
+    assert body["thinking"] == {"type": "disabled"}
+    chat = messages_to_chat(body, flavor="vllm")
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["reasoning_effort"] == body["output_config"]["effort"] == "high"
+    dropped = Dropped()
+    assert "chat_template_kwargs" not in messages_to_chat(body, flavor="openai",
+                                                          dropped=dropped)
+    assert dropped.counts["thinking"] == 1
+
+
 def test_claude_code_system_turns_land_in_place():
     body = load("claude-code-2.1.332-tool-turns.json")["body"]
     chat = messages_to_chat(body)
@@ -162,9 +179,11 @@ def _scrape(proxy) -> str:
         return answer.read().decode()
 
 
-def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(proxy):
+@pytest.mark.parametrize("name", ["claude-code-2.1.197-first.json",
+                                  "claude-code-2.1.332-first.json"])
+def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(name, proxy):
     """The request Claude Code 2.1 sends first (a 400 before translation was tolerant)."""
-    body = {**load("claude-code-2.1.332-first.json")["body"], "max_tokens": 32}
+    body = {**load(name)["body"], "max_tokens": 32}
     body.pop("stream")
     client = anthropic.Anthropic(base_url=proxy.url + "/episodes/cc", api_key="x",
                                  max_retries=0)
@@ -177,10 +196,10 @@ def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(proxy)
     choice = call["choices"][0]
     assert choice["completion_ids"] and len(choice["completion_logprobs"]) == len(
         choice["completion_ids"])
-    assert json.loads(call["translation_dropped"]) == DROPPED["claude-code-2.1.332-first.json"]
+    assert json.loads(call["translation_dropped"]) == DROPPED[name]
     sent = json.loads(call["upstream_request"])
     assert [m["role"] for m in sent["messages"]] == ["system", "user", "system"]
-    assert sent["reasoning_effort"] == "medium"
+    assert sent["reasoning_effort"] == body["output_config"]["effort"]
     metrics = _scrape(proxy)
     assert ('tracetap_translation_dropped_total{api="messages",field="context_management"} '
             '1.0') in metrics
