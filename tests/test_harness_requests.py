@@ -205,6 +205,11 @@ def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(name, 
             '1.0') in metrics
     assert 'tracetap_translation_dropped_total{api="messages",field="cache_control"} 3.0' in (
         metrics)
+    page = urllib.request.Request(f"{proxy.url}/tracetap/ui/calls/{call['call_id']}",
+                                  headers={"Authorization": f"Bearer {proxy.admin_token}"})
+    with urllib.request.urlopen(page, timeout=30) as answer:
+        html = answer.read().decode()
+    assert "Left out by translation" in html and "cache_control ×3" in html
 
 
 def test_codex_request_on_vllm_is_translated_and_every_token_kept(proxy):
