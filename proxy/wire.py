@@ -122,10 +122,8 @@ class Usage(View):
 
 
 class ChatTextBody(View):
-    """A chat reply or chunk without logprobs and ids."""
+    """A chat reply or chunk as translation reads it: no logprobs, ids or names."""
 
-    id: str | None = None
-    model: str | None = None
     created: int | None = None
     choices: list[ChatTextChoice] = []
     usage: Usage | None = None
@@ -133,6 +131,8 @@ class ChatTextBody(View):
 
 
 class ChatBody(ChatTextBody):
+    id: str | None = None
+    model: str | None = None
     choices: list[ChatChoice] = []
     prompt_token_ids: list[int] | None = None
 
