@@ -409,3 +409,24 @@ def test_reasoning_reaches_the_client_and_the_record_whichever_field(field, make
     assert stored["content"][0] == {"type": "thinking", "thinking": "Weigh it.",
                                     "signature": ""}
 
+
+
+@pytest.mark.parametrize(("request_body", "translated"), [
+    ({"input": "hi"}, False),
+    ({"input": "hi", "tools": []}, False),
+    ({"input": "hi", "reasoning": {"effort": "none"}}, False),
+    ({"input": "hi", "tools": TOOLS_RESPONSES}, True),
+    ({"input": "hi", "reasoning": {"effort": "low"}}, True),
+    ({"input": "hi", "reasoning": {"summary": "auto"}}, True),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, True),
+    ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "go"}]},
+     True),
+])
+def test_auto_picks_the_route_that_keeps_every_tokens_logprob(request_body, translated):
+    from tracetap.proxy.apis.responses.capture import ResponsesApi
+    from tracetap.proxy.routing import Routing
+
+    for translate, expect in (("auto", translated), ("none", False), ("all", True)):
+        routing = Routing(translate, native={"responses": ResponsesApi()})
+        route = routing.for_request(routing.route("/v1/responses", "vllm"), request_body)
+        assert (route.endpoint == "responses:chat") is expect, (translate, request_body)

@@ -390,18 +390,20 @@ def test_upstream_error_chunk_and_error_event_end_the_stream():
 # ---- property tests ----------------------------------------------------------------------
 
 BLOCK_KEYS = ["type", "text", "id", "name", "input", "tool_use_id", "content", "thinking",
-              "source", "is_error"]
+              "source", "is_error", "cache_control", "signature", "citations"]
 BLOCK = st.dictionaries(st.sampled_from(BLOCK_KEYS),
                         JSON | st.sampled_from(["text", "tool_use", "tool_result", "thinking",
-                                                "image", "redacted_thinking"]), max_size=5)
-TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | JSON},
+                                                "image", "redacted_thinking", "document",
+                                                "server_tool_use"]), max_size=5)
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | JSON},
                              optional={"content": st.lists(BLOCK, max_size=3) | JSON})
 REQUEST = st.fixed_dictionaries({}, optional={
     "model": JSON | st.text(max_size=5), "messages": st.lists(TURN, max_size=3) | JSON,
     "system": JSON | st.lists(BLOCK, max_size=2), "tools": st.lists(JSON | st.just(TOOL),
                                                                     max_size=2) | JSON,
     "tool_choice": JSON, "max_tokens": JSON, "stop_sequences": JSON, "stream": JSON,
-    "top_k": JSON, "thinking": JSON, "output_format": JSON,
+    "top_k": JSON, "thinking": JSON, "output_format": JSON, "output_config": JSON,
+    "context_management": JSON, "metadata": JSON,
 })
 
 
@@ -409,7 +411,7 @@ REQUEST = st.fixed_dictionaries({}, optional={
 @given(st.one_of(REQUEST, JSON))
 def test_to_chat_raises_only_untranslatable(request_body):
     try:
-        chat = to_chat(request_body)
+        chat = to_chat(request_body, dropped=Dropped(), flavor="vllm")
     except Untranslatable as exc:
         assert isinstance(exc.message, str) and exc.message
         return

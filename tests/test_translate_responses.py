@@ -373,17 +373,19 @@ JSON = st.recursive(
                                                                 max_size=3),
     max_leaves=12)
 ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "text",
-             "image_url", "summary", "id"]
+             "image_url", "summary", "id", "input", "encrypted_content"]
 ITEM = st.dictionaries(st.sampled_from(ITEM_KEYS),
                        JSON | st.sampled_from(["message", "function_call", "reasoning",
                                                "function_call_output", "user", "assistant",
-                                               "input_text", "input_image"]), max_size=5)
+                                               "input_text", "input_image", "developer",
+                                               "custom_tool_call",
+                                               "custom_tool_call_output"]), max_size=5)
 REQUEST = st.fixed_dictionaries({}, optional={
     "model": JSON | st.text(max_size=5), "input": st.lists(ITEM, max_size=4) | JSON,
     "instructions": JSON, "tools": st.lists(JSON | st.just(TOOL), max_size=2) | JSON,
     "tool_choice": JSON, "text": JSON, "reasoning": JSON, "include": JSON,
     "top_logprobs": JSON, "max_output_tokens": JSON, "stream": JSON, "temperature": JSON,
-    "previous_response_id": JSON,
+    "previous_response_id": JSON, "store": JSON, "client_metadata": JSON,
 })
 
 
@@ -391,7 +393,7 @@ REQUEST = st.fixed_dictionaries({}, optional={
 @given(st.one_of(REQUEST, JSON))
 def test_to_chat_raises_only_untranslatable(request_body):
     try:
-        chat = to_chat(request_body)
+        chat = to_chat(request_body, dropped=Dropped(), flavor="vllm")
     except Untranslatable as exc:
         assert isinstance(exc.message, str) and exc.message
         return
