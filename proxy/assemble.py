@@ -85,8 +85,9 @@ class Capture:
             acc.role = message.role or acc.role
             if message.content:
                 acc.text.append(message.content)
-            if message.reasoning_content:
-                acc.reasoning.append(message.reasoning_content)
+            reasoning = message.reasoning_text
+            if reasoning:
+                acc.reasoning.append(reasoning)
             for position, call in enumerate(message.tool_calls or ()):
                 index = call.index if call.index is not None else position
                 tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,

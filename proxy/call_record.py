@@ -64,6 +64,7 @@ def call_record(call: ModelCall) -> CallRecord:
         if call.upstream_request is None
         else call.upstream_request.decode("utf-8", "replace"),
         overlay=None if call.overlay is None else encode(call.overlay).decode(),
+        translation_dropped=call.dropped.encoded(),
         choices=choices,
     )
 

@@ -37,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.inject import Injected
@@ -49,6 +50,7 @@ from tracetap.proxy.wire import decode_object, encode
 class ModelCall:
     def __init__(self, state: ProxyState, route: Route, call_id: str):
         self.state = state
+        self.route = route
         self.api = api = route.api
         self.translation = route.translation  # a translate module, or None when native
         self.endpoint = route.endpoint
@@ -63,6 +65,7 @@ class ModelCall:
         self.injected = Injected()
         self.capture = api.capture(self.injected)
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.dropped = Dropped()  # what translation left out of the client's request
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.repaired = False  # the model's own turns put back (proxy.repair)
         self.overlay = None  # proxy.overlays.hooks.OverlayLog, when an overlay runs
@@ -103,9 +106,13 @@ class ModelCall:
     def reroute(self, route: Route, body: bytes) -> bytes:
         """Speak another API to the upstream (the first answered 404): the client's
         request is prepared again from its original bytes."""
+        self._use(route)
+        return self.parse_request(body)
+
+    def _use(self, route: Route) -> None:
+        self.route = route
         self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
         self.label = route.label
-        return self.parse_request(body)
 
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
@@ -117,11 +124,16 @@ class ModelCall:
         except msgspec.ValidationError as exc:
             raise bad_request("request body must be a JSON object", "invalid_json") from exc
         self.stream = payload.get("stream") is True
+        route = self.state.routing.for_request(self.route, payload)
+        if route is not self.route:  # --translate auto: native would lose logprobs
+            self._use(route)
         rewritten = self.state.model_map.apply(payload)
         if self.translation is not None:
             self.client_payload = payload
+            self.dropped = Dropped()  # a reroute translates the request anew
             try:
-                payload = self.translation.to_chat(payload)
+                payload = self.translation.to_chat(payload, dropped=self.dropped,
+                                                   flavor=self.state.flavor)
             except self.translation.Untranslatable as exc:
                 raise bad_request(
                     f"cannot translate this request to chat completions: {exc.message}",

@@ -85,6 +85,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             except web.HTTPRequestEntityTooLarge as exc:
                 raise too_large(state.settings.max_body) from exc
             upstream_body = call.parse_request(body)
+            route = call.route  # --translate auto may pick another route for this request
             overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
             if overlay is not None:
                 upstream_body = await overlay.prepare(call, upstream_body)

@@ -95,6 +95,10 @@ class Metrics(WriterObserver):
         self.refused = Counter("tracetap_agent_refused_total",
                                "Agent requests refused and never forwarded, by reason",
                                ["reason"], registry=r)
+        self.translation_dropped = Counter(
+            "tracetap_translation_dropped_total",
+            "Request fields and blocks translation to chat left out, by client API and field "
+            "(a fixed set of names; others count as 'other')", ["api", "field"], registry=r)
         self.unknown_events = Counter("tracetap_unknown_stream_events_total",
                                       "Stream events of a type capture does not know, relayed "
                                       "untouched", ["route"], registry=r)
@@ -198,6 +202,8 @@ class Metrics(WriterObserver):
             child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
         if call.stream and call.perf_first_content is not None:
             child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
+        for field, n in call.dropped.counts.items():
+            child(metrics.translation_dropped, route, field).inc(n)
         capture = call.capture
         if capture.logprobs_missing:
             metrics.logprobs_missing.inc(capture.logprobs_missing)

@@ -4,13 +4,14 @@ Token-exact by default: an API is captured natively only where the engine return
 token ids and logprobs for it. No engine does for Anthropic's Messages (vLLM's
 ``/v1/messages`` gives neither), so Messages calls are translated to chat completions
 unless ``--translate none``; Responses calls are native on vLLM (logprobs, and ids with
-``enable_response_messages``) and translated elsewhere.
+``enable_response_messages``) and translated elsewhere, and on vLLM too when the request
+could get output native Responses have no logprobs for (``for_request``).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tracetap.proxy.apis import WireApi
 from tracetap.proxy.apis.chat import CHAT_API, COMPLETIONS_API
@@ -75,8 +76,36 @@ class Routing:
         self._missing.add(name)
         return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name)
 
+    def for_request(self, route: Route, payload: dict[str, Any]) -> Route:
+        """Under ``auto``, a Responses call that native capture would store without
+        logprobs for part of its output (a tool-call-only turn, reasoning: vLLM's
+        Responses carry logprobs on output text only) is translated to chat instead, so
+        every turn is trainable (docs/translation.md)."""
+        if (self.translate is not None or route.translation is not None
+                or route.api.endpoint != "responses" or not native_loses_logprobs(payload)):
+            return route
+        return Route(CHAT_API, _TRANSLATIONS["responses"], "responses:chat", "responses")
+
     def translates(self, name: str, flavor: str) -> bool:
         if self.translate is not None:
             return name in self.translate
         return (flavor not in _NATIVE_FLAVORS[name] or name not in self.native
                 or name in self._missing)
+
+
+def native_loses_logprobs(payload: dict[str, Any]) -> bool:
+    """Whether a Responses request may get output that native Responses capture stores
+    without logprobs: function calls (the request offers tools) or reasoning (it asks for
+    reasoning settings or encrypted reasoning, or its history holds reasoning items)."""
+    if payload.get("tools"):
+        return True
+    reasoning = payload.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") != "none":
+        return True
+    include = payload.get("include")
+    if isinstance(include, list) and any(
+            isinstance(x, str) and x.startswith("reasoning.") for x in include):
+        return True
+    items = payload.get("input")
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and item.get("type") == "reasoning" for item in items)

@@ -74,6 +74,7 @@ class StoredCall(msgspec.Struct, kw_only=True):
     response: str | None
     prompt_ids: int | None  # how many prompt ids were stored
     stored_at: float
+    translation_dropped: Any  # {field: count} translation left out, or None
     choices: list[StoredChoice]
 
 
@@ -120,7 +121,8 @@ async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
     async with engine.connect() as conn:
         row = (await conn.execute(
             select(*_SUMMARY, Call.episode_id, Call.instance, Call.request, Call.response,
-                   ids_length.label("prompt_bytes"), Call.stored_at)
+                   ids_length.label("prompt_bytes"), Call.stored_at,
+                   Call.translation_dropped)
             .where(Call.call_id == call_id))).first()
         if row is None:
             return None
@@ -134,7 +136,7 @@ async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
         summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
         request=row.request, response=row.response,
         prompt_ids=None if row.prompt_bytes is None else row.prompt_bytes // 4,
-        stored_at=row.stored_at,
+        stored_at=row.stored_at, translation_dropped=_loads(row.translation_dropped),
         choices=[StoredChoice(
             index=c.choice_index, finish_reason=c.finish_reason, text=c.text,
             completion_tokens=None if c.ids_bytes is None else c.ids_bytes // 4,

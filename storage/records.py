@@ -58,6 +58,9 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # JSON: the overlay the call ran under, its events and what the harness received
     # when that was not the model's reply (docs/overlays.md); None without an overlay.
     overlay: str | None = None
+    # JSON {field: count}: request fields translation to chat dropped (proxy.apis.dropped);
+    # None when nothing was dropped or the call was not translated.
+    translation_dropped: str | None = None
     choices: list[ChoiceRecord] = []
 
 

@@ -56,6 +56,7 @@ def call_row(record: CallRecord, stored_at: float) -> dict:
         "upstream_request": record.upstream_request,
         "ids_missing": record.ids_missing,
         "overlay": record.overlay,
+        "translation_dropped": record.translation_dropped,
         "stored_at": stored_at,
     }
 

@@ -74,6 +74,8 @@ class Call(Base):
     ids_missing: Mapped[str | None] = mapped_column(String(32))
     # JSON: overlay name, events, the reply the harness got when rewritten (0004).
     overlay: Mapped[str | None] = mapped_column(Text)
+    # JSON {field: count}: what translation to chat left out of the request (0006).
+    translation_dropped: Mapped[str | None] = mapped_column(Text)
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from conftest import Proxy, free_port
+from conftest import Proxy, free_port, scripted_chat_app
 from tracetap.demo.engine import EngineConfig, EngineServer, make_engine_app
 from tracetap.proxy.settings import Settings
 
@@ -119,11 +119,17 @@ def test_responses_native_on_vllm_is_transparent_and_token_exact(engine, make_pr
             call["response"].replace(" ", "")
 
 
-@pytest.mark.parametrize("translate", ["all", "auto"])
+@pytest.mark.parametrize("translate", ["all", "auto", "auto-vllm"])
 def test_responses_translated_to_chat_tool_loop_is_token_exact(engine, llamacpp, make_proxy,
                                                                translate):
-    upstream = engine if translate == "all" else llamacpp  # auto: chat-only engine
-    proxy = make_proxy(upstream, translate=translate)
+    """A tool loop as langchain's use_responses_api runs it. On vLLM under auto, native
+    Responses would store the tool-call-only turns without logprobs: they are translated,
+    so every turn is trainable."""
+    upstream = llamacpp if translate == "auto" else engine  # auto: chat-only engine
+    if translate == "auto-vllm":
+        proxy = make_proxy(upstream, translate="auto", upstream_flavor="vllm")
+    else:
+        proxy = make_proxy(upstream, translate=translate)
     agent = openai.OpenAI(base_url=proxy.episode_url("rt"), api_key="x", max_retries=0)
     items: list = [{"role": "user", "content": "find the answer"}]
     with agent:
@@ -230,7 +236,8 @@ def test_untranslatable_and_upstream_errors_come_in_the_clients_shape(engine, ma
         with pytest.raises(anthropic.BadRequestError) as server_tool:
             agent.messages.create(model="mock-model", max_tokens=16,
                                   messages=[{"role": "user", "content": "hi"}],
-                                  tools=[{"type": "web_search_20250305", "name": "web_search"}])
+                                  extra_body={"mcp_servers": [{"type": "url", "name": "m",
+                                                               "url": "http://x"}]})
         assert server_tool.value.body["type"] == "error"
         on_broken = anthropic.Anthropic(base_url=broken.url + "/episodes/bad", api_key="x",
                                         max_retries=0)
@@ -376,3 +383,50 @@ def test_a_client_gone_mid_stream_leaves_the_partial_call(slow_engine, make_prox
     if endpoint == "messages:chat":  # through chat: the tokens so far, exactly
         ids = call["choices"][0]["completion_ids"]
         assert ids and len(call["choices"][0]["completion_logprobs"]) == len(ids)
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_reaches_the_client_and_the_record_whichever_field(field, make_proxy,
+                                                                     serve_app):
+    """vLLM now streams ``reasoning`` where it sent ``reasoning_content``: capture and
+    translation read it through the same decoders, so neither loses it."""
+    chunks = [{"id": "chatcmpl-r", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {field: piece}, "finish_reason": None}]}
+        for piece in ("Weigh ", "it.")]
+    chunks.append({"id": "chatcmpl-r", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "Yes."}, "finish_reason": "stop"}]})
+    upstream = serve_app(scripted_chat_app(chunks))
+    proxy = make_proxy(FakeEngine(upstream + "/v1"), upstream_flavor="vllm")
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/rf", api_key="x",
+                                max_retries=0)
+    with agent, agent.messages.stream(model="m", max_tokens=16,
+                                      messages=[{"role": "user", "content": "?"}]) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in final.content] == [("thinking", "Weigh it."), ("text", "Yes.")]
+    (call,) = proxy.calls("rf")
+    stored = msgspec.json.decode(call["response"])
+    assert stored["content"][0] == {"type": "thinking", "thinking": "Weigh it.",
+                                    "signature": ""}
+
+
+
+@pytest.mark.parametrize(("request_body", "translated"), [
+    ({"input": "hi"}, False),
+    ({"input": "hi", "tools": []}, False),
+    ({"input": "hi", "reasoning": {"effort": "none"}}, False),
+    ({"input": "hi", "tools": TOOLS_RESPONSES}, True),
+    ({"input": "hi", "reasoning": {"effort": "low"}}, True),
+    ({"input": "hi", "reasoning": {"summary": "auto"}}, True),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, True),
+    ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "go"}]},
+     True),
+])
+def test_auto_picks_the_route_that_keeps_every_tokens_logprob(request_body, translated):
+    from tracetap.proxy.apis.responses.capture import ResponsesApi
+    from tracetap.proxy.routing import Routing
+
+    for translate, expect in (("auto", translated), ("none", False), ("all", True)):
+        routing = Routing(translate, native={"responses": ResponsesApi()})
+        route = routing.for_request(routing.route("/v1/responses", "vllm"), request_body)
+        assert (route.endpoint == "responses:chat") is expect, (translate, request_body)

@@ -71,3 +71,18 @@ def test_tool_call_deltas_merge_by_index():
     message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
     assert message["tool_calls"] == [{"id": "call_1", "type": "function",
                                       "function": {"name": "f", "arguments": '{"a": 1}'}}]
+
+
+def test_reasoning_is_kept_whichever_field_the_engine_uses():
+    """Newer vLLM sends ``reasoning`` where older engines send ``reasoning_content``;
+    an engine that sends both with the same text gets it once."""
+    for fields in (("reasoning",), ("reasoning_content",), ("reasoning", "reasoning_content")):
+        cap = Capture(CHAT)
+        for piece in ("Let me ", "think."):
+            cap.add(json.dumps({"id": "c", "choices": [
+                {"index": 0, "delta": dict.fromkeys(fields, piece)}]}).encode())
+        cap.add(json.dumps({"id": "c", "choices": [
+            {"index": 0, "delta": {"content": "Done."}, "finish_reason": "stop"}]}).encode())
+        message = cap.reassembled(with_logprobs=False)["choices"][0]["message"]
+        assert message["reasoning_content"] == "Let me think.", fields
+        assert message["content"] == "Done."

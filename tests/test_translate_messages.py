@@ -19,6 +19,7 @@ from translation import decode_named_events, engine_chat, harness_turn
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
 from tracetap.demo import tokenizer as tok
+from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.messages import translate as api
 from tracetap.proxy.apis.messages.translate import (
     StreamTranslator,
@@ -104,8 +105,11 @@ def test_tools_tool_choice_and_stream_options():
     assert chat["stream_options"] == {"include_usage": True}
     for anthropic_choice, chat_choice in (("auto", "auto"), ("any", "required"),
                                           ("none", "none")):
-        translated = to_chat({**BASE, "messages": [], "tool_choice": {"type": anthropic_choice}})
+        translated = to_chat({**BASE, "messages": [], "tools": [TOOL],
+                              "tool_choice": {"type": anthropic_choice}})
         assert translated["tool_choice"] == chat_choice
+    # vLLM refuses a tool_choice without tools: none left, none sent.
+    assert "tool_choice" not in to_chat({**BASE, "messages": [], "tool_choice": {"type": "auto"}})
 
 
 def test_history_tool_use_and_results_become_tool_calls_and_tool_messages():
@@ -152,42 +156,23 @@ def test_final_assistant_turn_is_a_prefill():
 
 
 @pytest.mark.parametrize(("request_body", "param", "words"), [
-    ({**BASE, "messages": [], "tools": [TOOL, {"type": "web_search_20250305",
-                                               "name": "web_search"}]},
-     "tools[1].type", "Anthropic-defined"),
-    ({**BASE, "messages": [], "tools": [{"type": "bash_20250124", "name": "bash"}]},
-     "tools[0].type", "Anthropic-defined"),
-    ({**BASE, "messages": [], "tools": [{"type": "computer_20250124", "name": "computer",
-                                         "display_width_px": 1, "display_height_px": 1}]},
-     "tools[0].type", "Anthropic-defined"),
     ({**BASE, "messages": [], "mcp_servers": [{"type": "url", "url": "http://x",
                                                "name": "m"}]}, "mcp_servers", "MCP"),
     ({**BASE, "messages": [], "container": "c1"}, "container", "container"),
-    ({**BASE, "messages": [{"role": "assistant", "content": [
-        {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}]}]},
-     "messages[0].content[0].type", "server_tool_use"),
     ({**BASE, "messages": [{"role": "user", "content": [
-        {"type": "web_search_tool_result", "tool_use_id": "s", "content": []}]}]},
-     "messages[0].content[0].type", "web_search_tool_result"),
-    ({**BASE, "messages": [{"role": "user", "content": [
-        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
-                                        "data": "x"}}]}]},
-     "messages[0].content[0].type", "document"),
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                        "data": "JVBER"}}]}]},
+     "messages[0].content[0].source.type", "PDF"),
     ({**BASE, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
      "messages[0].content[0].source.type", "file"),
-    ({**BASE, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": [
-            {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]}]}]},
-     "messages[0].content[0].content[0].type", "text content"),
     ({**BASE, "messages": [{"role": "assistant", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]}]},
      "messages[0].content[0].type", "user messages"),
-    ({**BASE, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role",
-     "user or assistant"),
-    ({**BASE, "messages": [], "system": [{"type": "image"}]}, "system[0].type", "text"),
-    ({**BASE, "messages": [], "tool_choice": {"type": "sometimes"}}, "tool_choice.type",
-     "sometimes"),
+    ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
+     "user, assistant or system"),
+    ({**BASE, "messages": [], "system": [{"type": "image"}]}, "system[0].type",
+     "user messages"),
     ({**BASE, "messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": "not an object"}]}]},
      "messages[0].content[0].input", "object"),
@@ -202,6 +187,89 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     body = ErrorResponse.model_validate_json(untranslatable_error(caught.value))
     assert body.error.type == "invalid_request_error"
     assert caught.value.message in body.error.message
+
+
+@pytest.mark.parametrize(("request_body", "dropped", "kept"), [
+    ({**BASE, "messages": [], "tools": [TOOL, {"type": "web_search_20250305",
+                                               "name": "web_search"}]},
+     {"hosted_tool": 1}, {"tools": [{"type": "function", "function": {
+         "name": "lookup", "description": "Look a thing up",
+         "parameters": TOOL["input_schema"]}}]}),
+    ({**BASE, "messages": [], "tools": [{"type": "bash_20250124", "name": "bash"}],
+      "tool_choice": {"type": "tool", "name": "bash"}},
+     {"hosted_tool": 1, "tool_choice": 1}, {}),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
+        {"type": "text", "text": "Found it."}]}]},
+     {"unknown_block": 1}, {"messages": [{"role": "assistant", "content": "Found it."}]}),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "web_search_tool_result", "tool_use_id": "s", "content": []},
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]},
+     {"unknown_block": 1, "cache_control": 1},
+     {"messages": [{"role": "user", "content": "hi"}]}),
+    ({**BASE, "messages": [], "tool_choice": {"type": "sometimes"}}, {"tool_choice": 1}, {}),
+    ({**BASE, "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u"},
+      "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+      "service_tier": "auto", "brand_new_field": 1},
+     {"metadata": 1, "context_management": 1, "service_tier": 1, "other": 1}, {}),
+    ({**BASE, "messages": [], "thinking": {"type": "enabled", "budget_tokens": 2048},
+      "output_config": {"effort": "max"}}, {"thinking": 1, "effort": 1}, {}),
+])
+def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped, kept):
+    drops = Dropped()
+    chat = to_chat(request_body, dropped=drops)
+    assert drops.counts == dropped
+    assert {k: chat[k] for k in kept} == kept
+    assert "tool_choice" not in chat or request_body.get("tool_choice", {}).get("type") in (
+        "auto", "any", "none")
+
+
+def test_system_turns_among_messages_stay_in_place():
+    """Claude Code 2.1 sends system-role turns after the user's (agent lists, reminders)."""
+    chat = to_chat({**BASE, "system": "S", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: a, b",
+                                        "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "more"},
+        {"role": "user", "content": "go"}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Agents: a, b"}, {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "more"}, {"role": "user", "content": "go"}]
+
+
+def test_text_documents_are_text_and_tool_result_images_follow_as_the_users():
+    chat = to_chat({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "is_error": False, "content": [
+            {"type": "text", "text": "a picture:"},
+            {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]},
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                        "data": "notes"}}]}]})
+    assert chat["messages"] == [
+        {"role": "tool", "tool_call_id": "t", "content": "a picture:"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/i.png"}},
+            {"type": "text", "text": "notes"}]}]
+
+
+@pytest.mark.parametrize(("settings_", "flavor", "options", "dropped"), [
+    ({"output_config": {"effort": "low"}}, "vllm", {"reasoning_effort": "low"}, {}),
+    ({"thinking": {"type": "adaptive"}}, "vllm", {}, {}),
+    ({"thinking": {"type": "disabled"}}, "vllm",
+     {"chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ({"thinking": {"type": "disabled"}}, "sglang",
+     {"chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ({"thinking": {"type": "disabled"}}, "openai", {}, {"thinking": 1}),
+    ({"thinking": {"type": "disabled"}}, "llamacpp", {}, {"thinking": 1}),
+])
+def test_thinking_and_effort_become_the_engines_reasoning_options(settings_, flavor,
+                                                                  options, dropped):
+    drops = Dropped()
+    chat = to_chat({**BASE, "messages": [], **settings_}, dropped=drops, flavor=flavor)
+    assert {k: chat[k] for k in ("reasoning_effort", "chat_template_kwargs")
+            if k in chat} == options
+    assert drops.counts == dropped
 
 
 # ---- whole replies -----------------------------------------------------------------------
@@ -322,18 +390,20 @@ def test_upstream_error_chunk_and_error_event_end_the_stream():
 # ---- property tests ----------------------------------------------------------------------
 
 BLOCK_KEYS = ["type", "text", "id", "name", "input", "tool_use_id", "content", "thinking",
-              "source", "is_error"]
+              "source", "is_error", "cache_control", "signature", "citations"]
 BLOCK = st.dictionaries(st.sampled_from(BLOCK_KEYS),
                         JSON | st.sampled_from(["text", "tool_use", "tool_result", "thinking",
-                                                "image", "redacted_thinking"]), max_size=5)
-TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | JSON},
+                                                "image", "redacted_thinking", "document",
+                                                "server_tool_use"]), max_size=5)
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | JSON},
                              optional={"content": st.lists(BLOCK, max_size=3) | JSON})
 REQUEST = st.fixed_dictionaries({}, optional={
     "model": JSON | st.text(max_size=5), "messages": st.lists(TURN, max_size=3) | JSON,
     "system": JSON | st.lists(BLOCK, max_size=2), "tools": st.lists(JSON | st.just(TOOL),
                                                                     max_size=2) | JSON,
     "tool_choice": JSON, "max_tokens": JSON, "stop_sequences": JSON, "stream": JSON,
-    "top_k": JSON, "thinking": JSON, "output_format": JSON,
+    "top_k": JSON, "thinking": JSON, "output_format": JSON, "output_config": JSON,
+    "context_management": JSON, "metadata": JSON,
 })
 
 
@@ -341,7 +411,7 @@ REQUEST = st.fixed_dictionaries({}, optional={
 @given(st.one_of(REQUEST, JSON))
 def test_to_chat_raises_only_untranslatable(request_body):
     try:
-        chat = to_chat(request_body)
+        chat = to_chat(request_body, dropped=Dropped(), flavor="vllm")
     except Untranslatable as exc:
         assert isinstance(exc.message, str) and exc.message
         return
@@ -429,9 +499,9 @@ def test_sdk_stream_and_create_agree_through_the_mock_engine(via_engine):
 
 def test_sdk_sees_untranslatable_and_upstream_errors_in_anthropic_shape(via_engine, serve_app):
     client, _ = via_engine
-    with pytest.raises(anthropic.BadRequestError, match="Anthropic-defined"):
+    with pytest.raises(anthropic.BadRequestError, match="container"):
         client.messages.create(**BASE, messages=[{"role": "user", "content": "x"}],
-                               tools=[{"type": "bash_20250124", "name": "bash"}])
+                               extra_body={"container": "c1"})
     failing = serve_app(scripted_chat_app((429, b'{"error":{"message":"slow down"}}')))
     client = anthropic.Anthropic(base_url=serve_app(translating_app(api, failing)),
                                  api_key="k", max_retries=0)

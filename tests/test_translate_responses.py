@@ -18,6 +18,7 @@ from translation import decode_named_events, engine_chat, harness_turn
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
 from tracetap.demo import tokenizer as tok
+from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.responses import translate as api
 from tracetap.proxy.apis.responses.translate import (
     StreamTranslator,
@@ -107,7 +108,10 @@ def test_tools_choice_format_reasoning_and_stream_options():
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert "logprobs" not in chat  # capture adds its own; only a client's ask is translated
     for choice in ("auto", "none", "required"):
-        assert to_chat({"input": "x", "tool_choice": choice})["tool_choice"] == choice
+        assert to_chat({"input": "x", "tools": [TOOL],
+                        "tool_choice": choice})["tool_choice"] == choice
+    # vLLM refuses a tool_choice without tools: none left, none sent.
+    assert "tool_choice" not in to_chat({"input": "x", "tool_choice": "auto"})
     assert "reasoning_effort" not in to_chat({"input": "x", "reasoning": {"effort": "minimal"}})
 
 
@@ -153,27 +157,11 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "template"),
-    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls", "enforced"),
-    ({"input": "x", "tools": [TOOL, {"type": "web_search"}]}, "tools[1].type", "hosted"),
-    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]},
-     "tools[0].type", "hosted"),
-    ({"input": "x", "tools": [{"type": "computer_use_preview", "display_width": 1,
-                               "display_height": 1, "environment": "linux"}]},
-     "tools[0].type", "hosted"),
-    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
-     "web_search_preview"),
-    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
-     "tool_choice", "allowed_tools"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored"),
-    ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
-     "input[0].type", "web_search_call"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0].type", "input_file"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "input[0].content[0].image_url", "file_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "c",
-                 "output": [{"type": "input_image", "image_url": "http://x/i.png"}]}]},
-     "input[0].output[0].type", "user messages"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "one of"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "grammar"),
     ({}, "input", "required"),
@@ -188,6 +176,69 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     error = json.loads(untranslatable_error(caught.value))["error"]
     assert error["param"] == param and caught.value.message in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("request_body", "dropped"), [
+    ({"input": "x", "max_tool_calls": 2}, {"max_tool_calls": 1}),
+    ({"input": "x", "tools": [TOOL, {"type": "web_search"}]}, {"hosted_tool": 1}),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]},
+     {"hosted_tool": 1}),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "agents", "tools": [TOOL]},
+                              {"type": "custom", "name": "apply_patch"}]},
+     {"hosted_tool": 2}),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, {"tool_choice": 1}),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+     {"tool_choice": 1}),
+    ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
+     {"unknown_block": 1}),
+    ({"input": "x", "store": False, "include": ["reasoning.encrypted_content"],
+      "prompt_cache_key": "k", "client_metadata": {"a": "b"}, "text": {"verbosity": "low"},
+      "reasoning": {"effort": "minimal", "summary": "auto"}, "brand_new": True},
+     {"store": 1, "include": 1, "prompt_cache_key": 1, "metadata": 1, "verbosity": 1,
+      "effort": 1, "reasoning_summary": 1, "other": 1}),
+    ({"input": [{"type": "reasoning", "id": "rs", "summary": [
+        {"type": "summary_text", "text": "s"}], "encrypted_content": "gAAA"}]},
+     {"encrypted_reasoning": 1, "reasoning_summary": 1}),
+])
+def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped):
+    drops = Dropped()
+    chat = to_chat(request_body, dropped=drops)
+    assert drops.counts == dropped
+    assert "tool_choice" not in chat
+    assert all(t["type"] == "function" for t in chat.get("tools", ()))
+
+
+def test_custom_tool_calls_and_output_images_translate():
+    chat = to_chat({"input": [
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch",
+         "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        {"type": "function_call", "call_id": "c2", "name": "view_image", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": [
+            {"type": "input_text", "text": "here"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]})
+    assert chat["messages"] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "apply_patch",
+                                                          "arguments": "*** Begin Patch"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "view_image",
+                                                          "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "here"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,AA"}}]}]
+
+
+@pytest.mark.parametrize(("reasoning", "flavor", "options"), [
+    ({"effort": "high"}, "vllm", {"reasoning_effort": "high"}),
+    ({"effort": "none"}, "vllm", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ({"effort": "none"}, "openai", {}),
+])
+def test_reasoning_effort_becomes_the_engines_reasoning_options(reasoning, flavor, options):
+    chat = to_chat({"input": "x", "reasoning": reasoning}, flavor=flavor)
+    assert {k: chat[k] for k in ("reasoning_effort", "chat_template_kwargs")
+            if k in chat} == options
 
 
 # ---- whole replies -----------------------------------------------------------------------
@@ -322,17 +373,19 @@ JSON = st.recursive(
                                                                 max_size=3),
     max_leaves=12)
 ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "text",
-             "image_url", "summary", "id"]
+             "image_url", "summary", "id", "input", "encrypted_content"]
 ITEM = st.dictionaries(st.sampled_from(ITEM_KEYS),
                        JSON | st.sampled_from(["message", "function_call", "reasoning",
                                                "function_call_output", "user", "assistant",
-                                               "input_text", "input_image"]), max_size=5)
+                                               "input_text", "input_image", "developer",
+                                               "custom_tool_call",
+                                               "custom_tool_call_output"]), max_size=5)
 REQUEST = st.fixed_dictionaries({}, optional={
     "model": JSON | st.text(max_size=5), "input": st.lists(ITEM, max_size=4) | JSON,
     "instructions": JSON, "tools": st.lists(JSON | st.just(TOOL), max_size=2) | JSON,
     "tool_choice": JSON, "text": JSON, "reasoning": JSON, "include": JSON,
     "top_logprobs": JSON, "max_output_tokens": JSON, "stream": JSON, "temperature": JSON,
-    "previous_response_id": JSON,
+    "previous_response_id": JSON, "store": JSON, "client_metadata": JSON,
 })
 
 
@@ -340,7 +393,7 @@ REQUEST = st.fixed_dictionaries({}, optional={
 @given(st.one_of(REQUEST, JSON))
 def test_to_chat_raises_only_untranslatable(request_body):
     try:
-        chat = to_chat(request_body)
+        chat = to_chat(request_body, dropped=Dropped(), flavor="vllm")
     except Untranslatable as exc:
         assert isinstance(exc.message, str) and exc.message
         return
@@ -431,8 +484,9 @@ def test_sdk_stream_and_create_agree_through_the_mock_engine(via_engine):
 def test_sdk_sees_untranslatable_and_upstream_errors_in_openai_shape(via_engine, serve_app):
     client, _ = via_engine
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
-    assert caught.value.body["param"] == "tools[0].type"
+        client.responses.create(model="m", input=[
+            {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}])
+    assert caught.value.body["param"] == "input[0].content[0].type"
     failing = serve_app(scripted_chat_app((503, b'{"error":{"message":"overloaded"}}')))
     client = openai.OpenAI(base_url=serve_app(translating_app(api, failing)) + "/v1",
                            api_key="k", max_retries=0)

@@ -1,8 +1,10 @@
 """A chat-completions reply or stream chunk, read tolerantly into what translation needs.
 
-The upstream is not trusted to be well-formed: a missing or odd-typed field reads as
-absent, never as an exception. Only the first choice counts (translation never asks
-for ``n > 1``).
+The chat wire shape is decoded by ``proxy.wire``'s Structs (the one set capture and
+overlays read too). The upstream is not trusted to be well-formed: a reply or chunk with
+an odd-typed field is read again field by field, where such a field reads as absent,
+never as an exception. Only the first choice counts (translation never asks for
+``n > 1``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from tracetap.proxy import wire
 
 
 class Usage(msgspec.Struct, kw_only=True, frozen=True):
@@ -61,6 +65,103 @@ class Chunk(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def read_reply(chat: Any) -> Reply:
+    """A whole chat reply (decoded JSON) → a ``Reply``."""
+    try:
+        body = wire.as_chat_entries(chat)
+    except msgspec.ValidationError:
+        return _tolerant_reply(chat)
+    choice = wire.first_choice(body.choices)
+    message = (choice.message if choice is not None else None) or wire.Message()
+    return Reply(
+        text=message.content,
+        reasoning=message.reasoning_text,
+        tool_calls=[ToolCall(id=c.id, name=_name(c), arguments=_arguments(c))
+                    for c in message.tool_calls or ()],
+        finish_reason=choice.finish_reason if choice is not None else None,
+        stop_reason=choice.stop_reason if choice is not None else None,
+        logprobs=_entries(choice),
+        usage=_usage(body.usage),
+        created=body.created,
+    )
+
+
+def read_chunk(chunk: Any) -> Chunk:
+    """One chat stream chunk (decoded JSON) → a ``Chunk``."""
+    try:
+        body = wire.as_chat_entries(chunk)
+    except msgspec.ValidationError:
+        return _tolerant_chunk(chunk)
+    if body.error is not None:  # rare: read as tolerantly as ever
+        return _tolerant_chunk(chunk)
+    return _chunk(body, logprobs=True)
+
+
+def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
+    """``read_chunk`` straight from the chunk's bytes: the fields translation reads are
+    decoded in C (the rest, logprobs unless asked for, are skipped), which is what keeps
+    a translated stream near the chat path's cost. Odd-typed fields fall back to the
+    tolerant reading; bad JSON raises msgspec.DecodeError."""
+    try:
+        body = (wire.decode_chat_entries if logprobs else wire.decode_chat_text)(data)
+    except msgspec.ValidationError:
+        body = None
+    if body is None or body.error is not None:  # rare: read as tolerantly as ever
+        chunk = _tolerant_chunk(msgspec.json.decode(data))
+        return chunk if logprobs else msgspec.structs.replace(chunk, logprobs=[])
+    return _chunk(body, logprobs=logprobs)
+
+
+def _chunk(body: wire.ChatTextBody, *, logprobs: bool) -> Chunk:
+    choice = wire.first_choice(body.choices)
+    delta = (choice.delta if choice is not None else None) or wire.Message()
+    return Chunk(
+        text=delta.content,
+        reasoning=delta.reasoning_text,
+        tools=[ToolDelta(index=position if c.index is None else c.index, id=c.id,
+                         name=_name(c), arguments=_arguments(c))
+               for position, c in enumerate(delta.tool_calls or ())],
+        finish_reason=choice.finish_reason if choice is not None else None,
+        stop_reason=choice.stop_reason if choice is not None else None,
+        logprobs=_entries(choice) if logprobs else [],
+        usage=_usage(body.usage),
+        created=body.created,
+        error=None,  # a chunk with an error object is read field by field
+    )
+
+
+def _name(call: wire.ToolCall) -> str | None:
+    return call.function.name if call.function is not None else None
+
+
+def _arguments(call: wire.ToolCall) -> str:
+    return (call.function.arguments or "") if call.function is not None else ""
+
+
+def _entries(choice: wire.ChatTextChoice | None) -> list[dict[str, Any]]:
+    logprobs = getattr(choice, "logprobs", None)
+    if logprobs is None:
+        return []
+    return [e for e in logprobs.content or () if isinstance(e, dict)]
+
+
+def _usage(usage: wire.Usage | None) -> Usage | None:
+    if usage is None or (usage.prompt_tokens is None and usage.completion_tokens is None):
+        return None
+    prompt, completion = usage.prompt_tokens or 0, usage.completion_tokens or 0
+    details, output = usage.prompt_tokens_details, usage.completion_tokens_details
+    return Usage(
+        prompt=prompt,
+        completion=completion,
+        total=prompt + completion if usage.total_tokens is None else usage.total_tokens,
+        cached=details.cached_tokens if details is not None else None,
+        reasoning=output.reasoning_tokens if output is not None else None,
+    )
+
+
+# ---- field by field, for replies and chunks with odd-typed fields --------------------------
+
+
+def _tolerant_reply(chat: Any) -> Reply:
     body = chat if isinstance(chat, dict) else {}
     choice = _first_choice(body)
     message = _dict(choice.get("message"))
@@ -86,7 +187,7 @@ def read_reply(chat: Any) -> Reply:
     )
 
 
-def read_chunk(chunk: Any) -> Chunk:
+def _tolerant_chunk(chunk: Any) -> Chunk:
     body = chunk if isinstance(chunk, dict) else {}
     choice = _first_choice(body)
     delta = _dict(choice.get("delta"))
@@ -115,92 +216,6 @@ def read_chunk(chunk: Any) -> Chunk:
     )
 
 
-class _View(msgspec.Struct, kw_only=True, gc=False):
-    pass
-
-
-class _FunctionView(_View):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class _ToolView(_View):
-    index: int | None = None
-    id: str | None = None
-    function: _FunctionView | None = None
-
-
-class _DeltaView(_View):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[_ToolView] | None = None
-
-
-class _ChoiceView(_View):
-    index: int | None = None
-    delta: _DeltaView | None = None
-    finish_reason: str | None = None
-    stop_reason: Any = None
-
-
-class _LogprobsView(_View):
-    content: list[dict[str, Any]] | None = None
-
-
-class _ChoiceWithLogprobs(_ChoiceView):
-    logprobs: _LogprobsView | None = None
-
-
-class _ChunkView(_View):
-    created: int | None = None
-    choices: list[_ChoiceView] | None = None
-    usage: dict[str, Any] | None = None
-    error: Any = None
-
-
-class _ChunkWithLogprobs(_ChunkView):
-    choices: list[_ChoiceWithLogprobs] | None = None
-
-
-_DECODE_CHUNK = msgspec.json.Decoder(_ChunkView).decode
-_DECODE_CHUNK_LOGPROBS = msgspec.json.Decoder(_ChunkWithLogprobs).decode
-
-
-def read_chunk_bytes(data: bytes, *, logprobs: bool = False) -> Chunk:
-    """``read_chunk`` straight from the chunk's bytes: the fields translation reads are
-    decoded in C (the rest, logprobs unless asked for, are skipped), which is what keeps
-    a translated stream near the chat path's cost. Odd-typed fields fall back to
-    ``read_chunk``'s tolerant reading; bad JSON raises msgspec.DecodeError."""
-    try:
-        view = (_DECODE_CHUNK_LOGPROBS if logprobs else _DECODE_CHUNK)(data)
-    except msgspec.ValidationError:
-        view = None
-    if view is None or view.error is not None:  # rare: read as tolerantly as ever
-        chunk = read_chunk(msgspec.json.decode(data))
-        return chunk if logprobs else msgspec.structs.replace(chunk, logprobs=[])
-    choice = next((c for c in view.choices or () if c.index in (None, 0)), None)
-    delta = choice.delta if choice is not None and choice.delta is not None else _DeltaView()
-    tools = [ToolDelta(index=position if call.index is None else call.index, id=call.id,
-                       name=call.function.name if call.function is not None else None,
-                       arguments=(call.function.arguments or "") if call.function else "")
-             for position, call in enumerate(delta.tool_calls or ())]
-    entries: list[dict[str, Any]] = []
-    if logprobs and choice is not None and choice.logprobs is not None:
-        entries = [e for e in choice.logprobs.content or () if isinstance(e, dict)]
-    return Chunk(
-        text=delta.content,
-        reasoning=delta.reasoning_content or delta.reasoning,
-        tools=tools,
-        finish_reason=choice.finish_reason if choice is not None else None,
-        stop_reason=choice.stop_reason if choice is not None else None,
-        logprobs=entries,
-        usage=None if view.usage is None else read_usage(view.usage),
-        created=view.created,
-        error=None,
-    )
-
-
 def read_usage(value: Any) -> Usage | None:
     usage = _dict(value)
     prompt, completion = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
@@ -226,9 +241,9 @@ def _first_choice(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reasoning(message: dict[str, Any]) -> str | None:
-    # Engines name it reasoning_content (DeepSeek, SGLang, llama.cpp, older vLLM) or
-    # reasoning (newer vLLM); some send both with the same text: take one, never both.
-    return _str(message.get("reasoning_content")) or _str(message.get("reasoning"))
+    # The one rule for which field carries it lives with the wire Structs.
+    return wire.Message(reasoning_content=_str(message.get("reasoning_content")),
+                        reasoning=_str(message.get("reasoning"))).reasoning_text
 
 
 def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:

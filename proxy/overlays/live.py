@@ -21,6 +21,7 @@ from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.headers import response_headers
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
+from tracetap.proxy.wire import Message, decode_chat_text
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall
@@ -107,31 +108,22 @@ def broken(call: ModelCall, exc: UpstreamBroken) -> ProxyError:
                       "upstream_error")
 
 
-def _chunk(data: bytes | None) -> dict[str, Any] | None:
+def _deltas(data: bytes | None) -> list[Message]:
+    """The chunk's deltas, read through the chat wire Structs (``proxy.wire``)."""
     try:
-        chunk = msgspec.json.decode(data) if data else None
-    except msgspec.DecodeError:
-        return None  # capture counts it
-    return chunk if isinstance(chunk, dict) else None
-
-
-def _deltas(data: bytes | None) -> list[dict[str, Any]]:
-    chunk = _chunk(data)
-    choices = chunk.get("choices") if chunk is not None else None
-    return [
-        c["delta"]
-        for c in choices or ()
-        if isinstance(c, dict) and isinstance(c.get("delta"), dict)
-    ]
+        body = decode_chat_text(data) if data else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return []  # capture counts it
+    return [c.delta for c in body.choices if c.delta is not None] if body is not None else []
 
 
 def _tool_call_delta(data: bytes | None) -> bool:
     if data is None or b'"tool_calls"' not in data:
         return False
-    return any(d.get("tool_calls") for d in _deltas(data))
+    return any(d.tool_calls for d in _deltas(data))
 
 
 def _content(data: bytes | None) -> str:
     if data is None or b'"content"' not in data:
         return ""
-    return "".join(d["content"] for d in _deltas(data) if isinstance(d.get("content"), str))
+    return "".join(d.content for d in _deltas(data) if d.content)
