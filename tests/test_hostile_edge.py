@@ -264,26 +264,35 @@ def test_a_gzip_bomb_is_refused_at_the_limit_without_inflating_it(upstream, seen
     upgrade(db)
     proxy = ProxyProcess(upstream=upstream, db=db, data_dir=tmp_path / "d",
                          log=tmp_path / "proxy.log", extra=("--max-body", str(4 << 20)))
-    bomb = _bomb(1 << 30)  # 1 GiB of zeros in about 1 MiB
+    bomb = _bomb(256 << 20)  # 256 MiB of zeros in about 256 KiB
     try:
         proxy.start()
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=120)
         conn.request("GET", "/v1/models")  # the process as it serves, before the bomb
         conn.getresponse().read()
         conn.close()
-        before = proxy.rss_bytes()
+        before = _peak_rss(proxy)
         for path in ("/v1/chat/completions", "/tokenize"):
             status, body = _raw(proxy, "POST", path, {
                 "Content-Type": "application/json", "Content-Encoding": "gzip"}, bomb)
             assert status == 413, body
             assert body["error"]["code"] == "request_too_large"
-        grown = proxy.rss_bytes() - before
+        grown = _peak_rss(proxy) - before
     finally:
         proxy.stop()
-    # The bomb cost at most about the limit (4 MiB) in memory, not its 1 GiB.
-    print(f"RSS grew {grown / 2**20:.1f} MiB for two 1 GiB gzip bombs (limit 4 MiB)")
+    # The bomb cost at most about the limit (4 MiB) in memory, not its 256 MiB.
+    print(f"peak RSS grew {grown / 2**20:.1f} MiB for two 256 MiB gzip bombs")
     assert grown < 48 << 20, grown
     assert [s["path"] for s in seen if s["method"] == "POST"] == []
+
+
+def _peak_rss(proxy: ProxyProcess) -> int:
+    """The process's high-water resident set (VmHWM): what a body cost at its peak, not
+    what is left once it is freed."""
+    for line in Path(f"/proc/{proxy.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
 
 
 def test_a_stalled_body_is_cut_off(make_proxy, seen):
@@ -291,9 +300,10 @@ def test_a_stalled_body_is_cut_off(make_proxy, seen):
     with socket.create_connection(("127.0.0.1", proxy.settings.port), timeout=60) as sock:
         sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\":")
-        reply = _read_all(sock)  # the 408, then the proxy closes the connection
-    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-    assert b"request_timeout" in reply
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        assert reply.status == 408
+        assert json.loads(reply.read())["error"]["code"] == "request_timeout"
     assert seen == []
 
 
@@ -333,19 +343,11 @@ def test_one_peer_with_2000_idle_connections_does_not_lock_others_out(upstream, 
     proxy = ProxyProcess(upstream=upstream, db=db, data_dir=tmp_path / "d",
                          log=tmp_path / "proxy.log",
                          extra=("--max-peer-connections", "1000"))
-    # Started under the usual 1024 soft limit: the proxy raises it itself.
-    proxy.args = [sys.executable, "-c", "import os, resource, sys; "
-                  "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit("
-                  "resource.RLIMIT_NOFILE)[1])); os.execv(sys.executable, sys.argv[1:])",
-                  *proxy.args]
+    _under_usual_soft_limit(proxy)
     attackers: list[socket.socket] = []
     try:
         proxy.start()
-        limits = (Path(f"/proc/{proxy.process.pid}/limits").read_text()
-                  if sys.platform == "linux" else "")
-        for line in limits.splitlines():
-            if line.startswith("Max open files"):
-                assert line.split()[3] == line.split()[4] != "1024", line
+        _assert_soft_limit_raised(proxy.process.pid)
         refused = 0
         for _ in range(2000):
             sock = socket.socket()
@@ -371,5 +373,50 @@ def test_one_peer_with_2000_idle_connections_does_not_lock_others_out(upstream, 
         assert 'tracetap_agent_refused_total{reason="too_many_connections"} 1000.0' in text
     finally:
         for sock in attackers:
+            sock.close()
+        proxy.stop()
+
+
+def _under_usual_soft_limit(proxy: ProxyProcess) -> None:
+    """Start the proxy under the usual 1024 soft open-files limit: it raises it itself."""
+    proxy.args = [sys.executable, "-c", "import os, resource, sys; "
+                  "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit("
+                  "resource.RLIMIT_NOFILE)[1])); os.execv(sys.executable, sys.argv[1:])",
+                  *proxy.args]
+
+
+def _assert_soft_limit_raised(pid: int) -> None:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            assert soft == hard != "1024", line
+
+
+def test_workers_get_the_same_connection_limits(upstream, tmp_path):
+    db = f"sqlite:///{tmp_path / 'w.db'}"
+    upgrade(db)
+    proxy = ProxyProcess(upstream=upstream, db=db, data_dir=tmp_path / "d",
+                         log=tmp_path / "proxy.log",
+                         extra=("--workers", "2", "--max-peer-connections", "2",
+                                "--idle-timeout", "3"))
+    _under_usual_soft_limit(proxy)
+    socks: list[socket.socket] = []
+    try:
+        proxy.start()
+        pid = proxy.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        workers = [c for c in children  # not multiprocessing's resource tracker
+                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(workers) == 2, children
+        for worker in workers:
+            _assert_soft_limit_raised(int(worker))
+        for _ in range(6):  # two workers, two each at most: two or more are refused
+            sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=60)
+            socks.append(sock)
+        replies = [_read_all(sock) for sock in socks]  # refused at once, or idle-closed
+        assert sum(r.startswith(b"HTTP/1.1 429") for r in replies) >= 2, replies
+        assert all(r == b"" for r in replies if not r.startswith(b"HTTP/1.1 429"))
+    finally:
+        for sock in socks:
             sock.close()
         proxy.stop()
