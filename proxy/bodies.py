@@ -1,9 +1,10 @@
 """Reading an agent's request body: one size limit on every path, compressed or not.
 
 aiohttp's server inflates gzip and deflate request bodies as they arrive, a bounded piece
-at a time; the limit here counts the inflated bytes, so a small gzip bomb is refused with
-a 413 once it has inflated past ``--max-body``, having cost at most that much memory. The
-body is forwarded as it was read, inflated, and so without its Content-Encoding header
+at a time (since aiohttp 3.14.1; 3.14.0 inflated a whole received chunk at once); the
+limit here counts the inflated bytes, so a small gzip bomb is refused with a 413 once it
+has inflated past ``--max-body``, having cost at most that much memory. The body is
+forwarded as it was read, inflated, and so without its Content-Encoding header
 (``headers.upstream_request_headers``). Encodings the server does not inflate are refused
 rather than forwarded under a label that no longer fits. A client that stops sending
 mid-body is cut off after ``--body-timeout`` seconds without a byte. What is left unread

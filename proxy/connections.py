@@ -5,7 +5,9 @@ or send half a request and stall. Unbounded, they use up the process's open-file
 and then every new client is reset. So: the soft open-files limit is raised to the hard
 one at start; a connection that has not sent a whole request's headers within
 ``--idle-timeout`` seconds (after it opened, or after its last reply) is closed (aiohttp's
-keep-alive timer, which runs from the connection's start); a stalled body is cut off by
+keep-alive timer, which runs from the connection's start since aiohttp 3.14.4: earlier
+ones left a connection that never sent a request open for good; tests/test_hostile_edge.py
+checks it); a stalled body is cut off by
 ``proxy.bodies``; and a peer (an IP address) past ``--max-peer-connections`` open
 connections, or any peer once the process nears its descriptor limit, is answered a 429
 or 503 in the OpenAI error shape and closed at once.
