@@ -7,10 +7,11 @@ import time
 
 from aiohttp import web
 
+from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded
 from tracetap.proxy.capture import ModelCall
-from tracetap.proxy.errors import ProxyError, speaks_anthropic, too_large
-from tracetap.proxy.exposure import check_raw_path, refused
+from tracetap.proxy.errors import ProxyError, speaks_anthropic
+from tracetap.proxy.exposure import checked_path, refused, upstream_path
 from tracetap.proxy.headers import (
     EPISODE_HEADER,
     OVERHEAD_HEADER,
@@ -42,7 +43,7 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     path = _api_path(request)
     anthropic = speaks_anthropic(path, request.headers)
     try:
-        check_raw_path(request.raw_path)
+        path = _api_path(request, checked_path(request.raw_path))
         route = state.routing.route(path, state.flavor) if request.method == "POST" else None
         if route is not None:
             return await model_call(request, route, path)
@@ -60,9 +61,15 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     return await passthrough(request, path)
 
 
-def _api_path(request: web.Request) -> str:
-    """The path as the upstream API knows it, without the episode prefix."""
+def _api_path(request: web.Request, checked: str | None = None) -> str:
+    """The path as the upstream API knows it, without the episode prefix: from the
+    checked path (``exposure.checked_path``) once there is one."""
     info = request.match_info
+    if checked is not None:
+        if "episode" not in info:
+            return checked
+        rest = checked.removeprefix("/episodes/").partition("/")[2]
+        return "/" + rest if rest else ""
     if "episode" not in info:
         return request.path
     if "tail" in info:
@@ -80,10 +87,8 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             call.tag(
                 await state.tagger.episode_for(request.headers, request.match_info.get("episode"))
             )
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge as exc:
-                raise too_large(state.settings.max_body) from exc
+            body = await read_body(request, state.settings.max_body,
+                                   state.settings.body_timeout)
             upstream_body = call.parse_request(body)
             route = call.route  # --translate auto may pick another route for this request
             overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
@@ -195,8 +200,8 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> 
 
 
 async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
-    """An exposed path that is not captured (models, tokenize, --allow-path): relayed
-    untouched, streamed both ways."""
+    """An exposed path that is not captured (models, tokenize, --allow-path): the body
+    read under the same limit as model calls, the reply relayed untouched as it streams."""
     state = request.app[STATE]
     headers = upstream_request_headers(
         request.headers,
@@ -204,19 +209,18 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         forward_client_auth=state.settings.forward_client_auth,
         identity=False,
     )
-    body = request.content if request.body_exists else None
     episode_id = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER)
     t_start = time.time()
     code = "499"
     try:
         try:
+            body = await read_body(request, state.settings.max_body, state.settings.body_timeout)
             _, reply = await state.pool.send(
                 request.method,
                 _with_query(path, request),
                 headers,
-                body,
+                body if request.body_exists else None,
                 episode_id=episode_id,
-                retry=body is None,
             )
         except ProxyError as error:
             code = str(error.status)
@@ -257,4 +261,5 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
 
 
 def _with_query(path: str, request: web.Request) -> str:
-    return f"{path}?{request.query_string}" if request.query_string else path
+    """The upstream's path and query: the checked path, encoded once (exposure.py)."""
+    return upstream_path(path, request.rel_url.raw_query_string)

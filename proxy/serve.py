@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import socket
 
 from aiohttp import web
 
+from tracetap.proxy import connections
+from tracetap.proxy.keys import STATE
 from tracetap.proxy.settings import Settings
+
+log = logging.getLogger("tracetap")
 
 
 def listeners(
@@ -51,16 +56,56 @@ def listen_unix(path: str) -> socket.socket:
 
 
 def run(app: web.Application, sockets: list[socket.socket], settings: Settings) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (--drain-timeout) and flush."""
+    """Serve until SIGTERM or SIGINT, then drain (--drain-timeout) and flush. What
+    aiohttp's run_app does, with the runner's server in reach for the connection caps."""
     _tune_gc()
-    web.run_app(
-        app,
-        sock=sockets,
-        print=None,
-        shutdown_timeout=settings.drain_timeout,
-        loop=_new_loop(),
-        access_log=None,
-    )
+    before, after = connections.raise_open_files_limit()
+    if after != before:
+        log.info("open files limit raised from %d to %d", before, after)
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(_serve(app, sockets, settings))
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()  # its finally drains and cleans up
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            _cancel_all(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+
+async def _serve(app: web.Application, sockets: list[socket.socket], settings: Settings):
+    runner = connections.runner(app, settings, handle_signals=True,
+                                shutdown_timeout=settings.drain_timeout)
+    await runner.setup()
+    try:
+        serve_connections(runner, settings)
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        await asyncio.Event().wait()  # until SIGTERM or SIGINT raises GracefulExit
+    finally:
+        await runner.cleanup()
+
+
+def serve_connections(runner: web.AppRunner, settings: Settings) -> connections.PeerLimit:
+    """The per-peer and total connection caps on a set-up runner, refusals counted."""
+    metrics = runner.app[STATE].metrics
+    return connections.limit_peers(
+        runner, settings, lambda reason: metrics.child(metrics.refused, reason).inc())
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def _tune_gc() -> None:

@@ -47,6 +47,9 @@ class Settings(msgspec.Struct, kw_only=True):
     db: str | None = None
     data_dir: str = config.DEFAULT_DATA_DIR
     max_body: int = 64 << 20
+    body_timeout: float = 60.0
+    idle_timeout: float = 75.0
+    max_peer_connections: int = 1024
     journal_max_bytes: int = 1 << 30
     drain_timeout: float = 30.0
     admin_token: str | None = None
@@ -111,6 +114,11 @@ class Settings(msgspec.Struct, kw_only=True):
         if self.admin_port is not None and not (
                 0 < self.admin_port < 65536 and self.admin_port != self.port):
             raise ValueError(f"--admin-port must be 1-65535 and not --port, got {self.admin_port}")
+        for name in ("body_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_peer_connections < 0:
+            raise ValueError("--max-peer-connections must be 0 (no cap) or more")
         if not 0 < self.workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be 1-{MAX_WORKERS}, got {self.workers}")
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
@@ -219,7 +227,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data-dir", default=_env("data_dir", d.data_dir), metavar="DIR",
       help=config.DATA_DIR_HELP)
     a("--max-body", type=int, default=int(_env("max_body", d.max_body)),
-      help="request body limit in bytes (413 above)")
+      help="request body limit in bytes on every agent path, counted after gzip or "
+           "deflate is inflated (413 above)")
+    a("--body-timeout", type=float, default=float(_env("body_timeout", d.body_timeout)),
+      help="seconds a request body may stall between bytes before a 408")
+    a("--idle-timeout", type=float, default=float(_env("idle_timeout", d.idle_timeout)),
+      help="seconds a client connection may go without sending a whole request's headers "
+           "(idle keep-alive, or headers sent slowly) before it is closed")
+    a("--max-peer-connections", type=int,
+      default=int(_env("max_peer_connections", d.max_peer_connections)),
+      help="open connections one client address may hold; past it a 429 and close "
+           "(0: no cap)")
     a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)),
       help="journal bound; past it records are dropped and counted")
     a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)),

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from tracetap.proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
 
@@ -88,11 +89,13 @@ class UpstreamClient:
             await self._session.close()
 
     async def send(self, method: str, url: str, headers: dict[str, str], body) -> Reply:
-        """Send a request; connection failures and timeouts become ProxyErrors."""
+        """Send a request; connection failures and timeouts become ProxyErrors. ``url`` is
+        already encoded (``exposure.upstream_path``): sent as it is, not decoded, requoted
+        or dot-resolved, so the upstream sees the path that was checked."""
         assert self._session is not None, "UpstreamClient.start() not called"
         try:
             response = await self._session.request(
-                method, url, headers=headers, data=body, allow_redirects=False,
+                method, URL(url, encoded=True), headers=headers, data=body, allow_redirects=False,
             )
         except asyncio.TimeoutError as exc:
             raise upstream_timeout(self.timeout) from exc

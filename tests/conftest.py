@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, settings
 
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.migrations import upgrade
+from tracetap.proxy import connections, serve
 from tracetap.proxy.admin_token import read_admin_token
 from tracetap.proxy.app import build_app
 from tracetap.proxy.keys import STATE
@@ -102,8 +103,10 @@ class Proxy:
 
     def start(self) -> Proxy:
         async def _start():
-            self.runner = web.AppRunner(build_app(self.settings), access_log=None)
+            # As `tracetap serve` runs it: the same timeouts and connection caps.
+            self.runner = connections.runner(build_app(self.settings), self.settings)
             await self.runner.setup()
+            serve.serve_connections(self.runner, self.settings)
             await web.TCPSite(self.runner, "127.0.0.1", self.settings.port).start()
 
         self.loop.run(_start())
