@@ -9,7 +9,6 @@ follows the schema (the mock engine does) reads the real file.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -97,5 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop(asyncio.new_event_loop())  # Runner.run_sync wants a loop
     main()

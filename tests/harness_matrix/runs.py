@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 TASK = "Read notes.txt and tell me the answer it holds."
 NOTES = "The answer is 42.\n"
 MODEL = "mock-model"
+CLOSED_PORT = "http://127.0.0.1:9/"  # discard: nothing listens, a fetch fails at once
 
 
 def install_dir() -> Path:
@@ -99,6 +100,9 @@ check_for_update_on_startup = false
 [analytics]
 enabled = false
 
+[features]
+plugins = false  # no curated-plugin sync from github.com / chatgpt.com at startup
+
 [model_providers.tracetap]
 name = "tracetap"
 base_url = "{place.openai_url}"
@@ -149,6 +153,10 @@ def opencode(place: Place) -> Run:
         "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
         "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
         "OPENCODE_DISABLE_SHARE": "1",
+        # At startup opencode installs @opencode-ai/plugin into its config folder from
+        # the npm registry; it runs the same without it, so the registry is a closed port.
+        "NPM_CONFIG_REGISTRY": CLOSED_PORT,
+        "BUN_CONFIG_REGISTRY": CLOSED_PORT,
     }
     return Run([place.bin("opencode"), "run", TASK], env)
 
