@@ -6,8 +6,9 @@ notes.txt and answer") as its own episode. The engine calls a tool on the first 
 with no text before the call (the bare tool-call turn is the hardest case for logprobs),
 so every episode has at least two calls. Then: every call is captured with token ids and
 logprobs for its whole completion, and the episode exports as one trajectory or splits
-with a named cause (exporters.history.CAUSES, or sample/retry/branch). A harness release
-that changes shape turns this red.
+with a named cause (exporters.history.CAUSES, or sample/retry/branch): exactly the causes
+docs/harnesses.md gives for that harness. A harness release that changes the shape of
+its requests or how it resends its history turns this red.
 
 Failures issue 26 names today are xfail(strict) through KnownGap, raised only when that
 exact symptom shows: any other failure fails, and a fixed one fails as XPASS (then drop
@@ -79,9 +80,13 @@ BARE_TOOL_TURN_NO_LOGPROBS = Gap(
 class Harness:
     run: Callable[[runs.Place], runs.Run]
     package: str  # its name in versions.txt
-    translate: str = "auto"  # the proxy's --translate ("all": as on an engine without
-    # native Responses, e.g. SGLang or llama.cpp)
+    # tracetap serve's settings beyond the matrix's own: ("translate", "all") is what an
+    # engine without native Responses (SGLang, llama.cpp) gets.
+    serve: tuple[tuple[str, object], ...] = ()
     gaps: tuple[Gap, ...] = ()  # issue 26's failures this harness may show today
+    # The causes its rows split by (docs/harnesses.md says why): a release that changes
+    # how the harness resends its history changes these.
+    splits: frozenset[str] = frozenset()
 
 
 HARNESSES = {
@@ -93,17 +98,24 @@ HARNESSES = {
     # Fixing the first gap by translating Codex's turns to chat meets the second.
     "codex": Harness(runs.codex, "@openai/codex",
                      gaps=(BARE_TOOL_TURN_NO_LOGPROBS, NAMESPACE_TOOL_REFUSED)),
-    "codex-translated": Harness(runs.codex, "@openai/codex", translate="all",
+    "codex-translated": Harness(runs.codex, "@openai/codex", serve=(("translate", "all"),),
                                 gaps=(NAMESPACE_TOOL_REFUSED,)),
     "qwen-code": Harness(runs.qwen_code, "@qwen-code/qwen-code"),
-    "opencode": Harness(runs.opencode, "opencode-ai"),
+    # Its first call writes the session's title: a conversation of its own.
+    "opencode": Harness(runs.opencode, "opencode-ai", splits=frozenset({"system_changed"})),
     "openai-agents": Harness(runs.framework("openai-agents"), "openai-agents",
                              gaps=(BARE_TOOL_TURN_NO_LOGPROBS,)),
     "openai-agents-translated": Harness(runs.framework("openai-agents"), "openai-agents",
-                                        translate="all"),
-    "langchain-openai": Harness(runs.framework("langchain-openai"), "langchain-openai"),
+                                        serve=(("translate", "all"),)),
+    "langchain-openai": Harness(runs.framework("langchain-openai"), "langchain-openai",
+                                splits=frozenset({"tool_args_reserialized"})),
+    # Its re-serialised tool arguments split the episode; history repair undoes that.
+    "langchain-openai-repaired": Harness(runs.framework("langchain-openai"), "langchain-openai",
+                                         serve=(("repair_history", True),)),
     "pydantic-ai": Harness(runs.framework("pydantic-ai"), "pydantic-ai-slim[openai]"),
-    "smolagents": Harness(runs.framework("smolagents"), "smolagents"),
+    # Tool calls resent as text parts; the final answer asked for in a new conversation.
+    "smolagents": Harness(runs.framework("smolagents"), "smolagents",
+                          splits=frozenset({"content_parts", "system_changed"})),
 }
 CASES = [pytest.param(name, marks=pytest.mark.xfail(
     raises=KnownGap, strict=True, reason=" / ".join(gap.reason for gap in harness.gaps)))
@@ -122,21 +134,20 @@ def tools() -> Path:
 
 
 @pytest.fixture(scope="module")
-def proxies(tmp_path_factory) -> Iterator[dict[str, Proxy]]:
+def proxies(tmp_path_factory) -> Iterator[dict[tuple, Proxy]]:
     """The mock engine (one bare tool call, then an answer) behind tracetap on SQLite,
-    once per --translate setting the harnesses use."""
+    once per set of serve settings the harnesses use."""
     loop = LoopThread()
     engine = EngineServer(EngineConfig(flavor="vllm", tool_rounds=1, tool_preface=0.0))
     loop.run(engine.start())
     started = {}
-    for translate in sorted({h.translate for h in HARNESSES.values()}):
-        data = tmp_path_factory.mktemp(f"matrix-{translate}")
+    for serve in {h.serve for h in HARNESSES.values()}:
+        data = tmp_path_factory.mktemp("matrix")
         db = f"sqlite:///{data / 'tracetap.db'}"
         upgrade(db)
         settings = Settings(upstream=engine.url, db=db, data_dir=str(data / "data"),
-                            port=free_port(), translate=translate,
-                            model_map=["claude-*=mock-model"])
-        started[translate] = Proxy(loop, settings).start()
+                            port=free_port(), model_map=["claude-*=mock-model"], **dict(serve))
+        started[serve] = Proxy(loop, settings).start()
     yield started
     for proxy in started.values():
         proxy.stop()
@@ -186,7 +197,7 @@ def assert_trajectories(rows: list[dict], calls: list[dict]) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_harness_through_tracetap(name, tools, proxies, tmp_path):
     harness = HARNESSES[name]
-    proxy = proxies[harness.translate]
+    proxy = proxies[harness.serve]
     assert harness.package in runs.pinned()
     place = runs.Place(tools=tools, proxy=proxy.url, episode=f"matrix-{name}",
                        home=tmp_path / "home", work=tmp_path / "work")
@@ -211,3 +222,5 @@ def test_harness_through_tracetap(name, tools, proxies, tmp_path):
     assert summary.left_out == {}, summary.left_out
     rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
     assert_trajectories(rows, calls)
+    causes = {r["drift_cause"] or r["split_reason"] for r in rows if r["split_reason"]}
+    assert causes == harness.splits, causes
