@@ -6,7 +6,7 @@ notes.txt and answer") as its own episode. The engine calls a tool on the first 
 with no text before the call (the bare tool-call turn is the hardest case for logprobs),
 so every episode has at least two calls. Then: every call is captured with token ids and
 logprobs for its whole completion, and the episode exports as one trajectory or splits
-with a named cause (exporters.history.CAUSES, or sample/retry/branch): exactly the causes
+with a named cause (exporters.history.CAUSES, or sample/retry/branch), among those
 docs/harnesses.md gives for that harness. A harness release that changes the shape of
 its requests or how it resends its history turns this red.
 
@@ -84,17 +84,21 @@ class Harness:
     # engine without native Responses (SGLang, llama.cpp) gets.
     serve: tuple[tuple[str, object], ...] = ()
     gaps: tuple[Gap, ...] = ()  # issue 26's failures this harness may show today
-    # The causes its rows split by (docs/harnesses.md says why): a release that changes
-    # how the harness resends its history changes these.
+    # The causes its rows may split by (docs/harnesses.md says why); a release that
+    # resends its history another way shows a new one.
     splits: frozenset[str] = frozenset()
 
 
 HARNESSES = {
     "claude-code": Harness(runs.claude_code, "@anthropic-ai/claude-code",
                            gaps=(SYSTEM_ROLE_REFUSED,)),
-    # An explicit older model: a request shape the translation accepts today.
+    # An explicit older model: a request shape the translation accepts today. It resends
+    # tool input with its keys in schema order; when that is not the order the model wrote
+    # them in, the next prompt's tokens differ, and the split reads as template_drift
+    # (the stored Messages reply has the input as a value, with no spelling).
     "claude-code-sonnet-4-5": Harness(lambda p: runs.claude_code(p, "claude-sonnet-4-5"),
-                                      "@anthropic-ai/claude-code"),
+                                      "@anthropic-ai/claude-code",
+                                      splits=frozenset({"template_drift"})),
     # Fixing the first gap by translating Codex's turns to chat meets the second.
     "codex": Harness(runs.codex, "@openai/codex",
                      gaps=(BARE_TOOL_TURN_NO_LOGPROBS, NAMESPACE_TOOL_REFUSED)),
@@ -223,4 +227,4 @@ def test_harness_through_tracetap(name, tools, proxies, tmp_path):
     rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
     assert_trajectories(rows, calls)
     causes = {r["drift_cause"] or r["split_reason"] for r in rows if r["split_reason"]}
-    assert causes == harness.splits, causes
+    assert causes <= harness.splits, causes

@@ -5,6 +5,12 @@ or proxy setting leaks in) with HOME in the run's own directory, a dummy key, th
 episode's base URL, telemetry and update checks off, and tools approved without a prompt
 (the suite runs as root, where Claude Code refuses --dangerously-skip-permissions: its
 Read tool is allowed by name and the rest are refused without a prompt in -p mode).
+
+The mock engine calls the first tool a harness offers, with arguments drawn from its
+schema. For Claude Code and Qwen Code that is the sub-agent tool, and a sub-agent of a
+random type, sometimes in the background, makes the episode's calls differ from run to
+run; that tool is removed (--disallowedTools Agent, permissions.deny), so the first tool
+is an ordinary one.
 docs/harnesses.md lists these settings for users.
 """
 
@@ -83,7 +89,8 @@ def claude_code(place: Place, model: str | None = None) -> Run:
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
-    argv = [place.bin("claude"), "-p", TASK, "--allowedTools", "Read", "--max-turns", "4"]
+    argv = [place.bin("claude"), "-p", TASK, "--allowedTools", "Read",
+            "--disallowedTools", "Agent", "--max-turns", "4"]
     return Run(argv + (["--model", model] if model else []), env)
 
 
@@ -118,6 +125,7 @@ def qwen_code(place: Place) -> Run:
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text(json.dumps({
         "security": {"auth": {"selectedType": "openai"}},
+        "permissions": {"deny": ["agent"]},  # removes the sub-agent tool (module docstring)
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
     }))
