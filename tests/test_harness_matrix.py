@@ -89,13 +89,13 @@ class Harness:
     splits: frozenset[str] = frozenset()
 
 
+# Claude Code resends tool input with its keys in schema order; when that is not the
+# order the model wrote them in, the next prompt's tokens differ, and the split reads as
+# template_drift (the stored Messages reply has the input as a value, with no spelling).
 HARNESSES = {
     "claude-code": Harness(runs.claude_code, "@anthropic-ai/claude-code",
-                           gaps=(SYSTEM_ROLE_REFUSED,)),
-    # An explicit older model: a request shape the translation accepts today. It resends
-    # tool input with its keys in schema order; when that is not the order the model wrote
-    # them in, the next prompt's tokens differ, and the split reads as template_drift
-    # (the stored Messages reply has the input as a value, with no spelling).
+                           gaps=(SYSTEM_ROLE_REFUSED,), splits=frozenset({"template_drift"})),
+    # An explicit older model: a request shape the translation accepts today.
     "claude-code-sonnet-4-5": Harness(lambda p: runs.claude_code(p, "claude-sonnet-4-5"),
                                       "@anthropic-ai/claude-code",
                                       splits=frozenset({"template_drift"})),
