@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from tracetap.proxy.settings import Settings
 # A harness run is a few seconds; this is for a harness that hangs (waiting on a
 # prompt, or retrying a refused request with back-off).
 RUN_TIMEOUT_S = 180
+# Runs at once (module fixture `launched`); the processes mostly wait, even on 2 cores.
+LAUNCH_WORKERS = 4
 OTHER_SPLITS = {"sample", "retry", "branch"}
 
 
@@ -159,16 +162,44 @@ def proxies(tmp_path_factory) -> Iterator[dict[tuple, Proxy]]:
     loop.close()
 
 
-def run_harness(harness: Harness, place: runs.Place) -> tuple[int, str]:
-    run = harness.run(place)
+@dataclass(frozen=True)
+class Ran:
+    place: runs.Place
+    code: int | None  # None: still running at RUN_TIMEOUT_S, then killed
+    output: str
+
+
+def run_harness(name: str, tools: Path, proxy: Proxy, folder: Path) -> Ran:
+    """Register the harness's episode, run it on the task, return how it ended."""
+    place = runs.Place(tools=tools, proxy=proxy.url, episode=f"matrix-{name}",
+                       home=folder / "home", work=folder / "work")
+    place.home.mkdir()
+    place.work.mkdir()
+    (place.work / "notes.txt").write_text(runs.NOTES)
+    status, body = proxy.admin("POST", "/tracetap/episodes",
+                               {"id": place.episode, "harness": {"name": name}})
+    if status != 201:
+        raise RuntimeError(f"registering {place.episode}: {status} {body}")
+    run = HARNESSES[name].run(place)
     try:
         done = subprocess.run(run.argv, env=run.env, cwd=place.work, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-            else exc.stdout or ""
-        pytest.fail(f"{run.argv[0]} still running after {RUN_TIMEOUT_S} s:\n{out[-3000:]}")
-    return done.returncode, done.stdout + done.stderr
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        return Ran(place, None, out)
+    return Ran(place, done.returncode, done.stdout + done.stderr)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tools, proxies, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Every selected harness, started at once: a run mostly waits (on its runtime's
+    start, on the proxy), so the matrix takes about its slowest run, not their sum."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")]
+    with ThreadPoolExecutor(max_workers=LAUNCH_WORKERS) as pool:
+        yield {name: pool.submit(run_harness, name, tools, proxies[HARNESSES[name].serve],
+                                 tmp_path_factory.mktemp(name))
+               for name in names}
 
 
 def assert_captured(calls: list[dict]) -> None:
@@ -199,30 +230,23 @@ def assert_trajectories(rows: list[dict], calls: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_harness_through_tracetap(name, tools, proxies, tmp_path):
+def test_harness_through_tracetap(name, launched, proxies, tmp_path):
     harness = HARNESSES[name]
     proxy = proxies[harness.serve]
     assert harness.package in runs.pinned()
-    place = runs.Place(tools=tools, proxy=proxy.url, episode=f"matrix-{name}",
-                       home=tmp_path / "home", work=tmp_path / "work")
-    place.home.mkdir()
-    place.work.mkdir()
-    (place.work / "notes.txt").write_text(runs.NOTES)
-    status, body = proxy.admin("POST", "/tracetap/episodes",
-                                      {"id": place.episode, "harness": {"name": name}})
-    assert status == 201, body
-
-    code, output = run_harness(harness, place)
-    calls = proxy.calls(place.episode)
+    ran = launched[name].result()
+    if ran.code is None:
+        pytest.fail(f"{name} still running after {RUN_TIMEOUT_S} s:\n{ran.output[-3000:]}")
+    episode = ran.place.episode
+    calls = proxy.calls(episode)
     for gap in harness.gaps:
-        if gap.shows(output, calls):
+        if gap.shows(ran.output, calls):
             raise KnownGap(gap.reason)
-    assert code == 0, output[-3000:]
+    assert ran.code == 0, ran.output[-3000:]
     assert_captured(calls)
 
-    assert proxy.admin("POST", f"/tracetap/episodes/{place.episode}/finish",
-                              {"reward": 1.0})[0] == 200
-    summary = export(proxy.settings.db, tmp_path / "out", episodes=[place.episode])
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
+    summary = export(proxy.settings.db, tmp_path / "out", episodes=[episode])
     assert summary.left_out == {}, summary.left_out
     rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
     assert_trajectories(rows, calls)
