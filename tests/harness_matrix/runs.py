@@ -9,9 +9,9 @@ Read tool is allowed by name and the rest are refused without a prompt in -p mod
 The mock engine calls the first tool a harness offers, with arguments drawn from its
 schema. For Claude Code and Qwen Code that is the sub-agent tool, and a sub-agent of a
 random type, sometimes in the background, makes the episode's calls differ from run to
-run; that tool is removed (--disallowedTools Agent, permissions.deny), so the first tool
-is an ordinary one.
-docs/harnesses.md lists these settings for users.
+run (seen with Claude Code: a background sub-agent's extra calls in the episode); that
+tool is removed (--disallowedTools Agent, permissions.deny), so the first tool is an
+ordinary one. docs/harnesses.md lists these settings for users.
 """
 
 from __future__ import annotations
