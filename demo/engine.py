@@ -77,10 +77,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     chunk_delay_s: float = 0.0
     max_model_len: int = 32768
     bad_tool_args: float = 0.0  # seeded failure mode: this fraction of tool calls is invalid
+    tool_preface: float = 0.5  # the share of tool calls with a sentence before them
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bad_tool_args <= 1.0:
             raise ValueError("bad_tool_args is a fraction in [0, 1]")
+        if not 0.0 <= self.tool_preface <= 1.0:
+            raise ValueError("tool_preface is a fraction in [0, 1]")
         if self.flavor not in FLAVORS:
             raise ValueError(f"unknown engine flavor {self.flavor!r}")
 
@@ -196,11 +199,12 @@ def _complete(
     request: web.Request, req: EngineRequest, turn: ChatTurn, sampling: Sampling, n: int = 1
 ) -> tuple[list[int], list[Completion]]:
     """Render the chat turn and generate ``n`` choices: the one path every chat-like API uses."""
-    rounds = request.app[CONFIG].tool_rounds
-    rounds = rounds if req.mock_tool_rounds is None else req.mock_tool_rounds
+    config = request.app[CONFIG]
+    rounds = config.tool_rounds if req.mock_tool_rounds is None else req.mock_tool_rounds
     prompt_ids = tok.apply_chat_template(turn.messages, turn.tools)
     return prompt_ids, [
-        generate_chat(prompt_ids, turn.messages, turn.tools, turn.tool_choice, i, sampling, rounds)
+        generate_chat(prompt_ids, turn.messages, turn.tools, turn.tool_choice, i, sampling, rounds,
+                      preface=config.tool_preface)
         for i in range(n)
     ]
 

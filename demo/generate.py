@@ -205,9 +205,10 @@ def _fixed_completion(key: bytes, sampling: Sampling, content: str) -> Completio
 
 
 def _tool_completion(
-    key: bytes, rng: random.Random, sampling: Sampling, name: str, parameters: Any
+    key: bytes, rng: random.Random, sampling: Sampling, name: str, parameters: Any,
+    preface_rate: float = 0.5,
 ) -> Completion:
-    preface = _sentence(rng) + "\n" if rng.random() < 0.5 else ""
+    preface = _sentence(rng) + "\n" if rng.random() < preface_rate else ""
     # Tool arguments are always a JSON object, whatever the schema leaves unsaid.
     schema = {"type": "object", **parameters} if isinstance(parameters, Mapping) else {}
     value = schema_value(schema or {"type": "object"}, rng)
@@ -274,8 +275,11 @@ def generate_chat(
     index: int,
     sampling: Sampling,
     tool_rounds: int,
+    preface: float = 0.5,
 ) -> Completion:
-    """A tool call while fewer than ``tool_rounds`` tool results are in the conversation."""
+    """A tool call while fewer than ``tool_rounds`` tool results are in the conversation;
+    ``preface`` of them with a sentence before the call (0: bare calls, the case where a
+    native Responses reply has nowhere to put logprobs)."""
     key = choice_key(prompt_ids, index, sampling.seed)
     rng = random.Random(key)
     if sampling.content is not None:
@@ -283,7 +287,7 @@ def generate_chat(
     tool = _tool(tools, tool_choice)
     done = sum(1 for m in messages if m.get("role") == "tool")
     if tool is not None and done < tool_rounds and sampling.forced_tokens is None:
-        return _tool_completion(key, rng, sampling, *tool)
+        return _tool_completion(key, rng, sampling, *tool, preface)
     return _text_completion(key, rng, sampling)
 
 

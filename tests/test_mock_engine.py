@@ -260,6 +260,27 @@ def test_generated_tool_calls_render_back_exactly(seed: int) -> None:
     assert following[: len(prompt) + len(c.token_ids)] == prompt + c.token_ids
 
 
+def test_tool_preface_sets_the_share_of_tool_calls_with_text_before_them() -> None:
+    """0: bare calls (a native Responses reply then has nowhere to put logprobs), 1: a
+    sentence before every call, the default: some of each."""
+
+    def prefaced(rate: float) -> list[bool]:
+        out = []
+        for seed in range(40):
+            messages = [{"role": "user", "content": f"Task {seed}"}]
+            prompt = tok.apply_chat_template(messages, TOOLS)
+            c = generate_chat(prompt, messages, TOOLS, None, 0,
+                              Sampling(max_tokens=256, seed=seed), tool_rounds=1, preface=rate)
+            assert c.finish_reason == "tool_calls"
+            out.append(c.content is not None)
+        return out
+
+    assert not any(prefaced(0.0)) and all(prefaced(1.0))
+    assert 0 < sum(prefaced(0.5)) < 40
+    with pytest.raises(ValueError, match="tool_preface"):
+        EngineConfig(tool_preface=1.5)
+
+
 def test_n_two_gives_two_different_choices(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model="mock-model", messages=[{"role": "user", "content": "Hi"}], n=2, extra_body=IDS
