@@ -10,9 +10,7 @@ with a named cause (exporters.history.CAUSES, or sample/retry/branch), among tho
 docs/harnesses.md gives for that harness. A harness release that changes the shape of
 its requests or how it resends its history turns this red.
 
-Failures issue 26 names today are xfail(strict) through KnownGap, raised only when that
-exact symptom shows: any other failure fails, and a fixed one fails as XPASS (then drop
-the mark). Skipped when the harnesses are not installed, except in CI, where it fails.
+Skipped when the harnesses are not installed, except in CI, where it fails.
 """
 
 from __future__ import annotations
@@ -43,42 +41,6 @@ LAUNCH_WORKERS = 4
 OTHER_SPLITS = {"sample", "retry", "branch"}
 
 
-class KnownGap(Exception):
-    """A failure issue 26 names, seen in this run."""
-
-
-def _nothing_captured(calls: list[dict]) -> bool:
-    return all(call["status"] != "ok" for call in calls)
-
-
-def _bare_responses_tool_turn_without_logprobs(calls: list[dict]) -> bool:
-    return any(call["endpoint"] == "responses" and choice["finish_reason"] == "tool_calls"
-               and choice["completion_logprobs"] is None
-               for call in calls for choice in call["choices"])
-
-
-@dataclass(frozen=True)
-class Gap:
-    """A failure issue 26 names: why, and the symptom that shows it (output, calls)."""
-
-    reason: str
-    shows: Callable[[str, list[dict]], bool]
-
-
-SYSTEM_ROLE_REFUSED = Gap(
-    "issue 26, tolerant translation: Claude Code with its default model puts system-role "
-    "messages in `messages`; the Messages translation answers 400 and nothing is captured",
-    lambda output, calls: "must be user or assistant" in output and _nothing_captured(calls))
-NAMESPACE_TOOL_REFUSED = Gap(
-    "issue 26, tolerant translation: Codex sends a `namespace` tool; the Responses "
-    "translation answers 400 and nothing is captured",
-    lambda output, calls: "tool type 'namespace'" in output and _nothing_captured(calls))
-BARE_TOOL_TURN_NO_LOGPROBS = Gap(
-    "issue 26, Responses on vLLM: a tool-call-only turn captured natively has no logprobs "
-    "(a native Responses reply has nowhere to put them)",
-    lambda output, calls: _bare_responses_tool_turn_without_logprobs(calls))
-
-
 @dataclass(frozen=True)
 class Harness:
     run: Callable[[runs.Place], runs.Run]
@@ -86,7 +48,6 @@ class Harness:
     # tracetap serve's settings beyond the matrix's own: ("translate", "all") is what an
     # engine without native Responses (SGLang, llama.cpp) gets.
     serve: tuple[tuple[str, object], ...] = ()
-    gaps: tuple[Gap, ...] = ()  # issue 26's failures this harness may show today
     # The causes its rows may split by (docs/harnesses.md says why); a release that
     # resends its history another way shows a new one.
     splits: frozenset[str] = frozenset()
@@ -97,21 +58,19 @@ class Harness:
 # template_drift (the stored Messages reply has the input as a value, with no spelling).
 HARNESSES = {
     "claude-code": Harness(runs.claude_code, "@anthropic-ai/claude-code",
-                           gaps=(SYSTEM_ROLE_REFUSED,), splits=frozenset({"template_drift"})),
-    # An explicit older model: a request shape the translation accepts today.
+                           splits=frozenset({"template_drift"})),
+    # An explicit older model: another request shape of the same release.
     "claude-code-sonnet-4-5": Harness(lambda p: runs.claude_code(p, "claude-sonnet-4-5"),
                                       "@anthropic-ai/claude-code",
                                       splits=frozenset({"template_drift"})),
-    # Fixing the first gap by translating Codex's turns to chat meets the second.
-    "codex": Harness(runs.codex, "@openai/codex",
-                     gaps=(BARE_TOOL_TURN_NO_LOGPROBS, NAMESPACE_TOOL_REFUSED)),
-    "codex-translated": Harness(runs.codex, "@openai/codex", serve=(("translate", "all"),),
-                                gaps=(NAMESPACE_TOOL_REFUSED,)),
+    # Under --translate auto its tool-offering Responses calls go to the engine as chat
+    # (a bare tool-call turn keeps its logprobs); --translate all translates every call.
+    "codex": Harness(runs.codex, "@openai/codex"),
+    "codex-translated": Harness(runs.codex, "@openai/codex", serve=(("translate", "all"),)),
     "qwen-code": Harness(runs.qwen_code, "@qwen-code/qwen-code"),
     # Its first call writes the session's title: a conversation of its own.
     "opencode": Harness(runs.opencode, "opencode-ai", splits=frozenset({"system_changed"})),
-    "openai-agents": Harness(runs.framework("openai-agents"), "openai-agents",
-                             gaps=(BARE_TOOL_TURN_NO_LOGPROBS,)),
+    "openai-agents": Harness(runs.framework("openai-agents"), "openai-agents"),
     "openai-agents-translated": Harness(runs.framework("openai-agents"), "openai-agents",
                                         serve=(("translate", "all"),)),
     "langchain-openai": Harness(runs.framework("langchain-openai"), "langchain-openai",
@@ -124,9 +83,6 @@ HARNESSES = {
     "smolagents": Harness(runs.framework("smolagents"), "smolagents",
                           splits=frozenset({"content_parts", "system_changed"})),
 }
-CASES = [pytest.param(name, marks=pytest.mark.xfail(
-    raises=KnownGap, strict=True, reason=" / ".join(gap.reason for gap in harness.gaps)))
-    if harness.gaps else name for name, harness in HARNESSES.items()]
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +185,7 @@ def assert_trajectories(rows: list[dict], calls: list[dict]) -> None:
     assert exported == {c["call_id"] for c in calls}
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", list(HARNESSES))
 def test_harness_through_tracetap(name, launched, proxies, tmp_path):
     harness = HARNESSES[name]
     proxy = proxies[harness.serve]
@@ -239,9 +195,6 @@ def test_harness_through_tracetap(name, launched, proxies, tmp_path):
         pytest.fail(f"{name} still running after {RUN_TIMEOUT_S} s:\n{ran.output[-3000:]}")
     episode = ran.place.episode
     calls = proxy.calls(episode)
-    for gap in harness.gaps:
-        if gap.shows(ran.output, calls):
-            raise KnownGap(gap.reason)
     assert ran.code == 0, ran.output[-3000:]
     assert_captured(calls)
 
