@@ -83,10 +83,12 @@ async def _lifecycle(app: web.Application):
                             max_connections=settings.max_connections,
                             api_key=settings.upstream_api_key)
     await client.start()
-    # Token ids an engine did not return are asked of its tokenizer as records are written.
-    resolver = TokenResolver(client, metrics.ids_missing)
+    # Token ids an engine did not return are asked of its tokenizer as records are written
+    # (or of the local one --tokenizer names, loaded once here).
+    resolver = TokenResolver(client, metrics.ids_missing, local=settings.local_tokenizer())
     writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
+    resolver.traffic = pool.traffic  # llama-cpp-python cuts streams when asked meanwhile
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),
         is_registered=functools.partial(queries.is_registered, engine),
@@ -97,7 +99,7 @@ async def _lifecycle(app: web.Application):
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token,
                        overlays=app[OVERLAYS])
-    resolver.quiet = state.gate.quiet  # llama-cpp-python cuts streams when asked meanwhile
+    resolver.flavor = functools.partial(getattr, state, "flavor")
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
