@@ -126,6 +126,9 @@ async def _lifecycle(app: web.Application):
         else:
             background.append(asyncio.create_task(flavor.keep_detecting(
                 client, pool.primary, functools.partial(setattr, state, "flavor"))))
+    # After the flavor: which engines need their tokenizer found before calls arrive.
+    background.append(asyncio.create_task(resolver.identify(
+        [t.base_url for t in pool.targets])))
     try:
         yield
     finally:

@@ -164,6 +164,18 @@ class TokenResolver:
             completions.append(completion)
         return prompt, completions
 
+    async def identify(self, upstreams: list[str]) -> None:
+        """Find each upstream's tokenizer at start, while no call is in flight yet (one
+        that arrives meanwhile waits for the probes): later a busy upstream of an unknown
+        kind could otherwise keep its records waiting. Not needed for a kind that never
+        cuts streams, nor with --tokenizer (the engine is never asked)."""
+        if self.local is not None or self.flavor() in PATIENT_FLAVORS:
+            return
+        for upstream in upstreams:
+            traffic = self.traffic(upstream)
+            async with traffic.window() if traffic else contextlib.nullcontext():
+                await self.tokenizer(upstream)
+
     async def tokenizer(self, upstream: str) -> EngineTokenizer | None:
         if upstream in self._tokenizers:
             return self._tokenizers[upstream]

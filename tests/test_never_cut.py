@@ -187,3 +187,29 @@ def test_records_never_fill_more_than_half_the_journal_waiting(db_url, tmp_path)
     offers, stored, held = asyncio.run(run())
     assert offers == [(3, False)] and held == 0
     assert [c["ids_missing"] for c in stored] == ["engine_busy"] * 3
+
+
+def test_an_engine_of_unknown_kind_is_identified_at_start_so_its_records_never_wait(
+        loop_thread, db_url, tmp_path, serve_app):
+    """An OpenAI-compatible engine tracetap cannot name might be llama-cpp-python: its
+    tokenizer endpoints are found at start, before any call, so a busy engine that turns
+    out not to cut streams never holds records back."""
+    upstream = serve_app(make_engine_app(EngineConfig(flavor="openai"))) + "/v1"
+    settings = Settings(upstream=upstream, db=db_url, port=free_port(),
+                        data_dir=str(tmp_path / "data"))
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("busy"), api_key="x", max_retries=0)
+        with client:
+            stream = client.completions.create(
+                model="m", prompt="Long.", stream=True,
+                extra_body={"mock_content": "z" * 20, "mock_chunk_delay_s": 0.05})
+            next(iter(stream))  # in flight from here on
+            client.completions.create(model="m", prompt="Short.")
+            [short] = proxy.calls("busy")  # stored at once, the stream still going
+            held = proxy.state.writer.held
+            text = "".join(c.choices[0].text for c in stream if c.choices)
+    finally:
+        proxy.stop()
+    assert held == 0 and short["ids_missing"] == "no_tokenizer"
+    assert text.endswith("z" * 10)
