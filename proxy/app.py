@@ -85,7 +85,8 @@ async def _lifecycle(app: web.Application):
     await client.start()
     # Token ids an engine did not return are asked of its tokenizer as records are written
     # (or of the local one --tokenizer names, loaded once here).
-    resolver = TokenResolver(client, metrics.ids_missing, local=settings.local_tokenizer())
+    local = await asyncio.to_thread(settings.local_tokenizer)  # a GGUF's: seconds
+    resolver = TokenResolver(client, metrics.ids_missing, local=local)
     writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
     resolver.traffic = pool.traffic  # llama-cpp-python cuts streams when asked meanwhile

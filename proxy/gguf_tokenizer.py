@@ -13,7 +13,8 @@ engine). Two vocabulary kinds are built:
   checks then keep their ids out.
 
 Control and user-defined tokens are special (matched whole in text, as llama.cpp parses
-special tokens in a prompt).
+special tokens in a prompt). The chat template is ``tokenizer.chat_template``; a GGUF
+without one (some conversions drop it) takes ``chat_template.jinja`` from beside the file.
 """
 
 from __future__ import annotations
@@ -21,18 +22,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tracetap.proxy.gguf_metadata import read_metadata
+
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 def read_gguf(path: Path) -> tuple[Any, str | None, str, str]:
     """(tokenizer, chat template, BOS text, EOS text) of the GGUF at ``path``."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    metadata = read_metadata(path)
 
     def field(key: str, default: Any = None) -> Any:
-        found = reader.fields.get(key)
-        return default if found is None else found.contents()
+        return metadata.get(key, default)
 
     tokens: list[str] = field("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -58,7 +58,11 @@ def read_gguf(path: Path) -> tuple[Any, str | None, str, str]:
     def text(i: int | None) -> str:
         return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
 
-    return tokenizer, field("tokenizer.chat_template"), text(bos), text(eos)
+    template = field("tokenizer.chat_template")
+    beside = path.parent / "chat_template.jinja"
+    if template is None and beside.is_file():
+        template = beside.read_text()
+    return tokenizer, template, text(bos), text(eos)
 
 
 def _special(tokenizer: Any, tokens: list[str], kinds: list[int]) -> Any:

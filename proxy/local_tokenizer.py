@@ -9,8 +9,8 @@ for engines that must not be asked anything while they stream. PATH is one of:
 - a ``tokenizer.json`` file (its ``tokenizer_config.json`` read from the same directory);
 - the GGUF file the engine serves (proxy.gguf_tokenizer; best effort, see there).
 
-It needs the optional ``tokenizers`` package (``pip install 'tracetap[tokenizer]'``; a
-GGUF also needs ``gguf``), imported only when ``--tokenizer`` is given. Nothing it gives
+It needs the optional ``tokenizers`` package (``pip install 'tracetap[tokenizer]'``),
+imported only when ``--tokenizer`` is given. Nothing it gives
 is kept unchecked: proxy.resolve accepts a prompt only when its length equals the
 engine's ``usage.prompt_tokens``, a completion only when its pieces reproduce the
 engine's own per-token strings one for one.
@@ -39,8 +39,6 @@ def check(path: str) -> None:
     if p.is_dir() and not (p / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer {path}: the directory has no tokenizer.json")
     _import("tokenizers")
-    if p.suffix == ".gguf":
-        _import("gguf")
 
 
 def load(path: str) -> LocalTokenizer:

@@ -110,6 +110,44 @@ def test_the_local_tokenizer_renders_and_tokenizes_as_the_engine(source, hf_dir,
     assert local.prompt("Hi") == tok.encode("Hi")
 
 
+def test_a_sentencepiece_gguf_merges_by_score_with_byte_fallback(tmp_path):
+    """llama.cpp's SentencePiece tokenizer joins the adjacent pair whose joined piece
+    scores highest, and spells what no piece covers in <0xNN> byte tokens."""
+    from gguf import GGUFWriter, TokenType
+
+    pieces = ["\u2581", "a", "b", "ab", "\u2581a", "\u2581ab", "ba"]
+    scores = [-3.0, -4.0, -4.0, -2.0, -1.0, -0.5, -0.1]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>",
+              *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    types = [TokenType.CONTROL] * 3 + [TokenType.UNKNOWN] + [TokenType.BYTE] * 256 + [
+        TokenType.NORMAL] * len(pieces)
+    path = tmp_path / "spm.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 260 + scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    local = local_tokenizer.load(str(path))
+    piece = {t: i for i, t in enumerate(tokens)}
+    # "ab ab": ▁a first (-1.0), then ▁ab (-0.5), then ab (-2.0); "ba" never forms.
+    assert [t for t, _ in local.pieces("ab ab")] == [piece["ab"], piece["\u2581ab"]]
+    assert [b for _, b in local.pieces("ab ab")] == [b"ab", b" ab"]
+    assert [t for t, _ in local.pieces("\u00e9")] == [4 + 0xC3, 4 + 0xA9]  # byte fallback
+    assert local.prompt("a") == [2, piece["a"]]  # BOS, as add_bos_token says
+    assert local.chat_prompt({"messages": [{"role": "user", "content": "b"}]}) == [
+        2, piece["b"]]  # the template beside the file, its BOS parsed as the special token
+
+
 def test_a_missing_package_or_path_is_a_clear_error_at_start(hf_dir, monkeypatch):
     with pytest.raises(ValueError, match="no such file"):
         Settings(upstream="http://x/v1", tokenizer=str(hf_dir / "nope.json"))
