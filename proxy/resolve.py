@@ -208,10 +208,7 @@ class TokenResolver:
             return "no_chat_template"
         except TokenizeFailed:
             return "tokenize_failed"
-        if record.prompt_tokens is not None and len(ids) != record.prompt_tokens:
-            return "count_mismatch"
-        record.prompt_ids, record.prompt_source = ids, "engine_tokenize"
-        return None
+        return _keep_prompt(record, ids, "engine_tokenize")
 
     def _missing(self, record: CallRecord, reason: str) -> None:
         record.ids_missing = record.ids_missing or reason
@@ -248,9 +245,14 @@ def _local_prompt(record: CallRecord, local: LocalTokenizer) -> str | None:
             return "unsupported_request"
     except TokenizeFailed:
         return "tokenize_failed"
+    return _keep_prompt(record, ids, "local_tokenizer")
+
+
+def _keep_prompt(record: CallRecord, ids: list[int], source: str) -> str | None:
+    """Prompt ids are kept only when their count is the engine's (when it gave one)."""
     if record.prompt_tokens is not None and len(ids) != record.prompt_tokens:
         return "count_mismatch"
-    record.prompt_ids, record.prompt_source = ids, "local_tokenizer"
+    record.prompt_ids, record.prompt_source = ids, source
     return None
 
 
