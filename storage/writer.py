@@ -213,7 +213,8 @@ class Writer:
                 self._failed.add(segment)
                 self.observer.records("spilled", len(records))
             raise
-        self.observer.db_write(time.perf_counter() - started, len(records))
+        if records:
+            self.observer.db_write(time.perf_counter() - started, len(records))
         if held:  # journaled again before their segment goes
             await self._hold(held)
         replayed = segment in self._failed
