@@ -86,7 +86,8 @@ async def _lifecycle(app: web.Application):
     # Token ids an engine did not return are asked of its tokenizer as records are written
     # (or of the local one --tokenizer names, loaded once here).
     local = await asyncio.to_thread(settings.local_tokenizer)  # a GGUF's: seconds
-    resolver = TokenResolver(client, metrics.ids_missing, local=local)
+    resolver = TokenResolver(client, metrics.ids_missing, local=local,
+                             processes=worker.count if worker else 1)
     writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
     resolver.traffic = pool.traffic  # llama-cpp-python cuts streams when asked meanwhile

@@ -89,10 +89,11 @@ class TokenResolver:
     resolve yet. ``missing(reason, count)`` is told what stays missing."""
 
     def __init__(self, client: UpstreamClient, missing=None, concurrency: int = 8, *,
-                 local: LocalTokenizer | None = None):
+                 local: LocalTokenizer | None = None, processes: int = 1):
         self.client = client
         self.on_missing = missing
         self.local = local
+        self.processes = processes  # serve --workers: each knows only its own calls
         # Set by the app: the calls in flight to an upstream (Pool), and the engine's kind.
         self.traffic: Callable[[str], Traffic | None] = lambda upstream: None
         self.flavor: Callable[[], str] = lambda: "openai"
@@ -189,6 +190,12 @@ class TokenResolver:
                 self._tokenizers[upstream] = found
                 log.info("upstream %s: token ids it does not return come from %s", upstream,
                          f"its {found.kind} tokenize endpoints" if found else "nowhere")
+                if found is not None and found.interrupts_streams and self.processes > 1:
+                    log.warning("upstream %s (%s) ends a stream when asked anything, and "
+                                "with --workers %d no worker sees the others' calls: its "
+                                "tokenizer may cut their streams; pass --tokenizer, serve it "
+                                "with --interrupt_requests false, or use one worker",
+                                upstream, found.kind, self.processes)
         return self._tokenizers[upstream]
 
     async def _prompt(self, record: CallRecord, tokenizer: EngineTokenizer | None) -> str | None:
