@@ -19,6 +19,7 @@ engine's own per-token strings one for one.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tracetap.proxy.chat_template import ChatTemplate, TemplateError
 from tracetap.proxy.tokenizers import TokenizeFailed
 
 INSTALL = "pip install 'tracetap[tokenizer]'"
+log = logging.getLogger("tracetap.tokenizer")
 # GPT-2's printable stand-ins for bytes (byte-level BPE vocabularies spell tokens in them).
 _BYTE_CHARS = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                *range(ord("®"), ord("ÿ") + 1)]
@@ -42,6 +44,14 @@ def check(path: str) -> None:
 
 
 def load(path: str) -> LocalTokenizer:
+    local = _load(path)
+    if local.template is None:
+        log.warning("--tokenizer %s has no chat template (nor a chat_template.jinja beside "
+                    "it): chat prompts get no ids (tokenize_failed)", path)
+    return local
+
+
+def _load(path: str) -> LocalTokenizer:
     check(path)
     p = Path(path)
     if p.suffix == ".gguf":
