@@ -83,10 +83,14 @@ async def _lifecycle(app: web.Application):
                             max_connections=settings.max_connections,
                             api_key=settings.upstream_api_key)
     await client.start()
-    # Token ids an engine did not return are asked of its tokenizer as records are written.
-    resolver = TokenResolver(client, metrics.ids_missing)
+    # Token ids an engine did not return are asked of its tokenizer as records are written
+    # (or of the local one --tokenizer names, loaded once here).
+    local = await asyncio.to_thread(settings.local_tokenizer)  # a GGUF's: seconds
+    resolver = TokenResolver(client, metrics.ids_missing, local=local,
+                             processes=worker.count if worker else 1)
     writer = Writer(engine, journal, observer=metrics, prepare=resolver)
     pool = Pool(settings.upstreams, client)
+    resolver.traffic = pool.traffic  # llama-cpp-python cuts streams when asked meanwhile
     tagger = Tagger(
         key_owner=functools.partial(queries.key_owner, engine),
         is_registered=functools.partial(queries.is_registered, engine),
@@ -97,7 +101,7 @@ async def _lifecycle(app: web.Application):
     state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
                        tagger=tagger, metrics=metrics, admin_token=admin_token,
                        overlays=app[OVERLAYS])
-    resolver.quiet = state.gate.quiet  # llama-cpp-python cuts streams when asked meanwhile
+    resolver.flavor = functools.partial(getattr, state, "flavor")
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
@@ -124,6 +128,9 @@ async def _lifecycle(app: web.Application):
         else:
             background.append(asyncio.create_task(flavor.keep_detecting(
                 client, pool.primary, functools.partial(setattr, state, "flavor"))))
+    # After the flavor: which engines need their tokenizer found before calls arrive.
+    background.append(asyncio.create_task(resolver.identify(
+        [t.base_url for t in pool.targets])))
     try:
         yield
     finally:

@@ -13,7 +13,13 @@ _OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "llama.cp
 
 
 async def detect(client: UpstreamClient, target: Target) -> str | None:
-    """Guess from ``/v1/models`` owners or vLLM's ``/version``; None if unreachable."""
+    """Guess from ``/v1/models`` owners or vLLM's ``/version``; None if unreachable.
+    Asked only while no call is in flight to it (llama-cpp-python would cut a stream)."""
+    async with target.traffic.window():
+        return await _ask(client, target)
+
+
+async def _ask(client: UpstreamClient, target: Target) -> str | None:
     models = await client.get_json(target.url_for("/v1/models"))
     if isinstance(models, dict):
         for model in models.get("data") or ():

@@ -1,9 +1,8 @@
-"""The admission gate: pause for a weight sync, quiet windows, calls in flight."""
+"""The admission gate: pause for a weight sync, calls in flight."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from tracetap.proxy.errors import ProxyError
 
@@ -20,11 +19,6 @@ class Gate:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        # Questions to an engine that cuts streams when asked anything (llama-cpp-python):
-        # while one is out, new model calls wait for its answer.
-        self._asking = 0
-        self._not_asking = asyncio.Event()
-        self._not_asking.set()
 
     @property
     def paused(self) -> bool:
@@ -57,26 +51,10 @@ class Gate:
                     "paused",
                     headers={"Retry-After": "5"},
                 ) from None
-        while self._asking:
-            await self._not_asking.wait()
-        self.inflight += 1  # no await since the check: no question can start in between
+        self.inflight += 1
         self._idle.clear()
 
     def release(self) -> None:
         self.inflight -= 1
         if self.inflight == 0:
             self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def quiet(self):
-        """A window with no model call in flight; calls that arrive meanwhile wait."""
-        while not self._idle.is_set():
-            await self._idle.wait()
-        self._asking += 1  # no await since the check: no call can be admitted in between
-        self._not_asking.clear()
-        try:
-            yield
-        finally:
-            self._asking -= 1
-            if not self._asking:
-                self._not_asking.set()

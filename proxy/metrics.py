@@ -118,6 +118,10 @@ class Metrics(WriterObserver):
                                          "Choices with content stored without token ids (prompt "
                                          "or completion; left out of trajectories), by reason",
                                          ["reason"], registry=r)
+        self.ids_waiting = Gauge("tracetap_token_ids_waiting_records",
+                                 "Journaled records waiting for their engine to be idle before "
+                                 "its tokenizer is asked (it would cut a stream); part of the "
+                                 "capture queue", multiprocess_mode="livesum", registry=r)
         self.db_write_errors = Counter("tracetap_db_write_errors_total",
                                        "Batch writes the database refused (each retry counts)",
                                        registry=r)
@@ -241,6 +245,7 @@ class Metrics(WriterObserver):
         """Gauges that mirror the proxy's state, read when scraped."""
         writer = state.writer
         self.queue_depth.set(writer.pending)
+        self.ids_waiting.set(writer.held)
         self.journal_bytes.set(writer.journal.bytes)
         self.journal_recovered_bytes.set(writer.journal.recovered_bytes)
         self.db_writes_ok.set(writer.db_healthy)

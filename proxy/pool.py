@@ -4,6 +4,11 @@ An episode's calls stick to one upstream (rendezvous hashing of the episode id, 
 across proxy replicas) so the engine's prefix cache is reused; untagged calls go to the
 least-loaded upstream. An upstream that refuses connections or fails its health check
 is taken out and probed until it answers again; its episodes move meanwhile.
+
+A call counts as in flight to its target from before it is sent until its reply is
+closed (``Target.traffic``): tracetap's own requests to an upstream (health probes here,
+tokenizer questions in proxy.resolve) never reach it while a call is in flight, because
+llama-cpp-python ends a stream whenever another request arrives.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 from urllib.parse import urlsplit
 
 from tracetap.proxy.settings import UpstreamSpec
+from tracetap.proxy.traffic import Traffic
 from tracetap.proxy.upstream import ConnectFailed, Reply, UpstreamClient
 
 log = logging.getLogger("tracetap.pool")
@@ -26,7 +32,11 @@ class Target:
         parts = urlsplit(self.base_url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.healthy = True
-        self.inflight = 0
+        self.traffic = Traffic()
+
+    @property
+    def inflight(self) -> int:
+        return self.traffic.inflight
 
     def url_for(self, path_qs: str) -> str:
         """Client path → upstream URL: ``/v1/x`` maps under the base URL, others to its origin."""
@@ -35,7 +45,7 @@ class Target:
         return self.origin + path_qs
 
     def finished(self) -> None:
-        self.inflight -= 1
+        self.traffic.release()
 
     def weight(self, key: str) -> int:
         digest = hashlib.blake2b(f"{key}|{self.base_url}".encode(), digest_size=8).digest()
@@ -81,17 +91,21 @@ class Pool:
         """Send to the best target; move on to the next only when nothing was sent."""
         candidates = self.candidates(episode_id, model)
         for attempt, target in enumerate(candidates):
+            await target.traffic.admit()  # waits while tracetap asks this target something
             try:
                 reply = await self.client.send(method, target.url_for(path_qs), headers, body)
             except ConnectFailed:
+                target.finished()
                 self.mark_down(target)
                 if not retry or attempt == len(candidates) - 1:
                     raise
                 continue
+            except BaseException:
+                target.finished()
+                raise
             if not target.healthy:  # it answered: back in service, probe or no probe
                 log.warning("upstream %s is back in service", target.base_url)
                 target.healthy = True
-            target.inflight += 1
             reply.on_close = target.finished
             return target, reply
         raise AssertionError("a pool always has a target")
@@ -109,15 +123,25 @@ class Pool:
                 )
         target.healthy = False
 
-    async def probe(self, target: Target) -> bool:
+    def traffic(self, base_url: str) -> Traffic | None:
+        """The traffic of the target a stored call went to (``CallRecord.upstream``)."""
+        return next((t.traffic for t in self.targets if t.base_url == base_url), None)
+
+    async def probe(self, target: Target) -> bool | None:
         """In service when it answers; a 404 is a wrong path (serve says so at start), not
-        a server that is down."""
-        status = await self.client.status(target.url_for("/v1/models"))
+        a server that is down. None (not asked) while a call to it is in flight: the call
+        says more than a probe, and the probe could cut its stream."""
+        async with target.traffic.try_window() as quiet:
+            if not quiet:
+                return None
+            status = await self.client.status(target.url_for("/v1/models"))
         return status is not None and status < 500
 
     async def check_health(self) -> None:
         results = await asyncio.gather(*(self.probe(t) for t in self.targets))
         for target, ok in zip(self.targets, results):
+            if ok is None:
+                continue
             if ok and not target.healthy:
                 log.warning("upstream %s is back in service", target.base_url)
             if not ok:

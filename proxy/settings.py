@@ -72,6 +72,15 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_timeout: float = 2.0
     overlay_max_resamples: int = 2
     workers: int = 1
+    tokenizer: str | None = None
+
+    def local_tokenizer(self):
+        """The tokenizer --tokenizer names (proxy.local_tokenizer), loaded; None without."""
+        if self.tokenizer is None:
+            return None
+        from tracetap.proxy import local_tokenizer
+
+        return local_tokenizer.load(self.tokenizer)
 
     @property
     def upstreams(self) -> list[UpstreamSpec]:
@@ -134,6 +143,10 @@ class Settings(msgspec.Struct, kw_only=True):
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
+        if self.tokenizer is not None:
+            from tracetap.proxy import local_tokenizer
+
+            local_tokenizer.check(self.tokenizer)  # the path, and the optional package
         if not is_loopback(self.host) and not self.admin_token:
             raise ValueError(
                 f"refusing to listen on {self.host} without --admin-token: the admin API "
@@ -214,6 +227,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--upstream-api-key", default=_env("upstream_api_key"), help="sent upstream; never stored")
     a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS,
       help="what the engine is, for what to ask it (auto: detected from /v1/models, /version)")
+    a("--tokenizer", default=_env("tokenizer"), metavar="PATH",
+      help="the model's tokenizer, for engines that return no token ids and cannot render "
+           "a chat (llama-cpp-python): a Hugging Face tokenizer directory or tokenizer.json "
+           "with its chat template, or the engine's GGUF file (best effort); tracetap renders "
+           "and tokenizes with it instead of asking the engine, and keeps only ids that match "
+           "the engine's usage.prompt_tokens and its per-token strings (token source "
+           "local_tokenizer). Needs pip install 'tracetap[tokenizer]'")
     a("--upstream-timeout", type=float, default=float(_env("upstream_timeout", d.upstream_timeout)),
       help="seconds to wait for each upstream read (no total limit on streams)")
     a("--connect-timeout", type=float, default=float(_env("connect_timeout", d.connect_timeout)),

@@ -12,18 +12,13 @@ Three families, probed in this order (each probe is one small POST, once per ups
   prompt (BOS included); ``/extras/detokenize``. It has no template endpoint, so a chat
   prompt cannot be tokenized by the engine itself. It also ends a streaming generation
   early (``[DONE]`` after the tokens so far) whenever another request waits for the model
-  (its ``--interrupt_requests``, on by default), so its tokenizer is only asked inside a
-  quiet window (``quiet``): once no model call is in flight through the proxy (waiting at
-  most QUIET_WAIT seconds), and new calls wait until the question is answered.
+  (its ``--interrupt_requests``, on by default): ``interrupts_streams`` tells the caller
+  (proxy.resolve) to ask only while no call to it is in flight (proxy.traffic).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,9 +32,6 @@ _VLLM_CHAT_KEYS = ("model", "messages", "tools", "add_generation_prompt",
 _GENERATION_KEYS = frozenset({"stream", "stream_options", "logprobs", "top_logprobs", "n",
                               "return_token_ids", "max_tokens", "max_completion_tokens"})
 PIECE_CACHE = 262_144  # ids; a vocabulary's worth
-QUIET_WAIT = 30.0  # seconds to wait for no call in flight before asking anyway
-IMPATIENT = 60.0  # after a wait in vain, seconds of asking without waiting (never stall)
-log = logging.getLogger("tracetap.tokenizers")
 
 
 class TokenizeFailed(Exception):
@@ -56,29 +48,17 @@ class EngineTokenizer:
     kind = ""
     interrupts_streams = False  # asking it while a call streams would cut that stream
 
-    def __init__(self, client: UpstreamClient, origin: str, quiet: Quiet | None = None):
+    def __init__(self, client: UpstreamClient, origin: str):
         self.client = client
         self.origin = origin
-        self.quiet = quiet  # a window in which no model call runs through the proxy
         self._pieces: dict[int, bytes | None] = {}
         self._limit = asyncio.Semaphore(16)
-        self._impatient_until = 0.0
 
     async def post(self, path: str, body: dict) -> Any:
-        quiet = self.quiet if self.interrupts_streams else None
-        if asyncio.get_running_loop().time() < self._impatient_until:
-            quiet = None
-        async with quietly(quiet, self._impatient):
-            status, data = await self.client.post_json(self.origin + path, body)
+        status, data = await self.client.post_json(self.origin + path, body)
         if status != 200 or data is None:
             raise TokenizeFailed(f"POST {path} answered {status or 'nothing'}")
         return data
-
-    def _impatient(self) -> None:
-        self._impatient_until = asyncio.get_running_loop().time() + IMPATIENT
-        log.warning("%s: calls kept it busy for %.0f s, so its tokenizer is asked while "
-                    "they run; streamed replies may end early unless the server runs "
-                    "with --interrupt_requests false", self.origin, QUIET_WAIT)
 
     async def chat_prompt(self, request: dict) -> list[int]:
         """The prompt ids of a chat-completions request, rendered by the engine."""
@@ -161,9 +141,8 @@ class LlamaCppPython(EngineTokenizer):
     kind = "llama-cpp-python"
     interrupts_streams = True
 
-    def __init__(self, client: UpstreamClient, origin: str,
-                 quiet: Quiet | None = None):
-        super().__init__(client, origin, quiet)
+    def __init__(self, client: UpstreamClient, origin: str):
+        super().__init__(client, origin)
         self._added: list[int] | None = None  # what /extras/tokenize puts before any text
 
     async def prompt(self, text: str) -> list[int]:
@@ -190,44 +169,20 @@ _PROBES = (
 )
 
 
-async def detect(client: UpstreamClient, base_url: str, quiet: Quiet | None = None,
+async def detect(client: UpstreamClient, base_url: str,
                  ) -> tuple[EngineTokenizer | None, bool]:
     """The tokenizer the upstream at ``base_url`` exposes, and whether it answered at all
     (an unreachable upstream is asked again later; one without endpoints is not).
-    The probes wait for ``quiet`` too: the upstream's kind is not known yet."""
+    The caller asks only while no call to it is in flight: its kind is not known yet."""
     parts = urlsplit(base_url)
     origin = f"{parts.scheme}://{parts.netloc}"
     reached = False
-    async with quietly(quiet):
-        for kind, path, body, key in _PROBES:
-            status, data = await client.post_json(origin + path, body, timeout=5.0)
-            reached = reached or status != 0
-            if status == 200 and isinstance(data, dict) and key in data:
-                return kind(client, origin, quiet), True
+    for kind, path, body, key in _PROBES:
+        status, data = await client.post_json(origin + path, body, timeout=5.0)
+        reached = reached or status != 0
+        if status == 200 and isinstance(data, dict) and key in data:
+            return kind(client, origin), True
     return None, reached
-
-
-Quiet = Callable[[], AbstractAsyncContextManager[Any]]
-
-
-@contextlib.asynccontextmanager
-async def quietly(quiet: Quiet | None, on_timeout: Callable[[], None] | None = None):
-    """Inside ``quiet``'s window when one can be had within QUIET_WAIT seconds; else as is."""
-    if quiet is None:
-        yield
-        return
-    window = quiet()
-    try:
-        await asyncio.wait_for(window.__aenter__(), QUIET_WAIT)
-    except asyncio.TimeoutError:
-        if on_timeout is not None:
-            on_timeout()
-        yield
-        return
-    try:
-        yield
-    finally:
-        await window.__aexit__(None, None, None)
 
 
 def _id(value: Any) -> int:

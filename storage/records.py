@@ -68,15 +68,19 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
 # ids the engine put in its logprob entries (vLLM's "token_id:N" strings, llama.cpp's
 # "id"), as exact as the first; the completion tokenized again by the engine's own
 # tokenizer and accepted only because its pieces reproduce the engine's per-token strings
-# one for one; none.
-TOKEN_SOURCES = ("engine", "logprobs", "verified_retokenized", "none")
+# one for one; the same check against the local tokenizer named by --tokenizer (the engine
+# is not asked); none.
+TOKEN_SOURCES = ("engine", "logprobs", "verified_retokenized", "local_tokenizer", "none")
 # Where a call's prompt ids came from: the engine's reply; the client's request (a
 # completions prompt sent as ids); the engine's tokenize endpoints, called after the reply
-# with the same messages and template options; none.
-PROMPT_SOURCES = ("engine", "request", "engine_tokenize", "none")
+# with the same messages and template options; the local tokenizer named by --tokenizer
+# (rendered and tokenized by tracetap, kept only when its length equals the engine's
+# usage.prompt_tokens); none.
+PROMPT_SOURCES = ("engine", "request", "engine_tokenize", "local_tokenizer", "none")
 # Why a call's ids are missing (calls.ids_missing); the remedies are in proxy.resolve.
 IDS_MISSING = ("no_tokenizer", "no_chat_template", "tokenize_failed", "count_mismatch",
-               "no_token_strings", "unverified", "unsupported_request")
+               "no_token_strings", "unverified", "unsupported_request", "no_prompt_count",
+               "engine_busy")
 
 
 # Statuses a stored call can have. "ok" covers any upstream reply, 4xx/5xx included

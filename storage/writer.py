@@ -6,7 +6,10 @@ each in one transaction; a segment is deleted only after its commit. While the
 database is down, segments accumulate on disk and are replayed when it returns.
 An optional ``prepare`` step completes records just before they are written (the proxy
 fills in token ids an engine did not return): off the request path, and it never fails
-a write.
+a write. It may hand records back to be offered again later (their engine cannot be
+asked yet): those are journaled again before their segment is deleted, so they survive a
+restart, and are offered again every ``hold_retry`` seconds. They may fill at most half
+the journal; past that ``prepare`` is told not to hold any (``hold=False``).
 A record the database refuses does not hold up the others: the batch is split until it
 is alone (``storage.refusal``), and it goes to the dead-letter file (``storage.quarantine``).
 """
@@ -54,8 +57,9 @@ class Writer:
         observer: WriterObserver | None = None,
         cache_records: int = 50_000,
         batch_records: int = 256,
-        prepare: Callable[[list[CallRecord]], Awaitable[None]] | None = None,
+        prepare: Callable[..., Awaitable[list[CallRecord] | None]] | None = None,
         quarantine: Quarantine | None = None,
+        hold_retry: float = 0.5,
     ):
         self.engine = engine
         self.journal = journal
@@ -65,6 +69,7 @@ class Writer:
         self.batch_records = batch_records
         self.prepare = prepare
         self.quarantine = quarantine or Quarantine.beside(journal.directory)
+        self.hold_retry = hold_retry
         self.db_healthy = True
         self.dropped = 0
         # Decoded records of the active and sealed segments, so the happy path never
@@ -79,8 +84,17 @@ class Writer:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._pending_count = 0
+        self._fresh = 0  # records submitted into the active segment (not ones held back)
+        self._retry_at = 0.0  # when records held back are offered to prepare again
+        self._held: set[str] = set()  # call ids of records prepare handed back, until written
 
     encode = staticmethod(_encode)  # the journal's record format
+
+    @property
+    def held(self) -> int:
+        """Records journaled and waiting until ``prepare`` can complete them (part of
+        ``pending``)."""
+        return len(self._held)
 
     @property
     def pending(self) -> int:
@@ -103,6 +117,7 @@ class Writer:
             return False
         self._active.append(record)
         self._pending_count += 1
+        self._fresh += 1
         if self.journal.active_full:
             self._seal()
         # A transaction per record would cost more CPU than the request itself: wake the
@@ -149,7 +164,9 @@ class Writer:
     async def flush(self) -> None:
         """Write everything journaled so far; raises if the database refuses."""
         async with self._flushing:
-            self._seal()
+            # Records only held back wait for their retry time rather than churn the disk.
+            if self._fresh or self._closing or time.monotonic() >= self._retry_at:
+                self._seal()
             for segment in self.journal.pending():
                 await self._write_segment(segment)
 
@@ -186,6 +203,7 @@ class Writer:
         segment = self.journal.seal()
         if segment is None:
             return
+        self._fresh = 0
         self._cache[segment] = self._active
         self._active = []
         cached = sum(len(r) for r in self._cache.values() if r)
@@ -200,12 +218,11 @@ class Writer:
         records = self._cache.get(segment)
         if records is None:
             records = self._read(segment)
-        if self.prepare is not None and records:
-            try:
-                await self.prepare(records)
-            except Exception:  # a record without its extras beats a record not written
-                log.exception("preparing %d records failed; writing them as they are",
-                              len(records))
+        held = await self._prepare(records, hold=True)
+        if held:
+            ids = {id(r) for r in held}
+            records = [r for r in records if id(r) not in ids]
+            self._held.update(r.call_id for r in held)
         started = time.perf_counter()
         try:
             outcome = await write_batch(self.engine, records)
@@ -215,8 +232,11 @@ class Writer:
                 self._failed.add(segment)
                 self.observer.records("spilled", len(records))
             raise
-        self.observer.db_write(time.perf_counter() - started, len(records))
+        if records:
+            self.observer.db_write(time.perf_counter() - started, len(records))
         self._quarantine(outcome)  # before the segment goes: the dead-letter keeps them
+        if held:  # journaled again before their segment goes
+            await self._hold(held)
         replayed = segment in self._failed
         self.observer.records("replayed" if replayed else "written",
                               len(records) - len(outcome.refused))
@@ -224,6 +244,7 @@ class Writer:
         self._cache.pop(segment, None)
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))
+        self._held.difference_update(r.call_id for r in records)
 
     def _read(self, segment: Path) -> list[CallRecord]:
         records, new = self.quarantine.decoded(read_segment(segment), _decode,
@@ -238,3 +259,34 @@ class Writer:
             self.observer.records("quarantined", refused)
         if altered:
             self.observer.records("altered", altered)
+
+    async def _prepare(self, records: list[CallRecord], hold: bool) -> list[CallRecord]:
+        """Run ``prepare``; the records it hands back (none if it fails)."""
+        if self.prepare is None or not records:
+            return []
+        hold = hold and self.journal.bytes < self.journal.max_bytes // 2
+        try:
+            return list(await self.prepare(records, hold=hold) or ())
+        except Exception:  # a record without its extras beats a record not written
+            log.exception("preparing %d records failed; writing them as they are",
+                          len(records))
+            return []
+
+    async def _hold(self, held: list[CallRecord]) -> None:
+        """Journal records ``prepare`` handed back; what does not fit is written now."""
+        self._retry_at = time.monotonic() + self.hold_retry
+        now = []
+        for record in held:
+            if self.journal.append(_encode(record)):
+                self._active.append(record)
+            else:
+                now.append(record)
+        if self.journal.active_full:
+            self._seal()
+        if now:
+            await self._prepare(now, hold=False)
+            outcome = await write_batch(self.engine, now)
+            self._quarantine(outcome)
+            self.observer.records("written", len(now) - len(outcome.refused))
+            self._pending_count = max(0, self._pending_count - len(now))
+            self._held.difference_update(r.call_id for r in now)
