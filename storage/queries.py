@@ -10,6 +10,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
+from tracetap.storage.dedup import BODIES
+from tracetap.storage.inflate import IDS, TEXT, resolve
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -181,10 +183,10 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
     async with engine.connect() as conn:
         condition = Call.episode_id.is_(None) if episode_id is None else (
             Call.episode_id == episode_id)
-        calls = (
-            await conn.execute(select(Call).where(condition).order_by(Call.t_start, Call.seq))
-        ).all()
-        ids = [c.call_id for c in calls]
+        calls = [dict(c._mapping) for c in (await conn.execute(
+            select(Call).where(condition).order_by(Call.t_start, Call.seq))).all()]
+        calls = await _inflated(conn, calls)
+        ids = [c["call_id"] for c in calls]
         choices = (
             await conn.execute(select(Choice).where(Choice.call_id.in_(ids))
                                .order_by(Choice.call_id, Choice.choice_index))
@@ -200,11 +202,26 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
             "top_logprobs": _loads(ch.top_logprobs),
             "token_source": ch.token_source,
         })
-    out = []
-    for c in calls:
-        row = dict(c._mapping)
+    for row in calls:
         row["prompt_ids"] = unpack_ids(row["prompt_ids"])
-        row["choices"] = by_call.get(c.call_id, [])
-        out.append(row)
-    return out
+        row["choices"] = by_call.get(row["call_id"], [])
+    return calls
+
+
+# Each value column and its references column.
+_VALUES = [("prompt_ids", "prompt_refs", IDS),
+           *((body, body + "_refs", TEXT) for body in BODIES)]
+
+
+async def _inflated(conn, calls: list[dict]) -> list[dict]:
+    """The calls with their prompt ids and bodies read back from their references (the
+    references themselves left out)."""
+    rows = [[c[refs] for _, refs, _ in _VALUES] for c in calls]
+    values = await resolve(conn, rows, [(i, i, kind) for i, (_, _, kind) in enumerate(_VALUES)],
+                           len(_VALUES))
+    for call, got in zip(calls, values):
+        for (name, refs, _), value in zip(_VALUES, got):
+            if call.pop(refs) is not None:
+                call[name] = value
+    return calls
 

@@ -6,6 +6,13 @@ finished_at is one that was exported, and every call it has now was written with
 version. Otherwise it stays, counted by why: still running, finished again since (the
 new result is not exported yet), or calls that arrived after the export. Calls without
 an episode go when the export wrote them.
+
+Blocks (storage.blocks) are shared by calls, across episodes too (a GRPO group's first
+prompt, a system message every call resends), so deleting a call never deletes a block
+directly: ``prune`` collects the blocks the deleted calls referenced, and ``sweep``, once
+per run, deletes those that no remaining call references. The sweep holds the block
+store's exclusive lock (storage.blockstore) while it reads every remaining call's
+references, so a writer cannot reference a block in between; writers wait meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import msgspec
 from sqlalchemy import delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from tracetap.storage.blocks import unpack_refs
+from tracetap.storage.blockstore import begin_sweeping, mark_swept
 from tracetap.storage.tables import Call, Choice, Episode
 
 # Exported calls per episode, per finished_at it was exported with.
@@ -31,11 +40,16 @@ class PruneCounts(msgspec.Struct, kw_only=True):
     kept_running: int = 0  # not finished (exported by --no-finished-only)
     kept_refinished: int = 0  # finished again after the export
     kept_late_calls: int = 0  # calls stored after the export
+    blocks: int = 0  # blocks no call referenced any more, swept
+
+
+_REFS = (Call.prompt_refs, Call.request_refs, Call.upstream_request_refs, Call.response_refs)
 
 
 async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], counts: PruneCounts,
-                *, dry_run: bool) -> None:
-    """Prune one chunk (a few hundred episodes) in one transaction; add to ``counts``."""
+                *, dry_run: bool, unlinked: set[bytes] | None = None) -> None:
+    """Prune one chunk (a few hundred episodes) in one transaction; add to ``counts``, and
+    to ``unlinked`` the blocks the deleted calls referenced (for ``sweep``)."""
     async with engine.begin() as conn:
         query = select(Episode.id, Episode.finished_at).where(Episode.id.in_(list(proven)))
         if conn.dialect.name == "postgresql":
@@ -67,7 +81,53 @@ async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], co
             counts.choices += (await conn.execute(select(func.count()).select_from(Choice)
                                                   .where(Choice.call_id.in_(chunk)))).scalar()
         if not dry_run:
+            if unlinked is not None:
+                for chunk in _chunks(doomed_calls):
+                    for row in await conn.execute(select(*_REFS).where(Call.call_id.in_(chunk))):
+                        unlinked.update(_hashes(row))
             await _delete(conn, doomed_episodes, doomed_calls)
+
+
+async def sweep(engine: AsyncEngine, unlinked: set[bytes], counts: PruneCounts) -> None:
+    """Delete the ``unlinked`` blocks that no call references any more."""
+    if not unlinked:
+        return
+    doomed = set(unlinked)
+    query = ("SELECT prompt_refs, request_refs, upstream_request_refs, response_refs "
+             "FROM calls")
+    async with engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        if engine.dialect.name == "postgresql":
+            async with raw.transaction():
+                await begin_sweeping(raw, "postgresql")
+                async for row in raw.cursor(query, prefetch=500):
+                    doomed.difference_update(_hashes(row))
+                gone = sorted(doomed)
+                for chunk in _chunks(gone):
+                    await raw.execute("DELETE FROM blocks WHERE hash = ANY($1::bytea[])", chunk)
+                if gone:
+                    await mark_swept(raw, "postgresql")
+        else:
+            try:
+                await begin_sweeping(raw, "sqlite")
+                async with raw.execute(query) as cursor:
+                    async for row in cursor:
+                        doomed.difference_update(_hashes(row))
+                gone = sorted(doomed)
+                for chunk in _chunks(gone):
+                    await raw.execute(f"DELETE FROM blocks WHERE hash IN "
+                                      f"({', '.join('?' * len(chunk))})", chunk)
+                if gone:
+                    await mark_swept(raw, "sqlite")
+                await raw.commit()
+            except BaseException:
+                await raw.rollback()
+                raise
+    counts.blocks += len(gone)
+
+
+def _hashes(row) -> Iterable[bytes]:
+    return (h for refs in row if refs is not None for h, _ in unpack_refs(refs))
 
 
 async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) -> None:
@@ -80,5 +140,5 @@ async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) 
             Episode.id.in_(chunk), ~exists().where(Call.episode_id == Episode.id)))
 
 
-def _chunks(items: list[str]) -> list[list[str]]:
+def _chunks(items: list) -> list[list]:
     return [items[i:i + _IN] for i in range(0, len(items), _IN)]

@@ -76,6 +76,14 @@ class Call(Base):
     overlay: Mapped[str | None] = mapped_column(Text)
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
+    # Since revision 0006 the prompt ids and the bodies are stored as references to
+    # ``blocks`` (storage.blocks: 20-byte entries, hash and length) and the inline columns
+    # above (prompt_ids, request, upstream_request, response) are null; rows stored before
+    # keep them inline. storage.inflate reads both.
+    prompt_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    request_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    upstream_request_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     __table_args__ = (
         Index(None, "episode_id", "t_start"),
@@ -97,6 +105,17 @@ class Choice(Base):
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
     top_logprobs: Mapped[str | None] = mapped_column(Text)  # JSON
     token_source: Mapped[str] = mapped_column(String(32))  # storage.records.TOKEN_SOURCES
+
+
+class Block(Base):
+    """A content-addressed block of prompt ids or body text, stored once however many
+    calls reference it (storage.blocks). Deleted only by prune's sweep, and only when no
+    call references it (storage.retention)."""
+
+    __tablename__ = "blocks"
+
+    hash: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)  # a format byte, then the contents
 
 
 class Control(Base):

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import insert_calls
@@ -73,6 +74,8 @@ class Writer:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._pending_count = 0
+        # Each conversation's last stored call: the next one stores only its new blocks.
+        self.blocks = BlockCache()
 
     encode = staticmethod(_encode)  # the journal's record format
 
@@ -189,7 +192,7 @@ class Writer:
         started = time.perf_counter()
         try:
             if records:
-                await insert_calls(self.engine, records)
+                await insert_calls(self.engine, records, self.blocks)
         except Exception:
             self.observer.db_error()
             if segment not in self._failed:

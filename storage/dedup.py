@@ -1,0 +1,135 @@
+"""The writer's half of "each token stored once": a batch of records → references + the
+blocks the database does not hold yet.
+
+Runs in the writer, off the request path, inside the batch's transaction. For each
+conversation (episode) it remembers the references of the last call it committed
+(``BlockCache``, bounded): the next call's prompt is cut at the same boundaries, so the
+shared prefix names the same blocks, and those blocks (and the request's resent
+messages) need not be packed or sent again. A conversation it does not remember (a
+restart, another worker wrote its last call) is looked up in the database once. Blocks
+are content-addressed and inserted ``ON CONFLICT DO NOTHING``: GRPO samples that share a
+first prompt share its blocks whoever wrote them first.
+
+The cache is only updated after the batch commits (``BlockCache.commit``): a batch that
+fails leaves it as it was, so no later call can reference a block that was never stored.
+It is dropped whole when ``tracetap prune`` has swept blocks since (storage.retention).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from tracetap.storage.blocks import (
+    Ref,
+    cut_ids,
+    cut_text,
+    pack_block,
+    pack_refs,
+    unpack_refs,
+)
+from tracetap.storage.codec import pack_ids
+from tracetap.storage.records import CallRecord
+
+# The bodies stored as references, by record field (and calls column "<field>_refs").
+BODIES = ("request", "upstream_request", "response")
+
+
+class Last(msgspec.Struct, gc=False):
+    """What the next call of a conversation reuses: its prompt's blocks, and every block
+    hash the call referenced (known stored)."""
+
+    prompt: list[Ref]
+    known: frozenset[bytes]
+
+
+class Planned(msgspec.Struct, gc=False):
+    """One record's references (calls columns) and the last-call entry it leaves."""
+
+    refs: dict[str, bytes | None]
+    last: Last | None
+
+
+class Plan(msgspec.Struct, gc=False):
+    calls: dict[str, Planned]  # by call_id
+    blocks: dict[bytes, bytes]  # hash → stored bytes, for blocks to insert
+    episodes: dict[str, Last]  # the last call of each conversation after this batch
+
+
+class BlockCache:
+    """The last committed call of each recent conversation (least recently used out)."""
+
+    def __init__(self, conversations: int = 2048):
+        self.conversations = conversations
+        self.swept: int | None = None  # the prune sweep serial this cache is valid for
+        self._last: OrderedDict[str, Last] = OrderedDict()
+
+    def get(self, episode_id: str) -> Last | None:
+        last = self._last.get(episode_id)
+        if last is not None:
+            self._last.move_to_end(episode_id)
+        return last
+
+    def valid_for(self, swept: int) -> None:
+        """Forget everything if blocks were swept since this cache was filled."""
+        if swept != self.swept:
+            self._last.clear()
+            self.swept = swept
+
+    def commit(self, plan: Plan) -> None:
+        for episode_id, last in plan.episodes.items():
+            self._last[episode_id] = last
+            self._last.move_to_end(episode_id)
+        while len(self._last) > self.conversations:
+            self._last.popitem(last=False)
+
+
+def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
+    """References for ``records`` (in the order given: a conversation's calls in arrival
+    order) given the last stored call of their conversations."""
+    out = Plan(calls={}, blocks={}, episodes={})
+    for record in records:
+        last = out.episodes.get(record.episode_id) or parents.get(record.episode_id)
+        known = last.known if last is not None else frozenset()
+        used: set[bytes] = set()
+        refs: dict[str, bytes | None] = {}
+        prompt: list[Ref] = []
+        ids = pack_ids(record.prompt_ids)
+        if ids is not None:
+            pieces = cut_ids(ids, last.prompt if last is not None else None)
+            prompt = [ref for ref, _ in pieces]
+            _add(out.blocks, pieces, known, used)
+        refs["prompt_refs"] = None if ids is None else pack_refs(prompt)
+        for field in BODIES:
+            text = getattr(record, field)
+            if text is None:
+                refs[field + "_refs"] = None
+                continue
+            pieces = cut_text(text)
+            _add(out.blocks, pieces, known, used)
+            refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
+        entry = None
+        if record.episode_id is not None:
+            entry = Last(prompt=prompt, known=frozenset(used))
+            out.episodes[record.episode_id] = entry
+        out.calls[record.call_id] = Planned(refs=refs, last=entry)
+    return out
+
+
+def _add(blocks: dict[bytes, bytes], pieces, known: frozenset[bytes], used: set[bytes]) -> None:
+    for (h, _), data in pieces:
+        used.add(h)
+        if h not in known and h not in blocks:
+            blocks[h] = pack_block(data)
+
+
+def last_of(prompt_refs: bytes | None, body_refs: list[bytes | None]) -> Last:
+    """A conversation's last call as read back from the database."""
+    prompt = unpack_refs(prompt_refs) if prompt_refs is not None else []
+    known = {h for h, _ in prompt}
+    for refs in body_refs:
+        if refs is not None:
+            known.update(h for h, _ in unpack_refs(refs))
+    return Last(prompt=prompt, known=frozenset(known))
+
