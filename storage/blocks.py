@@ -16,17 +16,28 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-import zlib
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
+
+import pyarrow
 
 HASH_BYTES = 16
 _ENTRY = struct.Struct("<16sI")  # a reference: the block's hash, its length
 ENTRY_BYTES = _ENTRY.size
-BLOCK_TOKENS = 512  # ids per prompt block: the list of references stays ~0.04 B/token
+# Ids per prompt block: a conversation's first call is cut finely, so that prompts that
+# share only their start (a system prompt) share most of it; its later calls add their
+# new tokens in large blocks (fewer rows, and short reference lists: 20 bytes a block).
+FIRST_BLOCK_TOKENS = 256
+BLOCK_TOKENS = 2048
 IDS, TEXT = b"ids", b"text"  # what a block holds (part of its hash: never confused)
-_RAW, _ZLIB = 0, 1  # the first byte of a stored block says how the rest is packed
-_MIN_COMPRESS = 64  # bytes; below, zlib's header costs more than it saves
+# The first byte of a stored block says how the rest is packed: as it is; zstd; zstd of
+# int32 ids regrouped byte plane by byte plane (all first bytes, all second bytes, ...: the
+# high planes of token ids are nearly constant and shrink to almost nothing).
+_RAW, _ZSTD, _ZSTD_PLANES = 0, 1, 2
+_MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
+# zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is
+# the proxy's). pyarrow ships it; tracetap depends on pyarrow for its export anyway.
+_CODEC = pyarrow.Codec("zstd", 1)
 
 Ref = tuple[bytes, int]  # (hash, length: ids for IDS blocks, UTF-8 bytes for TEXT)
 
@@ -48,28 +59,46 @@ def refs_length(data: bytes) -> int:
     return sum(n for _, n in _ENTRY.iter_unpack(bytes(data)))
 
 
-def pack_block(data: bytes) -> bytes:
-    """A block as stored: zlib when that is smaller (level 1: the writer's CPU is the
-    proxy's), else as it is."""
+def pack_block(data: bytes, kind: bytes = TEXT) -> bytes:
+    """A block as stored: compressed (after its format byte and its size, uint32) when
+    that is smaller, else as it is (after its format byte)."""
     if len(data) >= _MIN_COMPRESS:
-        packed = zlib.compress(data, 1)
-        if len(packed) < len(data):
-            return bytes((_ZLIB,)) + packed
+        planes = kind == IDS and len(data) % 4 == 0
+        packed = _CODEC.compress(_planes(data) if planes else data, asbytes=True)
+        if len(packed) + 4 < len(data):
+            form = _ZSTD_PLANES if planes else _ZSTD
+            return bytes((form,)) + len(data).to_bytes(4, "little") + packed
     return bytes((_RAW,)) + data
 
 
 def unpack_block(stored: bytes) -> bytes:
     stored = bytes(stored)
-    if stored[0] == _ZLIB:
-        return zlib.decompress(stored[1:])
-    if stored[0] == _RAW:
+    form = stored[0]
+    if form == _RAW:
         return stored[1:]
-    raise ValueError(f"unknown block format {stored[0]}")
+    if form not in (_ZSTD, _ZSTD_PLANES):
+        raise ValueError(f"unknown block format {form}")
+    size = int.from_bytes(stored[1:5], "little")
+    data = _CODEC.decompress(stored[5:], decompressed_size=size, asbytes=True)
+    return _unplanes(data) if form == _ZSTD_PLANES else data
+
+
+def _planes(data: bytes) -> bytes:
+    return b"".join(data[k::4] for k in range(4))
+
+
+def _unplanes(data: bytes) -> bytes:
+    n = len(data) // 4
+    out = bytearray(len(data))
+    for k in range(4):
+        out[k::4] = data[k * n:(k + 1) * n]
+    return bytes(out)
 
 
 def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
     """The blocks of a prompt (int32 bytes): the parent's boundaries as far as its blocks
-    recur, then ``BLOCK_TOKENS`` at a time. Each block comes with its bytes."""
+    recur, then ``BLOCK_TOKENS`` at a time (``FIRST_BLOCK_TOKENS`` without a parent).
+    Each block comes with its bytes."""
     out: list[tuple[Ref, bytes]] = []
     at = 0
     for h, n in parent or ():
@@ -81,7 +110,7 @@ def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
             break
         out.append(((h, n), piece))
         at = end
-    step = 4 * BLOCK_TOKENS
+    step = 4 * (BLOCK_TOKENS if out else FIRST_BLOCK_TOKENS)
     while at < len(ids):
         piece = ids[at:at + step]
         out.append(((digest(IDS, piece), len(piece) // 4), piece))

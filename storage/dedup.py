@@ -22,6 +22,8 @@ from collections import OrderedDict
 import msgspec
 
 from tracetap.storage.blocks import (
+    IDS,
+    TEXT,
     Ref,
     cut_ids,
     cut_text,
@@ -99,7 +101,7 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         if ids is not None:
             pieces = cut_ids(ids, last.prompt if last is not None else None)
             prompt = [ref for ref, _ in pieces]
-            _add(out.blocks, pieces, known, used)
+            _add(out.blocks, pieces, known, used, IDS)
         refs["prompt_refs"] = None if ids is None else pack_refs(prompt)
         for field in BODIES:
             text = getattr(record, field)
@@ -107,7 +109,7 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
                 refs[field + "_refs"] = None
                 continue
             pieces = cut_text(text)
-            _add(out.blocks, pieces, known, used)
+            _add(out.blocks, pieces, known, used, TEXT)
             refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
         entry = None
         if record.episode_id is not None:
@@ -117,11 +119,12 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
     return out
 
 
-def _add(blocks: dict[bytes, bytes], pieces, known: frozenset[bytes], used: set[bytes]) -> None:
+def _add(blocks: dict[bytes, bytes], pieces, known: frozenset[bytes], used: set[bytes],
+         kind: bytes) -> None:
     for (h, _), data in pieces:
         used.add(h)
         if h not in known and h not in blocks:
-            blocks[h] = pack_block(data)
+            blocks[h] = pack_block(data, kind)
 
 
 def last_of(prompt_refs: bytes | None, body_refs: list[bytes | None]) -> Last:

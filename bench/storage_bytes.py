@@ -1,0 +1,214 @@
+"""Database bytes per unique token for an agentic run, through the real storage code.
+
+    python bench/storage_bytes.py                          # SQLite and Postgres, ~1 min
+    python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0006
+
+The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
+``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
+of ``--tool`` tokens and a streamed completion of ``--out`` tokens with logprobs. A token's
+text is `` w<id>``, ids are random below 151,000. Each call is stored as the proxy stores
+it: the request JSON as the client sent it (the whole conversation), the reassembled
+response with its logprobs, the engine's prompt ids, the completion's ids and logprobs.
+Records go through ``storage.rows.insert_calls`` with the writer's cache, a turn of every
+session per transaction (the writer's batches), into a freshly migrated database.
+
+``--layout inline`` writes the same records as revision 0005 stored them (prompt ids and
+bodies inline in every call): the "before" figure. Printed per database: bytes the run
+added (SQLite: the file after a WAL checkpoint; Postgres: ``pg_total_relation_size`` of
+every table, TOAST and indexes included), bytes per unique token, and the token ids
+stored (prompt blocks once each, or inline prompt ids, plus completion ids) per unique
+token. Unique tokens: the system prompt once, plus every tool result and completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import asyncpg
+from pgtemp import create_database, drop_database
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.storage.blocks import unpack_refs  # noqa: E402
+from tracetap.storage.dedup import BlockCache  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
+from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import call_row, episode_rows, insert_calls  # noqa: E402
+from tracetap.storage.tables import Call, Choice, Episode  # noqa: E402
+
+VOCAB = 151_000
+
+
+def _ids(rnd: random.Random, n: int) -> list[int]:
+    return [rnd.randrange(1000, VOCAB) for _ in range(n)]
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(f" w{t}" for t in ids)
+
+
+def _encode(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def records(args: argparse.Namespace) -> list[list[CallRecord]]:
+    """Per turn, one record per session (a turn of every session is one batch)."""
+    system = _ids(random.Random(0), args.system)
+    head = {"model": "agentic-model", "stream": True, "max_tokens": args.out,
+            "logprobs": True, "top_logprobs": 0, "stream_options": {"include_usage": True}}
+    sessions = []
+    for s in range(args.sessions):
+        rnd = random.Random(s + 1)
+        sessions.append({"rnd": rnd, "ids": list(system),
+                         "messages": [{"role": "system", "content": _text(system)}]})
+    batches, now = [], time.time()
+    for turn in range(args.turns):
+        batch = []
+        for s, state in enumerate(sessions):
+            rnd = state["rnd"]
+            tool = _ids(rnd, args.tool)
+            state["messages"].append({"role": "user", "content": f"[s={s} t={turn}]" + _text(tool)})
+            state["ids"] += tool
+            out = _ids(rnd, args.out)
+            logprobs = [-round(rnd.random() * 4, 6) for _ in out]
+            text = _text(out)
+            response = {"id": f"chatcmpl-{s}-{turn}", "object": "chat.completion",
+                        "created": 1_700_000_000, "model": "agentic-model",
+                        "choices": [{"index": 0,
+                                     "message": {"role": "assistant", "content": text},
+                                     "logprobs": {"content": [
+                                         {"token": f" w{t}", "logprob": lp}
+                                         for t, lp in zip(out, logprobs)]},
+                                     "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": len(state["ids"]),
+                                  "completion_tokens": len(out)}}
+            batch.append(CallRecord(
+                call_id=f"call-{s:03d}-{turn:04d}", episode_id=f"session-{s}", seq=turn,
+                endpoint="chat.completions", model="agentic-model", stream=True,
+                request=_encode({**head, "messages": state["messages"]}),
+                response=_encode(response), http_status=200, t_start=now + turn,
+                t_end=now + turn + 1, prompt_tokens=len(state["ids"]),
+                completion_tokens=len(out), prompt_ids=list(state["ids"]),
+                choices=[ChoiceRecord(index=0, finish_reason="length", text=text,
+                                      completion_ids=out, completion_logprobs=logprobs,
+                                      token_source="engine")]))
+            state["messages"].append({"role": "assistant", "content": text})
+            state["ids"] += out
+        batches.append(batch)
+    return batches
+
+
+async def _inline(engine, batch: list[CallRecord]) -> None:
+    """The records as revision 0005 stored them: every call's prompt and bodies inline."""
+    from tracetap.storage.rows import choice_rows, insert_ignoring_duplicates
+
+    dialect = engine.dialect.name
+    async with engine.begin() as conn:
+        await conn.execute(insert_ignoring_duplicates(dialect, Episode.__table__),
+                           episode_rows(batch))
+        await conn.execute(insert_ignoring_duplicates(dialect, Call.__table__),
+                           [call_row(r, time.time()) for r in batch])
+        await conn.execute(insert_ignoring_duplicates(dialect, Choice.__table__),
+                           [row for r in batch for row in choice_rows(r)])
+
+
+async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float:
+    engine = create_engine(url)
+    cache = BlockCache()
+    started = time.perf_counter()
+    try:
+        for batch in batches:
+            if layout == "inline":
+                await _inline(engine, batch)
+            else:
+                await insert_calls(engine, batch, cache)
+    finally:
+        await engine.dispose()
+    return time.perf_counter() - started
+
+
+_PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'public' AND c.relkind = 'r'")
+_REFS = "SELECT prompt_refs, length(prompt_ids) FROM calls"
+_COMPLETION = "SELECT coalesce(sum(length(completion_ids)), 0) FROM choices"
+
+
+def _stored_ids(rows, completion_bytes: int) -> int:
+    blocks: dict[bytes, int] = {}
+    inline = 0
+    for refs, inline_bytes in rows:
+        inline += inline_bytes or 0
+        if refs is not None:
+            blocks.update(unpack_refs(refs))
+    return sum(blocks.values()) + (inline + completion_bytes) // 4
+
+
+def size(url: str) -> tuple[int, int]:
+    """(bytes, stored ids) of the database at ``url``."""
+    if url.startswith("sqlite"):
+        path = Path(url.removeprefix("sqlite:///"))
+        with sqlite3.connect(path) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            ids = _stored_ids(conn.execute(_REFS).fetchall(),
+                              conn.execute(_COMPLETION).fetchone()[0])
+        return path.stat().st_size, ids
+
+    async def pg():
+        conn = await asyncpg.connect(url)
+        try:
+            ids = _stored_ids(await conn.fetch(_REFS), await conn.fetchval(_COMPLETION))
+            return int(await conn.fetchval(_PG_SIZE)), ids
+        finally:
+            await conn.close()
+
+    return asyncio.run(pg())
+
+
+def measure(db: str, batches, args, folder: Path) -> dict:
+    url = f"sqlite:///{folder / f'{db}-{args.layout}.db'}" if db == "sqlite" else create_database()
+    try:
+        upgrade(url)
+        empty, _ = size(url)
+        seconds = asyncio.run(store(url, batches, args.layout))
+        full, ids = size(url)
+    finally:
+        if db == "postgres":
+            drop_database(url)
+    unique = args.system + args.sessions * args.turns * (args.tool + args.out)
+    return {"db": db, "layout": args.layout, "calls": sum(map(len, batches)),
+            "unique_tokens": unique, "bytes": full - empty,
+            "bytes_per_unique_token": round((full - empty) / unique, 2),
+            "stored_ids_per_unique_token": round(ids / unique, 3),
+            "write_seconds": round(seconds, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--tool", type=int, default=2000)
+    parser.add_argument("--out", type=int, default=400)
+    parser.add_argument("--system", type=int, default=1000)
+    parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
+                        help="blocks: as stored now; inline: as before revision 0006")
+    args = parser.parse_args()
+    batches = records(args)
+    with tempfile.TemporaryDirectory(prefix="tracetap-storage-bytes-") as tmp:
+        for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
+            print(json.dumps(measure(db, batches, args, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
