@@ -140,18 +140,19 @@ async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float
 _PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = 'public' AND c.relkind = 'r'")
-_REFS = "SELECT prompt_refs, length(prompt_ids) FROM calls"
-_COMPLETION = "SELECT coalesce(sum(length(completion_ids)), 0) FROM choices"
+# Token ids stored: inline (before revision 0006) or in blocks, each block counted once.
+_REFS = ("SELECT prompt_refs, length(prompt_ids) FROM calls UNION ALL "
+         "SELECT completion_ids_refs, length(completion_ids) FROM choices")
 
 
-def _stored_ids(rows, completion_bytes: int) -> int:
+def _stored_ids(rows) -> int:
     blocks: dict[bytes, int] = {}
     inline = 0
     for refs, inline_bytes in rows:
         inline += inline_bytes or 0
         if refs is not None:
             blocks.update(unpack_refs(refs))
-    return sum(blocks.values()) + (inline + completion_bytes) // 4
+    return sum(blocks.values()) + inline // 4
 
 
 def size(url: str) -> tuple[int, int]:
@@ -160,14 +161,13 @@ def size(url: str) -> tuple[int, int]:
         path = Path(url.removeprefix("sqlite:///"))
         with sqlite3.connect(path) as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            ids = _stored_ids(conn.execute(_REFS).fetchall(),
-                              conn.execute(_COMPLETION).fetchone()[0])
+            ids = _stored_ids(conn.execute(_REFS).fetchall())
         return path.stat().st_size, ids
 
     async def pg():
         conn = await asyncpg.connect(url)
         try:
-            ids = _stored_ids(await conn.fetch(_REFS), await conn.fetchval(_COMPLETION))
+            ids = _stored_ids(await conn.fetch(_REFS))
             return int(await conn.fetchval(_PG_SIZE)), ids
         finally:
             await conn.close()

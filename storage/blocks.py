@@ -29,11 +29,15 @@ ENTRY_BYTES = _ENTRY.size
 # new tokens in large blocks (fewer rows, and short reference lists: 20 bytes a block).
 FIRST_BLOCK_TOKENS = 256
 BLOCK_TOKENS = 2048
-IDS, TEXT = b"ids", b"text"  # what a block holds (part of its hash: never confused)
+# What a block holds (part of its hash: never confused): int32 ids, float64 logprobs, text.
+IDS, FLOATS, TEXT = b"ids", b"f64", b"text"
+_WIDTH = {IDS: 4, FLOATS: 8}  # bytes per value; a reference's length counts values
 # The first byte of a stored block says how the rest is packed: as it is; zstd; zstd of
-# int32 ids regrouped byte plane by byte plane (all first bytes, all second bytes, ...: the
-# high planes of token ids are nearly constant and shrink to almost nothing).
-_RAW, _ZSTD, _ZSTD_PLANES = 0, 1, 2
+# 4- or 8-byte values regrouped byte plane by byte plane (all first bytes, then all second
+# bytes, ...: the high planes of token ids and of logprobs are nearly constant and shrink
+# to almost nothing).
+_RAW, _ZSTD, _ZSTD_PLANES4, _ZSTD_PLANES8 = 0, 1, 2, 3
+_PLANES = {_ZSTD_PLANES4: 4, _ZSTD_PLANES8: 8}
 _MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
 # zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is
 # the proxy's). pyarrow ships it; tracetap depends on pyarrow for its export anyway.
@@ -55,7 +59,8 @@ def unpack_refs(data: bytes) -> list[Ref]:
 
 
 def refs_length(data: bytes) -> int:
-    """The total length the references name (ids of a prompt) without reading a block."""
+    """The total length the references name (ids of a prompt, logprobs of a choice, bytes
+    of a text) without reading a block."""
     return sum(n for _, n in _ENTRY.iter_unpack(bytes(data)))
 
 
@@ -63,10 +68,10 @@ def pack_block(data: bytes, kind: bytes = TEXT) -> bytes:
     """A block as stored: compressed (after its format byte and its size, uint32) when
     that is smaller, else as it is (after its format byte)."""
     if len(data) >= _MIN_COMPRESS:
-        planes = kind == IDS and len(data) % 4 == 0
-        packed = _CODEC.compress(_planes(data) if planes else data, asbytes=True)
+        width = _WIDTH.get(kind, 1) if len(data) % _WIDTH.get(kind, 1) == 0 else 1
+        packed = _CODEC.compress(_planes(data, width), asbytes=True)
         if len(packed) + 4 < len(data):
-            form = _ZSTD_PLANES if planes else _ZSTD
+            form = {1: _ZSTD, 4: _ZSTD_PLANES4, 8: _ZSTD_PLANES8}[width]
             return bytes((form,)) + len(data).to_bytes(4, "little") + packed
     return bytes((_RAW,)) + data
 
@@ -76,23 +81,31 @@ def unpack_block(stored: bytes) -> bytes:
     form = stored[0]
     if form == _RAW:
         return stored[1:]
-    if form not in (_ZSTD, _ZSTD_PLANES):
+    if form != _ZSTD and form not in _PLANES:
         raise ValueError(f"unknown block format {form}")
     size = int.from_bytes(stored[1:5], "little")
     data = _CODEC.decompress(stored[5:], decompressed_size=size, asbytes=True)
-    return _unplanes(data) if form == _ZSTD_PLANES else data
+    return _unplanes(data, _PLANES.get(form, 1))
 
 
-def _planes(data: bytes) -> bytes:
-    return b"".join(data[k::4] for k in range(4))
+def _planes(data: bytes, width: int) -> bytes:
+    return data if width == 1 else b"".join(data[k::width] for k in range(width))
 
 
-def _unplanes(data: bytes) -> bytes:
-    n = len(data) // 4
+def _unplanes(data: bytes, width: int) -> bytes:
+    if width == 1:
+        return data
+    n = len(data) // width
     out = bytearray(len(data))
-    for k in range(4):
-        out[k::4] = data[k * n:(k + 1) * n]
+    for k in range(width):
+        out[k::width] = data[k * n:(k + 1) * n]
     return bytes(out)
+
+
+def whole(kind: bytes, data: bytes) -> tuple[Ref, bytes]:
+    """``data`` as one block (a choice's text, ids or logprobs: never shared, so never
+    cut), with its reference."""
+    return (digest(kind, data), len(data) // _WIDTH.get(kind, 1)), data
 
 
 def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:

@@ -22,6 +22,7 @@ from collections import OrderedDict
 import msgspec
 
 from tracetap.storage.blocks import (
+    FLOATS,
     IDS,
     TEXT,
     Ref,
@@ -30,8 +31,9 @@ from tracetap.storage.blocks import (
     pack_block,
     pack_refs,
     unpack_refs,
+    whole,
 )
-from tracetap.storage.codec import pack_ids
+from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.records import CallRecord
 
 # The bodies stored as references, by record field (and calls column "<field>_refs").
@@ -47,9 +49,11 @@ class Last(msgspec.Struct, gc=False):
 
 
 class Planned(msgspec.Struct, gc=False):
-    """One record's references (calls columns) and the last-call entry it leaves."""
+    """One record's references (calls columns; choices columns by choice index) and the
+    last-call entry it leaves."""
 
     refs: dict[str, bytes | None]
+    choices: dict[int, dict[str, bytes | None]]
     last: Last | None
 
 
@@ -115,7 +119,29 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         if record.episode_id is not None:
             entry = Last(prompt=prompt, known=frozenset(used))
             out.episodes[record.episode_id] = entry
-        out.calls[record.call_id] = Planned(refs=refs, last=entry)
+        out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
+                                            last=entry)
+    return out
+
+
+def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
+    """Each choice's text, ids and logprobs as one block each: compressed, not shared."""
+    out = {}
+    for choice in record.choices:
+        refs: dict[str, bytes | None] = {}
+        for column, kind, data in (
+                ("text_refs", TEXT, None if choice.text is None
+                 else choice.text.encode("utf-8", "surrogatepass")),
+                ("completion_ids_refs", IDS, pack_ids(choice.completion_ids)),
+                ("completion_logprobs_refs", FLOATS, pack_logprobs(choice.completion_logprobs))):
+            if data is None:
+                refs[column] = None
+                continue
+            ref, _ = whole(kind, data)
+            if ref[0] not in blocks:
+                blocks[ref[0]] = pack_block(data, kind)
+            refs[column] = pack_refs([ref])
+        out[choice.index] = refs
     return out
 
 

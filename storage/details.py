@@ -118,11 +118,11 @@ async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | No
 
 async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
     """One call as stored, bodies included; token arrays only counted."""
-    ids_length = func.length(Call.prompt_ids)
     async with engine.connect() as conn:
         row = (await conn.execute(
             select(*_SUMMARY, Call.episode_id, Call.instance, Call.request, Call.response,
-                   ids_length.label("prompt_bytes"), Call.stored_at, Call.prompt_refs,
+                   func.length(Call.prompt_ids).label("prompt_bytes"), Call.stored_at,
+                   Call.prompt_refs,
                    Call.request_refs, Call.response_refs)
             .where(Call.call_id == call_id))).first()
         if row is None:
@@ -134,21 +134,28 @@ async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
             select(Choice.choice_index, Choice.finish_reason, Choice.text,
                    func.length(Choice.completion_ids).label("ids_bytes"),
                    func.length(Choice.completion_logprobs).label("lp_bytes"),
-                   Choice.token_source, Choice.top_logprobs)
+                   Choice.token_source, Choice.top_logprobs, Choice.text_refs,
+                   Choice.completion_ids_refs, Choice.completion_logprobs_refs)
             .where(Choice.call_id == call_id).order_by(Choice.choice_index))).all()
-    prompt_ids = None if row.prompt_bytes is None else row.prompt_bytes // 4
-    if row.prompt_refs is not None:
-        prompt_ids = refs_length(row.prompt_refs)  # counted from the references alone
+        texts = await resolve(conn, [(c.text, c.text_refs) for c in choices], [(0, 1, TEXT)], 1)
     return StoredCall(
         summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
-        request=request, response=response, prompt_ids=prompt_ids,
-        stored_at=row.stored_at,
+        request=request, response=response,
+        prompt_ids=_count(row.prompt_bytes, 4, row.prompt_refs), stored_at=row.stored_at,
         choices=[StoredChoice(
-            index=c.choice_index, finish_reason=c.finish_reason, text=c.text,
-            completion_tokens=None if c.ids_bytes is None else c.ids_bytes // 4,
-            logprobs=None if c.lp_bytes is None else c.lp_bytes // 8,
+            index=c.choice_index, finish_reason=c.finish_reason, text=text,
+            completion_tokens=_count(c.ids_bytes, 4, c.completion_ids_refs),
+            logprobs=_count(c.lp_bytes, 8, c.completion_logprobs_refs),
             token_source=c.token_source, top_logprobs=_loads(c.top_logprobs))
-            for c in choices])
+            for c, (text,) in zip(choices, texts)])
+
+
+def _count(inline_bytes: int | None, width: int, refs: bytes | None) -> int | None:
+    """Values stored inline (``width`` bytes each) or referenced (counted from the
+    references alone, no block read); None: none stored."""
+    if refs is not None:
+        return refs_length(refs)
+    return None if inline_bytes is None else inline_bytes // width
 
 
 async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tuple]:

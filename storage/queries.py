@@ -185,22 +185,23 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
             Call.episode_id == episode_id)
         calls = [dict(c._mapping) for c in (await conn.execute(
             select(Call).where(condition).order_by(Call.t_start, Call.seq))).all()]
-        calls = await _inflated(conn, calls)
+        calls = await _inflated(conn, calls, _CALL_VALUES)
         ids = [c["call_id"] for c in calls]
-        choices = (
+        choices = [dict(c._mapping) for c in (
             await conn.execute(select(Choice).where(Choice.call_id.in_(ids))
                                .order_by(Choice.call_id, Choice.choice_index))
-        ).all() if ids else []
+        ).all()] if ids else []
+        choices = await _inflated(conn, choices, _CHOICE_VALUES)
     by_call: dict[str, list[dict[str, Any]]] = {}
     for ch in choices:
-        by_call.setdefault(ch.call_id, []).append({
-            "index": ch.choice_index,
-            "finish_reason": ch.finish_reason,
-            "text": ch.text,
-            "completion_ids": unpack_ids(ch.completion_ids),
-            "completion_logprobs": unpack_logprobs(ch.completion_logprobs),
-            "top_logprobs": _loads(ch.top_logprobs),
-            "token_source": ch.token_source,
+        by_call.setdefault(ch["call_id"], []).append({
+            "index": ch["choice_index"],
+            "finish_reason": ch["finish_reason"],
+            "text": ch["text"],
+            "completion_ids": unpack_ids(ch["completion_ids"]),
+            "completion_logprobs": unpack_logprobs(ch["completion_logprobs"]),
+            "top_logprobs": _loads(ch["top_logprobs"]),
+            "token_source": ch["token_source"],
         })
     for row in calls:
         row["prompt_ids"] = unpack_ids(row["prompt_ids"])
@@ -209,19 +210,21 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
 
 
 # Each value column and its references column.
-_VALUES = [("prompt_ids", "prompt_refs", IDS),
-           *((body, body + "_refs", TEXT) for body in BODIES)]
+_CALL_VALUES = [("prompt_ids", "prompt_refs", IDS),
+                *((body, body + "_refs", TEXT) for body in BODIES)]
+_CHOICE_VALUES = [("text", "text_refs", TEXT), ("completion_ids", "completion_ids_refs", IDS),
+                  ("completion_logprobs", "completion_logprobs_refs", IDS)]
 
 
-async def _inflated(conn, calls: list[dict]) -> list[dict]:
-    """The calls with their prompt ids and bodies read back from their references (the
-    references themselves left out)."""
-    rows = [[c[refs] for _, refs, _ in _VALUES] for c in calls]
-    values = await resolve(conn, rows, [(i, i, kind) for i, (_, _, kind) in enumerate(_VALUES)],
-                           len(_VALUES))
-    for call, got in zip(calls, values):
-        for (name, refs, _), value in zip(_VALUES, got):
-            if call.pop(refs) is not None:
-                call[name] = value
-    return calls
+async def _inflated(conn, rows: list[dict], columns: list[tuple[str, str, str]]) -> list[dict]:
+    """The rows with their values read back from their references (the references
+    themselves left out)."""
+    refs = [[r[name] for _, name, _ in columns] for r in rows]
+    values = await resolve(conn, refs, [(i, i, kind) for i, (_, _, kind) in enumerate(columns)],
+                           len(columns))
+    for row, got in zip(rows, values):
+        for (name, refs_name, _), value in zip(columns, got):
+            if row.pop(refs_name) is not None:
+                row[name] = value
+    return rows
 

@@ -73,8 +73,14 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
     return row
 
 
-def choice_rows(record: CallRecord) -> list[dict]:
-    return [
+_CHOICE_INLINE = {"text_refs": None, "completion_ids_refs": None,
+                  "completion_logprobs_refs": None}
+
+
+def choice_rows(record: CallRecord, refs: dict[int, dict] | None = None) -> list[dict]:
+    """The choices rows of ``record``: text, ids and logprobs as ``refs`` (by choice
+    index, storage.dedup), or inline as before revision 0006 when there are none."""
+    rows = [
         {
             "call_id": record.call_id,
             "choice_index": choice.index,
@@ -88,6 +94,13 @@ def choice_rows(record: CallRecord) -> list[dict]:
         }
         for choice in record.choices
     ]
+    for row in rows:
+        if refs is None:
+            row.update(_CHOICE_INLINE)
+        else:
+            row.update(refs[row["choice_index"]], text=None, completion_ids=None,
+                       completion_logprobs=None)
+    return rows
 
 
 def episode_rows(records: list[CallRecord]) -> list[dict]:
@@ -183,4 +196,4 @@ def _batches(records: list[CallRecord], planned) -> tuple[list[dict], ...]:
     return ([{"hash": h, "data": data} for h, data in planned.blocks.items()],
             episode_rows(records),
             [call_row(r, stored_at, planned.calls[r.call_id].refs) for r in records],
-            [row for r in records for row in choice_rows(r)])
+            [row for r in records for row in choice_rows(r, planned.calls[r.call_id].choices)])

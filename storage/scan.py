@@ -293,7 +293,9 @@ class Reader:
         keys are sorted here instead.
         """
         columns = list(_ROW_COLUMNS)
-        refs = [(COLUMN.prompt_ids, Call.prompt_refs, IDS)]
+        refs = [(COLUMN.prompt_ids, Call.prompt_refs, IDS),
+                (COLUMN.completion_ids, Choice.completion_ids_refs, IDS),
+                (COLUMN.completion_logprobs, Choice.completion_logprobs_refs, IDS)]
         if self.with_bodies:
             refs += [(COLUMN.request, Call.request_refs, TEXT),
                      (COLUMN.response, Call.response_refs, TEXT),

@@ -105,6 +105,11 @@ class Choice(Base):
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
     top_logprobs: Mapped[str | None] = mapped_column(Text)  # JSON
     token_source: Mapped[str] = mapped_column(String(32))  # storage.records.TOKEN_SOURCES
+    # Since revision 0006 text, completion_ids and completion_logprobs are stored as one
+    # compressed block each (references as in calls; the inline columns null).
+    text_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_ids_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_logprobs_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Block(Base):

@@ -27,6 +27,12 @@ def upgrade() -> None:
     )
     for column in ("prompt_refs", "request_refs", "upstream_request_refs", "response_refs"):
         op.add_column("calls", sa.Column(column, sa.LargeBinary(), nullable=True))
+    for column in ("text_refs", "completion_ids_refs", "completion_logprobs_refs"):
+        op.add_column("choices", sa.Column(column, sa.LargeBinary(), nullable=True))
+    if op.get_bind().dialect.name == "postgresql":
+        # Blocks are compressed already: Postgres need not try again (TOAST's pglz would
+        # spend server CPU on every large block for nothing); still stored out of line.
+        op.execute("ALTER TABLE blocks ALTER COLUMN data SET STORAGE EXTERNAL")
 
 
 def downgrade() -> None:
