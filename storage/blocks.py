@@ -36,7 +36,9 @@ _WIDTH = {IDS: 4, FLOATS: 8}  # bytes per value; a reference's length counts val
 # 4- or 8-byte values regrouped byte plane by byte plane (all first bytes, then all second
 # bytes, ...: the high planes of token ids and of logprobs are nearly constant and shrink
 # to almost nothing).
-_RAW, _ZSTD, _ZSTD_PLANES4, _ZSTD_PLANES8 = 0, 1, 2, 3
+# Logprobs have a third way, whichever is smaller: zstd of their shortest decimal forms
+# (what the engine's JSON said: a few digits each, where the float's low bytes are noise).
+_RAW, _ZSTD, _ZSTD_PLANES4, _ZSTD_PLANES8, _ZSTD_DECIMAL = 0, 1, 2, 3, 4
 _PLANES = {_ZSTD_PLANES4: 4, _ZSTD_PLANES8: 8}
 _MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
 # zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is
@@ -69,10 +71,16 @@ def pack_block(data: bytes, kind: bytes = TEXT) -> bytes:
     that is smaller, else as it is (after its format byte)."""
     if len(data) >= _MIN_COMPRESS:
         width = _WIDTH.get(kind, 1) if len(data) % _WIDTH.get(kind, 1) == 0 else 1
+        form = {1: _ZSTD, 4: _ZSTD_PLANES4, 8: _ZSTD_PLANES8}[width]
         packed = _CODEC.compress(_planes(data, width), asbytes=True)
+        size = len(data)  # what the payload decompresses to
+        decimal = _decimal(data) if width == 8 else None
+        if decimal is not None:
+            shorter = _CODEC.compress(decimal, asbytes=True)
+            if len(shorter) < len(packed):
+                form, packed, size = _ZSTD_DECIMAL, shorter, len(decimal)
         if len(packed) + 4 < len(data):
-            form = {1: _ZSTD, 4: _ZSTD_PLANES4, 8: _ZSTD_PLANES8}[width]
-            return bytes((form,)) + len(data).to_bytes(4, "little") + packed
+            return bytes((form,)) + size.to_bytes(4, "little") + packed
     return bytes((_RAW,)) + data
 
 
@@ -81,11 +89,26 @@ def unpack_block(stored: bytes) -> bytes:
     form = stored[0]
     if form == _RAW:
         return stored[1:]
-    if form != _ZSTD and form not in _PLANES:
+    if form != _ZSTD and form != _ZSTD_DECIMAL and form not in _PLANES:
         raise ValueError(f"unknown block format {form}")
     size = int.from_bytes(stored[1:5], "little")
     data = _CODEC.decompress(stored[5:], decompressed_size=size, asbytes=True)
+    if form == _ZSTD_DECIMAL:
+        return _floats(data)
     return _unplanes(data, _PLANES.get(form, 1))
+
+
+def _decimal(data: bytes) -> bytes | None:
+    """float64s as their shortest decimal forms, comma-separated; None when that does
+    not give back the very same bytes (a NaN with a payload)."""
+    values = struct.unpack(f"<{len(data) // 8}d", data)
+    text = ",".join(map(repr, values)).encode()
+    return text if _floats(text) == data else None
+
+
+def _floats(text: bytes) -> bytes:
+    values = [float(v) for v in text.split(b",")]
+    return struct.pack(f"<{len(values)}d", *values)
 
 
 def _planes(data: bytes, width: int) -> bytes:

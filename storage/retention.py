@@ -17,6 +17,7 @@ references, so a writer cannot reference a block in between; writers wait meanwh
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -43,11 +44,21 @@ class PruneCounts(msgspec.Struct, kw_only=True):
     blocks: int = 0  # blocks no call referenced any more, swept
 
 
-_REFS = (Call.prompt_refs, Call.request_refs, Call.upstream_request_refs, Call.response_refs)
+_CALL_REFS = (Call.prompt_refs, Call.request_refs, Call.upstream_request_refs,
+              Call.response_refs)
+_CHOICE_REFS = (Choice.text_refs, Choice.completion_ids_refs, Choice.completion_logprobs_refs)
+
+
+class Unlinked(msgspec.Struct):
+    """What a prune run unlinked from the blocks: the blocks its deleted calls referenced,
+    and (a dry run deletes nothing) those calls."""
+
+    blocks: set[bytes] = set()
+    calls: set[str] = set()
 
 
 async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], counts: PruneCounts,
-                *, dry_run: bool, unlinked: set[bytes] | None = None) -> None:
+                *, dry_run: bool, unlinked: Unlinked | None = None) -> None:
     """Prune one chunk (a few hundred episodes) in one transaction; add to ``counts``, and
     to ``unlinked`` the blocks the deleted calls referenced (for ``sweep``)."""
     async with engine.begin() as conn:
@@ -80,50 +91,66 @@ async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], co
         for chunk in _chunks(doomed_calls):
             counts.choices += (await conn.execute(select(func.count()).select_from(Choice)
                                                   .where(Choice.call_id.in_(chunk)))).scalar()
-        if not dry_run:
             if unlinked is not None:
-                for chunk in _chunks(doomed_calls):
-                    for row in await conn.execute(select(*_REFS).where(Call.call_id.in_(chunk))):
-                        unlinked.update(_hashes(row))
+                for refs in (select(*_CALL_REFS).where(Call.call_id.in_(chunk)),
+                             select(*_CHOICE_REFS).where(Choice.call_id.in_(chunk))):
+                    for row in await conn.execute(refs):
+                        unlinked.blocks.update(_hashes(row))
+                if dry_run:
+                    unlinked.calls.update(chunk)
+        if not dry_run:
             await _delete(conn, doomed_episodes, doomed_calls)
 
 
-async def sweep(engine: AsyncEngine, unlinked: set[bytes], counts: PruneCounts) -> None:
-    """Delete the ``unlinked`` blocks that no call references any more."""
-    if not unlinked:
+_SCANS = ("SELECT call_id, prompt_refs, request_refs, upstream_request_refs, response_refs "
+          "FROM calls",
+          "SELECT call_id, text_refs, completion_ids_refs, completion_logprobs_refs FROM choices")
+
+
+async def sweep(engine: AsyncEngine, unlinked: Unlinked, counts: PruneCounts, *,
+                dry_run: bool) -> None:
+    """Delete the ``unlinked`` blocks that no call references any more (a dry run counts
+    them: those no call outside ``unlinked.calls`` references)."""
+    if not unlinked.blocks:
         return
-    doomed = set(unlinked)
-    query = ("SELECT prompt_refs, request_refs, upstream_request_refs, response_refs "
-             "FROM calls")
+    doomed = set(unlinked.blocks)
     async with engine.connect() as conn:
         raw = (await conn.get_raw_connection()).driver_connection
-        if engine.dialect.name == "postgresql":
-            async with raw.transaction():
-                await begin_sweeping(raw, "postgresql")
-                async for row in raw.cursor(query, prefetch=500):
-                    doomed.difference_update(_hashes(row))
-                gone = sorted(doomed)
-                for chunk in _chunks(gone):
-                    await raw.execute("DELETE FROM blocks WHERE hash = ANY($1::bytea[])", chunk)
-                if gone:
-                    await mark_swept(raw, "postgresql")
-        else:
-            try:
-                await begin_sweeping(raw, "sqlite")
-                async with raw.execute(query) as cursor:
-                    async for row in cursor:
-                        doomed.difference_update(_hashes(row))
-                gone = sorted(doomed)
-                for chunk in _chunks(gone):
-                    await raw.execute(f"DELETE FROM blocks WHERE hash IN "
-                                      f"({', '.join('?' * len(chunk))})", chunk)
-                if gone:
-                    await mark_swept(raw, "sqlite")
-                await raw.commit()
-            except BaseException:
+        postgres = engine.dialect.name == "postgresql"
+        try:
+            async with raw.transaction() if postgres else contextlib.nullcontext():
+                await begin_sweeping(raw, engine.dialect.name)
+                for scan in _SCANS:
+                    rows = raw.cursor(scan, prefetch=500) if postgres else _sqlite_rows(raw, scan)
+                    async for row in rows:
+                        if row[0] not in unlinked.calls:
+                            doomed.difference_update(_hashes(row[1:]))
+                if not dry_run:
+                    await _delete_blocks(raw, postgres, sorted(doomed))
+            if not postgres:
+                await (raw.rollback() if dry_run else raw.commit())
+        except BaseException:
+            if not postgres:
                 await raw.rollback()
-                raise
-    counts.blocks += len(gone)
+            raise
+    counts.blocks += len(doomed)
+
+
+async def _sqlite_rows(raw, sql: str):
+    async with raw.execute(sql) as cursor:
+        async for row in cursor:
+            yield row
+
+
+async def _delete_blocks(raw, postgres: bool, gone: list[bytes]) -> None:
+    for chunk in _chunks(gone):
+        if postgres:
+            await raw.execute("DELETE FROM blocks WHERE hash = ANY($1::bytea[])", chunk)
+        else:
+            await raw.execute(f"DELETE FROM blocks WHERE hash IN ({', '.join('?' * len(chunk))})",
+                              chunk)
+    if gone:  # writers forget the blocks they knew stored (storage.dedup.BlockCache)
+        await mark_swept(raw, "postgresql" if postgres else "sqlite")
 
 
 def _hashes(row) -> Iterable[bytes]:

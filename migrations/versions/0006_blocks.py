@@ -30,9 +30,10 @@ def upgrade() -> None:
     for column in ("text_refs", "completion_ids_refs", "completion_logprobs_refs"):
         op.add_column("choices", sa.Column(column, sa.LargeBinary(), nullable=True))
     if op.get_bind().dialect.name == "postgresql":
-        # Blocks are compressed already: Postgres need not try again (TOAST's pglz would
-        # spend server CPU on every large block for nothing); still stored out of line.
-        op.execute("ALTER TABLE blocks ALTER COLUMN data SET STORAGE EXTERNAL")
+        # Blocks are compressed already: kept in the table's own pages up to a page, not
+        # cut into TOAST chunks (whose part-filled pages cost ~18% more on the agentic
+        # replay, bench/storage_bytes.py); pglz gives up on them after their first KiB.
+        op.execute("ALTER TABLE blocks ALTER COLUMN data SET STORAGE MAIN")
 
 
 def downgrade() -> None:
