@@ -154,10 +154,11 @@ def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
     return out
 
 
-def cut_text(text: str) -> list[tuple[Ref, bytes]]:
-    """The blocks of a body: its segments, each with its UTF-8 bytes."""
+def cut_text(text: str, messages: bool = True) -> list[tuple[Ref, bytes]]:
+    """The blocks of a body: its segments (one when not cut at ``messages``: a reply),
+    each with its UTF-8 bytes."""
     out = []
-    for segment in segments(text):
+    for segment in segments(text) if messages else [text] if text else []:
         data = segment.encode("utf-8", "surrogatepass")
         out.append(((digest(TEXT, data), len(data)), data))
     return out
@@ -167,8 +168,9 @@ def join_text(pieces: Iterable[bytes]) -> str:
     return b"".join(pieces).decode("utf-8", "surrogatepass")
 
 
-# A JSON string (escapes included) or one structural character: the scanner's tokens.
-_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\],:]')
+# The scanner's stops: a structural character or the quote opening a string; a string's
+# contents are skipped with str.find (memchr speed), not character by character.
+_STOP = re.compile(r'["{}\[\],:]')
 _LISTS = ('"messages"', '"input"')  # chat and Messages, Responses
 
 
@@ -187,12 +189,11 @@ def _message_cuts(text: str) -> list[int]:
     elements ends; [] when there is no such list of objects."""
     tokens = _tokens(text)
     depth, key, previous = 0, None, None
-    for match in tokens:
-        token = match.group()
+    for token, _, end in tokens:
         if token in "{[":
             depth += 1
             if depth == 2 and token == "[" and previous == ":" and key in _LISTS:
-                return _elements(tokens, match.end())
+                return _elements(tokens, end)
         elif token in "}]":
             depth -= 1
         elif depth == 1 and token[0] == '"' and previous in ("{", ","):
@@ -201,10 +202,9 @@ def _message_cuts(text: str) -> list[int]:
     return []
 
 
-def _elements(tokens: Iterator[re.Match], start: int) -> list[int]:
+def _elements(tokens: Iterator[tuple[str, int, int]], start: int) -> list[int]:
     cuts, depth, expect_object = [start], 0, True
-    for match in tokens:
-        token = match.group()
+    for token, _, end in tokens:
         if depth == 0:
             if token == "]":
                 return cuts
@@ -219,9 +219,33 @@ def _elements(tokens: Iterator[re.Match], start: int) -> list[int]:
         elif token in "}]":
             depth -= 1
             if depth == 0:
-                cuts.append(match.end())
+                cuts.append(end)
     return []
 
 
-def _tokens(text: str) -> Iterator[re.Match]:
-    return _TOKEN.finditer(text)
+def _tokens(text: str) -> Iterator[tuple[str, int, int]]:
+    """(token, start, end): structural characters, and strings (the token is the whole
+    string only when it is short enough to be a key, else just its opening quote)."""
+    search, find = _STOP.search, text.find
+    at = 0
+    while (match := search(text, at)) is not None:
+        start = match.start()
+        if match.group() != '"':
+            at = start + 1
+            yield match.group(), start, at
+            continue
+        end = find('"', start + 1)
+        while end > 0 and _escaped(text, end):
+            end = find('"', end + 1)
+        if end < 0:
+            return  # an unterminated string: nothing more to cut
+        at = end + 1
+        yield (text[start:at] if at - start <= 32 else '"'), start, at
+
+
+def _escaped(text: str, quote: int) -> bool:
+    """Whether the quote at ``quote`` is escaped (an odd run of backslashes before it)."""
+    run = quote - 1
+    while text[run] == "\\":
+        run -= 1
+    return (quote - 1 - run) % 2 == 1

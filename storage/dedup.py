@@ -112,7 +112,7 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
             if text is None:
                 refs[field + "_refs"] = None
                 continue
-            pieces = cut_text(text)
+            pieces = cut_text(text, messages=field != "response")
             _add(out.blocks, pieces, known, used, TEXT)
             refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
         entry = None

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import asyncpg
 import msgspec
-from sqlalchemy import String, any_, bindparam, event, func, null, select
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import event, func, null, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql import Select
 
 from tracetap.storage.codec import SWAPPED as _SWAPPED
 from tracetap.storage.codec import native_ids, native_logprobs
 from tracetap.storage.engine import DatabaseURLError, async_url, create_engine, redact_url
+from tracetap.storage.fetch import among, fetch
 from tracetap.storage.inflate import IDS, TEXT, resolve
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -357,26 +356,6 @@ def episode_conditions(filt: EpisodeFilter) -> list:
     if filt.until is not None:
         conditions.append(Episode.created_at < filt.until)
     return conditions
-
-
-def among(column, values: list[str], engine: AsyncEngine):
-    """``column IN values`` as one bound parameter however many values there are (a JSON
-    array on SQLite, a text array on Postgres): an IN list of thousands of literals costs
-    more to compile than the query costs to run, and has a parameter limit."""
-    if engine.dialect.name == "postgresql":
-        return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
-    given = func.json_each(bindparam(None, msgspec.json.encode(values).decode(), type_=String))
-    return column.in_(select(given.table_valued("value").c.value))
-
-
-async def fetch(conn: AsyncConnection, query: Select) -> list:
-    """``query``'s rows as tuples (asyncpg Records on Postgres), from the driver itself."""
-    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
-    params = [compiled.params[name] for name in compiled.positiontup or ()]
-    driver = (await conn.get_raw_connection()).driver_connection
-    if conn.dialect.name == "postgresql":
-        return await driver.fetch(str(compiled), *params)
-    return list(await driver.execute_fetchall(str(compiled), params))
 
 
 def _episode(row) -> ScannedEpisode:

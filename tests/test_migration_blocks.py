@@ -3,17 +3,15 @@ byte, and the export of the same calls is byte-identical whichever layout holds 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
-from tests.test_dedup import _same, conversation
+from tests.test_dedup import _run, _same, conversation
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.storage import queries
-from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import call_row, choice_rows, episode_rows, insert_calls
 
@@ -27,17 +25,6 @@ def bare_url(request, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'old.db'}"
     return request.getfixturevalue("fresh_postgres")
-
-
-def _run(url: str, step):
-    async def run():
-        engine = create_engine(url)
-        try:
-            return await step(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
 
 
 async def _insert(conn, table: str, rows: list[dict]) -> None:

@@ -3,28 +3,14 @@ it any more, and a writer that knew the swept blocks stores them again."""
 
 from __future__ import annotations
 
-import asyncio
-
 from sqlalchemy import text
 
-from tests.test_dedup import _same, conversation
+from tests.test_dedup import _run, _same, conversation
 from tracetap.exporters import export
 from tracetap.exporters.prune import prune_exported
 from tracetap.storage import queries
 from tracetap.storage.dedup import BlockCache
-from tracetap.storage.engine import create_engine
 from tracetap.storage.rows import insert_calls
-
-
-def _run(url: str, step):
-    async def run():
-        engine = create_engine(url)
-        try:
-            return await step(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
 
 
 async def _finish(engine, episode: str) -> None:
