@@ -2,6 +2,7 @@
 
     python bench/storage_bytes.py                          # SQLite and Postgres, ~1 min
     python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0006
+    python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
 ``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
@@ -193,6 +194,32 @@ def measure(db: str, batches, args, folder: Path) -> dict:
             "write_seconds": round(seconds, 2)}
 
 
+def writer_cpu(batches) -> None:
+    """The writer's planning CPU per call (storage.dedup.plan; CPU time, best of 5) by
+    context, one session, its previous call remembered; beside it what the inline layout
+    paid to pack the ids."""
+    import timeit
+    from functools import partial
+
+    from tracetap.storage.codec import pack_ids
+    from tracetap.storage.dedup import plan
+
+    cache = BlockCache()
+    for turn, batch in enumerate(batches):
+        record = batch[0]
+        last = cache.get(record.episode_id)
+        parents = {record.episode_id: last} if last is not None else {}
+        if turn % 10 == 9:
+            planning, packing = (
+                min(timeit.repeat(work, number=10, repeat=5, timer=time.process_time)) / 10
+                for work in (partial(plan, [record], parents),
+                             partial(pack_ids, record.prompt_ids)))
+            print(json.dumps({"context_tokens": len(record.prompt_ids),
+                              "plan_cpu_ms": round(planning * 1000, 2),
+                              "inline_pack_ids_cpu_ms": round(packing * 1000, 2)}), flush=True)
+        cache.commit(plan([record], parents))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -203,8 +230,13 @@ def main() -> None:
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
                         help="blocks: as stored now; inline: as before revision 0006")
+    parser.add_argument("--writer-cpu", action="store_true",
+                        help="print the writer's planning CPU per call instead")
     args = parser.parse_args()
     batches = records(args)
+    if args.writer_cpu:
+        writer_cpu(batches)
+        return
     with tempfile.TemporaryDirectory(prefix="tracetap-storage-bytes-") as tmp:
         for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
             print(json.dumps(measure(db, batches, args, Path(tmp))), flush=True)

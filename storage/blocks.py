@@ -131,10 +131,12 @@ def whole(kind: bytes, data: bytes) -> tuple[Ref, bytes]:
     return (digest(kind, data), len(data) // _WIDTH.get(kind, 1)), data
 
 
-def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
+def cut_ids(ids: bytes, parent: list[Ref] | None,
+            parent_ids: bytes | None = None) -> list[tuple[Ref, bytes]]:
     """The blocks of a prompt (int32 bytes): the parent's boundaries as far as its blocks
     recur, then ``BLOCK_TOKENS`` at a time (``FIRST_BLOCK_TOKENS`` without a parent).
-    Each block comes with its bytes."""
+    Each block comes with its bytes. With the parent's ids at hand, a recurring block is
+    recognised by comparing bytes, not by hashing them again."""
     out: list[tuple[Ref, bytes]] = []
     at = 0
     for h, n in parent or ():
@@ -142,7 +144,10 @@ def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
         if end > len(ids):
             break
         piece = ids[at:end]
-        if digest(IDS, piece) != h:
+        if parent_ids is not None and len(parent_ids) >= end:
+            if piece != parent_ids[at:end]:
+                break
+        elif digest(IDS, piece) != h:
             break
         out.append(((h, n), piece))
         at = end
@@ -154,11 +159,37 @@ def cut_ids(ids: bytes, parent: list[Ref] | None) -> list[tuple[Ref, bytes]]:
     return out
 
 
-def cut_text(text: str, messages: bool = True) -> list[tuple[Ref, bytes]]:
+# A body's messages as far as they go (everything but what follows the last message) and
+# their references: what the next call of the conversation resends first.
+Prefix = tuple[str, list[Ref]]
+
+
+def cut_text(text: str, messages: bool = True, previous: Prefix | None = None,
+             ) -> tuple[list[tuple[Ref, bytes | None]], Prefix | None]:
     """The blocks of a body: its segments (one when not cut at ``messages``: a reply),
-    each with its UTF-8 bytes."""
+    each with its UTF-8 bytes; and its prefix (see Prefix) when it has messages.
+    ``previous``: the last call's prefix; when this body starts with it, its blocks are
+    reused as they are (bytes None) and only what follows is scanned and hashed."""
+    if not messages:
+        return _named([text] if text else []), None
+    if previous is not None and len(text) > len(previous[0]) and text.startswith(previous[0]):
+        at = len(previous[0])
+        ends = _element_ends(_tokens(text, at), [], expect_object=False)
+        if ends is not None:
+            new = _named([text[a:b] for a, b in pairwise([at, *ends, len(text)])])
+            prefix = (text[:ends[-1]], previous[1] + [r for r, _ in new[:-1]]) if ends \
+                else previous
+            return [(r, None) for r in previous[1]] + new, prefix
+    cuts = _message_cuts(text)
+    if len(cuts) < 2:  # no message: one piece, nothing for the next call to reuse
+        return _named(segments(text)), None
+    pieces = _named([text[a:b] for a, b in pairwise([0, *cuts, len(text)])])
+    return pieces, (text[:cuts[-1]], [r for r, _ in pieces[:-1]])
+
+
+def _named(segments: list[str]) -> list[tuple[Ref, bytes]]:
     out = []
-    for segment in segments(text) if messages else [text] if text else []:
+    for segment in segments:
         data = segment.encode("utf-8", "surrogatepass")
         out.append(((digest(TEXT, data), len(data)), data))
     return out
@@ -203,7 +234,14 @@ def _message_cuts(text: str) -> list[int]:
 
 
 def _elements(tokens: Iterator[tuple[str, int, int]], start: int) -> list[int]:
-    cuts, depth, expect_object = [start], 0, True
+    return _element_ends(tokens, [start], expect_object=True) or []
+
+
+def _element_ends(tokens: Iterator[tuple[str, int, int]], cuts: list[int], *,
+                  expect_object: bool) -> list[int] | None:
+    """``cuts`` and where each further element of the list ends, up to its ``]``; None
+    when an element is not an object or the list does not end."""
+    depth = 0
     for token, _, end in tokens:
         if depth == 0:
             if token == "]":
@@ -212,7 +250,7 @@ def _elements(tokens: Iterator[tuple[str, int, int]], start: int) -> list[int]:
                 expect_object = True
                 continue
             if token != "{" or not expect_object:
-                return []  # an element that is not an object: keep the body whole
+                return None  # an element that is not an object: keep the body whole
             expect_object = False
         if token in "{[":
             depth += 1
@@ -220,14 +258,13 @@ def _elements(tokens: Iterator[tuple[str, int, int]], start: int) -> list[int]:
             depth -= 1
             if depth == 0:
                 cuts.append(end)
-    return []
+    return None
 
 
-def _tokens(text: str) -> Iterator[tuple[str, int, int]]:
-    """(token, start, end): structural characters, and strings (the token is the whole
-    string only when it is short enough to be a key, else just its opening quote)."""
+def _tokens(text: str, at: int = 0) -> Iterator[tuple[str, int, int]]:
+    """(token, start, end) from ``at``: structural characters, and strings (the token is
+    the whole string only when it is short enough to be a key, else its opening quote)."""
     search, find = _STOP.search, text.find
-    at = 0
     while (match := search(text, at)) is not None:
         start = match.start()
         if match.group() != '"':

@@ -25,6 +25,7 @@ from tracetap.storage.blocks import (
     FLOATS,
     IDS,
     TEXT,
+    Prefix,
     Ref,
     cut_ids,
     cut_text,
@@ -42,10 +43,20 @@ BODIES = ("request", "upstream_request", "response")
 
 class Last(msgspec.Struct, gc=False):
     """What the next call of a conversation reuses: its prompt's blocks, and every block
-    hash the call referenced (known stored)."""
+    hash the call referenced (known stored). Fresh from this process's own writes, also
+    the prompt's ids and its bodies' prefixes (storage.blocks.Prefix): the next call is
+    then compared with them byte for byte and only its new part is hashed; read back from
+    the database, only the references (the next call hashes what it resends)."""
 
     prompt: list[Ref]
     known: frozenset[bytes]
+    ids: bytes | None = None
+    texts: dict[str, Prefix] = {}
+
+    @property
+    def size(self) -> int:
+        """Bytes (about) of the content this entry keeps."""
+        return len(self.ids or b"") + sum(len(text) for text, _ in self.texts.values())
 
 
 class Planned(msgspec.Struct, gc=False):
@@ -64,12 +75,16 @@ class Plan(msgspec.Struct, gc=False):
 
 
 class BlockCache:
-    """The last committed call of each recent conversation (least recently used out)."""
+    """The last committed call of each recent conversation, least recently used out past
+    ``conversations`` or past ``content_bytes`` of kept prompts and bodies (about 11 bytes
+    per token of context of the conversations in flight)."""
 
-    def __init__(self, conversations: int = 2048):
+    def __init__(self, conversations: int = 2048, content_bytes: int = 64 << 20):
         self.conversations = conversations
+        self.content_bytes = content_bytes
         self.swept: int | None = None  # the prune sweep serial this cache is valid for
         self._last: OrderedDict[str, Last] = OrderedDict()
+        self._size = 0
 
     def get(self, episode_id: str) -> Last | None:
         last = self._last.get(episode_id)
@@ -81,14 +96,17 @@ class BlockCache:
         """Forget everything if blocks were swept since this cache was filled."""
         if swept != self.swept:
             self._last.clear()
+            self._size = 0
             self.swept = swept
 
     def commit(self, plan: Plan) -> None:
         for episode_id, last in plan.episodes.items():
+            old = self._last.pop(episode_id, None)
+            self._size += last.size - (old.size if old is not None else 0)
             self._last[episode_id] = last
-            self._last.move_to_end(episode_id)
-        while len(self._last) > self.conversations:
-            self._last.popitem(last=False)
+        while self._last and (len(self._last) > self.conversations
+                              or self._size > self.content_bytes):
+            self._size -= self._last.popitem(last=False)[1].size
 
 
 def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
@@ -103,21 +121,25 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         prompt: list[Ref] = []
         ids = pack_ids(record.prompt_ids)
         if ids is not None:
-            pieces = cut_ids(ids, last.prompt if last is not None else None)
+            pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
             prompt = [ref for ref, _ in pieces]
             _add(out.blocks, pieces, known, used, IDS)
         refs["prompt_refs"] = None if ids is None else pack_refs(prompt)
+        texts: dict[str, Prefix] = {}
         for field in BODIES:
             text = getattr(record, field)
             if text is None:
                 refs[field + "_refs"] = None
                 continue
-            pieces = cut_text(text, messages=field != "response")
+            pieces, prefix = cut_text(text, field != "response",
+                                      last.texts.get(field) if last else None)
+            if prefix is not None:
+                texts[field] = prefix
             _add(out.blocks, pieces, known, used, TEXT)
             refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
         entry = None
         if record.episode_id is not None:
-            entry = Last(prompt=prompt, known=frozenset(used))
+            entry = Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
             out.episodes[record.episode_id] = entry
         out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
                                             last=entry)
@@ -147,7 +169,7 @@ def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
 
 def _add(blocks: dict[bytes, bytes], pieces, known: frozenset[bytes], used: set[bytes],
          kind: bytes) -> None:
-    for (h, _), data in pieces:
+    for (h, _), data in pieces:  # data is None only for a block of the last call: known
         used.add(h)
         if h not in known and h not in blocks:
             blocks[h] = pack_block(data, kind)

@@ -45,7 +45,7 @@ def _request(messages: list, style: dict, key: str = "messages", first: bool = F
 @given(st.text())
 def test_any_text_joins_back_exactly(text):
     assert "".join(segments(text)) == text
-    assert join_text(data for _, data in cut_text(text)) == text
+    assert join_text(data for _, data in cut_text(text)[0]) == text
 
 
 @given(st.lists(_message, max_size=6), _style, st.sampled_from(["messages", "input"]),
@@ -62,11 +62,27 @@ def test_a_request_is_cut_at_its_messages_and_joins_back(messages, style, key, f
 
 @given(st.lists(_message, min_size=1, max_size=5), _message, _style)
 def test_an_appended_message_leaves_the_earlier_pieces_as_they_were(messages, new, style):
-    before = cut_text(_request(messages, style))
-    after = cut_text(_request([*messages, new], style))
+    before = cut_text(_request(messages, style))[0]
+    after = cut_text(_request([*messages, new], style))[0]
     # The head and every earlier message name the same blocks: stored once, referenced twice.
     assert [ref for ref, _ in after[:len(messages) + 1]] == \
         [ref for ref, _ in before[:len(messages) + 1]]
+
+
+@given(st.lists(_message, max_size=4), st.lists(_message, max_size=3), _style,
+       st.sampled_from(["", "x", ' "edited"']))
+def test_a_body_resumed_from_the_last_calls_prefix_cuts_as_a_full_scan(
+        messages, added, style, edit):
+    first = _request(messages, style)
+    _, prefix = cut_text(first)
+    second = _request([*messages, *added], style)
+    if edit:  # a history rewritten in place: the prefix no longer recurs
+        second = second.replace("m", "m" + edit, 1)
+    full, full_prefix = cut_text(second)
+    resumed, resumed_prefix = cut_text(second, previous=prefix)
+    assert [ref for ref, _ in resumed] == [ref for ref, _ in full]
+    assert resumed_prefix == full_prefix
+    assert "".join(p for p in segments(second)) == second
 
 
 @given(st.text(alphabet='{}[],:"\\ abn', max_size=80))
@@ -139,3 +155,12 @@ def test_a_whole_block_counts_its_values():
     assert whole(IDS, b"\0" * 80)[0][1] == 20
     assert whole(TEXT, b"abc")[0][1] == 3
     assert whole(IDS, b"x")[0][0] != whole(TEXT, b"x")[0][0]  # the kind is part of the name
+
+
+@given(_tokens, _tokens)
+def test_ids_compared_with_the_parents_bytes_cut_as_when_hashed(first, added):
+    parent = [ref for ref, _ in cut_ids(_ids(first), None)]
+    hashed = cut_ids(_ids(first + added), parent)
+    compared = cut_ids(_ids(first + added), parent, _ids(first))
+    assert compared == hashed
+    assert cut_ids(_ids(added), parent, _ids(first)) == cut_ids(_ids(added), parent)
