@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
-from tracetap.storage.blocks import unpack_refs  # noqa: E402
 from tracetap.storage.dedup import BlockCache  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
+from tracetap.storage.footprint import stored_ids  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import call_row, episode_rows, insert_calls  # noqa: E402
 from tracetap.storage.tables import Call, Choice, Episode  # noqa: E402
@@ -141,39 +141,31 @@ async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float
 _PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = 'public' AND c.relkind = 'r'")
-# Token ids stored: inline (before revision 0006) or in blocks, each block counted once.
-_REFS = ("SELECT prompt_refs, length(prompt_ids) FROM calls UNION ALL "
-         "SELECT completion_ids_refs, length(completion_ids) FROM choices")
-
-
-def _stored_ids(rows) -> int:
-    blocks: dict[bytes, int] = {}
-    inline = 0
-    for refs, inline_bytes in rows:
-        inline += inline_bytes or 0
-        if refs is not None:
-            blocks.update(unpack_refs(refs))
-    return sum(blocks.values()) + inline // 4
-
-
 def size(url: str) -> tuple[int, int]:
-    """(bytes, stored ids) of the database at ``url``."""
+    """(bytes, stored token ids) of the database at ``url``."""
+    ids = asyncio.run(_stored(url))
     if url.startswith("sqlite"):
         path = Path(url.removeprefix("sqlite:///"))
         with sqlite3.connect(path) as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            ids = _stored_ids(conn.execute(_REFS).fetchall())
         return path.stat().st_size, ids
 
     async def pg():
         conn = await asyncpg.connect(url)
         try:
-            ids = _stored_ids(await conn.fetch(_REFS))
-            return int(await conn.fetchval(_PG_SIZE)), ids
+            return int(await conn.fetchval(_PG_SIZE))
         finally:
             await conn.close()
 
-    return asyncio.run(pg())
+    return asyncio.run(pg()), ids
+
+
+async def _stored(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        return (await stored_ids(engine)).total
+    finally:
+        await engine.dispose()
 
 
 def measure(db: str, batches, args, folder: Path) -> dict:

@@ -193,7 +193,9 @@ async def _plan(raw, dialect: str, records: list[CallRecord], cache: BlockCache)
 
 def _batches(records: list[CallRecord], planned) -> tuple[list[dict], ...]:
     stored_at = time.time()
-    return ([{"hash": h, "data": data} for h, data in planned.blocks.items()],
+    # In hash order: two writers inserting the same new blocks (a group's first prompts,
+    # from two workers) take their row locks in one order and cannot deadlock.
+    return ([{"hash": h, "data": data} for h, data in sorted(planned.blocks.items())],
             episode_rows(records),
             [call_row(r, stored_at, planned.calls[r.call_id].refs) for r in records],
             [row for r in records for row in choice_rows(r, planned.calls[r.call_id].choices)])

@@ -18,6 +18,7 @@ from tracetap.storage import queries
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.dedup import BlockCache
 from tracetap.storage.engine import create_engine
+from tracetap.storage.footprint import stored_ids
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls
 
@@ -77,7 +78,10 @@ async def _prompt_blocks(engine) -> dict[bytes, int]:
     """Distinct prompt blocks referenced, with their lengths in ids."""
     async with engine.connect() as conn:
         rows = (await conn.execute(text("SELECT prompt_refs FROM calls"))).all()
-    return {h: n for (refs,) in rows if refs is not None for h, n in unpack_refs(refs)}
+    blocks = {h: n for (refs,) in rows if refs is not None for h, n in unpack_refs(refs)}
+    held = await stored_ids(engine)  # what benchmarks report: the same count
+    assert held.prompt == sum(blocks.values())
+    return blocks
 
 
 def test_calls_read_back_exactly_and_each_prompt_token_is_stored_once(db_url):
@@ -92,6 +96,9 @@ def test_calls_read_back_exactly_and_each_prompt_token_is_stored_once(db_url):
         return stored, await _prompt_blocks(engine)
 
     stored, blocks = _run(db_url, step)
+    held = _run(db_url, stored_ids)
+    assert held.completion == sum(len(c.completion_ids) for calls in group for r in calls
+                                  for c in r.choices)
     for k, calls in enumerate(group):
         assert len(stored[k]) == turns
         for got, record in zip(stored[k], calls):
