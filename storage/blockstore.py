@@ -61,19 +61,21 @@ async def mark_swept(raw, dialect: str) -> None:
 
 
 async def last_calls(raw, dialect: str, episode_ids: list[str]) -> dict[str, Last]:
-    """The last stored call of each of these conversations (those that have one)."""
+    """The last stored call with prompt ids of each of these conversations (those that
+    have one)."""
     out: dict[str, Last] = {}
     for start in range(0, len(episode_ids), 500):
         chunk = episode_ids[start:start + 500]
         if dialect == "postgresql":
             rows = await raw.fetch(
                 f"SELECT DISTINCT ON (episode_id) episode_id, {_REFS} FROM calls "
-                "WHERE episode_id = ANY($1::text[]) "
+                "WHERE episode_id = ANY($1::text[]) AND prompt_refs IS NOT NULL "
                 "ORDER BY episode_id, t_start DESC, seq DESC", chunk)
         else:
             marks = ", ".join("?" * len(chunk))
             rows = await raw.execute_fetchall(
                 f"SELECT episode_id, {_REFS} FROM calls WHERE episode_id IN ({marks}) "
+                "AND prompt_refs IS NOT NULL "
                 "ORDER BY episode_id, t_start, seq", chunk)
         for row in rows:  # SQLite: the last row of an episode wins
             out[row[0]] = last_of(row[1], list(row[2:]))

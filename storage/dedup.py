@@ -139,6 +139,12 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
             refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
         entry = None
         if record.episode_id is not None:
+            if ids is None and last is not None:  # a call without ids (an error): the next
+                prompt, ids = last.prompt, last.ids  # one continues the last prompt seen
+                used.update(h for h, _ in prompt)
+            if last is not None:
+                texts = {**last.texts, **texts}
+                used.update(h for _, refs in last.texts.values() for h, _ in refs)
             entry = Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
             out.episodes[record.episode_id] = entry
         out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),

@@ -170,3 +170,21 @@ def test_calls_without_an_episode_or_a_body_are_stored_as_they_came(db_url):
     [stored] = _run(db_url, step)
     _same(stored, bare)
     assert stored["request"] == "" and stored["prompt_ids"] == [] and stored["response"] is None
+
+
+def test_a_call_without_ids_in_the_middle_does_not_make_the_next_store_its_prompt_again(
+        db_url):
+    calls = conversation("gap", 4, seed=9)
+    failed = CallRecord(call_id="gap-002-failed", episode_id="gap", seq=99,
+                        endpoint="chat.completions", t_start=1002.2, http_status=500,
+                        status="upstream_error", request=calls[2].request)
+    cache = BlockCache()
+
+    async def step(engine):
+        for batch in ([calls[0]], [calls[1]], [failed], [calls[2]], [calls[3]]):
+            await insert_calls(engine, batch, cache)
+        return await queries.calls_of(engine, "gap"), await _prompt_blocks(engine)
+
+    stored, blocks = _run(db_url, step)
+    assert len(stored) == 5
+    assert sum(blocks.values()) == len(calls[-1].prompt_ids)  # nothing stored twice
