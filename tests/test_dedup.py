@@ -12,8 +12,10 @@ import sqlite3
 
 import pytest
 from asyncpg.exceptions import IntegrityConstraintViolationError
-from sqlalchemy import text
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine
 
+from tracetap.exporters import export
 from tracetap.storage import queries
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.dedup import BlockCache
@@ -188,3 +190,34 @@ def test_a_call_without_ids_in_the_middle_does_not_make_the_next_store_its_promp
     stored, blocks = _run(db_url, step)
     assert len(stored) == 5
     assert sum(blocks.values()) == len(calls[-1].prompt_ids)  # nothing stored twice
+
+
+def test_the_export_reads_each_block_once_not_each_calls_whole_prompt(db_url, tmp_path):
+    group = [conversation(f"read-{k}", 8, seed=20 + k) for k in range(2)]
+    asked: list[int] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if "FROM blocks" in statement:
+            asked.append(len(parameters))  # one bound hash per block asked for
+
+    async def step(engine):
+        for calls in group:
+            await insert_calls(engine, calls)
+            await queries.finish_episode(engine, calls[0].episode_id, reward=1.0,
+                                         rewards=None, outcome=None, info=None)
+        async with engine.connect() as conn:  # every block the export writes out
+            refs = [r for row in (await conn.execute(text(
+                "SELECT prompt_refs, request_refs, upstream_request_refs, response_refs "
+                "FROM calls UNION ALL SELECT completion_ids_refs, completion_logprobs_refs, "
+                "NULL, NULL FROM choices"))).all() for r in row if r is not None]
+        named = [h for r in refs for h, _ in unpack_refs(r)]
+        return len(set(named)), len(named)
+
+    stored, referenced = _run(db_url, step)
+    event.listen(Engine, "after_cursor_execute", count)
+    try:
+        export(db_url, tmp_path / "out")
+    finally:
+        event.remove(Engine, "after_cursor_execute", count)
+    assert sum(asked) == stored  # every block once (one page): the unique tokens
+    assert referenced > 3 * stored  # what reading every call's whole prompt would take
