@@ -22,7 +22,7 @@ from tracetap.exporters.location import Location, resolve
 from tracetap.exporters.parquet import MANIFEST, ExportError, Manifest, decode_manifest
 from tracetap.exporters.schema import CALL_LEDGER
 from tracetap.storage.engine import DatabaseURLError, create_engine, redact_url
-from tracetap.storage.retention import Proven, PruneCounts, prune
+from tracetap.storage.retention import Proven, PruneCounts, Unlinked, prune, sweep
 
 EPISODES_PER_TRANSACTION = 500
 
@@ -56,8 +56,11 @@ async def prune_exported_async(db: str, exported: str | os.PathLike, *, dry_run:
     except DatabaseURLError as exc:
         raise ExportError(str(exc)) from exc
     try:
+        unlinked = Unlinked()  # blocks the pruned calls referenced
         for proven, untagged in _chunks(ledger):
-            await prune(engine, proven, untagged, summary.counts, dry_run=dry_run)
+            await prune(engine, proven, untagged, summary.counts, dry_run=dry_run,
+                        unlinked=unlinked)
+        await sweep(engine, unlinked, summary.counts, dry_run=dry_run)
     except (SQLAlchemyError, OSError) as exc:
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise ExportError(f"cannot prune {redact_url(db)}: {detail}") from exc

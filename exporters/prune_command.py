@@ -45,5 +45,6 @@ def describe(summary) -> str:
         kept += (f"; {summary.runs_without_ledger} runs without a ledger (older tracetap) "
                  "trusted for nothing")
     verb = "dry run: would prune" if summary.dry_run else "pruned"
-    return (f"{verb} {c.episodes} episodes: {c.calls} calls, {c.choices} choices ({kept}) "
+    return (f"{verb} {c.episodes} episodes: {c.calls} calls, {c.choices} choices, "
+            f"{c.blocks} blocks no call references any more ({kept}) "
             f"proven by {summary.exported} in {summary.seconds:.1f}s")

@@ -11,6 +11,8 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.blocks import refs_length
+from tracetap.storage.inflate import TEXT, resolve
 from tracetap.storage.tables import Call, Choice, Episode
 
 COMPLETED = ("ok", "passthrough")  # call statuses that are not failures (with HTTP 200)
@@ -117,32 +119,45 @@ async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | No
 
 async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
     """One call as stored, bodies included; token arrays only counted."""
-    ids_length = func.length(Call.prompt_ids)
     async with engine.connect() as conn:
         row = (await conn.execute(
             select(*_SUMMARY, Call.episode_id, Call.instance, Call.request, Call.response,
-                   ids_length.label("prompt_bytes"), Call.stored_at,
-                   Call.translation_dropped)
+                   func.length(Call.prompt_ids).label("prompt_bytes"), Call.stored_at,
+                   Call.translation_dropped, Call.prompt_refs,
+                   Call.request_refs, Call.response_refs)
             .where(Call.call_id == call_id))).first()
         if row is None:
             return None
+        request, response = (await resolve(
+            conn, [(row.request, row.response, row.request_refs, row.response_refs)],
+            [(0, 2, TEXT), (1, 3, TEXT)], 2))[0]
         choices = (await conn.execute(
             select(Choice.choice_index, Choice.finish_reason, Choice.text,
                    func.length(Choice.completion_ids).label("ids_bytes"),
                    func.length(Choice.completion_logprobs).label("lp_bytes"),
-                   Choice.token_source, Choice.top_logprobs)
+                   Choice.token_source, Choice.top_logprobs, Choice.text_refs,
+                   Choice.completion_ids_refs, Choice.completion_logprobs_refs)
             .where(Choice.call_id == call_id).order_by(Choice.choice_index))).all()
+        texts = await resolve(conn, [(c.text, c.text_refs) for c in choices], [(0, 1, TEXT)], 1)
     return StoredCall(
         summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
-        request=row.request, response=row.response,
-        prompt_ids=None if row.prompt_bytes is None else row.prompt_bytes // 4,
-        stored_at=row.stored_at, translation_dropped=_loads(row.translation_dropped),
+        request=request, response=response,
+        prompt_ids=_count(row.prompt_bytes, 4, row.prompt_refs), stored_at=row.stored_at,
+        translation_dropped=_loads(row.translation_dropped),
         choices=[StoredChoice(
-            index=c.choice_index, finish_reason=c.finish_reason, text=c.text,
-            completion_tokens=None if c.ids_bytes is None else c.ids_bytes // 4,
-            logprobs=None if c.lp_bytes is None else c.lp_bytes // 8,
+            index=c.choice_index, finish_reason=c.finish_reason, text=text,
+            completion_tokens=_count(c.ids_bytes, 4, c.completion_ids_refs),
+            logprobs=_count(c.lp_bytes, 8, c.completion_logprobs_refs),
             token_source=c.token_source, top_logprobs=_loads(c.top_logprobs))
-            for c in choices])
+            for c, (text,) in zip(choices, texts)])
+
+
+def _count(inline_bytes: int | None, width: int, refs: bytes | None) -> int | None:
+    """Values stored inline (``width`` bytes each) or referenced (counted from the
+    references alone, no block read); None: none stored."""
+    if refs is not None:
+        return refs_length(refs)
+    return None if inline_bytes is None else inline_bytes // width
 
 
 async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tuple]:
@@ -151,11 +166,11 @@ async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tup
         return {}
     async with engine.connect() as conn:
         rows = (await conn.execute(
-            select(Call.call_id, Call.endpoint, Call.request, Call.response)
+            select(Call.call_id, Call.endpoint, Call.request, Call.response,
+                   Call.request_refs, Call.response_refs)
             .where(Call.call_id.in_(call_ids)))).all()
-    return {r.call_id: (r.endpoint, r.request, r.response) for r in rows}
-
-
+        rows = await resolve(conn, rows, [(2, 4, TEXT), (3, 5, TEXT)], 4)
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
 async def top_logprobs(engine: AsyncEngine, call_ids: list[str]) -> dict[tuple[str, int], list]:
     """Per-token alternatives of these calls' choices, where the client asked for them."""
     if not call_ids:

@@ -10,6 +10,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
+from tracetap.storage.dedup import BODIES
+from tracetap.storage.inflate import IDS, TEXT, resolve
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -181,30 +183,48 @@ async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str
     async with engine.connect() as conn:
         condition = Call.episode_id.is_(None) if episode_id is None else (
             Call.episode_id == episode_id)
-        calls = (
-            await conn.execute(select(Call).where(condition).order_by(Call.t_start, Call.seq))
-        ).all()
-        ids = [c.call_id for c in calls]
-        choices = (
+        calls = [dict(c._mapping) for c in (await conn.execute(
+            select(Call).where(condition).order_by(Call.t_start, Call.seq))).all()]
+        calls = await _inflated(conn, calls, _CALL_VALUES)
+        ids = [c["call_id"] for c in calls]
+        choices = [dict(c._mapping) for c in (
             await conn.execute(select(Choice).where(Choice.call_id.in_(ids))
                                .order_by(Choice.call_id, Choice.choice_index))
-        ).all() if ids else []
+        ).all()] if ids else []
+        choices = await _inflated(conn, choices, _CHOICE_VALUES)
     by_call: dict[str, list[dict[str, Any]]] = {}
     for ch in choices:
-        by_call.setdefault(ch.call_id, []).append({
-            "index": ch.choice_index,
-            "finish_reason": ch.finish_reason,
-            "text": ch.text,
-            "completion_ids": unpack_ids(ch.completion_ids),
-            "completion_logprobs": unpack_logprobs(ch.completion_logprobs),
-            "top_logprobs": _loads(ch.top_logprobs),
-            "token_source": ch.token_source,
+        by_call.setdefault(ch["call_id"], []).append({
+            "index": ch["choice_index"],
+            "finish_reason": ch["finish_reason"],
+            "text": ch["text"],
+            "completion_ids": unpack_ids(ch["completion_ids"]),
+            "completion_logprobs": unpack_logprobs(ch["completion_logprobs"]),
+            "top_logprobs": _loads(ch["top_logprobs"]),
+            "token_source": ch["token_source"],
         })
-    out = []
-    for c in calls:
-        row = dict(c._mapping)
+    for row in calls:
         row["prompt_ids"] = unpack_ids(row["prompt_ids"])
-        row["choices"] = by_call.get(c.call_id, [])
-        out.append(row)
-    return out
+        row["choices"] = by_call.get(row["call_id"], [])
+    return calls
+
+
+# Each value column and its references column.
+_CALL_VALUES = [("prompt_ids", "prompt_refs", IDS),
+                *((body, body + "_refs", TEXT) for body in BODIES)]
+_CHOICE_VALUES = [("text", "text_refs", TEXT), ("completion_ids", "completion_ids_refs", IDS),
+                  ("completion_logprobs", "completion_logprobs_refs", IDS)]
+
+
+async def _inflated(conn, rows: list[dict], columns: list[tuple[str, str, str]]) -> list[dict]:
+    """The rows with their values read back from their references (the references
+    themselves left out)."""
+    refs = [[r[name] for _, name, _ in columns] for r in rows]
+    values = await resolve(conn, refs, [(i, i, kind) for i, (_, _, kind) in enumerate(columns)],
+                           len(columns))
+    for row, got in zip(rows, values):
+        for (name, refs_name, _), value in zip(columns, got):
+            if row.pop(refs_name) is not None:
+                row[name] = value
+    return rows
 

@@ -10,9 +10,11 @@ import msgspec
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.dedup import BlockCache, plan
 from tracetap.storage.records import CallRecord
-from tracetap.storage.tables import Call, Choice, Episode
+from tracetap.storage.tables import Block, Call, Choice, Episode
 
 _json = msgspec.json.encode
 _EPISODE_NULLS = dict.fromkeys(c.name for c in Episode.__table__.columns)
@@ -28,8 +30,14 @@ def insert_ignoring_duplicates(dialect: str, table):
     return dialect_insert(dialect, table).on_conflict_do_nothing()
 
 
-def call_row(record: CallRecord, stored_at: float) -> dict:
-    return {
+_INLINE = {"prompt_refs": None, "request_refs": None, "upstream_request_refs": None,
+           "response_refs": None}
+
+
+def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> dict:
+    """The calls row of ``record``: prompt ids and bodies as ``refs`` (storage.dedup), or
+    inline as before revision 0007 when there are none."""
+    row = {
         "call_id": record.call_id,
         "episode_id": record.episode_id,
         "seq": record.seq,
@@ -59,10 +67,21 @@ def call_row(record: CallRecord, stored_at: float) -> dict:
         "translation_dropped": record.translation_dropped,
         "stored_at": stored_at,
     }
+    if refs is None:
+        row.update(_INLINE)
+    else:
+        row.update(refs, prompt_ids=None, request=None, upstream_request=None, response=None)
+    return row
 
 
-def choice_rows(record: CallRecord) -> list[dict]:
-    return [
+_CHOICE_INLINE = {"text_refs": None, "completion_ids_refs": None,
+                  "completion_logprobs_refs": None}
+
+
+def choice_rows(record: CallRecord, refs: dict[int, dict] | None = None) -> list[dict]:
+    """The choices rows of ``record``: text, ids and logprobs as ``refs`` (by choice
+    index, storage.dedup), or inline as before revision 0007 when there are none."""
+    rows = [
         {
             "call_id": record.call_id,
             "choice_index": choice.index,
@@ -76,6 +95,13 @@ def choice_rows(record: CallRecord) -> list[dict]:
         }
         for choice in record.choices
     ]
+    for row in rows:
+        if refs is None:
+            row.update(_CHOICE_INLINE)
+        else:
+            row.update(refs[row["choice_index"]], text=None, completion_ids=None,
+                       completion_logprobs=None)
+    return rows
 
 
 def episode_rows(records: list[CallRecord]) -> list[dict]:
@@ -122,30 +148,55 @@ def _sqlite_inserts(table, rows: list[dict]) -> Iterator[tuple[str, list]]:
 
 # Postgres batches go straight to asyncpg's executemany: the same SQL SQLAlchemy would
 # send, at a third of the CPU (measured by bench/writer_bench.py).
-_TABLES = (Episode, Call, Choice)
+_TABLES = (Block, Episode, Call, Choice)
 _PG_INSERTS = [_postgres_insert(t.__table__) for t in _TABLES]
 _SQLITE_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
-async def insert_calls(engine: AsyncEngine, records: list[CallRecord]) -> None:
-    """Insert calls, their choices and any new episodes in one transaction."""
-    stored_at = time.time()
-    batches = (episode_rows(records), [call_row(r, stored_at) for r in records],
-               [row for r in records for row in choice_rows(r)])
+async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
+                       cache: BlockCache | None = None) -> None:
+    """Insert calls, their choices, any new episodes and the blocks their prompt ids and
+    bodies reference (storage.dedup) in one transaction. ``cache``: the writer's memory
+    of each conversation's last call, updated only once the transaction committed."""
+    cache = cache or BlockCache()
+    dialect = engine.dialect.name
     async with engine.connect() as conn:
         raw = (await conn.get_raw_connection()).driver_connection
-        if engine.dialect.name == "postgresql":
+        if dialect == "postgresql":
             async with raw.transaction():
-                for (sql, names), rows in zip(_PG_INSERTS, batches):
+                planned = await _plan(raw, dialect, records, cache)
+                for (sql, names), rows in zip(_PG_INSERTS, _batches(records, planned)):
                     if rows:
                         await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
+            cache.commit(planned)
             return
-        # aiosqlite: sqlite3 opens the transaction at the first INSERT; commit or undo here.
         try:
-            for table, rows in zip(_TABLES, batches):
+            planned = await _plan(raw, dialect, records, cache)  # opens the transaction
+            for table, rows in zip(_TABLES, _batches(records, planned)):
                 for sql, params in _sqlite_inserts(table.__table__, rows):
                     await raw.execute(sql, params)
             await raw.commit()
         except BaseException:
             await raw.rollback()
             raise
+        cache.commit(planned)
+
+
+async def _plan(raw, dialect: str, records: list[CallRecord], cache: BlockCache):
+    cache.valid_for(await begin_writing(raw, dialect))
+    episodes = {r.episode_id for r in records if r.episode_id is not None}
+    parents = {e: last for e in episodes if (last := cache.get(e)) is not None}
+    forgotten = sorted(episodes.difference(parents))
+    if forgotten:
+        parents.update(await last_calls(raw, dialect, forgotten))
+    return plan(records, parents)
+
+
+def _batches(records: list[CallRecord], planned) -> tuple[list[dict], ...]:
+    stored_at = time.time()
+    # In hash order: two writers inserting the same new blocks (a group's first prompts,
+    # from two workers) take their row locks in one order and cannot deadlock.
+    return ([{"hash": h, "data": data} for h, data in sorted(planned.blocks.items())],
+            episode_rows(records),
+            [call_row(r, stored_at, planned.calls[r.call_id].refs) for r in records],
+            [row for r in records for row in choice_rows(r, planned.calls[r.call_id].choices)])

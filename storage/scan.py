@@ -19,16 +19,16 @@ from pathlib import Path
 
 import asyncpg
 import msgspec
-from sqlalchemy import String, any_, bindparam, event, func, null, select
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import event, func, null, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql import Select
 
 from tracetap.storage.codec import SWAPPED as _SWAPPED
 from tracetap.storage.codec import native_ids, native_logprobs
 from tracetap.storage.engine import DatabaseURLError, async_url, create_engine, redact_url
+from tracetap.storage.fetch import among, fetch
+from tracetap.storage.inflate import IDS, TEXT, resolve
 from tracetap.storage.tables import Call, Choice, Episode
 
 
@@ -223,10 +223,12 @@ class Reader:
         if not call_ids:
             return {}
         query = select(Call.call_id, Call.endpoint, Call.request, Call.upstream_request,
-                       Call.response).where(among(Call.call_id, call_ids, self.engine))
+                       Call.response, Call.request_refs, Call.upstream_request_refs,
+                       Call.response_refs).where(among(Call.call_id, call_ids, self.engine))
         with self.translated():
             async with self.engine.connect() as conn:
-                rows = await fetch(conn, query)
+                rows = await resolve(conn, await fetch(conn, query),
+                                     [(2, 5, TEXT), (3, 6, TEXT), (4, 7, TEXT)], 5)
         return {r[0]: ScannedCall(call_id=r[0], endpoint=r[1], request=r[2],
                                   upstream_request=r[3], response=r[4]) for r in rows}
 
@@ -290,12 +292,22 @@ class Reader:
         keys are sorted here instead.
         """
         columns = list(_ROW_COLUMNS)
-        if not self.with_bodies:
+        refs = [(COLUMN.prompt_ids, Call.prompt_refs, IDS),
+                (COLUMN.completion_ids, Choice.completion_ids_refs, IDS),
+                (COLUMN.completion_logprobs, Choice.completion_logprobs_refs, IDS)]
+        if self.with_bodies:
+            refs += [(COLUMN.request, Call.request_refs, TEXT),
+                     (COLUMN.response, Call.response_refs, TEXT),
+                     (COLUMN.upstream_request, Call.upstream_request_refs, TEXT)]
+        else:
             for i in BODIES:
                 columns[i] = null().label(ROW[i])
-        query = (select(*columns).outerjoin(Choice, Choice.call_id == Call.call_id)
-                 .where(condition))
-        rows = await fetch(conn, query)
+        query = (select(*columns, *(column for _, column, _ in refs))
+                 .outerjoin(Choice, Choice.call_id == Call.call_id).where(condition))
+        # Each block the page's calls reference is read once (storage.inflate).
+        rows = await resolve(conn, await fetch(conn, query),
+                             [(at, len(ROW) + i, kind) for i, (at, _, kind) in enumerate(refs)],
+                             len(ROW))
         if _SWAPPED:
             rows = [_native_row(row) for row in rows]
         rows.sort(key=_arrival)
@@ -344,26 +356,6 @@ def episode_conditions(filt: EpisodeFilter) -> list:
     if filt.until is not None:
         conditions.append(Episode.created_at < filt.until)
     return conditions
-
-
-def among(column, values: list[str], engine: AsyncEngine):
-    """``column IN values`` as one bound parameter however many values there are (a JSON
-    array on SQLite, a text array on Postgres): an IN list of thousands of literals costs
-    more to compile than the query costs to run, and has a parameter limit."""
-    if engine.dialect.name == "postgresql":
-        return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
-    given = func.json_each(bindparam(None, msgspec.json.encode(values).decode(), type_=String))
-    return column.in_(select(given.table_valued("value").c.value))
-
-
-async def fetch(conn: AsyncConnection, query: Select) -> list:
-    """``query``'s rows as tuples (asyncpg Records on Postgres), from the driver itself."""
-    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
-    params = [compiled.params[name] for name in compiled.positiontup or ()]
-    driver = (await conn.get_raw_connection()).driver_connection
-    if conn.dialect.name == "postgresql":
-        return await driver.fetch(str(compiled), *params)
-    return list(await driver.execute_fetchall(str(compiled), params))
 
 
 def _episode(row) -> ScannedEpisode:

@@ -78,6 +78,14 @@ class Call(Base):
     translation_dropped: Mapped[str | None] = mapped_column(Text)
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
+    # Since revision 0007 the prompt ids and the bodies are stored as references to
+    # ``blocks`` (storage.blocks: 20-byte entries, hash and length) and the inline columns
+    # above (prompt_ids, request, upstream_request, response) are null; rows stored before
+    # keep them inline. storage.inflate reads both.
+    prompt_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    request_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    upstream_request_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     __table_args__ = (
         Index(None, "episode_id", "t_start"),
@@ -99,6 +107,22 @@ class Choice(Base):
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
     top_logprobs: Mapped[str | None] = mapped_column(Text)  # JSON
     token_source: Mapped[str] = mapped_column(String(32))  # storage.records.TOKEN_SOURCES
+    # Since revision 0007 text, completion_ids and completion_logprobs are stored as one
+    # compressed block each (references as in calls; the inline columns null).
+    text_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_ids_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_logprobs_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class Block(Base):
+    """A content-addressed block of prompt ids or body text, stored once however many
+    calls reference it (storage.blocks). Deleted only by prune's sweep, and only when no
+    call references it (storage.retention)."""
+
+    __tablename__ = "blocks"
+
+    hash: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)  # a format byte, then the contents
 
 
 class Control(Base):

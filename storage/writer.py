@@ -17,6 +17,7 @@ is alone (``storage.refusal``), and it goes to the dead-letter file (``storage.q
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,10 +26,12 @@ from pathlib import Path
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
+from tracetap.storage.rows import insert_calls
 from tracetap.storage.storable import storable
 
 log = logging.getLogger("tracetap.writer")
@@ -87,6 +90,9 @@ class Writer:
         self._fresh = 0  # records submitted into the active segment (not ones held back)
         self._retry_at = 0.0  # when records held back are offered to prepare again
         self._held: set[str] = set()  # call ids of records prepare handed back, until written
+        # Each conversation's last stored call: the next one stores only its new blocks.
+        self.blocks = BlockCache()
+        self._insert = functools.partial(insert_calls, cache=self.blocks)
 
     encode = staticmethod(_encode)  # the journal's record format
 
@@ -225,7 +231,7 @@ class Writer:
             self._held.update(r.call_id for r in held)
         started = time.perf_counter()
         try:
-            outcome = await write_batch(self.engine, records)
+            outcome = await write_batch(self.engine, records, self._insert)
         except Exception:
             self.observer.db_error()
             if segment not in self._failed:
@@ -285,7 +291,7 @@ class Writer:
             self._seal()
         if now:
             await self._prepare(now, hold=False)
-            outcome = await write_batch(self.engine, now)
+            outcome = await write_batch(self.engine, now, self._insert)
             self._quarantine(outcome)
             self.observer.records("written", len(now) - len(outcome.refused))
             self._pending_count = max(0, self._pending_count - len(now))

@@ -1,0 +1,238 @@
+"""Database bytes per unique token for an agentic run, through the real storage code.
+
+    python bench/storage_bytes.py                          # SQLite and Postgres, ~1 min
+    python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0006
+    python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
+
+The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
+``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
+of ``--tool`` tokens and a streamed completion of ``--out`` tokens with logprobs. A token's
+text is `` w<id>``, ids are random below 151,000. Each call is stored as the proxy stores
+it: the request JSON as the client sent it (the whole conversation), the reassembled
+response with its logprobs, the engine's prompt ids, the completion's ids and logprobs.
+Records go through ``storage.rows.insert_calls`` with the writer's cache, a turn of every
+session per transaction (the writer's batches), into a freshly migrated database.
+
+``--layout inline`` writes the same records as revision 0005 stored them (prompt ids and
+bodies inline in every call): the "before" figure. Printed per database: bytes the run
+added (SQLite: the file after a WAL checkpoint; Postgres: ``pg_total_relation_size`` of
+every table, TOAST and indexes included), bytes per unique token, and the token ids
+stored (prompt blocks once each, or inline prompt ids, plus completion ids) per unique
+token. Unique tokens: the system prompt once, plus every tool result and completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import asyncpg
+from pgtemp import create_database, drop_database
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.storage.dedup import BlockCache  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
+from tracetap.storage.footprint import stored_ids  # noqa: E402
+from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import call_row, episode_rows, insert_calls  # noqa: E402
+from tracetap.storage.tables import Call, Choice, Episode  # noqa: E402
+
+VOCAB = 151_000
+
+
+def _ids(rnd: random.Random, n: int) -> list[int]:
+    return [rnd.randrange(1000, VOCAB) for _ in range(n)]
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(f" w{t}" for t in ids)
+
+
+def _encode(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def records(args: argparse.Namespace) -> list[list[CallRecord]]:
+    """Per turn, one record per session (a turn of every session is one batch)."""
+    system = _ids(random.Random(0), args.system)
+    head = {"model": "agentic-model", "stream": True, "max_tokens": args.out,
+            "logprobs": True, "top_logprobs": 0, "stream_options": {"include_usage": True}}
+    sessions = []
+    for s in range(args.sessions):
+        rnd = random.Random(s + 1)
+        sessions.append({"rnd": rnd, "ids": list(system),
+                         "messages": [{"role": "system", "content": _text(system)}]})
+    batches, now = [], time.time()
+    for turn in range(args.turns):
+        batch = []
+        for s, state in enumerate(sessions):
+            rnd = state["rnd"]
+            tool = _ids(rnd, args.tool)
+            state["messages"].append({"role": "user", "content": f"[s={s} t={turn}]" + _text(tool)})
+            state["ids"] += tool
+            out = _ids(rnd, args.out)
+            logprobs = [-round(rnd.random() * 4, 6) for _ in out]
+            text = _text(out)
+            response = {"id": f"chatcmpl-{s}-{turn}", "object": "chat.completion",
+                        "created": 1_700_000_000, "model": "agentic-model",
+                        "choices": [{"index": 0,
+                                     "message": {"role": "assistant", "content": text},
+                                     "logprobs": {"content": [
+                                         {"token": f" w{t}", "logprob": lp}
+                                         for t, lp in zip(out, logprobs)]},
+                                     "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": len(state["ids"]),
+                                  "completion_tokens": len(out)}}
+            batch.append(CallRecord(
+                call_id=f"call-{s:03d}-{turn:04d}", episode_id=f"session-{s}", seq=turn,
+                endpoint="chat.completions", model="agentic-model", stream=True,
+                request=_encode({**head, "messages": state["messages"]}),
+                response=_encode(response), http_status=200, t_start=now + turn,
+                t_end=now + turn + 1, prompt_tokens=len(state["ids"]),
+                completion_tokens=len(out), prompt_ids=list(state["ids"]),
+                choices=[ChoiceRecord(index=0, finish_reason="length", text=text,
+                                      completion_ids=out, completion_logprobs=logprobs,
+                                      token_source="engine")]))
+            state["messages"].append({"role": "assistant", "content": text})
+            state["ids"] += out
+        batches.append(batch)
+    return batches
+
+
+async def _inline(engine, batch: list[CallRecord]) -> None:
+    """The records as revision 0005 stored them: every call's prompt and bodies inline."""
+    from tracetap.storage.rows import choice_rows, insert_ignoring_duplicates
+
+    dialect = engine.dialect.name
+    async with engine.begin() as conn:
+        await conn.execute(insert_ignoring_duplicates(dialect, Episode.__table__),
+                           episode_rows(batch))
+        await conn.execute(insert_ignoring_duplicates(dialect, Call.__table__),
+                           [call_row(r, time.time()) for r in batch])
+        await conn.execute(insert_ignoring_duplicates(dialect, Choice.__table__),
+                           [row for r in batch for row in choice_rows(r)])
+
+
+async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float:
+    engine = create_engine(url)
+    cache = BlockCache()
+    started = time.perf_counter()
+    try:
+        for batch in batches:
+            if layout == "inline":
+                await _inline(engine, batch)
+            else:
+                await insert_calls(engine, batch, cache)
+    finally:
+        await engine.dispose()
+    return time.perf_counter() - started
+
+
+_PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'public' AND c.relkind = 'r'")
+def size(url: str) -> tuple[int, int]:
+    """(bytes, stored token ids) of the database at ``url``."""
+    ids = asyncio.run(_stored(url))
+    if url.startswith("sqlite"):
+        path = Path(url.removeprefix("sqlite:///"))
+        with sqlite3.connect(path) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return path.stat().st_size, ids
+
+    async def pg():
+        conn = await asyncpg.connect(url)
+        try:
+            return int(await conn.fetchval(_PG_SIZE))
+        finally:
+            await conn.close()
+
+    return asyncio.run(pg()), ids
+
+
+async def _stored(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        return (await stored_ids(engine)).total
+    finally:
+        await engine.dispose()
+
+
+def measure(db: str, batches, args, folder: Path) -> dict:
+    url = f"sqlite:///{folder / f'{db}-{args.layout}.db'}" if db == "sqlite" else create_database()
+    try:
+        upgrade(url)
+        empty, _ = size(url)
+        seconds = asyncio.run(store(url, batches, args.layout))
+        full, ids = size(url)
+    finally:
+        if db == "postgres":
+            drop_database(url)
+    unique = args.system + args.sessions * args.turns * (args.tool + args.out)
+    return {"db": db, "layout": args.layout, "calls": sum(map(len, batches)),
+            "unique_tokens": unique, "bytes": full - empty,
+            "bytes_per_unique_token": round((full - empty) / unique, 2),
+            "stored_ids_per_unique_token": round(ids / unique, 3),
+            "write_seconds": round(seconds, 2)}
+
+
+def writer_cpu(batches) -> None:
+    """The writer's planning CPU per call (storage.dedup.plan; CPU time, best of 5) by
+    context, one session, its previous call remembered; beside it what the inline layout
+    paid to pack the ids."""
+    import timeit
+    from functools import partial
+
+    from tracetap.storage.codec import pack_ids
+    from tracetap.storage.dedup import plan
+
+    cache = BlockCache()
+    for turn, batch in enumerate(batches):
+        record = batch[0]
+        last = cache.get(record.episode_id)
+        parents = {record.episode_id: last} if last is not None else {}
+        if turn % 10 == 9:
+            planning, packing = (
+                min(timeit.repeat(work, number=10, repeat=5, timer=time.process_time)) / 10
+                for work in (partial(plan, [record], parents),
+                             partial(pack_ids, record.prompt_ids)))
+            print(json.dumps({"context_tokens": len(record.prompt_ids),
+                              "plan_cpu_ms": round(planning * 1000, 2),
+                              "inline_pack_ids_cpu_ms": round(packing * 1000, 2)}), flush=True)
+        cache.commit(plan([record], parents))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--tool", type=int, default=2000)
+    parser.add_argument("--out", type=int, default=400)
+    parser.add_argument("--system", type=int, default=1000)
+    parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
+                        help="blocks: as stored now; inline: as before revision 0006")
+    parser.add_argument("--writer-cpu", action="store_true",
+                        help="print the writer's planning CPU per call instead")
+    args = parser.parse_args()
+    batches = records(args)
+    if args.writer_cpu:
+        writer_cpu(batches)
+        return
+    with tempfile.TemporaryDirectory(prefix="tracetap-storage-bytes-") as tmp:
+        for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
+            print(json.dumps(measure(db, batches, args, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

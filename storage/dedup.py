@@ -1,0 +1,192 @@
+"""The writer's half of "each token stored once": a batch of records → references + the
+blocks the database does not hold yet.
+
+Runs in the writer, off the request path, inside the batch's transaction. For each
+conversation (episode) it remembers the references of the last call it committed
+(``BlockCache``, bounded): the next call's prompt is cut at the same boundaries, so the
+shared prefix names the same blocks, and those blocks (and the request's resent
+messages) need not be packed or sent again. A conversation it does not remember (a
+restart, another worker wrote its last call) is looked up in the database once. Blocks
+are content-addressed and inserted ``ON CONFLICT DO NOTHING``: GRPO samples that share a
+first prompt share its blocks whoever wrote them first.
+
+The cache is only updated after the batch commits (``BlockCache.commit``): a batch that
+fails leaves it as it was, so no later call can reference a block that was never stored.
+It is dropped whole when ``tracetap prune`` has swept blocks since (storage.retention).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from tracetap.storage.blocks import (
+    FLOATS,
+    IDS,
+    TEXT,
+    Prefix,
+    Ref,
+    cut_ids,
+    cut_text,
+    pack_block,
+    pack_refs,
+    unpack_refs,
+    whole,
+)
+from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.records import CallRecord
+
+# The bodies stored as references, by record field (and calls column "<field>_refs").
+BODIES = ("request", "upstream_request", "response")
+
+
+class Last(msgspec.Struct, gc=False):
+    """What the next call of a conversation reuses: its prompt's blocks, and every block
+    hash the call referenced (known stored). Fresh from this process's own writes, also
+    the prompt's ids and its bodies' prefixes (storage.blocks.Prefix): the next call is
+    then compared with them byte for byte and only its new part is hashed; read back from
+    the database, only the references (the next call hashes what it resends)."""
+
+    prompt: list[Ref]
+    known: frozenset[bytes]
+    ids: bytes | None = None
+    texts: dict[str, Prefix] = {}
+
+    @property
+    def size(self) -> int:
+        """Bytes (about) of the content this entry keeps."""
+        return len(self.ids or b"") + sum(len(text) for text, _ in self.texts.values())
+
+
+class Planned(msgspec.Struct, gc=False):
+    """One record's references (calls columns; choices columns by choice index) and the
+    last-call entry it leaves."""
+
+    refs: dict[str, bytes | None]
+    choices: dict[int, dict[str, bytes | None]]
+    last: Last | None
+
+
+class Plan(msgspec.Struct, gc=False):
+    calls: dict[str, Planned]  # by call_id
+    blocks: dict[bytes, bytes]  # hash → stored bytes, for blocks to insert
+    episodes: dict[str, Last]  # the last call of each conversation after this batch
+
+
+class BlockCache:
+    """The last committed call of each recent conversation, least recently used out past
+    ``conversations`` or past ``content_bytes`` of kept prompts and bodies (about 11 bytes
+    per token of context of the conversations in flight)."""
+
+    def __init__(self, conversations: int = 2048, content_bytes: int = 64 << 20):
+        self.conversations = conversations
+        self.content_bytes = content_bytes
+        self.swept: int | None = None  # the prune sweep serial this cache is valid for
+        self._last: OrderedDict[str, Last] = OrderedDict()
+        self._size = 0
+
+    def get(self, episode_id: str) -> Last | None:
+        last = self._last.get(episode_id)
+        if last is not None:
+            self._last.move_to_end(episode_id)
+        return last
+
+    def valid_for(self, swept: int) -> None:
+        """Forget everything if blocks were swept since this cache was filled."""
+        if swept != self.swept:
+            self._last.clear()
+            self._size = 0
+            self.swept = swept
+
+    def commit(self, plan: Plan) -> None:
+        for episode_id, last in plan.episodes.items():
+            old = self._last.pop(episode_id, None)
+            self._size += last.size - (old.size if old is not None else 0)
+            self._last[episode_id] = last
+        while self._last and (len(self._last) > self.conversations
+                              or self._size > self.content_bytes):
+            self._size -= self._last.popitem(last=False)[1].size
+
+
+def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
+    """References for ``records`` (in the order given: a conversation's calls in arrival
+    order) given the last stored call of their conversations."""
+    out = Plan(calls={}, blocks={}, episodes={})
+    for record in records:
+        last = out.episodes.get(record.episode_id) or parents.get(record.episode_id)
+        known = last.known if last is not None else frozenset()
+        used: set[bytes] = set()
+        refs: dict[str, bytes | None] = {}
+        prompt: list[Ref] = []
+        ids = pack_ids(record.prompt_ids)
+        if ids is not None:
+            pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
+            prompt = [ref for ref, _ in pieces]
+            _add(out.blocks, pieces, known, used, IDS)
+        refs["prompt_refs"] = None if ids is None else pack_refs(prompt)
+        texts: dict[str, Prefix] = {}
+        for field in BODIES:
+            text = getattr(record, field)
+            if text is None:
+                refs[field + "_refs"] = None
+                continue
+            pieces, prefix = cut_text(text, field != "response",
+                                      last.texts.get(field) if last else None)
+            if prefix is not None:
+                texts[field] = prefix
+            _add(out.blocks, pieces, known, used, TEXT)
+            refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
+        entry = None
+        if record.episode_id is not None:
+            if ids is None and last is not None:  # a call without ids (an error): the next
+                prompt, ids = last.prompt, last.ids  # one continues the last prompt seen
+                used.update(h for h, _ in prompt)
+            if last is not None:
+                texts = {**last.texts, **texts}
+                used.update(h for _, refs in last.texts.values() for h, _ in refs)
+            entry = Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
+            out.episodes[record.episode_id] = entry
+        out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
+                                            last=entry)
+    return out
+
+
+def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
+    """Each choice's text, ids and logprobs as one block each: compressed, not shared."""
+    out = {}
+    for choice in record.choices:
+        refs: dict[str, bytes | None] = {}
+        for column, kind, data in (
+                ("text_refs", TEXT, None if choice.text is None
+                 else choice.text.encode("utf-8", "surrogatepass")),
+                ("completion_ids_refs", IDS, pack_ids(choice.completion_ids)),
+                ("completion_logprobs_refs", FLOATS, pack_logprobs(choice.completion_logprobs))):
+            if data is None:
+                refs[column] = None
+                continue
+            ref, _ = whole(kind, data)
+            if ref[0] not in blocks:
+                blocks[ref[0]] = pack_block(data, kind)
+            refs[column] = pack_refs([ref])
+        out[choice.index] = refs
+    return out
+
+
+def _add(blocks: dict[bytes, bytes], pieces, known: frozenset[bytes], used: set[bytes],
+         kind: bytes) -> None:
+    for (h, _), data in pieces:  # data is None only for a block of the last call: known
+        used.add(h)
+        if h not in known and h not in blocks:
+            blocks[h] = pack_block(data, kind)
+
+
+def last_of(prompt_refs: bytes | None, body_refs: list[bytes | None]) -> Last:
+    """A conversation's last call as read back from the database."""
+    prompt = unpack_refs(prompt_refs) if prompt_refs is not None else []
+    known = {h for h, _ in prompt}
+    for refs in body_refs:
+        if refs is not None:
+            known.update(h for h, _ in unpack_refs(refs))
+    return Last(prompt=prompt, known=frozenset(known))
+
