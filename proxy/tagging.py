@@ -1,6 +1,10 @@
-"""Which episode a model call belongs to: path, per-episode key, header, or none.
+"""Which episode a call belongs to: path, per-episode key, header, or none.
 
-Precedence follows docs/architecture.md. A per-episode key only ever tags its own episode.
+Precedence follows docs/architecture.md. A per-episode key only ever tags its own episode,
+and a registered episode takes calls only from whoever holds its key: the key as the API
+key, or inside the base URL registration hands out (``/episodes/<id>~<secret>/v1``, for
+harnesses that only set a base URL). Unregistered ids stay open unless the operator
+requires registration.
 """
 
 from __future__ import annotations
@@ -10,12 +14,22 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
-from tracetap.proxy.errors import bad_request, forbidden, not_found, unauthorized
+import msgspec
+
+from tracetap.proxy.errors import (
+    ProxyError,
+    bad_request,
+    forbidden,
+    not_found,
+    unauthorized,
+)
 from tracetap.proxy.headers import EPISODE_HEADER, bearer
 from tracetap.proxy.recent import Recent
 
 _EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KEY_PREFIX = "tt-"
+# Separates an episode id from its secret in a path: never part of an id (see _EPISODE_ID).
+CAPABILITY_MARK = "~"
 # Key owners and registered ids kept in memory (least recently used dropped past that).
 REMEMBERED = 100_000
 # How long a miss (a key or id the database did not know) is believed without asking
@@ -37,14 +51,39 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def episode_path(episode_id: str, api_key: str) -> str:
+    """The path segment that carries both the episode and its key (the key's secret part)."""
+    return f"{episode_id}{CAPABILITY_MARK}{api_key.removeprefix(KEY_PREFIX)}"
+
+
+def split_path_episode(segment: str | None) -> tuple[str | None, str | None]:
+    """``id~secret`` → (id, the episode key); a plain id → (id, None)."""
+    if segment is None or CAPABILITY_MARK not in segment:
+        return segment, None
+    episode_id, _, secret = segment.partition(CAPABILITY_MARK)
+    return episode_id, KEY_PREFIX + secret
+
+
+def credential_required(episode_id: str) -> ProxyError:
+    return forbidden(
+        f"episode {episode_id!r} is registered: its calls need its key (the base_url or "
+        "api_key its registration returned)", "episode_credential_required")
+
+
+class Tagged(msgspec.Struct, frozen=True):
+    episode_id: str | None
+    keyed: bool  # the request carried the episode's key (in a header or its path)
+
+
 class Tagger:
     """Resolves a request's episode; caches key owners and registered ids in memory.
 
-    The database is asked only on a cache miss (a key or id minted by another worker or
-    replica), so tagged calls never wait on it in the common case; misses are remembered
-    for MISS_SECONDS. Keys are random, so a remembered miss never hides a key minted since;
-    an id registered elsewhere within MISS_SECONDS of a refused call may be refused for that
-    long (--require-registered only).
+    The database is asked only on a cache miss (a key, or an id called without a key, that
+    this process has not seen), so tagged calls do not wait on it in the common case; misses
+    are remembered for MISS_SECONDS. Keys are random, so a remembered miss never hides a key
+    minted since. An id registered by another worker or replica may still take calls
+    without its key for up to MISS_SECONDS after this process last found it unregistered
+    (the price of not asking the database on every call).
     """
 
     def __init__(
@@ -68,31 +107,55 @@ class Tagger:
         if key_hash:
             self._keys.put(key_hash, episode_id)
 
-    async def episode_for(self, headers: Mapping[str, str], path_episode: str | None) -> str | None:
+    async def episode_for(self, headers: Mapping[str, str], path_episode: str | None, *,
+                          model_call: bool = True) -> str | None:
+        return (await self.resolve(headers, path_episode, model_call=model_call)).episode_id
+
+    async def resolve(self, headers: Mapping[str, str], path_episode: str | None, *,
+                      model_call: bool = True) -> Tagged:
+        """The episode of a request (None: untagged), or a ProxyError: a bad id (400), an
+        unknown key (401), someone else's key or no key for a registered episode (403), an
+        unregistered id under --require-registered (404). ``model_call=False`` (a relayed
+        path) never requires an episode."""
+        path_episode, path_key = split_path_episode(path_episode)
         key = bearer(headers)
         key_episode = None
         if key and key.startswith(KEY_PREFIX):
-            key_episode = await self._owner(key)
-            if key_episode is None:
-                raise unauthorized("unknown tracetap episode key")
+            key_episode = await self._owner_or_401(key)
+        if path_key is not None:
+            validate_episode_id(path_episode)
+            path_owner = await self._owner_or_401(path_key)
+            if key_episode is not None and key_episode != path_owner:
+                raise forbidden("this API key belongs to another episode")
+            key_episode = path_owner
         header_episode = headers.get(EPISODE_HEADER)
         episode = path_episode or key_episode or header_episode
         if episode is None:
-            if self.require_episode:
+            if self.require_episode and model_call:
                 raise bad_request(
                     "this proxy requires an episode: use /episodes/<id>/v1 as the base URL, "
                     f"an episode API key, or the {EPISODE_HEADER} header",
                     "episode_required",
                 )
-            return None
+            return Tagged(None, keyed=False)
         validate_episode_id(episode)
         named = {e for e in (path_episode, header_episode) if e is not None}
-        if key_episode is not None and named - {key_episode}:
-            raise forbidden("this API key belongs to another episode")
-        registered = key_episode is not None or not self.require_registered
-        if not registered and not await self._registered_id(episode):
+        if key_episode is not None:
+            if named - {key_episode}:
+                raise forbidden("this API key belongs to another episode")
+            return Tagged(episode, keyed=True)
+        # No credential: fine for an id nobody registered, never for a registered one.
+        if await self._registered_id(episode):
+            raise credential_required(episode)
+        if self.require_registered:
             raise not_found(f"episode {episode!r} is not registered (--require-registered)")
-        return episode
+        return Tagged(episode, keyed=False)
+
+    async def _owner_or_401(self, key: str) -> str:
+        owner = await self._owner(key)
+        if owner is None:
+            raise unauthorized("unknown tracetap episode key")
+        return owner
 
     async def _owner(self, key: str) -> str | None:
         digest = hash_key(key)

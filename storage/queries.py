@@ -10,6 +10,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
+from tracetap.storage.budget_ledger import Limits, open_budget
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -38,8 +39,10 @@ async def create_episode(
     harness_name: str | None,
     harness_config: Any,
     metadata: Any,
+    budget: Limits | None = None,
 ) -> None:
-    """Register an episode. An id first seen through calls may be registered once."""
+    """Register an episode (with its budget row, in the same transaction). An id first
+    seen through calls may be registered once."""
     values = {
         Episode.group_id: group_id,
         Episode.task_id: task_id,
@@ -60,6 +63,8 @@ async def create_episode(
         )
         if result.rowcount != 1:
             raise EpisodeExists(episode_id)
+        if budget is not None:
+            await open_budget(conn, episode_id, budget, time.time(), registered=True)
 
 
 async def finish_episode(

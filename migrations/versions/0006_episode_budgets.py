@@ -1,0 +1,34 @@
+"""episode budgets shared by every proxy process on one database (reserve, then settle)
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2027-01-20 00:00:00.000000
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    # A new, small table: no rewrite of existing ones on either database.
+    op.create_table(
+        "episode_budgets",
+        sa.Column("episode_id", sa.String(length=128), nullable=False),
+        sa.Column("max_calls", sa.Integer(), nullable=True),
+        sa.Column("max_tokens", sa.BigInteger(), nullable=True),
+        sa.Column("max_seconds", sa.Float(), nullable=True),
+        sa.Column("started_at", sa.Float(), nullable=False),
+        sa.Column("calls", sa.Integer(), nullable=False),
+        sa.Column("tokens_used", sa.BigInteger(), nullable=False),
+        sa.Column("tokens_reserved", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("episode_id", name=op.f("pk_episode_budgets")),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("episode_budgets")
