@@ -10,6 +10,7 @@ requires registration.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -25,6 +26,8 @@ from tracetap.proxy.errors import (
 )
 from tracetap.proxy.headers import EPISODE_HEADER, bearer
 from tracetap.proxy.recent import Recent
+
+log = logging.getLogger("tracetap")
 
 _EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KEY_PREFIX = "tt-"
@@ -68,6 +71,11 @@ def credential_required(episode_id: str) -> ProxyError:
     return forbidden(
         f"episode {episode_id!r} is registered: its calls need its key (the base_url or "
         "api_key its registration returned)", "episode_credential_required")
+
+
+def unavailable(exc: Exception) -> ProxyError:
+    return ProxyError(503, f"the episode's key cannot be checked now: {type(exc).__name__}",
+                      "server_error", "database_unavailable", headers={"Retry-After": "5"})
 
 
 class Tagged(msgspec.Struct, frozen=True):
@@ -145,14 +153,27 @@ class Tagger:
                 raise forbidden("this API key belongs to another episode")
             return Tagged(episode, keyed=True)
         # No credential: fine for an id nobody registered, never for a registered one.
-        if await self._registered_id(episode):
+        try:
+            registered = await self._registered_id(episode)
+        except Exception as exc:  # the database cannot answer (a lookup's own failure)
+            if self.require_registered:
+                raise unavailable(exc) from exc
+            # Capture keeps going through a database outage (the journal holds the
+            # records); an episode this process never saw registered is taken as open.
+            log.warning("could not check whether episode %r is registered (%s); taken as "
+                        "not registered", episode, exc)
+            registered = False
+        if registered:
             raise credential_required(episode)
         if self.require_registered:
             raise not_found(f"episode {episode!r} is not registered (--require-registered)")
         return Tagged(episode, keyed=False)
 
     async def _owner_or_401(self, key: str) -> str:
-        owner = await self._owner(key)
+        try:
+            owner = await self._owner(key)
+        except Exception as exc:  # the database cannot answer: the key cannot be checked
+            raise unavailable(exc) from exc
         if owner is None:
             raise unauthorized("unknown tracetap episode key")
         return owner
