@@ -98,6 +98,7 @@ async def _lifecycle(app: web.Application):
                        tagger=tagger, metrics=metrics, admin_token=admin_token,
                        overlays=app[OVERLAYS])
     resolver.quiet = state.gate.quiet  # llama-cpp-python cuts streams when asked meanwhile
+    resolver.address = pool.address
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)

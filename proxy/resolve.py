@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import msgspec
 
@@ -69,6 +70,8 @@ class TokenResolver:
         self.on_missing = missing
         # A window with no model call in flight (set by the app: ProxyState.quiet).
         self.quiet: Quiet | None = None
+        # Records name an upstream by its shown URL (credentials masked); set by the app.
+        self.address: Callable[[str], str] = lambda shown: shown
         self._tokenizers: dict[str, EngineTokenizer | None] = {}
         self._detecting: dict[str, asyncio.Lock] = {}
         self._logged: set[tuple[str, str]] = set()
@@ -98,8 +101,8 @@ class TokenResolver:
         lock = self._detecting.setdefault(upstream, asyncio.Lock())
         async with lock:
             if upstream not in self._tokenizers:
-                found, reached = (await detect(self.client, upstream, self.quiet) if upstream
-                                  else (None, True))
+                found, reached = (await detect(self.client, self.address(upstream),
+                                               self.quiet) if upstream else (None, True))
                 if not reached:
                     return None  # down for now: asked again with the next record
                 self._tokenizers[upstream] = found

@@ -9,8 +9,8 @@ import msgspec
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.budget_ledger import Limits, open_budget
+from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
