@@ -122,6 +122,8 @@ class ModelCall:
             raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
         except msgspec.ValidationError as exc:
             raise bad_request("request body must be a JSON object", "invalid_json") from exc
+        except RecursionError as exc:  # msgspec's own depth limit
+            raise bad_request("request body nests JSON too deeply", "invalid_json") from exc
         self.stream = payload.get("stream") is True
         rewritten = self.state.model_map.apply(payload)
         if self.translation is not None:
