@@ -133,6 +133,7 @@ async def _lifecycle(app: web.Application):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await state.controls.close()
+        await state.budgets.settled()  # what calls held is released before the DB closes
         await writer.close(timeout=settings.drain_timeout)
         await client.close()
         try:
