@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 import urllib.request
 
@@ -22,11 +23,14 @@ import msgspec
 import openai
 import pytest
 import test_hostile_agent
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_hostile_agent import MESSAGES, _raw, _refused
 from test_viewer import _get
 
 from conftest import Proxy, free_port
 from tracetap.migrations import upgrade
+from tracetap.proxy import failures
 from tracetap.proxy.budgets import Budget, Budgets, reservation_size
 from tracetap.proxy.settings import Settings
 from tracetap.storage import budget_ledger
@@ -327,3 +331,81 @@ def test_bad_input_is_a_4xx_in_the_clients_shape_stored_and_viewable(hostile, se
         status, _, page = _get(f"{hostile.url}/tracetap/ui/calls/{call['call_id']}",
                                hostile.admin_token)
         assert status == 200, page[:300]
+
+
+def test_a_flood_of_bad_requests_logs_no_traceback_per_request(hostile, seen, caplog,
+                                                                 monkeypatch):
+    caplog.set_level(logging.INFO, logger="tracetap")
+    for _ in range(40):  # refused: nothing for the log at all
+        _raw(hostile, "POST", "/episodes/flood/v1/chat/completions",
+             {"Content-Type": "application/json"}, b'{"model": "m", "logprobs": "yes"}')
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+    def broken(payload):  # stands in for a bug the next bad input finds
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(hostile.state.model_map, "apply", broken)
+    for i in range(30):
+        path, headers = (("messages", {"anthropic-version": "2023-06-01"}) if i % 2 else
+                         ("chat/completions", {}))
+        status, body = _raw(hostile, "POST", f"/episodes/flood/v1/{path}",
+                            {"Content-Type": "application/json", **headers},
+                            json.dumps({"model": "m", "max_tokens": 2,
+                                        "messages": MESSAGES}).encode())
+        assert status == 500
+        if i % 2:
+            assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        else:
+            assert body["error"]["code"] == "internal_error"
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == failures.BURST
+    assert _internal_errors(hostile) == 30
+    assert seen == []
+    stored = hostile.calls("flood")
+    assert [(c["status"], c["http_status"]) for c in stored[-30:]] == [("error", 500)] * 30
+    assert [(c["status"], c["http_status"]) for c in stored[:40]] == [("bad_request", 400)] * 40
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                               max_size=3),
+    max_leaves=8)
+_FIELDS = {
+    "chat/completions": ["model", "messages", "logprobs", "top_logprobs", "max_tokens",
+                         "max_completion_tokens", "n", "stream", "stream_options", "tools",
+                         "tool_choice", "response_format", "stop"],
+    "responses": ["model", "input", "instructions", "include", "top_logprobs",
+                  "max_output_tokens", "stream", "tools", "text", "reasoning"],
+    "messages": ["model", "messages", "system", "max_tokens", "stream", "tools",
+                 "tool_choice", "stop_sequences", "thinking", "metadata"],
+}
+_VALID = {
+    "chat/completions": {"model": "m", "messages": MESSAGES, "max_tokens": 2},
+    "responses": {"model": "m", "input": "hi", "max_output_tokens": 2},
+    "messages": {"model": "m", "messages": MESSAGES, "max_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("api", list(_FIELDS))
+def test_fuzzed_requests_never_fail_inside_the_proxy(hostile, api):
+    """A valid request with a few fields replaced by any JSON: the proxy relays it or
+    answers 4xx in the client's shape, never fails on its own."""
+
+    @settings(max_examples=40, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.dictionaries(st.sampled_from(_FIELDS[api]), _VALUES, max_size=3))
+    def check(changes):
+        body = json.dumps({**_VALID[api], **changes}, allow_nan=True).encode()
+        headers = {"Content-Type": "application/json"}
+        if api == "messages":
+            headers["anthropic-version"] = "2023-06-01"
+        status, reply = _raw(hostile, "POST", f"/episodes/fuzz/v1/{api}", headers, body)
+        if status >= 400 and "raw" not in reply:
+            if api == "messages":
+                assert reply["type"] == "error", reply
+            else:
+                assert "error" in reply, reply
+        assert _internal_errors(hostile) == 0, (changes, status, reply)
+
+    check()
