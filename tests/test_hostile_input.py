@@ -205,3 +205,22 @@ def test_fuzzed_requests_never_fail_inside_the_proxy(hostile, api):
         assert _internal_errors(hostile) == 0, (changes, status, reply)
 
     check()
+
+
+def test_tracebacks_come_back_each_minute_with_a_count_of_those_left_out(caplog):
+    now = [0.0]
+    counted = []
+    failing = failures.Failures(counter=type("C", (), {"inc": lambda _: counted.append(1)})(),
+                                clock=lambda: now[0])
+    caplog.set_level(logging.ERROR, logger="tracetap")
+    for _ in range(failures.BURST + 7):
+        error = failing.internal(KeyError("bug"), "c1")
+    assert (error.status, error.code) == (500, "internal_error")
+    assert len([r for r in caplog.records if r.exc_info]) == failures.BURST
+    now[0] += failures.WINDOW
+    failing.internal(KeyError("bug"), "c2")
+    summary = [r.getMessage() for r in caplog.records if not r.exc_info]
+    assert summary == ["7 more requests failed inside the proxy in the last 60s (tracebacks "
+                       "not logged; see tracetap_internal_errors_total)"]
+    assert len([r for r in caplog.records if r.exc_info]) == failures.BURST + 1
+    assert len(counted) == failures.BURST + 8

@@ -240,3 +240,17 @@ def test_a_miss_is_believed_for_a_second_then_asked_again(monkeypatch):
     assert _refused(tagger, path="later")[:2] == (403, "episode_credential_required")
     assert _refused(tagger, key="tt-wrong")[0] == 401
     assert len(lookups.asked) == 4
+
+
+def test_a_database_that_cannot_answer_keeps_open_ids_open_and_keys_unchecked():
+    async def down(_):
+        raise OSError("database unreachable")
+
+    def tagger(**options):
+        return Tagger(key_owner=down, is_registered=down, require_episode=False, **options)
+
+    assert _tag(tagger(require_registered=False), path="open") == "open"  # capture goes on
+    status, code, _ = _refused(tagger(require_registered=True), path="open")
+    assert (status, code) == (503, "database_unavailable")
+    status, code, _ = _refused(tagger(require_registered=False), key="tt-any")
+    assert (status, code) == (503, "database_unavailable")
