@@ -38,6 +38,7 @@ REMEMBERED = 100_000
 # How long a miss (a key or id the database did not know) is believed without asking
 # again: a wrong key retried in a loop costs one query a second, not one per request.
 MISS_SECONDS = 1.0
+OUTAGE_LOG_SECONDS = 60.0
 
 
 def validate_episode_id(value: str) -> str:
@@ -109,6 +110,7 @@ class Tagger:
         self._keys: Recent[str, str] = Recent(REMEMBERED)
         self._registered: Recent[str, bool] = Recent(REMEMBERED)
         self._misses: Recent[str, float] = Recent(REMEMBERED)  # key hash or id: until when
+        self._quiet_until = 0.0  # the next database outage warning, not before
 
     def remember(self, episode_id: str, key_hash: str | None) -> None:
         self._registered.put(episode_id, True)
@@ -159,9 +161,13 @@ class Tagger:
             if self.require_registered:
                 raise unavailable(exc) from exc
             # Capture keeps going through a database outage (the journal holds the
-            # records); an episode this process never saw registered is taken as open.
-            log.warning("could not check whether episode %r is registered (%s); taken as "
-                        "not registered", episode, exc)
+            # records); an episode this process never saw registered is taken as open,
+            # and not asked about again for MISS_SECONDS (each call would wait on it).
+            self._misses.put(episode, time.monotonic() + MISS_SECONDS)
+            if time.monotonic() >= self._quiet_until:
+                self._quiet_until = time.monotonic() + OUTAGE_LOG_SECONDS
+                log.warning("could not check whether episode %r is registered (%s); taken "
+                            "as not registered (said once a minute)", episode, exc)
             registered = False
         if registered:
             raise credential_required(episode)
