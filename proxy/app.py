@@ -109,7 +109,8 @@ async def _lifecycle(app: web.Application):
     except Exception as exc:  # the database is down: serve, and follow it once it is back
         log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
     writer.start()
-    background = [asyncio.create_task(state.controls.run())]
+    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
+        tagger.follow(functools.partial(queries.registered_since, engine)))]
     if worker is not None:
         # Gauges mirrored from a worker's state are read from files by whichever worker is
         # scraped, so each worker keeps its own current.

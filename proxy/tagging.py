@@ -9,6 +9,7 @@ requires registration.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -39,6 +40,12 @@ REMEMBERED = 100_000
 # again: a wrong key retried in a loop costs one query a second, not one per request.
 MISS_SECONDS = 1.0
 OUTAGE_LOG_SECONDS = 60.0
+# How often each process reads the registrations made since its last look (any process),
+# and how far back it reads again each time (commit delays, clocks of replicas that
+# disagree by less than that).
+FOLLOW_SECONDS = 0.5
+FOLLOW_OVERLAP = 5.0
+FOLLOW_BATCH = 10_000
 
 
 def validate_episode_id(value: str) -> str:
@@ -88,11 +95,11 @@ class Tagger:
     """Resolves a request's episode; caches key owners and registered ids in memory.
 
     The database is asked only on a cache miss (a key, or an id called without a key, that
-    this process has not seen), so tagged calls do not wait on it in the common case; misses
-    are remembered for MISS_SECONDS. Keys are random, so a remembered miss never hides a key
-    minted since. An id registered by another worker or replica may still take calls
-    without its key for up to MISS_SECONDS after this process last found it unregistered
-    (the price of not asking the database on every call).
+    this process has not seen), so tagged calls do not wait on it in the common case. Keys
+    are random, so a remembered miss never hides a key minted since. An id found
+    unregistered is believed while ``follow`` keeps up with registrations (an id
+    registered by another worker or replica is known here within FOLLOW_SECONDS), else
+    for MISS_SECONDS.
     """
 
     def __init__(
@@ -111,6 +118,9 @@ class Tagger:
         self._registered: Recent[str, bool] = Recent(REMEMBERED)
         self._misses: Recent[str, float] = Recent(REMEMBERED)  # key hash or id: until when
         self._quiet_until = 0.0  # the next database outage warning, not before
+        # True while ``follow`` keeps up with new registrations: an id found unregistered
+        # is then believed until the follower says otherwise, not asked about again.
+        self.following = False
 
     def remember(self, episode_id: str, key_hash: str | None) -> None:
         self._registered.put(episode_id, True)
@@ -203,8 +213,40 @@ class Tagger:
         if await self._is_registered(episode):
             self._registered.put(episode, True)
             return True
-        self._misses.put(episode, time.monotonic() + MISS_SECONDS)
+        until = float("inf") if self.following else time.monotonic() + MISS_SECONDS
+        self._misses.put(episode, until)
         return False
+
+    async def follow(self, registered_since: Callable[[float], Awaitable[list]],
+                     clock=time.time) -> None:
+        """Keep up with registrations made by any process (runs for the app's life): an id
+        registered elsewhere is known here within FOLLOW_SECONDS, so ids found unregistered
+        need not be asked about again. While the database cannot answer, misses fall back
+        to MISS_SECONDS; once it answers, the registrations made meanwhile are read."""
+        watermark = clock()
+        while True:
+            try:
+                since = watermark - FOLLOW_OVERLAP
+                while True:
+                    rows = await registered_since(since)
+                    for episode_id, registered_at in rows:
+                        self._registered.put(episode_id, True)
+                        watermark = max(watermark, registered_at)
+                    if len(rows) < FOLLOW_BATCH or rows[-1][1] == since:
+                        break
+                    since = rows[-1][1]
+                self.following = True
+            except Exception as exc:  # the database cannot answer: fall back, say so once
+                if self.following:
+                    log.warning("cannot follow episode registrations (%s); unregistered ids "
+                                "are asked about again every %gs meanwhile", exc, MISS_SECONDS)
+                self.following = False
+                self._forget_misses()
+            await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
+
+    def _forget_misses(self) -> None:
+        """Misses believed while following are no longer safe to believe."""
+        self._misses = Recent(REMEMBERED)
 
     def _missed(self, name: str) -> bool:
         until = self._misses.get(name)

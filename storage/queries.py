@@ -51,6 +51,7 @@ async def create_episode(
         Episode.meta: _dumps(metadata),
         Episode.api_key_hash: key_hash,
         Episode.registered: True,
+        Episode.registered_at: time.time(),
     }
     async with engine.begin() as conn:
         stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
@@ -179,6 +180,19 @@ async def is_registered(engine: AsyncEngine, episode_id: str) -> bool:
             (await conn.execute(select(Episode.registered).where(Episode.id == episode_id)))
             .scalar()
         )
+
+
+async def registered_since(engine: AsyncEngine, since: float,
+                           limit: int = 10_000) -> list[tuple[str, float]]:
+    """Episodes registered at or after ``since`` (wall clock), oldest first."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(Episode.id, Episode.registered_at)
+            .where(Episode.registered_at >= since)
+            .order_by(Episode.registered_at)
+            .limit(limit)
+        )
+        return [(r.id, r.registered_at) for r in rows]
 
 
 async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str, Any]]:

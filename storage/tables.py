@@ -45,6 +45,8 @@ class Episode(Base):
     # sha256 of the per-episode API key; the key itself is never stored.
     api_key_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
     registered: Mapped[bool] = mapped_column(Boolean, default=False)
+    # When registration committed it: processes follow new registrations by it (0006).
+    registered_at: Mapped[float | None] = mapped_column(Float, index=True)
     created_at: Mapped[float] = mapped_column(Float, index=True)
     finished_at: Mapped[float | None] = mapped_column(Float, index=True)
     reward: Mapped[float | None] = mapped_column(Float, index=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import anthropic
@@ -121,6 +122,26 @@ def test_a_base_url_minted_on_one_proxy_opens_its_episode_on_another(hostile, lo
                             {"Content-Type": "application/json"}, b"{}")
         assert (status, body["error"]["code"]) == (403, "episode_credential_required")
         assert [c["episode_id"] for c in replica.calls("roams")] == ["roams"]
+    finally:
+        replica.stop()
+
+
+def test_a_registration_on_one_proxy_closes_the_id_on_another_that_saw_it_open(
+        hostile, loop_thread, tmp_path, seen):
+    replica = Proxy(loop_thread, msgspec.structs.replace(
+        hostile.settings, port=free_port(), data_dir=str(tmp_path / "replica"))).start()
+    path = "/episodes/late/v1/chat/completions"
+    body = json.dumps({"model": "mock-model", "messages": MESSAGES, "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json"}
+    try:
+        assert _raw(replica, "POST", path, headers, body)[0] == 200  # open: never registered
+        _register(hostile, "late")
+        for _ in range(200):  # the replica follows registrations every FOLLOW_SECONDS
+            status, reply = _raw(replica, "POST", path, headers, body)
+            if status != 200:
+                break
+            time.sleep(0.05)
+        assert (status, reply["error"]["code"]) == (403, "episode_credential_required")
     finally:
         replica.stop()
 

@@ -254,3 +254,39 @@ def test_a_database_that_cannot_answer_keeps_open_ids_open_and_keys_unchecked():
     assert (status, code) == (503, "database_unavailable")
     status, code, _ = _refused(tagger(require_registered=False), key="tt-any")
     assert (status, code) == (503, "database_unavailable")
+
+
+def test_a_follower_of_registrations_lets_misses_stand_until_one_is_registered(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tagging.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tagging, "FOLLOW_SECONDS", 0.0)
+    lookups = Lookups()
+    tagger = lookups.tagger()
+    registrations: list[tuple[str, float]] = []
+    reads: list[float] = []
+
+    async def registered_since(since: float):
+        reads.append(since)
+        return [r for r in registrations if r[1] >= since]
+
+    async def scenario():
+        follower = asyncio.create_task(tagger.follow(registered_since, clock=lambda: 1000.0))
+        while not tagger.following:
+            await asyncio.sleep(0)
+        assert await tagger.episode_for({}, "late") == "late"
+        now[0] += 3600  # believed: not asked again, however long
+        assert await tagger.episode_for({}, "late") == "late"
+        assert lookups.asked == ["late"]
+        registrations.append(("late", 1001.0))  # registered through another process
+        seen_reads = len(reads)
+        while len(reads) < seen_reads + 2:
+            await asyncio.sleep(0)
+        with pytest.raises(ProxyError) as refused:
+            await tagger.episode_for({}, "late")
+        assert refused.value.code == "episode_credential_required"
+        assert lookups.asked == ["late"]
+        follower.cancel()
+
+    asyncio.run(scenario())
+    assert reads[0] == 1000.0 - tagging.FOLLOW_OVERLAP
+    assert reads[-1] == 1001.0 - tagging.FOLLOW_OVERLAP  # the newest seen, read again

@@ -1,4 +1,5 @@
-"""episode budgets shared by every proxy process on one database (reserve, then settle)
+"""episode budgets shared by every proxy process on one database (reserve, then settle);
+episodes.registered_at, by which processes follow new registrations
 
 Revision ID: 0006
 Revises: 0005
@@ -28,7 +29,14 @@ def upgrade() -> None:
         sa.Column("tokens_reserved", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint("episode_id", name=op.f("pk_episode_budgets")),
     )
+    # A nullable column and its index: no table rewrite on either database.
+    with op.batch_alter_table("episodes") as batch:
+        batch.add_column(sa.Column("registered_at", sa.Float(), nullable=True))
+        batch.create_index(batch.f("ix_episodes_registered_at"), ["registered_at"])
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("episodes") as batch:
+        batch.drop_index(batch.f("ix_episodes_registered_at"))
+        batch.drop_column("registered_at")
     op.drop_table("episode_budgets")
