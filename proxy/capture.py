@@ -149,6 +149,11 @@ class ModelCall:
         return body
 
     @property
+    def relaying(self) -> bool:
+        """Whether the client's stream has begun (its reply can no longer change)."""
+        return self._parser is not None
+
+    @property
     def rewrites_stream(self) -> bool:
         """Whether stream events must be parsed and rewritten (else relayed as they come)."""
         return self.injected.any or self.translation is not None or not self.api.ends_with_done

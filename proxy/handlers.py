@@ -130,7 +130,11 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             count_refusal(metrics, error)
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
         except Exception as exc:  # a bug, or input nothing above foresaw: never a bare 500
-            return call.fail(state.failures.internal(exc, call.call_id), "error")
+            error = state.failures.internal(exc, call.call_id)
+            if call.relaying:  # the client's stream has begun: it cannot become an error
+                call.abort("error", error.message)
+                raise
+            return call.fail(error, "error")
     finally:
         metrics.inflight.dec()
         call.finish()
