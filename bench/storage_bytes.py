@@ -1,7 +1,7 @@
 """Database bytes per unique token for an agentic run, through the real storage code.
 
     python bench/storage_bytes.py                          # SQLite and Postgres, ~1 min
-    python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0006
+    python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0007
     python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--system", type=int, default=1000)
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
-                        help="blocks: as stored now; inline: as before revision 0006")
+                        help="blocks: as stored now; inline: as before revision 0007")
     parser.add_argument("--writer-cpu", action="store_true",
                         help="print the writer's planning CPU per call instead")
     args = parser.parse_args()

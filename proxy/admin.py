@@ -19,7 +19,7 @@ from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.metrics import CONTENT_TYPE
 from tracetap.proxy.overlays.hooks import EpisodeInfo
-from tracetap.proxy.tagging import KEY_PREFIX, hash_key, validate_episode_id
+from tracetap.proxy.tagging import KEY_PREFIX, episode_path, hash_key, validate_episode_id
 from tracetap.storage import queries
 
 
@@ -116,24 +116,26 @@ async def create_episode(request: web.Request) -> web.Response:
     key_hash = hash_key(api_key)
     harness = spec.harness or Harness()
     metadata = _with_overlay(state, spec)
+    limits = state.budgets.limits_for(spec.budget)
     try:
         await queries.create_episode(
             state.engine, episode_id=episode_id, key_hash=key_hash, group_id=spec.group_id,
             task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
-            metadata=metadata,
+            metadata=metadata, budget=limits,
         )
     except queries.EpisodeExists as exc:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
                          "episode_exists") from exc
     state.tagger.remember(episode_id, key_hash)
+    state.budgets.registered(episode_id, limits)
     if spec.overlay is not None:
         state.overlays.register(EpisodeInfo(id=episode_id, task_id=spec.task_id,
                                             harness=harness.name, metadata=metadata or {}))
-    if spec.budget is not None:
-        state.budgets.set(episode_id, spec.budget)
     if spec.repair_history is not None:
         state.repair.enable(episode_id, spec.repair_history)
-    base_url = f"{state.settings.base_url}/episodes/{episode_id}/v1"
+    # The key rides in the base URL too, so a harness that only sets a base URL still
+    # proves it holds the episode's key (an id alone cannot be guessed into one).
+    base_url = f"{state.settings.base_url}/episodes/{episode_path(episode_id, api_key)}/v1"
     return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
                              status=201)
 

@@ -102,6 +102,7 @@ async def _lifecycle(app: web.Application):
                        tagger=tagger, metrics=metrics, admin_token=admin_token,
                        overlays=app[OVERLAYS])
     resolver.flavor = functools.partial(getattr, state, "flavor")
+    resolver.address = pool.address  # records name an upstream with its credentials masked
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
@@ -112,7 +113,8 @@ async def _lifecycle(app: web.Application):
     except Exception as exc:  # the database is down: serve, and follow it once it is back
         log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
     writer.start()
-    background = [asyncio.create_task(state.controls.run())]
+    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
+        tagger.follow(functools.partial(queries.registered_since, engine)))]
     if worker is not None:
         # Gauges mirrored from a worker's state are read from files by whichever worker is
         # scraped, so each worker keeps its own current.
@@ -139,6 +141,7 @@ async def _lifecycle(app: web.Application):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await state.controls.close()
+        await state.budgets.settled()  # what calls held is released before the DB closes
         await writer.close(timeout=settings.drain_timeout)
         await client.close()
         try:

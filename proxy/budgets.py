@@ -1,21 +1,45 @@
 """Per-episode budgets: calls, tokens and wall time an agent may spend.
 
 A runaway agent (a loop, or a policy that learned that more calls pay) must not burn
-the cluster or flood storage. Usage is counted in this process, like arrival order: with
-several replicas each enforces its own count, so set limits per replica accordingly.
+the cluster or flood storage, and must not get around its budget by sending calls in
+parallel or through several workers or replicas. A call is admitted by reserving its
+tokens in the database (``storage.budget_ledger``: one conditional UPDATE shared by every
+process) and settled when it ends, releasing what it did not use.
+
+The rule: a call is admitted while the tokens used plus those held by calls in flight are
+under the limit, and holds its completion cap plus its prompt's size in bytes (an upper
+bound on its prompt tokens). So an episode spends at most its limit plus one call's
+reservation, as long as each call stays within what it reserved (a call without a
+completion cap reserves DEFAULT_COMPLETION_TOKENS). A call refused only because calls in
+flight hold the rest gets 429 (retry), one refused because the budget is spent 403.
+
+Only episodes with a budget touch the database: with no default budget, an episode
+registered without one (or never registered) is admitted without asking it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from typing import Any
 
 import msgspec
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.recent import Recent
+from tracetap.storage import budget_ledger
+from tracetap.storage.budget_ledger import Limits
 
-# Episodes whose usage is kept; beyond that the least recently used is dropped (it
-# restarts at zero), so memory stays bounded on a proxy serving millions of episodes.
-TRACKED_EPISODES = 100_000
+log = logging.getLogger("tracetap")
+
+# What a call that states no completion cap (max_tokens and its kin) reserves.
+DEFAULT_COMPLETION_TOKENS = 4096
+# Episodes whose "has a budget of its own" answer is kept (least recently used dropped).
+REMEMBERED = 100_000
+_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -38,15 +62,8 @@ class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         return Budget(**{f: getattr(self, f) if getattr(self, f) is not None
                          else getattr(defaults, f) for f in self.__struct_fields__})
 
-
-class Usage:
-    __slots__ = ("budget", "calls", "started", "tokens")
-
-    def __init__(self, budget: Budget, started: float):
-        self.budget = budget
-        self.calls = 0
-        self.tokens = 0
-        self.started = started
+    def limits(self) -> Limits:
+        return Limits(self.max_calls, self.max_tokens, self.max_seconds)
 
 
 class BudgetExceeded(ProxyError):
@@ -57,43 +74,127 @@ class BudgetExceeded(ProxyError):
         self.limit = limit
 
 
+class BudgetHeld(BudgetExceeded):
+    """The rest of the token budget is held by the episode's calls in flight: retry."""
+
+    def __init__(self, episode_id: str, detail: str):
+        ProxyError.__init__(self, 429, f"episode {episode_id!r}: the rest of its tokens budget "
+                            f"is reserved by its calls in flight ({detail}); retry when they "
+                            "end", "rate_limit_error", "episode_budget_reserved",
+                            headers={"Retry-After": "1"})
+        self.limit = "tokens_reserved"
+
+
+class Reservation(msgspec.Struct):
+    episode_id: str
+    tokens: int
+
+
+def reservation_size(payload: dict[str, Any], body_bytes: int) -> int:
+    """Tokens a call holds: its completion cap (times ``n`` choices) plus its prompt's
+    size in bytes (no tokenizer yields more tokens than bytes, and the JSON around the
+    messages outweighs the chat template's tokens)."""
+    cap = next((v for k in _CAPS if type(v := payload.get(k)) is int and v > 0), None)
+    n = payload.get("n")
+    n = n if type(n) is int and 0 < n <= 128 else 1
+    return (cap or DEFAULT_COMPLETION_TOKENS) * n + body_bytes
+
+
 class Budgets:
-    def __init__(self, defaults: Budget, clock=time.monotonic):
+    def __init__(self, defaults: Budget, engine: AsyncEngine, clock=time.time):
         self.defaults = defaults
+        self._engine = engine
         self._clock = clock
-        self._usage: dict[str, Usage] = {}
+        self._own: Recent[str, bool] = Recent(REMEMBERED)  # has a budget row of its own
+        self._settling: set[asyncio.Task] = set()
 
-    def set(self, episode_id: str, budget: Budget) -> None:
-        """A budget given at registration; the wall clock starts now."""
-        self._track(episode_id, Usage(budget.over(self.defaults), self._clock()))
+    def limits_for(self, budget: Budget | None) -> Limits | None:
+        """The limits to store with a registration. None: no row of its own (default
+        limits start with the episode's first call, as for ids never registered)."""
+        return None if budget is None else budget.over(self.defaults).limits()
 
-    def admit(self, episode_id: str | None) -> None:
-        """Count one call, or raise BudgetExceeded if the episode has spent a limit."""
-        if episode_id is None:
-            return
-        usage = self._usage.pop(episode_id, None)
-        if usage is None:
-            if self.defaults.empty:
-                return
-            usage = Usage(self.defaults, self._clock())
-        self._track(episode_id, usage)  # re-inserted last: the dict's order is recency
-        budget = usage.budget
-        if budget.max_calls is not None and usage.calls >= budget.max_calls:
-            raise BudgetExceeded(episode_id, "calls", f"{usage.calls} of {budget.max_calls}")
-        if budget.max_tokens is not None and usage.tokens >= budget.max_tokens:
-            raise BudgetExceeded(episode_id, "tokens", f"{usage.tokens} of {budget.max_tokens}")
-        elapsed = self._clock() - usage.started
-        if budget.max_seconds is not None and elapsed >= budget.max_seconds:
-            raise BudgetExceeded(episode_id, "seconds",
-                                 f"{elapsed:.0f}s of {budget.max_seconds:g}s")
-        usage.calls += 1
+    def registered(self, episode_id: str, limits: Limits | None) -> None:
+        """An episode registered here: whether it has a budget is known without asking."""
+        self._own.put(episode_id, limits is not None)
 
-    def spend(self, episode_id: str | None, tokens: int) -> None:
-        usage = self._usage.get(episode_id) if episode_id is not None else None
-        if usage is not None:
-            usage.tokens += tokens
+    async def reserve(self, episode_id: str | None, tokens: int, *,
+                      keyed: bool) -> Reservation | None:
+        """Count one call and hold ``tokens`` for it, or raise BudgetExceeded. ``keyed``:
+        the call carried the episode's key (only a registered episode can have a budget
+        of its own). None: no budget applies."""
+        if episode_id is None or not await self._applies(episode_id, keyed):
+            return None
+        try:
+            if not await budget_ledger.reserve(self._engine, episode_id, tokens, self._clock()):
+                spent = await budget_ledger.spent(self._engine, episode_id)
+                if spent is None:  # the episode's first call under the default budget
+                    await budget_ledger.open_budget(self._engine, episode_id,
+                                                    self.defaults.limits(), self._clock())
+                    if not await budget_ledger.reserve(self._engine, episode_id, tokens,
+                                                       self._clock()):
+                        spent = await budget_ledger.spent(self._engine, episode_id)
+                        raise self._refusal(episode_id, spent)
+                else:
+                    raise self._refusal(episode_id, spent)
+        except (SQLAlchemyError, OSError) as exc:
+            reason = getattr(exc, "orig", None) or exc
+            raise ProxyError(503, f"the episode's budget could not be checked: {reason}",
+                             "server_error", "budget_unavailable",
+                             headers={"Retry-After": "5"}) from exc
+        return Reservation(episode_id, tokens)
 
-    def _track(self, episode_id: str, usage: Usage) -> None:
-        self._usage[episode_id] = usage
-        if len(self._usage) > TRACKED_EPISODES:
-            del self._usage[next(iter(self._usage))]
+    def settle(self, reservation: Reservation | None, used: int) -> None:
+        """The call ended having spent ``used`` tokens: release the rest (off the call)."""
+        if reservation is not None:
+            self._settle(reservation.episode_id, reservation.tokens, used)
+
+    def spend(self, reservation: Reservation | None, used: int) -> None:
+        """Tokens an extra attempt of a reserved call spent (overlay resamples)."""
+        if reservation is not None and used:
+            self._settle(reservation.episode_id, 0, used)
+
+    async def settled(self) -> None:
+        """Wait for settlements under way (shutdown, tests)."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    async def _applies(self, episode_id: str, keyed: bool) -> bool:
+        if not self.defaults.empty:
+            return True
+        if not keyed:
+            return False
+        own = self._own.get(episode_id)
+        if own is None:
+            own = await budget_ledger.has_budget(self._engine, episode_id)
+            self._own.put(episode_id, own)
+        return own
+
+    def _settle(self, episode_id: str, reserved: int, used: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._store(episode_id, reserved, used))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _store(self, episode_id: str, reserved: int, used: int) -> None:
+        try:
+            await budget_ledger.settle(self._engine, episode_id, reserved, used)
+        except (SQLAlchemyError, OSError):
+            # Nothing to retry into: the episode keeps the reservation (it can only err
+            # on the side of refusing), and the operator sees why.
+            log.exception("could not settle the budget of episode %r (%d reserved, %d used)",
+                          episode_id, reserved, used)
+
+    def _refusal(self, episode_id: str, spent: budget_ledger.Spent | None) -> BudgetExceeded:
+        if spent is None:
+            return BudgetExceeded(episode_id, "calls", "its budget row is gone")
+        limits = spent.limits
+        if limits.max_calls is not None and spent.calls >= limits.max_calls:
+            return BudgetExceeded(episode_id, "calls", f"{spent.calls} of {limits.max_calls}")
+        elapsed = self._clock() - spent.started_at
+        if limits.max_seconds is not None and elapsed >= limits.max_seconds:
+            return BudgetExceeded(episode_id, "seconds",
+                                  f"{elapsed:.0f}s of {limits.max_seconds:g}s")
+        if limits.max_tokens is not None and spent.tokens_used >= limits.max_tokens:
+            return BudgetExceeded(episode_id, "tokens",
+                                  f"{spent.tokens_used} of {limits.max_tokens}")
+        return BudgetHeld(episode_id, f"{spent.tokens_used} used and {spent.tokens_reserved} "
+                          f"reserved of {limits.max_tokens}")

@@ -38,6 +38,7 @@ from aiohttp import web
 
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
 from tracetap.proxy.apis.dropped import Dropped
+from tracetap.proxy.budgets import Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.inject import Injected
@@ -82,6 +83,7 @@ class ModelCall:
         self.perf_first_content: float | None = None
         self.client_body: bytes | None = None
         self._admitted = False
+        self.reservation: Reservation | None = None  # what the episode's budget holds for it
         self._parser: SSEParser | None = None  # set by a stream's first read
         self._rewrite = False  # its events are rewritten (else relayed as they come)
         self.done = False  # the upstream sent its end-of-stream marker
@@ -89,11 +91,15 @@ class ModelCall:
 
     # -- start ----------------------------------------------------------------------
     def tag(self, episode_id: str | None) -> None:
-        """The call belongs to ``episode_id``: its arrival order, and its budget checked
-        (raises BudgetExceeded)."""
+        """The call belongs to ``episode_id``: its arrival order."""
         self.episode_id = episode_id
         self.seq = self.state.arrivals.next(episode_id)  # arrival order, not completion
-        self.state.budgets.admit(episode_id)
+
+    async def reserve(self, keyed: bool, body_bytes: int) -> None:
+        """Hold the call's tokens in the episode's budget (raises BudgetExceeded); the
+        request must be parsed (its completion cap decides how many)."""
+        size = reservation_size(self.client_payload or self.payload, body_bytes)
+        self.reservation = await self.state.budgets.reserve(self.episode_id, size, keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""
@@ -123,6 +129,8 @@ class ModelCall:
             raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
         except msgspec.ValidationError as exc:
             raise bad_request("request body must be a JSON object", "invalid_json") from exc
+        except RecursionError as exc:  # msgspec's own depth limit
+            raise bad_request("request body nests JSON too deeply", "invalid_json") from exc
         self.stream = payload.get("stream") is True
         route = self.state.routing.for_request(self.route, payload)
         if route is not self.route:  # --translate auto: native would lose logprobs
@@ -151,6 +159,11 @@ class ModelCall:
         if self.translation is not None or self.repaired:
             self.upstream_request = body  # stored beside the client's request
         return body
+
+    @property
+    def relaying(self) -> bool:
+        """Whether the client's stream has begun (its reply can no longer change)."""
+        return self._parser is not None
 
     @property
     def rewrites_stream(self) -> bool:
@@ -312,7 +325,7 @@ class ModelCall:
     # -- finish ---------------------------------------------------------------------
     def finish(self) -> None:
         """The call is over, however it ended: release the pause gate, journal the
-        record (if the stream's end has not already), spend the episode's budget, and
+        record (if the stream's end has not already), settle the episode's budget, and
         leave the metrics for after the reply is on its way."""
         state = self.state
         if self._admitted:
@@ -320,7 +333,7 @@ class ModelCall:
             state.gate.release()
         self.journal()
         prompt_tokens, completion_tokens = self.capture.tokens()
-        state.budgets.spend(self.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
+        state.budgets.settle(self.reservation, (prompt_tokens or 0) + (completion_tokens or 0))
         asyncio.get_running_loop().call_soon(
             state.metrics.observe_call, self, time.perf_counter() - self.perf_start)
 

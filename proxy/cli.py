@@ -141,7 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
 def announcement(settings, admin_at: str, token_note: str) -> str:
     from tracetap.storage.engine import redact_url
 
-    upstreams = ", ".join(spec.url for spec in settings.upstreams)
+    upstreams = ", ".join(spec.shown for spec in settings.upstreams)
     journal = f"journal {settings.journal_dir}"
     if settings.workers > 1:
         journal = (f"{settings.workers} workers, journals {settings.journal_dir}, "

@@ -61,8 +61,8 @@ def unauthorized(message: str) -> ProxyError:
     return ProxyError(401, message, "authentication_error", "invalid_api_key")
 
 
-def forbidden(message: str) -> ProxyError:
-    return ProxyError(403, message, "permission_error", "forbidden")
+def forbidden(message: str, code: str = "forbidden") -> ProxyError:
+    return ProxyError(403, message, "permission_error", code)
 
 
 def not_found(message: str) -> ProxyError:

@@ -13,7 +13,6 @@ from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.errors import ProxyError, speaks_anthropic
 from tracetap.proxy.exposure import checked_path, refused, upstream_path
 from tracetap.proxy.headers import (
-    EPISODE_HEADER,
     OVERHEAD_HEADER,
     response_headers,
     upstream_request_headers,
@@ -31,8 +30,13 @@ _STATUS_BY_CODE = {
     "upstream_error": "upstream_error",
     "paused": "paused",
     "overlay_failed": "overlay_failed",
+    "episode_budget_exceeded": "budget_exceeded",
+    "episode_budget_reserved": "budget_exceeded",
 }
 
+
+# Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
+_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key"})
 
 _BASE_PATHS = ("", "/", "/v1", "/v1/")
 
@@ -84,13 +88,14 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
     metrics.inflight.inc()
     try:
         try:
-            call.tag(
-                await state.tagger.episode_for(request.headers, request.match_info.get("episode"))
-            )
+            tagged = await state.tagger.resolve(request.headers,
+                                                request.match_info.get("episode"))
+            call.tag(tagged.episode_id)
             body = await read_body(request, state.settings.max_body,
                                    state.settings.body_timeout)
             upstream_body = call.parse_request(body)
             route = call.route  # --translate auto may pick another route for this request
+            await call.reserve(tagged.keyed, len(body))
             overlay = await state.overlays.session(call, request.headers)  # docs/overlays.md
             if overlay is not None:
                 upstream_body = await overlay.prepare(call, upstream_body)
@@ -128,7 +133,14 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             metrics.child(metrics.budget_exceeded, error.limit).inc()
             return call.fail(error, "budget_exceeded")
         except ProxyError as error:
+            count_refusal(metrics, error)
             return call.fail(error, _STATUS_BY_CODE.get(error.code, "bad_request"))
+        except Exception as exc:  # a bug, or input nothing above foresaw: never a bare 500
+            error = state.failures.internal(exc, call.call_id)
+            if call.relaying:  # the client's stream has begun: it cannot become an error
+                call.abort("error", error.message)
+                raise
+            return call.fail(error, "error")
     finally:
         metrics.inflight.dec()
         call.finish()
@@ -209,8 +221,13 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
         forward_client_auth=state.settings.forward_client_auth,
         identity=False,
     )
-    episode_id = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER)
     t_start = time.time()
+    try:
+        episode_id = await state.tagger.episode_for(
+            request.headers, request.match_info.get("episode"), model_call=False)
+    except ProxyError as error:  # the same checks as a model call's, so nothing is stored
+        count_refusal(state.metrics, error)
+        return error.response(speaks_anthropic(path, request.headers))
     code = "499"
     try:
         try:
@@ -258,6 +275,12 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
                     t_end=time.time(),
                 )
             )
+
+
+def count_refusal(metrics, error: ProxyError) -> None:
+    """Attempts on someone else's episode are counted (the agent is untrusted)."""
+    if error.code in _COUNTED_REFUSALS:
+        metrics.child(metrics.refused, error.code).inc()
 
 
 def _with_query(path: str, request: web.Request) -> str:

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from tracetap.proxy.errors import bad_request
+
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
 TOKEN_ID_FLAVORS = ("vllm", "sglang")
@@ -35,14 +37,19 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
     """Add capture parameters to ``body`` in place; return what was added."""
     injected = Injected()
     if endpoint == CHAT:
-        if body.get("logprobs") is True:
-            injected.client_top_logprobs = int(body.get("top_logprobs") or 0)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise bad_request(f"logprobs must be a boolean, got {_kind(logprobs)}",
+                              "invalid_logprobs")
+        top = count_field(body, "top_logprobs")
+        if logprobs is True:
+            injected.client_top_logprobs = top
         else:
             body["logprobs"] = True
             body["top_logprobs"] = 0
             injected.logprobs = True
     elif body.get("logprobs") is not None:
-        injected.client_top_logprobs = int(body.get("logprobs") or 0)
+        injected.client_top_logprobs = count_field(body, "logprobs")
     else:
         body["logprobs"] = 0
         injected.logprobs = True
@@ -56,6 +63,22 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
         body["return_token_ids"] = True
         injected.token_ids = True
     return injected
+
+
+def count_field(body: dict[str, Any], key: str) -> int:
+    """A non-negative integer field (``top_logprobs``, completions' ``logprobs``): its
+    value, 0 when absent, or a clear 400 (never a crash, never a silently fixed value)."""
+    value = body.get(key)
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise bad_request(f"{key} must be a non-negative integer, got {_kind(value)}",
+                          f"invalid_{key}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return repr(value)[:40] if isinstance(value, (int, float, str)) else type(value).__name__
 
 
 def strip_body(body: bytes, injected: Injected) -> bytes:

@@ -105,6 +105,10 @@ class Metrics(WriterObserver):
         self.budget_exceeded = Counter("tracetap_episode_budget_exceeded_total",
                                        "Model calls refused because the episode spent a "
                                        "budget, by limit", ["limit"], registry=r)
+        self.internal_errors = Counter("tracetap_internal_errors_total",
+                                       "Requests the proxy failed on itself (a 500 in the "
+                                       "client's error shape; tracebacks are rate-limited)",
+                                       registry=r)
         for outcome in ("written", "spilled", "replayed", "dropped", "quarantined", "altered"):
             self.records_total.labels(outcome)
         self._operations(r)

@@ -27,9 +27,12 @@ log = logging.getLogger("tracetap.pool")
 
 class Target:
     def __init__(self, spec: UpstreamSpec):
-        self.base_url = spec.url.rstrip("/")
+        # Shown, logged, stored and labelled: credentials in the URL are masked. Requests
+        # go to the URL as given (the HTTP client turns user:password@ into Basic auth).
+        self.base_url = spec.shown.rstrip("/")
+        self._url = spec.url.rstrip("/")
         self.model = spec.model
-        parts = urlsplit(self.base_url)
+        parts = urlsplit(self._url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.healthy = True
         self.traffic = Traffic()
@@ -41,7 +44,7 @@ class Target:
     def url_for(self, path_qs: str) -> str:
         """Client path → upstream URL: ``/v1/x`` maps under the base URL, others to its origin."""
         if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
-            return self.base_url + path_qs[3:]
+            return self._url + path_qs[3:]
         return self.origin + path_qs
 
     def finished(self) -> None:
@@ -152,6 +155,13 @@ class Pool:
         while True:
             await asyncio.sleep(self.health_interval)
             await self.check_health()
+
+    def address(self, shown: str) -> str:
+        """The URL to reach an upstream that records name by its shown (masked) URL."""
+        for target in self.targets:
+            if target.base_url == shown:
+                return target._url
+        return shown
 
     def describe(self) -> list[dict]:
         return [

@@ -97,6 +97,8 @@ class TokenResolver:
         # Set by the app: the calls in flight to an upstream (Pool), and the engine's kind.
         self.traffic: Callable[[str], Traffic | None] = lambda upstream: None
         self.flavor: Callable[[], str] = lambda: "openai"
+        # Records name an upstream by its shown URL (credentials masked); set by the app.
+        self.address: Callable[[str], str] = lambda shown: shown
         self._tokenizers: dict[str, EngineTokenizer | None] = {}
         self._detecting: dict[str, asyncio.Lock] = {}
         self._logged: set[tuple[str, str]] = set()
@@ -183,8 +185,8 @@ class TokenResolver:
         lock = self._detecting.setdefault(upstream, asyncio.Lock())
         async with lock:
             if upstream not in self._tokenizers:
-                found, reached = (await detect(self.client, upstream) if upstream
-                                  else (None, True))
+                found, reached = (await detect(self.client, self.address(upstream))
+                                  if upstream else (None, True))
                 if not reached:
                     return None  # down for now: asked again with the next record
                 self._tokenizers[upstream] = found

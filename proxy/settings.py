@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -16,14 +17,24 @@ from tracetap.proxy.routing import parse_translate
 from tracetap.storage import config
 from tracetap.storage.config import env as _env
 from tracetap.storage.config import env_flag as _env_bool
+from tracetap.storage.config import redact_credentials
 
 FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
 MAX_WORKERS = 256
 
 
 class UpstreamSpec(msgspec.Struct, frozen=True):
-    url: str
+    url: str  # as given: may hold credentials (user:password@), so never shown
     model: str | None = None  # only this model's calls go here
+
+    @property
+    def shown(self) -> str:
+        """The URL to show, log or store: credentials masked."""
+        return redact_credentials(self.url)
+
+    @property
+    def has_credentials(self) -> bool:
+        return "@" in urlsplit(self.url).netloc
 
 
 class Worker(msgspec.Struct, frozen=True):
@@ -147,6 +158,14 @@ class Settings(msgspec.Struct, kw_only=True):
             from tracetap.proxy import local_tokenizer
 
             local_tokenizer.check(self.tokenizer)  # the path, and the optional package
+        if any(spec.has_credentials for spec in self.upstreams) and (
+                self.upstream_api_key or self.forward_client_auth):
+            # Both would be the upstream's Authorization header: say so now, rather than
+            # fail every call.
+            raise ValueError(
+                "an --upstream URL with user:password@ authenticates with HTTP Basic, which "
+                "takes the Authorization header that --upstream-api-key (or "
+                "--forward-client-auth) also sets: use one or the other")
         if not is_loopback(self.host) and not self.admin_token:
             raise ValueError(
                 f"refusing to listen on {self.host} without --admin-token: the admin API "
@@ -173,7 +192,7 @@ def parse_upstreams(values: list[str]) -> list[UpstreamSpec]:
                 i += 1
     for spec in specs:
         if not spec.url.startswith(("http://", "https://")):
-            raise ValueError(f"--upstream must be an http(s) URL, got {spec.url!r}")
+            raise ValueError(f"--upstream must be an http(s) URL, got {spec.shown!r}")
     if not specs:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
     return specs
@@ -224,7 +243,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default=_env("host", d.host),
       help="address to listen on; a non-loopback address needs --admin-token")
     a("--port", type=int, default=int(_env("port", d.port)), help="port agents connect to")
-    a("--upstream-api-key", default=_env("upstream_api_key"), help="sent upstream; never stored")
+    a("--upstream-api-key", default=_env("upstream_api_key"),
+      help="sent upstream; never stored (prefer the variable: a flag shows in the process list)")
     a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS,
       help="what the engine is, for what to ask it (auto: detected from /v1/models, /version)")
     a("--tokenizer", default=_env("tokenizer"), metavar="PATH",
@@ -263,7 +283,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)),
       help="seconds to finish in-flight calls on SIGTERM")
     a("--admin-token", default=_env("admin_token"),
-      help="bearer token for the admin API (default: generated once into DATA_DIR/admin-token)")
+      help="bearer token for the admin API (default: generated once into DATA_DIR/admin-token); "
+           "a flag's value shows in the process list: prefer --admin-token-file or the variable")
+    a("--admin-token-file", metavar="PATH", default=_env("admin_token_file"),
+      help="read the admin API's bearer token from this file (kept out of the process list)")
     a("--admin-port", type=int, default=_int_env("admin_port"),
       help="serve the admin API on this port only (same --host), not on the agent port")
     a("--admin-socket", default=_env("admin_socket"),
@@ -329,5 +352,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.model_map = config.env_list("model_map")
     if args.overlay is None:
         args.overlay = (config.env("overlay") or "").split()
+    token_file = getattr(args, "admin_token_file", None)
+    if token_file:
+        if args.admin_token:
+            raise ValueError("--admin-token and --admin-token-file: give one")
+        args.admin_token = read_token_file(token_file)
     fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
     return Settings(**fields)
+
+
+def read_token_file(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--admin-token-file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"--admin-token-file {path} is empty")
+    return token

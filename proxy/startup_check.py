@@ -7,9 +7,12 @@ fine: the proxy starts and uses it once it does.
 
 from __future__ import annotations
 
+import base64
 import logging
 import urllib.error
+import urllib.parse
 import urllib.request
+from urllib.parse import unquote
 
 from tracetap.proxy.settings import UpstreamSpec
 
@@ -20,15 +23,16 @@ def check_upstreams(specs: list[UpstreamSpec], api_key: str | None,
                     timeout: float = 3.0) -> None:
     """Raise ValueError when an upstream URL is certainly wrong; log what else was found."""
     for spec in specs:
-        base = spec.url.rstrip("/")
-        status = _status(base + "/models", api_key, timeout)
+        base = spec.shown.rstrip("/")  # in every message: credentials masked
+        url = spec.url.rstrip("/")
+        status = _status(url + "/models", api_key, timeout)
         if status == 200:
             continue
         if status is None:
             log.warning("upstream %s does not answer yet; calls to it fail until it does",
                         base)
             continue
-        if not base.endswith("/v1") and _status(base + "/v1/models", api_key, timeout) == 200:
+        if not base.endswith("/v1") and _status(url + "/v1/models", api_key, timeout) == 200:
             raise ValueError(f"--upstream {base} serves the OpenAI API under /v1: "
                              f"pass --upstream {base}/v1")
         log.warning("upstream %s answers %d on %s/models: is this the base URL of an "
@@ -37,6 +41,11 @@ def check_upstreams(specs: list[UpstreamSpec], api_key: str | None,
 
 def _status(url: str, api_key: str | None, timeout: float) -> int | None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None:  # urllib does not send a URL's credentials itself
+        userinfo = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        headers = {"Authorization": "Basic " + base64.b64encode(userinfo.encode()).decode()}
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                     timeout=timeout) as reply:

@@ -20,6 +20,7 @@ from tracetap.proxy.arrivals import Arrivals
 from tracetap.proxy.budgets import Budgets
 from tracetap.proxy.controls import Controls
 from tracetap.proxy.exposure import Exposure
+from tracetap.proxy.failures import Failures
 from tracetap.proxy.gate import Gate
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
@@ -44,7 +45,8 @@ class ProxyState:
         self.settings = settings
         self.admin_token = admin_token
         self.exposure = Exposure(settings.allow_path)
-        self.budgets = Budgets(settings.default_budget)
+        self.budgets = Budgets(settings.default_budget, engine)
+        self.failures = Failures(None if metrics is None else metrics.internal_errors)
         self.repair = Repair(settings.repair_history,
                              None if metrics is None else metrics.repaired)
         self.model_map = ModelMap(settings.model_map)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 PREFIX = "TRACETAP_"
 DEFAULT_DATA_DIR = "./tracetap-data"
@@ -78,3 +79,11 @@ def add_location_options(parser: argparse.ArgumentParser, *, use: str) -> None:
     """``--db`` and ``--data-dir``, the same for every command that opens the database."""
     add_option(parser, "--db", metavar="URL", help=db_help(use))
     add_option(parser, "--data-dir", metavar="DIR", default=DEFAULT_DATA_DIR, help=DATA_DIR_HELP)
+
+
+def redact_credentials(url: str) -> str:
+    """``http://user:pass@host/v1`` → ``http://***@host/v1``: nothing of the userinfo."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))

@@ -3,7 +3,7 @@
 The one reconstruction every reader of ``calls`` goes through (the export's scans, the
 viewer's call pages, the admin API, analysis): ``resolve`` takes rows that carry both a
 value column and its references column and gives back the value. Rows stored before
-revision 0006 hold the value inline (their references are null) and come back as they
+revision 0007 hold the value inline (their references are null) and come back as they
 are. Each block a batch of rows names is read once, however many calls share it, so a
 page of a conversation's calls reads its unique tokens, not every call's whole prompt.
 """

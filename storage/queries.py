@@ -9,6 +9,7 @@ import msgspec
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.budget_ledger import Limits, open_budget
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.dedup import BODIES
 from tracetap.storage.inflate import IDS, TEXT, resolve
@@ -40,8 +41,10 @@ async def create_episode(
     harness_name: str | None,
     harness_config: Any,
     metadata: Any,
+    budget: Limits | None = None,
 ) -> None:
-    """Register an episode. An id first seen through calls may be registered once."""
+    """Register an episode (with its budget row, in the same transaction). An id first
+    seen through calls may be registered once."""
     values = {
         Episode.group_id: group_id,
         Episode.task_id: task_id,
@@ -50,6 +53,7 @@ async def create_episode(
         Episode.meta: _dumps(metadata),
         Episode.api_key_hash: key_hash,
         Episode.registered: True,
+        Episode.registered_at: time.time(),
     }
     async with engine.begin() as conn:
         stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
@@ -62,6 +66,8 @@ async def create_episode(
         )
         if result.rowcount != 1:
             raise EpisodeExists(episode_id)
+        if budget is not None:
+            await open_budget(conn, episode_id, budget, time.time(), registered=True)
 
 
 async def finish_episode(
@@ -176,6 +182,19 @@ async def is_registered(engine: AsyncEngine, episode_id: str) -> bool:
             (await conn.execute(select(Episode.registered).where(Episode.id == episode_id)))
             .scalar()
         )
+
+
+async def registered_since(engine: AsyncEngine, since: float,
+                           limit: int = 10_000) -> list[tuple[str, float]]:
+    """Episodes registered at or after ``since`` (wall clock), oldest first."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(Episode.id, Episode.registered_at)
+            .where(Episode.registered_at >= since)
+            .order_by(Episode.registered_at)
+            .limit(limit)
+        )
+        return [(r.id, r.registered_at) for r in rows]
 
 
 async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str, Any]]:

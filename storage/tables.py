@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, MetaData, String, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -34,6 +45,8 @@ class Episode(Base):
     # sha256 of the per-episode API key; the key itself is never stored.
     api_key_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
     registered: Mapped[bool] = mapped_column(Boolean, default=False)
+    # When registration committed it: processes follow new registrations by it (0008).
+    registered_at: Mapped[float | None] = mapped_column(Float, index=True)
     created_at: Mapped[float] = mapped_column(Float, index=True)
     finished_at: Mapped[float | None] = mapped_column(Float, index=True)
     reward: Mapped[float | None] = mapped_column(Float, index=True)
@@ -137,6 +150,23 @@ class Control(Base):
     # serial is newer than the one they applied (clocks of replicas may disagree).
     serial: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class EpisodeBudget(Base):
+    """One episode's budget and what its calls spent and hold, shared by every process on
+    the database: admission is one conditional UPDATE (``storage.budget_ledger``)."""
+
+    __tablename__ = "episode_budgets"
+
+    episode_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    max_calls: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    max_seconds: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[float] = mapped_column(Float)  # wall clock: replicas share it
+    calls: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_used: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Held by calls in flight: reserved at admission, released when each call settles.
+    tokens_reserved: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 metadata = Base.metadata

@@ -88,7 +88,7 @@ class Proxy:
         return f"http://127.0.0.1:{self.settings.port}"
 
     def episode_url(self, episode_id: str) -> str:
-        return f"{self.url}/episodes/{episode_id}/v1"
+        return episode_url(self.url, episode_id)
 
     @property
     def state(self):
@@ -129,6 +129,33 @@ class Proxy:
         return self.loop.run(queries.get_episode(self.state.engine, episode_id))
 
 
+# Base URLs registration handed out, by (agent URL, episode id): a registered episode
+# takes calls only with its key, which its base URL carries.
+BASE_URLS: dict[tuple[str, str], str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _forget_base_urls():
+    yield
+    BASE_URLS.clear()  # ports are reused by later tests
+
+
+def episode_url(agent_url: str, episode_id: str) -> str:
+    """The base URL an agent of this episode uses: the registered one, else the plain
+    path-tagged one."""
+    return BASE_URLS.get((agent_url, episode_id), f"{agent_url}/episodes/{episode_id}/v1")
+
+
+def episode_headers(agent_url: str, episode_id: str) -> dict[str, str]:
+    """Headers that tag a call with an episode: its id, and its key when registered."""
+    headers = {"X-Tracetap-Episode": episode_id}
+    base_url = BASE_URLS.get((agent_url, episode_id))
+    if base_url is not None:
+        secret = base_url.rsplit("/", 2)[-2].partition("~")[2]
+        headers["Authorization"] = f"Bearer tt-{secret}"
+    return headers
+
+
 def admin_call(url: str, method: str, path: str, body=None,
                token: str | None = None) -> tuple[int, dict]:
     """One admin API request; returns (status, decoded JSON body) without raising."""
@@ -139,7 +166,11 @@ def admin_call(url: str, method: str, path: str, body=None,
     request = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.status, json.loads(reply.read())
+            status, created = reply.status, json.loads(reply.read())
+        if method == "POST" and path == "/tracetap/episodes" and status == 201:
+            prefix, _, _ = created["base_url"].partition("/episodes/")
+            BASE_URLS[(prefix, created["id"])] = created["base_url"]
+        return status, created
     except urllib.error.HTTPError as err:
         with err:
             return err.code, json.loads(err.read())
@@ -276,7 +307,7 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def episode_url(self, episode_id: str) -> str:
-        return f"{self.url}/episodes/{episode_id}/v1"
+        return episode_url(self.url, episode_id)
 
     def start(self, timeout: float = 60.0) -> ProxyProcess:
         with open(self.log, "ab") as log:

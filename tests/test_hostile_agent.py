@@ -287,9 +287,11 @@ def test_admin_api_on_its_own_port_is_absent_from_the_agent_port(upstream, run_p
     on_agent = admin_call(proxy.url, "POST", "/tracetap/episodes", {"id": "a"}, token="T0k")
     assert on_agent[0] == 404
     admin_url = f"http://127.0.0.1:{admin_port}"
-    assert admin_call(admin_url, "POST", "/tracetap/episodes", {"id": "a"}, token="T0k")[0] == 201
+    status, created = admin_call(admin_url, "POST", "/tracetap/episodes", {"id": "a"},
+                                 token="T0k")
+    assert status == 201
     assert admin_call(admin_url, "GET", "/tracetap/episodes/a")[0] == 401
-    client = openai.OpenAI(base_url=proxy.episode_url("a"), api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=created["base_url"], api_key="x", max_retries=0)
     with client:
         assert client.chat.completions.create(model="mock-model", messages=MESSAGES,
                                               max_tokens=2).choices

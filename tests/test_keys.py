@@ -160,19 +160,40 @@ def test_require_episode_refuses_an_untagged_call_with_how_to_tag_it():
     assert _tag(tagger, header="h") == "h"
 
 
-def test_require_registered_asks_until_an_episode_is_registered_then_remembers(monkeypatch):
+def test_require_registered_asks_until_an_episode_is_registered_then_wants_its_key(
+        monkeypatch):
     monkeypatch.setattr(tagging, "MISS_SECONDS", 0.0)
-    lookups = Lookups({"tt-k": "ep-k"})
+    lookups = Lookups({"tt-k": "ep-k", "tt-new": "ep-new"})
     tagger = lookups.tagger(require_registered=True)
     assert _refused(tagger, path="ep-new") == (
         404, "not_found", "episode 'ep-new' is not registered (--require-registered)")
     lookups.registered.add("ep-new")
-    assert _tag(tagger, path="ep-new") == _tag(tagger, header="ep-new") == "ep-new"
-    assert lookups.asked.count("ep-new") == 2  # the refusal, then the first success
+    needs_key = (403, "episode_credential_required", "episode 'ep-new' is registered: its "
+                 "calls need its key (the base_url or api_key its registration returned)")
+    assert _refused(tagger, path="ep-new") == _refused(tagger, header="ep-new") == needs_key
+    assert lookups.asked.count("ep-new") == 2  # the miss, then found: remembered since
+    assert _tag(tagger, path="ep-new", key="tt-new") == "ep-new"
+    assert _tag(tagger, path="ep-new~new") == "ep-new"  # the key inside the base URL
     assert _tag(tagger, key="tt-k") == "ep-k"  # a key's episode is registered by minting
     assert "ep-k" not in lookups.asked
     tagger.remember("ep-here", None)
-    assert _tag(tagger, path="ep-here") == "ep-here" and "ep-here" not in lookups.asked
+    assert _refused(tagger, path="ep-here")[:2] == (403, "episode_credential_required")
+    assert "ep-here" not in lookups.asked
+
+
+def test_a_registered_episode_takes_calls_only_with_its_key_even_when_not_required():
+    lookups = Lookups({"tt-a": "ep-a", "tt-b": "ep-b"}, {"ep-a", "ep-b"})
+    tagger = lookups.tagger()
+    assert _tag(tagger, path="open") == "open"  # never registered: path tagging still works
+    for where in ({"path": "ep-a"}, {"header": "ep-a"}, {"path": "ep-a", "key": "sk-x"}):
+        assert _refused(tagger, **where)[:2] == (403, "episode_credential_required")
+    assert _tag(tagger, path="ep-a~a") == _tag(tagger, key="tt-a", header="ep-a") == "ep-a"
+    # Someone else's key, in the path or as the API key, opens nothing but its own episode.
+    assert _refused(tagger, path="ep-a~b")[:2] == (403, "forbidden")
+    assert _refused(tagger, path="ep-a~a", key="tt-b")[:2] == (403, "forbidden")
+    assert _refused(tagger, path="ep-a~guess")[:2] == (401, "invalid_api_key")
+    assert _refused(tagger, path="~a")[:2] == (400, "invalid_episode_id")
+    assert _refused(tagger, path="bad/id~a")[:2] == (400, "invalid_episode_id")
 
 
 @pytest.mark.parametrize("value", ["a", "A-z_0.9:x", "x" * 128])
@@ -200,7 +221,8 @@ def test_key_owners_and_registered_ids_are_bounded(monkeypatch):
     assert _tag(tagger, key="tt-2") == "e2"  # tt-1, the least recently used, is forgotten
     assert _tag(tagger, key="tt-1") == "e1"
     assert len(lookups.asked) == 4
-    assert [_tag(tagger, path=e) for e in ("r0", "r1", "r2", "r0")] == ["r0", "r1", "r2", "r0"]
+    for e in ("r0", "r1", "r2", "r0"):  # registered: refused without their keys
+        assert _refused(tagger, path=e)[0] == 403
     assert lookups.asked[4:] == ["r0", "r1", "r2", "r0"]  # r0 was forgotten for r2
 
 
@@ -215,6 +237,56 @@ def test_a_miss_is_believed_for_a_second_then_asked_again(monkeypatch):
     assert len(lookups.asked) == 2  # one query each, not one per request
     lookups.registered.add("later")  # registered through another worker meanwhile
     now[0] += tagging.MISS_SECONDS
-    assert _tag(tagger, path="later") == "later"
+    assert _refused(tagger, path="later")[:2] == (403, "episode_credential_required")
     assert _refused(tagger, key="tt-wrong")[0] == 401
     assert len(lookups.asked) == 4
+
+
+def test_a_database_that_cannot_answer_keeps_open_ids_open_and_keys_unchecked():
+    async def down(_):
+        raise OSError("database unreachable")
+
+    def tagger(**options):
+        return Tagger(key_owner=down, is_registered=down, require_episode=False, **options)
+
+    assert _tag(tagger(require_registered=False), path="open") == "open"  # capture goes on
+    status, code, _ = _refused(tagger(require_registered=True), path="open")
+    assert (status, code) == (503, "database_unavailable")
+    status, code, _ = _refused(tagger(require_registered=False), key="tt-any")
+    assert (status, code) == (503, "database_unavailable")
+
+
+def test_a_follower_of_registrations_lets_misses_stand_until_one_is_registered(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tagging.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tagging, "FOLLOW_SECONDS", 0.0)
+    lookups = Lookups()
+    tagger = lookups.tagger()
+    registrations: list[tuple[str, float]] = []
+    reads: list[float] = []
+
+    async def registered_since(since: float):
+        reads.append(since)
+        return [r for r in registrations if r[1] >= since]
+
+    async def scenario():
+        follower = asyncio.create_task(tagger.follow(registered_since, clock=lambda: 1000.0))
+        while not tagger.following:
+            await asyncio.sleep(0)
+        assert await tagger.episode_for({}, "late") == "late"
+        now[0] += 3600  # believed: not asked again, however long
+        assert await tagger.episode_for({}, "late") == "late"
+        assert lookups.asked == ["late"]
+        registrations.append(("late", 1001.0))  # registered through another process
+        seen_reads = len(reads)
+        while len(reads) < seen_reads + 2:
+            await asyncio.sleep(0)
+        with pytest.raises(ProxyError) as refused:
+            await tagger.episode_for({}, "late")
+        assert refused.value.code == "episode_credential_required"
+        assert lookups.asked == ["late"]
+        follower.cancel()
+
+    asyncio.run(scenario())
+    assert reads[0] == 1000.0 - tagging.FOLLOW_OVERLAP
+    assert reads[-1] == 1001.0 - tagging.FOLLOW_OVERLAP  # the newest seen, read again

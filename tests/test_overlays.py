@@ -15,7 +15,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import Proxy, free_port
+from tests.conftest import Proxy, episode_headers, free_port
 from tests.overlay_fixtures import NOTE
 from tracetap.demo.agent import TASKS, TOOLS, run_agent
 from tracetap.demo.engine import EngineConfig, EngineServer
@@ -373,7 +373,8 @@ def _responses(sdk, stream: bool, *episodes: str) -> list[str]:
     texts = []
     for episode in episodes:
         kwargs = {"model": "mock-model", "input": "What is it?", "stream": stream,
-                  "extra_headers": {"X-Tracetap-Episode": episode}}
+                  "extra_headers": episode_headers(str(sdk.base_url).rstrip("/")[:-3],
+                                                   episode)}
         if stream:
             with sdk.responses.stream(**{k: v for k, v in kwargs.items() if k != "stream"}) as s:
                 texts.append(s.get_final_response().output_text)
@@ -554,7 +555,7 @@ def test_translated_streams_stay_well_formed_with_live_text_and_a_veto(
         with sdk, sdk.responses.stream(
                 model="mock-model", instructions="Answer.", input="What is it?",
                 tools=[RESPONSES_TOOL],
-                extra_headers={"X-Tracetap-Episode": "responses-live"}) as stream:
+                extra_headers=episode_headers(proxy.url, "responses-live")) as stream:
             response = stream.get_final_response()
         text = response.output_text
         (function_call,) = [o for o in response.output if o.type == "function_call"]

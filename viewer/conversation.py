@@ -45,7 +45,7 @@ def _json(text: str | None) -> Any:
         return None
     try:
         return msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested too deep to decode: no turns
         return None
 
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import aiohttp
 
+from tracetap.storage.config import redact_credentials
+
 log = logging.getLogger("tracetap.viewer")
 
 CACHE_SIZE = 500_000
@@ -84,7 +86,7 @@ class Detokenizer:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 if self.available:
                     log.warning("token text unavailable: %s answered %s; showing ids",
-                                self.url, exc or type(exc).__name__)
+                                redact_credentials(self.url), exc or type(exc).__name__)
                 self.down_until = time.monotonic() + RETRY_AFTER_S
                 return None
         text = body.get("prompt", body.get("content")) if isinstance(body, dict) else None

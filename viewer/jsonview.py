@@ -15,6 +15,9 @@ import msgspec
 STRING_LIMIT = 10_000
 NODE_LIMIT = 5_000
 OPEN_DEPTH = 2  # levels open when the page loads
+# Levels drawn at most: an agent may store JSON nested as deep as the decoder takes, and
+# the page (and the recursion that builds it) must stay small.
+MAX_DEPTH = 64
 SECRET_KEY = re.compile(
     r"^(authorization|proxy-authorization|cookie|set-cookie|x-api-key|api[-_]?key|"
     r".*[-_]api[-_]?key|password|passwd|secret|client[-_]secret|access[-_]token|"
@@ -37,7 +40,7 @@ def parse(text: str | None) -> Any:
         return None
     try:
         return msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # too deep for the decoder: shown as text
         return None
 
 
@@ -66,6 +69,10 @@ def _node(key: str | None, value: Any, depth: int, budget: list[int]) -> Node:
 
 def _container(key, kind, items, size, depth, budget) -> Node:
     children = []
+    if depth >= MAX_DEPTH and items:
+        children.append(Node(key=None, kind="more", value=f"nested deeper than {MAX_DEPTH} "
+                             "levels: see the raw JSON"))
+        items = []
     for i, (k, v) in enumerate(items):
         if budget[0] <= 0:
             children.append(Node(key=None, kind="more", value=f"{len(items) - i} more not shown"))

@@ -38,5 +38,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # Calls written since the upgrade hold only references: a downgrade would lose them.
-    raise RuntimeError("revision 0006 cannot be downgraded: calls stored since reference "
+    raise RuntimeError("revision 0007 cannot be downgraded: calls stored since reference "
                        "blocks that revision 0005 has no table for")

@@ -222,6 +222,7 @@ def _resample(
     attempt.episode_id = call.episode_id
     attempt.seq = state.arrivals.next(call.episode_id)
     attempt.policy_version = call.policy_version
+    attempt.reservation = call.reservation  # its tokens count against the same budget
     attempt.parse_request((call.request_text or "").encode())
     session.log = attempt.overlay = OverlayLog(
         name=session.episode.name, attempt=number, retry_of=previous.call_id
@@ -234,4 +235,4 @@ def _resample(
 def _spend(call: ModelCall) -> None:
     """Budgets count every attempt (the handler counts the first)."""
     prompt_tokens, completion_tokens = call.capture.tokens()
-    call.state.budgets.spend(call.episode_id, (prompt_tokens or 0) + (completion_tokens or 0))
+    call.state.budgets.spend(call.reservation, (prompt_tokens or 0) + (completion_tokens or 0))

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from tracetap.proxy.apis import CaptureBase
-from tracetap.proxy.inject import Injected
+from tracetap.proxy.inject import Injected, count_field
 from tracetap.proxy.sse import Event
 from tracetap.proxy.wire import decode_event, decode_object, encode
 from tracetap.storage.records import ChoiceRecord
@@ -34,8 +34,9 @@ class ResponsesApi:
         injected = Injected()
         include = payload.get("include")
         include = include if isinstance(include, list) else []
+        top = count_field(payload, "top_logprobs")
         if LOGPROBS_INCLUDE in include:
-            injected.client_top_logprobs = int(payload.get("top_logprobs") or 0)
+            injected.client_top_logprobs = top
         else:
             payload["include"] = [*include, LOGPROBS_INCLUDE]
             injected.logprobs = True
