@@ -1,0 +1,66 @@
+"""What the agentic replay left in the database: bytes, calls, stored token ids.
+
+The byte count is what the run added to a freshly migrated database (SQLite: the file
+and its WAL; Postgres: ``pg_total_relation_size`` of every table, TOAST and indexes
+included). Stored ids are the int32 id arrays kept for prompts and completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import asyncpg
+from pgtemp import create_database
+
+from tracetap.migrations import upgrade
+
+# Every call the load generator made, its status, and its id arrays' bytes.
+_CALLS = ("SELECT count(*), sum(CASE WHEN status = 'ok' THEN 1 ELSE 0 END), "
+          "sum(coalesce(length(prompt_ids), 0)), sum(coalesce(prompt_tokens, 0)) FROM calls")
+_CHOICES = "SELECT sum(coalesce(length(completion_ids), 0)) FROM choices"
+_PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'public' AND c.relkind = 'r'")
+
+
+def empty_database(arm: str, folder: Path) -> tuple[str, int]:
+    """A fresh, migrated database for one arm, and its size before the run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{folder / 'tracetap.db'}" if arm == "sqlite" else create_database()
+    upgrade(url)
+    return url, _size(url)
+
+
+def _sqlite_path(url: str) -> Path:
+    return Path(url.removeprefix("sqlite:///"))
+
+
+def _size(url: str) -> int:
+    if url.startswith("sqlite"):
+        path = _sqlite_path(url)
+        return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal"))
+                   if p.exists())
+    return int(asyncio.run(_pg(url, _PG_SIZE))[0][0])
+
+
+async def _pg(url: str, *queries: str) -> list[tuple]:
+    conn = await asyncpg.connect(url)
+    try:
+        return [tuple(await conn.fetchrow(q)) for q in queries]
+    finally:
+        await conn.close()
+
+
+def database_figures(arm: str, url: str, empty: int) -> dict:
+    if url.startswith("sqlite"):
+        with sqlite3.connect(_sqlite_path(url)) as conn:
+            calls = conn.execute(_CALLS).fetchone()
+            choices = conn.execute(_CHOICES).fetchone()
+    else:
+        calls, choices = asyncio.run(_pg(url, _CALLS, _CHOICES))
+    count, ok, prompt_bytes, prompt_tokens = (int(v or 0) for v in calls)
+    return {"bytes": _size(url) - empty, "calls": count, "calls_ok": ok,
+            "stored_ids": (prompt_bytes + int(choices[0] or 0)) // 4,
+            "prompt_tokens": prompt_tokens, "completion_ids": int(choices[0] or 0) // 4}
