@@ -87,6 +87,7 @@ class Run:
         self.turns: list[dict] = []
         self.in_flight = 0  # context tokens of the requests now in flight
         self.samples: list[tuple[int, int]] = []  # (context tokens in flight, proxy RSS)
+        self.idle_rate = 0.0  # the proxy's CPU seconds per second when no call is running
 
     def url(self, session: int) -> str:
         if self.args.episode_prefix:
@@ -137,13 +138,22 @@ class Run:
         return now
 
     async def single(self, http: aiohttp.ClientSession, convs: list[Conversation]) -> None:
+        """Turns one at a time. A turn's CPU is the proxy's from just before it is sent to
+        when the proxy is idle again (its writer done), less what the proxy spends idle
+        (its periodic background work) over as long."""
         pids = self.args.pids
+        if pids:
+            start, began = await self.settle(pids), time.perf_counter()
+            await asyncio.sleep(2.0)
+            self.idle_rate = (cpu_ns(pids) - start) / 1e9 / (time.perf_counter() - began)
         for conv in convs:
             for t in range(self.sizes.turns):
                 before = await self.settle(pids) if pids else 0
+                began = time.perf_counter()
                 row = await self.turn(http, conv, t)
                 if pids:
-                    row["cpu"] = (await self.settle(pids) - before) / 1e9
+                    spent = (await self.settle(pids) - before) / 1e9
+                    row["cpu"] = spent - self.idle_rate * (time.perf_counter() - began)
                 self.turns.append(row)
 
     async def concurrent(self, http: aiohttp.ClientSession, convs: list[Conversation]) -> None:
@@ -179,7 +189,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         proxy1 = cpu_ns(args.pids) if args.pids else 0
     return {"mode": args.mode, "elapsed": elapsed, "turns": run.turns,
             "loadgen_cpu": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
-            "proxy_cpu": (proxy1 - proxy0) / 1e9, "rss_start": rss0, "samples": run.samples}
+            "proxy_cpu": (proxy1 - proxy0) / 1e9, "rss_start": rss0, "samples": run.samples,
+            "idle_rate": run.idle_rate}
 
 
 def main() -> None:

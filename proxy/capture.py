@@ -39,7 +39,8 @@ from aiohttp import web
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.inject import Injected
+from tracetap.proxy.inject import CHAT, Injected
+from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
@@ -269,6 +270,16 @@ class ModelCall:
                 return event.raw
         elif self.perf_first_content is None:
             self.perf_first_content = time.perf_counter()
+        cut = None
+        if len(data) > _CUT_ABOVE and KEY in data and getattr(self.capture, "endpoint", "") == CHAT:
+            # The prompt's ids (vLLM's first chunk): kept as bytes, decoded at the end.
+            cut = cut_prompt_ids(data)
+        stripped = event  # what strip_event reads: without the ids the proxy asked for
+        if cut is not None:
+            data, prompt_ids = cut
+            self.capture.add_prompt_ids(prompt_ids)
+            if self.injected.token_ids:
+                stripped = Event(event.raw, data)
         self.capture.add(data)
         if self.capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
@@ -285,7 +296,7 @@ class ModelCall:
         if not self.injected.any:
             return event.raw
         try:
-            return self.api.strip_event(event, self.injected)
+            return self.api.strip_event(stripped, self.injected)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
 
@@ -318,6 +329,10 @@ class ModelCall:
             self._journaled = True
             self.state.submit(call_record(self))
             self.state.repair.remember(self)
+
+# Below this a chunk's prompt ids are few enough to decode with the rest of it.
+_CUT_ABOVE = 4096
+
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
