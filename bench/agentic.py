@@ -37,8 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agentic_load import cpu_ns
 from agentic_report import ArmRun, print_report
-from agentic_shape import Sizes
-from agentic_store import database_figures, empty_database
+from agentic_shape import Session, Sizes
+from agentic_store import database_figures, empty_database, stored_ids_match
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -152,8 +152,10 @@ def run_arm(args: argparse.Namespace, arm: str, engine_origin: str, engine_pid: 
             drain(origin, calls)
             stop(proc)
             run.store = database_figures(arm, db, empty)
-            run.calls_expected = calls
             sizes = Sizes(args.sessions + 2, args.turns, args.tool, args.out, args.system)
+            run.store["ids_match"] = stored_ids_match(db, f"agentic-{single}",
+                                                      Session(sizes, single))
+            run.calls_expected = calls
             run.unique_tokens = (sizes.unique_tokens(args.sessions + 1)
                                  + min(2, args.turns) * (args.tool + args.out))
         return run

@@ -116,7 +116,7 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
                                                         for r in stores)
             zero_drop = all(r.store["calls"] == r.calls_expected == r.store["calls_ok"]
                             and r.store["completion_ids"] == r.calls_expected * args.out
-                            for r in stores)
+                            and r.store["ids_match"] for r in stores)
             made = sum(r.calls_expected for r in stores)
             kept_calls = sum(r.store["calls_ok"] for r in stores)
             fig["zero_drop"] = zero_drop
@@ -124,7 +124,8 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
             rows.append(f"{arm}: calls made {made}, in the database {kept_calls} with status ok; "
                         f"completion ids {sum(r.store['completion_ids'] for r in stores)}"
                         f"/{made * args.out}; replies byte-identical to direct: "
-                        f"{fig['identical']}")
+                        f"{fig['identical']}; the lone session's ids read back exact: "
+                        f"{all(r.store['ids_match'] for r in stores)}")
         fig["pass"] = ok
         figures["checks_pass"] &= ok
         figures["arms"][arm] = fig

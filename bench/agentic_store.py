@@ -15,6 +15,8 @@ import asyncpg
 from pgtemp import create_database
 
 from tracetap.migrations import upgrade
+from tracetap.storage import queries
+from tracetap.storage.engine import create_engine
 
 # Every call the load generator made, its status, and its id arrays' bytes.
 _CALLS = ("SELECT count(*), sum(CASE WHEN status = 'ok' THEN 1 ELSE 0 END), "
@@ -51,6 +53,25 @@ async def _pg(url: str, *queries: str) -> list[tuple]:
         return [tuple(await conn.fetchrow(q)) for q in queries]
     finally:
         await conn.close()
+
+
+async def _stored_prompts(url: str, episode: str) -> list[tuple[list[int] | None, list[int]]]:
+    engine = create_engine(url)
+    try:
+        calls = await queries.calls_of(engine, episode)
+    finally:
+        await engine.dispose()
+    return [(c["prompt_ids"], c["choices"][0]["completion_ids"] if c["choices"] else [])
+            for c in sorted(calls, key=lambda c: c["seq"])]
+
+
+def stored_ids_match(url: str, episode: str, session) -> bool:
+    """Whether each call of ``episode`` is stored with exactly ``session``'s prompt and
+    completion ids, turn by turn (read back through tracetap's own queries)."""
+    stored = asyncio.run(_stored_prompts(url, episode))
+    return len(stored) == session.sizes.turns and all(
+        prompt == session.prompt_ids(t) and completion == session.outs[t]
+        for t, (prompt, completion) in enumerate(stored))
 
 
 def database_figures(arm: str, url: str, empty: int) -> dict:

@@ -6,6 +6,7 @@ entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -51,6 +52,7 @@ class Capture:
         self.usage: Usage | None = None
         self._prompt_ids: list[int] | None = None
         self._prompt_raw: bytes | None = None  # cut out of a chunk, decoded when read
+        self._prompt_decode = decode_ids
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
@@ -65,7 +67,7 @@ class Capture:
         if raw is not None:
             self._prompt_raw = None
             try:
-                self._prompt_ids = decode_ids(raw)
+                self._prompt_ids = self._prompt_decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 if len(self.errors) < 5:
                     self.errors.append(f"unparseable upstream prompt_token_ids: {exc}")
@@ -75,10 +77,12 @@ class Capture:
     def prompt_ids(self, ids: list[int] | None) -> None:
         self._prompt_ids, self._prompt_raw = ids, None
 
-    def add_prompt_ids(self, raw: bytes) -> None:
+    def add_prompt_ids(self, raw: bytes, decode: Callable[[bytes], list[int]] = decode_ids,
+                       ) -> None:
         """The bytes of a ``prompt_token_ids`` array cut out of a chunk
-        (``proxy.prompt_cut``): kept as they are until read."""
-        self._prompt_ids, self._prompt_raw = None, raw
+        (``proxy.prompt_cut``): kept as they are until read, then given to ``decode``
+        (``PromptPrefixes.decode``: in the new tokens only)."""
+        self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""

@@ -29,6 +29,7 @@ than the upstream: its request and replies are converted to and from chat).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -277,7 +278,8 @@ class ModelCall:
         stripped = event  # what strip_event reads: without the ids the proxy asked for
         if cut is not None:
             data, prompt_ids = cut
-            self.capture.add_prompt_ids(prompt_ids)
+            self.capture.add_prompt_ids(
+                prompt_ids, functools.partial(self.state.prompt_prefixes.decode, self.episode_id))
             if self.injected.token_ids:
                 stripped = Event(event.raw, data)
         self.capture.add(data)
