@@ -57,6 +57,7 @@ def _extend(last: tuple[bytes, list[int]], raw: bytes) -> list[int] | None:
     if raw == last_raw:
         return list(last_ids)
     # Same bytes up to the old "]", and a comma where it was: the old ids, then more.
-    if raw[head : head + 1] != b"," or memoryview(raw)[:head] != memoryview(last_raw)[:head]:
+    # startswith on a view: one memcmp, no copy of either array
+    if raw[head : head + 1] != b"," or not raw.startswith(memoryview(last_raw)[:head]):
         return None
     return last_ids + decode_ids(b"[" + raw[head + 1 :])
