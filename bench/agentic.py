@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,24 +38,11 @@ from agentic_load import cpu_ns
 from agentic_report import ArmRun, print_report
 from agentic_shape import Session, Sizes
 from agentic_store import database_figures, empty_database, stored_ids_match
+from proxy_bench import free_port, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 ARMS = ("direct", "sqlite", "pg", "pg-workers")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACETAP_")}
-    env["PYTHONPATH"] = str(ROOT)
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=BENCH, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
@@ -72,17 +58,6 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()  # SIGTERM: tracetap drains its writer
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def load(args: argparse.Namespace, base: str, sessions: list[int], mode: str, pids: list[int],

@@ -18,26 +18,13 @@ import re
 import msgspec
 from agentic_shape import CREATED, MODEL, Session, Sizes, encode
 from aiohttp import web
+from upstream import ChatRequest, models, version
 
 _MARKER = re.compile(rb"\[agentic s=(\d+) t=(\d+)\]")
-_JSON = {"Content-Type": "application/json"}
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
-class _Options(msgspec.Struct):
-    include_usage: bool | None = None
-
-
-class _Request(msgspec.Struct):
-    """Only what decides the reply's shape (msgspec skips the messages in C)."""
-
-    stream: bool | None = None
-    logprobs: bool | None = None
-    return_token_ids: bool | None = None
-    stream_options: _Options | None = None
-
-
-_decode = msgspec.json.Decoder(_Request).decode
+_decode = msgspec.json.Decoder(ChatRequest).decode  # msgspec skips the messages in C
 
 
 class Engine:
@@ -122,16 +109,6 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def models(request: web.Request) -> web.Response:
-    return web.Response(body=encode({"object": "list", "data": [
-        {"id": MODEL, "object": "model", "created": CREATED, "owned_by": "vllm",
-         "root": MODEL, "parent": None, "max_model_len": 262144}]}), headers=_JSON)
-
-
-async def version(request: web.Request) -> web.Response:
-    return web.Response(body=b'{"version":"0.11.0"}', headers=_JSON)
-
-
 def make_app(sizes: Sizes, sessions: int, warm: bool = True) -> web.Application:
     engine = Engine(sizes, sessions)
     if warm:  # encode every event now, so no arm pays for it
@@ -143,9 +120,8 @@ def make_app(sizes: Sizes, sessions: int, warm: bool = True) -> web.Application:
     app = web.Application(client_max_size=256 << 20)
     app[ENGINE] = engine
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/version", version)
-    app.router.add_get("/health", version)
+    for path, handler in (("/v1/models", models), ("/version", version), ("/health", version)):
+        app.router.add_get(path, handler)  # bench/upstream.py's: a vLLM that owns its model
     return app
 
 
