@@ -60,7 +60,7 @@ class ModelCall:
         self.perf_start = time.perf_counter()
         self.episode_id: str | None = None
         self.seq: int | None = None
-        self.request_text: str | None = None
+        self.request_body: bytes | None = None  # as the client sent it
         self.payload: dict[str, Any] = {}
         self.injected = Injected()
         self.capture = api.capture(self.injected)
@@ -111,7 +111,7 @@ class ModelCall:
 
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
-        self.request_text = body.decode("utf-8", "replace")
+        self.request_body = body  # kept as bytes: the handler holds them anyway
         try:
             payload = decode_object(body)
         except msgspec.DecodeError as exc:
@@ -141,6 +141,13 @@ class ModelCall:
         if self.translation is not None or self.repaired:
             self.upstream_request = body  # stored beside the client's request
         return body
+
+    @property
+    def request_text(self) -> str | None:
+        """The client's request as text, decoded when read (the record), so a call in
+        flight holds its prompt once as bytes rather than as bytes and text."""
+        body = self.request_body
+        return None if body is None else body.decode("utf-8", "replace")
 
     @property
     def rewrites_stream(self) -> bool:
