@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=int, default=400, help="tokens streamed per turn")
     parser.add_argument("--system", type=int, default=1000,
                         help="tokens of the system prompt every session shares")
+    parser.add_argument("--token-delay", type=float, default=0.0,
+                        help="the engine's seconds between a stream's events (0: as fast as "
+                             "it can, so the run is CPU-bound; e.g. 0.02 paces it like a "
+                             "50 tokens/s engine, below saturation)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="each arm runs once a round, the order rotating")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=["direct", "sqlite", "pg"])
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = spawn([str(BENCH / "agentic_engine.py"), "--port", str(port),
                     "--sessions", str(args.sessions + 2), "--turns", str(args.turns),
                     "--tool", str(args.tool), "--out", str(args.out),
-                    "--system", str(args.system)], log)
+                    "--system", str(args.system), "--token-delay", str(args.token_delay)],
+                   log)
     runs: list[ArmRun] = []
     try:
         wait_ready(engine_origin + "/v1/models", engine, log, timeout=600)

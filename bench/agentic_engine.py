@@ -13,6 +13,7 @@ asked for, so a client talking to it directly gets exactly what it asked for.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 
 import msgspec
@@ -78,6 +79,7 @@ class Engine:
 
 
 ENGINE = web.AppKey("engine", Engine)
+TOKEN_DELAY = web.AppKey("token_delay", float)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -100,7 +102,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE)
     await response.prepare(request)
     await response.write(engine.first_event(session, turn, events[0], token_ids))
+    delay = request.app[TOKEN_DELAY]
     for event in events[1:]:
+        if delay:
+            await asyncio.sleep(delay)
         await response.write(event)
     if usage:
         await response.write(engine.usage_event(session, turn))
@@ -109,7 +114,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def make_app(sizes: Sizes, sessions: int, warm: bool = True) -> web.Application:
+def make_app(sizes: Sizes, sessions: int, warm: bool = True,
+             token_delay: float = 0.0) -> web.Application:
     engine = Engine(sizes, sessions)
     if warm:  # encode every event now, so no arm pays for it
         for n in range(sessions):
@@ -119,6 +125,7 @@ def make_app(sizes: Sizes, sessions: int, warm: bool = True) -> web.Application:
                 engine.events(n, t, True, True)
     app = web.Application(client_max_size=256 << 20)
     app[ENGINE] = engine
+    app[TOKEN_DELAY] = token_delay
     app.router.add_post("/v1/chat/completions", chat)
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", version)):
         app.router.add_get(path, handler)  # bench/upstream.py's: a vLLM that owns its model
@@ -134,12 +141,14 @@ def main() -> None:
     parser.add_argument("--tool", type=int, default=2000)
     parser.add_argument("--out", type=int, default=400)
     parser.add_argument("--system", type=int, default=1000)
+    parser.add_argument("--token-delay", type=float, default=0.0,
+                        help="seconds between a stream's events (0: as fast as it can)")
     args = parser.parse_args()
     import uvloop
 
     sizes = Sizes(args.sessions, args.turns, args.tool, args.out, args.system)
-    web.run_app(make_app(sizes, args.sessions), host=args.host, port=args.port, print=None,
-                access_log=None, loop=uvloop.new_event_loop())
+    web.run_app(make_app(sizes, args.sessions, token_delay=args.token_delay), host=args.host,
+                port=args.port, print=None, access_log=None, loop=uvloop.new_event_loop())
 
 
 if __name__ == "__main__":
