@@ -37,6 +37,7 @@ from tracetap.proxy.capture import ModelCall  # noqa: E402
 from tracetap.proxy.ids import uuid7  # noqa: E402
 from tracetap.proxy.metrics import Metrics  # noqa: E402
 from tracetap.proxy.model_map import ModelMap  # noqa: E402
+from tracetap.proxy.prompt_prefix import PromptPrefixes  # noqa: E402
 from tracetap.proxy.repair import Repair  # noqa: E402
 from tracetap.proxy.routing import Routing  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
@@ -60,6 +61,7 @@ def _state() -> SimpleNamespace:
         metrics=Metrics(),
         model_map=ModelMap(),
         repair=Repair(False),
+        prompt_prefixes=PromptPrefixes(),
         submit=lambda record: None,
     )  # journaling is a step of its own
 

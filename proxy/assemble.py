@@ -6,11 +6,13 @@ entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from tracetap.proxy.inject import CHAT
+from tracetap.proxy.prompt_cut import decode_ids
 from tracetap.proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
 from tracetap.storage.records import ChoiceRecord
 
@@ -48,12 +50,39 @@ class Capture:
         self.response_id: str | None = None
         self.created: int | None = None
         self.usage: Usage | None = None
-        self.prompt_ids: list[int] | None = None
+        self._prompt_ids: list[int] | None = None
+        self._prompt_raw: bytes | None = None  # cut out of a chunk, decoded when read
+        self._prompt_decode = decode_ids
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
         self.choice_count = 0
         self.unknown_events = 0  # chat chunks have no event types
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The engine's prompt ids; ones cut out of a chunk (``add_prompt_ids``) are
+        decoded here, on first read, off the stream's critical path."""
+        raw = self._prompt_raw
+        if raw is not None:
+            self._prompt_raw = None
+            try:
+                self._prompt_ids = self._prompt_decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                if len(self.errors) < 5:
+                    self.errors.append(f"unparseable upstream prompt_token_ids: {exc}")
+        return self._prompt_ids
+
+    @prompt_ids.setter
+    def prompt_ids(self, ids: list[int] | None) -> None:
+        self._prompt_ids, self._prompt_raw = ids, None
+
+    def add_prompt_ids(self, raw: bytes, decode: Callable[[bytes], list[int]] = decode_ids,
+                       ) -> None:
+        """The bytes of a ``prompt_token_ids`` array cut out of a chunk
+        (``proxy.prompt_cut``): kept as they are until read, then given to ``decode``
+        (``PromptPrefixes.decode``: in the new tokens only)."""
+        self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""

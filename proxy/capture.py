@@ -29,6 +29,7 @@ than the upstream: its request and replies are converted to and from chat).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -41,7 +42,8 @@ from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.budgets import Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.inject import Injected
+from tracetap.proxy.inject import CHAT, Injected
+from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
@@ -61,7 +63,7 @@ class ModelCall:
         self.perf_start = time.perf_counter()
         self.episode_id: str | None = None
         self.seq: int | None = None
-        self.request_text: str | None = None
+        self.request_body: bytes | None = None  # as the client sent it
         self.payload: dict[str, Any] = {}
         self.injected = Injected()
         self.capture = api.capture(self.injected)
@@ -122,7 +124,7 @@ class ModelCall:
 
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
-        self.request_text = body.decode("utf-8", "replace")
+        self.request_body = body  # kept as bytes: the handler holds them anyway
         try:
             payload = decode_object(body)
         except msgspec.DecodeError as exc:
@@ -164,6 +166,13 @@ class ModelCall:
     def relaying(self) -> bool:
         """Whether the client's stream has begun (its reply can no longer change)."""
         return self._parser is not None
+
+    @property
+    def request_text(self) -> str | None:
+        """The client's request as text, decoded when read (the record), so a call in
+        flight holds its prompt once as bytes rather than as bytes and text."""
+        body = self.request_body
+        return None if body is None else body.decode("utf-8", "replace")
 
     @property
     def rewrites_stream(self) -> bool:
@@ -294,6 +303,17 @@ class ModelCall:
                 return event.raw
         elif self.perf_first_content is None:
             self.perf_first_content = time.perf_counter()
+        cut = None
+        if len(data) > _CUT_ABOVE and KEY in data and getattr(self.capture, "endpoint", "") == CHAT:
+            # The prompt's ids (vLLM's first chunk): kept as bytes, decoded at the end.
+            cut = cut_prompt_ids(data)
+        stripped = event  # what strip_event reads: without the ids the proxy asked for
+        if cut is not None:
+            data, prompt_ids = cut
+            self.capture.add_prompt_ids(
+                prompt_ids, functools.partial(self.state.prompt_prefixes.decode, self.episode_id))
+            if self.injected.token_ids:
+                stripped = Event(event.raw, data)
         self.capture.add(data)
         if self.capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
@@ -310,7 +330,7 @@ class ModelCall:
         if not self.injected.any:
             return event.raw
         try:
-            return self.api.strip_event(event, self.injected)
+            return self.api.strip_event(stripped, self.injected)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
 
@@ -343,6 +363,10 @@ class ModelCall:
             self._journaled = True
             self.state.submit(call_record(self))
             self.state.repair.remember(self)
+
+# Below this a chunk's prompt ids are few enough to decode with the rest of it.
+_CUT_ABOVE = 4096
+
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None

@@ -27,6 +27,7 @@ from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
 from tracetap.proxy.overlays.runner import Overlays
 from tracetap.proxy.pool import Pool
+from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair
 from tracetap.proxy.routing import Routing
 from tracetap.proxy.settings import Settings
@@ -65,6 +66,7 @@ class ProxyState:
         self.instance = instance_id()
         self.flavor = "openai" if settings.upstream_flavor == "auto" else settings.upstream_flavor
         self.arrivals = Arrivals()
+        self.prompt_prefixes = PromptPrefixes()
         self.gate = Gate(settings.pause_timeout)
         self.controls = Controls(engine, self.gate, self.instance,
                                  on_pause=metrics.set_paused if metrics else lambda _: None)

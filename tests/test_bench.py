@@ -129,3 +129,26 @@ def _assert_steps(out: str, *steps: str) -> None:
     rows = dict(re.findall(r"^(\S.*?)\s{2,}(\d+\.\d)\b", out, re.MULTILINE))
     assert set(steps) <= set(rows), out
     assert all(float(v) > 0 for v in rows.values()), out
+
+
+def test_agentic_bench_keeps_every_call_and_relays_what_direct_gets(postgres, tmp_path):
+    # A 700-token system prompt: the first chunk's ids are past prompt_cut's threshold,
+    # so the cut and the per-episode prefix decoding are what the read-back checks.
+    figures = tmp_path / "agentic.json"
+    out = run("agentic.py", "--sessions", "2", "--turns", "3", "--tool", "40", "--out", "12",
+              "--system", "700", "--rounds", "1", "--json", str(figures))
+    result = json.loads(figures.read_text())
+    assert result["checks_pass"], out
+    for arm in ("sqlite", "pg"):
+        summary = re.search(
+            rf"^{arm}: calls made (\d+), in the database (\d+) with status ok; "
+            rf"completion ids (\d+)/(\d+); replies byte-identical to direct: (\d+)/(\d+); "
+            rf"the lone session's ids read back exact: True$",
+            out, re.MULTILINE)
+        assert summary, out
+        made, kept, ids, expected_ids, same, compared = map(int, summary.groups())
+        # 2 warm-up turns, one session alone and 2 at once, 3 turns each.
+        assert made == kept == 2 + 3 * 3 and ids == expected_ids == made * 12
+        assert same == compared == 3 * 3
+        assert result["arms"][arm]["stored_ids_per_unique_token"] > 0
+        assert set(result["arms"][arm]["cpu_ms_alone"]) == {"<10k"}

@@ -15,12 +15,13 @@ from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.inject import CHAT, COMPLETIONS
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair
 from tracetap.proxy.routing import Routing
 from tracetap.proxy.sse import SSEParser
 
 _STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False),
-                         routing=Routing("auto", native={}))
+                         routing=Routing("auto", native={}), prompt_prefixes=PromptPrefixes())
 _CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

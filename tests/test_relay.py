@@ -23,7 +23,8 @@ from tracetap.proxy.settings import Settings
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WORDS = ["Hé", " there", ",  friend"]  # a double space: re-encoding would not keep it
 IDS = [1001, 1002, 1003]
-PROMPT_IDS = [7, 8, 9, 10]
+# Enough for the first chunk's ids to be cut out by bytes (proxy.prompt_cut), spaced.
+PROMPT_IDS = [7, 8, 9, 10] * 600
 LOGPROBS = [-0.25, -1.5, -0.125]
 HEAD = {"id": "chatcmpl-spaced", "created": 1700000000, "model": "spaced-model"}
 USAGE = {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}
@@ -74,7 +75,11 @@ def stream_writes(asked: dict) -> list[bytes]:
         if usage:
             chunk["usage"] = None
         event = b"data: " + _dumps(chunk) + b"\n\n"
-        writes += [event[:20], event[20:]] if i == 1 else [event]  # one event in two reads
+        if i == 0:  # the prompt's ids in three reads, the cuts inside the array
+            middle = len(event) // 2
+            writes += [event[:20], event[20:middle], event[middle:]]
+        else:
+            writes += [event[:20], event[20:]] if i == 1 else [event]  # in two reads
     if usage:
         chunk = {**HEAD, "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
         writes.append(b"data: " + _dumps(chunk) + b"\n\n")
@@ -261,6 +266,7 @@ def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, a
     assert (choice["completion_ids"], choice["completion_logprobs"]) == (IDS, LOGPROBS)
     assert choice["top_logprobs"] == _stored_tops(asks)
     assert (call["prompt_tokens"], call["completion_tokens"]) == (4, 3)
+    assert call["prompt_ids"] == PROMPT_IDS
 
 
 @pytest.mark.parametrize("asks", [{}, EVERYTHING_STREAMED], ids=["rewritten", "relayed"])

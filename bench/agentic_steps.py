@@ -1,0 +1,83 @@
+"""CPU of each step of one agentic turn by context, in process, minimum over rounds.
+
+    python bench/agentic_steps.py                  # turns 0, 4, 12, 24 and 29, ~20 s
+
+bench/agentic.py measures whole turns through real processes on a shared machine, where
+a turn's CPU moves by a third from run to run. This times the steps of
+``ModelCall`` for one turn of bench/agentic_shape.py's sessions (the client asks for
+nothing: logprobs, token ids and usage are injected and stripped), each step's minimum
+over ``--rounds``: the request (decode, inject, encode), the first chunk (it carries the
+prompt's ids), the other events, and the record (the prompt ids decoded, here in the
+new tokens only, as the previous turn of the episode went first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+from agentic_engine import Engine
+from agentic_load import Conversation
+from agentic_shape import Sizes
+from capture_cost import CHAT, ModelCall, _state
+
+STEPS = ("request", "first chunk", "other events", "record")
+
+
+def reads(engine: Engine, turn: int) -> list[bytes]:
+    events = engine.events(0, turn, True, True)
+    return [engine.first_event(0, turn, events[0], True), *events[1:],
+            engine.usage_event(0, turn), b"data: [DONE]\n\n"]
+
+
+def one_turn(state, body: bytes, stream: list[bytes], clock) -> list[float]:
+    times = [clock()]
+    call = ModelCall(state, CHAT, "x")
+    call.episode_id = "steps"
+    call.parse_request(body)
+    call.replied("http://bench", 200)
+    times.append(clock())
+    list(call.relay_chunk(stream[0]))
+    times.append(clock())
+    for data in stream[1:-1]:
+        list(call.relay_chunk(data))
+    times.append(clock())
+    list(call.relay_chunk(stream[-1]))  # [DONE]: the record is built (ids decoded), not stored
+    call.stream_end()
+    times.append(clock())
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, nargs="+", default=[0, 4, 12, 24, 29])
+    parser.add_argument("--tool", type=int, default=2000)
+    parser.add_argument("--out", type=int, default=400)
+    parser.add_argument("--system", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    sizes = Sizes(1, max(args.turns) + 1, args.tool, args.out, args.system)
+    engine = Engine(sizes, 1)
+    conv = Conversation(engine.sessions[0], "plain")
+    bodies = [conv.body(t) for t in range(sizes.turns)]
+    print(f"{'CPU ms, minimum over rounds':<28}" + "".join(f"{s:>14}" for s in STEPS)
+          + f"{'whole turn':>12}")
+    for turn in args.turns:
+        stream = reads(engine, turn)
+        best = [float("inf")] * len(STEPS)
+        for _ in range(args.rounds):
+            state = _state()
+            if turn:  # the episode's previous turn: its ids are the next one's prefix
+                one_turn(state, bodies[turn - 1], reads(engine, turn - 1), time.process_time)
+            spent = one_turn(state, bodies[turn], stream, time.process_time)
+            best = [min(b, s) for b, s in zip(best, spent)]
+        label = f"context {sizes.context(turn):,}"
+        print(f"{label:<28}" + "".join(f"{b * 1e3:>14.2f}" for b in best)
+              + f"{sum(best) * 1e3:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""proxy.prompt_cut: the first chunk's prompt ids cut out by bytes, or left for a full decode.
+
+Whatever the chunk, a cut must leave exactly the chunk without its top-level
+``prompt_token_ids`` member and give back exactly that member's array; when the member
+is not in the plain shape the answer is None (the caller then decodes the whole chunk).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracetap.proxy.assemble import Capture
+from tracetap.proxy.inject import CHAT
+from tracetap.proxy.prompt_cut import cut_prompt_ids
+
+IDS = list(range(100, 140))
+CHOICES = [{"index": 0, "delta": {"role": "assistant", "content": "Hé"}, "logprobs": None,
+            "finish_reason": None, "token_ids": [5]}]
+
+
+def _check(data: bytes, ids: list[int]) -> None:
+    cut = cut_prompt_ids(data)
+    assert cut is not None
+    rest, array = cut
+    whole = json.loads(data)
+    del whole["prompt_token_ids"]
+    assert json.loads(rest) == whole
+    assert json.loads(array) == ids
+
+
+@pytest.mark.parametrize("text", [
+    # vLLM's compact shape, the member last
+    json.dumps({"id": "c", "choices": CHOICES, "prompt_token_ids": IDS}, separators=(",", ":")),
+    # Python's json spacing, non-ASCII as is
+    json.dumps({"id": "c", "choices": CHOICES, "prompt_token_ids": IDS}, ensure_ascii=False),
+    # the member first, then in the middle
+    json.dumps({"prompt_token_ids": IDS, "id": "c", "choices": CHOICES}),
+    json.dumps({"id": "c", "prompt_token_ids": IDS, "choices": CHOICES}),
+    # the only member, and odd whitespace around every token
+    '{ "prompt_token_ids" :\n [ 1 ,2,\t3 ] }',
+    '{"a": 1 ,\r\n  "prompt_token_ids"\t:[ ]  , "b" : [2]}',
+    # strings holding brackets, braces and escaped quotes before the member
+    json.dumps({"x": "[{\"]}\\", "y": ["]", {"z": "}"}], "prompt_token_ids": IDS}),
+])
+def test_a_top_level_array_of_ids_is_cut_out_exactly(text):
+    data = text.encode()
+    _check(data, json.loads(data)["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("text", [
+    '{"id": "c", "choices": []}',  # absent
+    '{"id": "c", "prompt_token_ids": null}',  # not an array
+    '{"id": "c", "prompt_\\u0074oken_ids": [1, 2]}',  # escaped key: the full decode reads it
+    '{"choices": [{"index": 0, "prompt_token_ids": [1, 2]}]}',  # nested (completions)
+    '{"a": {"prompt_token_ids": [1, 2]}, "b": 1}',  # nested, in an object
+    '{"prompt_token_ids": [[1], [2]]}',  # arrays inside: its first ] is not its end
+    '{"prompt_token_ids": [1, "2]"]}',  # a string inside
+    '{"prompt_token_ids": [1, {"a": 2}]}',  # an object inside
+    '{"content": "\\"prompt_token_ids\\": [1]"}',  # inside a string
+    '{"prompt_token_ids": [1, 2',  # cut short
+])
+def test_anything_but_the_plain_shape_is_left_for_the_full_decode(text):
+    assert cut_prompt_ids(text.encode()) is None
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6),
+                     st.text(alphabet='ab"\\[]{},: é\n', max_size=8))
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.sampled_from(["a", "prompt_token_ids", "b\"", "c"]), inner, max_size=3)),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(members=st.dictionaries(st.sampled_from(["id", "choices", "usage", "x[", "y{"]), _values,
+                               max_size=4),
+       ids=st.lists(st.integers(0, 200_000), max_size=30), position=st.integers(0, 4),
+       spaced=st.booleans(), ascii_only=st.booleans())
+def test_any_chunk_either_cuts_exactly_or_is_left_whole(members, ids, position, spaced,
+                                                        ascii_only):
+    items = list(members.items())
+    items.insert(min(position, len(items)), ("prompt_token_ids", ids))
+    separators = (", ", ": ") if spaced else (",", ":")
+    data = json.dumps(dict(items), separators=separators, ensure_ascii=ascii_only).encode()
+    # The generated shape is always the plain one: it must be cut, and exactly.
+    _check(data, ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_values)
+def test_a_cut_never_changes_what_a_chunk_means(value):
+    """Any JSON at all: either None, or the exact member and the rest."""
+    data = json.dumps(value).encode()
+    cut = cut_prompt_ids(data)
+    if cut is None:
+        return
+    assert isinstance(value, dict) and isinstance(value.get("prompt_token_ids"), list)
+    _check(data, value["prompt_token_ids"])
+
+
+def test_capture_decodes_cut_ids_when_read_and_notes_bad_ones():
+    capture = Capture(CHAT)
+    rest, array = cut_prompt_ids(json.dumps(
+        {"id": "c", "model": "m", "choices": CHOICES, "prompt_token_ids": IDS}).encode())
+    capture.add_prompt_ids(array)
+    capture.add(rest)
+    assert capture.prompt_ids == IDS and not capture.errors
+    capture = Capture(CHAT)
+    capture.add_prompt_ids(b"[1, 2, x]")
+    assert capture.prompt_ids is None
+    assert capture.errors and "prompt_token_ids" in capture.errors[0]
