@@ -61,6 +61,7 @@ def _state() -> SimpleNamespace:
         metrics=Metrics(),
         model_map=ModelMap(),
         repair=Repair(False),
+        routing=Routing("auto", native={}),
         prompt_prefixes=PromptPrefixes(),
         submit=lambda record: None,
     )  # journaling is a step of its own
