@@ -53,60 +53,92 @@ def directory_of(data_dir: Path) -> Path:
 
 
 class Quarantine:
-    """Appends to one dead-letter file; the writer that owns a journal owns its file."""
+    """Appends to one dead-letter file; the writer that owns a journal owns its file.
 
-    def __init__(self, path: Path):
+    The file is bounded (``max_bytes``; the writer gives it its journal's size): an agent
+    that sends nothing but records the database refuses must not fill the disk. Entries
+    past the bound are not kept; ``overflow`` counts them (the writer counts the refused
+    ones as dropped; an altered record is stored in the database all the same).
+    """
+
+    def __init__(self, path: Path, max_bytes: int = 1 << 30):
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.overflow = 0
         self._seen: set[tuple[str, str]] | None = None  # read on first add, not at start
+        self._bytes = 0
 
     @classmethod
-    def beside(cls, journal_dir: Path) -> Quarantine:
+    def beside(cls, journal_dir: Path, max_bytes: int = 1 << 30) -> Quarantine:
         """The dead-letter file of the journal in ``journal_dir`` (``DATA_DIR/journal``)."""
         journal_dir = Path(journal_dir)
-        return cls(directory_of(journal_dir.parent) / f"{journal_dir.name}.jsonl")
+        return cls(directory_of(journal_dir.parent) / f"{journal_dir.name}.jsonl", max_bytes)
 
     def add(self, entries: list[Entry]) -> int:
-        """Append the entries not already there; returns how many were new."""
+        """Append the entries not already there, while the file stays within its bound;
+        returns how many were new and kept (``overflow`` counts those left out)."""
         if self._seen is None:
             self._seen = {(e.call_id, e.kind) for e in read(self.path)}
-        new = [e for e in entries if (e.call_id, e.kind) not in self._seen]
-        if not new:
+            self._bytes = self.path.stat().st_size if self.path.exists() else 0
+        lines = []
+        for e in entries:
+            if (e.call_id, e.kind) in self._seen:
+                continue
+            line = _encode_line(e) + b"\n"
+            if self._bytes + len(line) > self.max_bytes:
+                self.overflow += 1
+                continue
+            self._bytes += len(line)
+            self._seen.add((e.call_id, e.kind))
+            lines.append(line)
+        if not lines:
             return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = b"".join(_encode_line(e) + b"\n" for e in new)
+        data = b"".join(lines)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             os.write(fd, data)
             os.fsync(fd)  # rare, and the journal copy is deleted right after
         finally:
             os.close(fd)
-        self._seen.update((e.call_id, e.kind) for e in new)
-        return len(new)
+        return len(lines)
 
-    def keep(self, outcome: Outcome, database: str) -> tuple[int, int]:
-        """Keep what a batch write refused or altered, and log each; returns how many
+    def keep(self, outcome: Outcome, database: str) -> tuple[int, int, int]:
+        """Keep what a batch write refused or altered, and log it; returns how many
         refused and altered records were new (counted once: a replay after a crash
-        finds them already kept)."""
+        finds them already kept), and how many refused ones the bound left out (lost)."""
         if not outcome.refused and not outcome.altered:
-            return 0, 0
+            return 0, 0, 0
+        before = self.overflow
         refused = self.add([entry(r.record, "refused", r.reason, database)
                             for r in outcome.refused])
+        lost = self.overflow - before
         altered = self.add([entry(a.record, "altered", "; ".join(a.notes), database)
                             for a in outcome.altered])
-        for r in outcome.refused:
-            log.error("QUARANTINED call %s of episode %s: the database refused it (%s); "
-                      "kept in %s (tracetap quarantine show %s)", r.record.call_id,
-                      r.record.episode_id, r.reason, self.path, r.record.call_id)
-        for a in outcome.altered:
-            log.warning("call %s of episode %s stored altered: %s", a.record.call_id,
-                        a.record.episode_id, "; ".join(a.notes))
-        return refused, altered
+        # One line a batch, not one a record: a flood of hostile requests must not flood
+        # the log (tracetap quarantine list names each).
+        if outcome.refused:
+            first = outcome.refused[0]
+            log.error("QUARANTINED %d calls the database refused (first: %s of episode %s: "
+                      "%s); %d kept in %s (tracetap quarantine list)", len(outcome.refused),
+                      first.record.call_id, first.record.episode_id, first.reason, refused,
+                      self.path)
+        if outcome.altered:
+            first = outcome.altered[0]
+            log.warning("%d calls stored altered (first: %s of episode %s: %s)",
+                        len(outcome.altered), first.record.call_id, first.record.episode_id,
+                        "; ".join(first.notes))
+        if lost:
+            log.error("the dead-letter file %s is full (%d bytes): %d refused calls are lost "
+                      "(counted as dropped)", self.path, self.max_bytes, lost)
+        return refused, altered, lost
 
     def decoded(self, payloads: Iterable[bytes], decode: Callable[[bytes], CallRecord],
                 database: str) -> tuple[list[CallRecord], int]:
         """The records of journal payloads; one that no longer decodes as a record
         (written by another version, say) is kept here as its bytes, not in the way.
-        Returns the records and how many undecodable ones were new."""
+        Returns the records and how many undecodable ones were new (those the bound
+        leaves out are counted in ``overflow``)."""
         records, undecodable = [], []
         for payload in payloads:
             try:

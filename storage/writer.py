@@ -71,7 +71,7 @@ class Writer:
         self.cache_records = cache_records
         self.batch_records = batch_records
         self.prepare = prepare
-        self.quarantine = quarantine or Quarantine.beside(journal.directory)
+        self.quarantine = quarantine or Quarantine.beside(journal.directory, journal.max_bytes)
         self.hold_retry = hold_retry
         self.db_healthy = True
         self.dropped = 0
@@ -253,18 +253,23 @@ class Writer:
         self._held.difference_update(r.call_id for r in records)
 
     def _read(self, segment: Path) -> list[CallRecord]:
+        before = self.quarantine.overflow
         records, new = self.quarantine.decoded(read_segment(segment), _decode,
                                                self.engine.dialect.name)
         if new:
             self.observer.records("quarantined", new)
+        if self.quarantine.overflow > before:  # the dead-letter file is full: lost
+            self.observer.records("dropped", self.quarantine.overflow - before)
         return records
 
     def _quarantine(self, outcome: Outcome) -> None:
-        refused, altered = self.quarantine.keep(outcome, self.engine.dialect.name)
+        refused, altered, lost = self.quarantine.keep(outcome, self.engine.dialect.name)
         if refused:
             self.observer.records("quarantined", refused)
         if altered:
             self.observer.records("altered", altered)
+        if lost:
+            self.observer.records("dropped", lost)
 
     async def _prepare(self, records: list[CallRecord], hold: bool) -> list[CallRecord]:
         """Run ``prepare``; the records it hands back (none if it fails)."""

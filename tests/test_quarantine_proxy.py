@@ -83,9 +83,11 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients, c
             assert entries[call["call_id"]].kind == "altered"
     if postgres:
         assert "mock\ufffd" in by_model and "m" * 256 in by_model
-        assert len(entries) == 4
+        assert len(entries) == 3
+        # Request bodies are stored as blocks of bytes (each token stored once): the raw
+        # NUL is kept as captured, with nothing to alter.
         nul = next(c for c in stored if "raw" in (c["request"] or ""))
-        assert "raw\\u0000nul" in nul["request"] and MARK in nul["error"]
+        assert "raw\x00nul" in nul["request"] and MARK not in nul["error"]
         content = next(c for c in stored if c["model"] == "mock" and c is not ids_call)["request"]
         assert "a\\u0000b" in content  # the request's JSON escape, as the SDK sent it
     else:
