@@ -1,4 +1,5 @@
-"""The export where training and analysis read it (docs/export.md, "Reading it"): an
+"""The export where training and analysis read it (docs/export.md, "Reading the dataset from
+object storage"): an
 export on a local S3 (moto's server), with the orphans of a run killed before its
 manifest, read by Ray Data (a trainer's data loader), DuckDB (an analyst's query) and
 Hugging Face ``datasets``, each given ``exporters.files``: the rows each one reads are
@@ -26,8 +27,8 @@ class Store:
     """One export on the local S3: two committed runs (a, b; then c, d) and the orphans
     of a third, killed before its manifest (episode e)."""
 
-    def __init__(self, server, bucket: str):
-        self.server, self.uri = server, f"s3://{bucket}/runs/data"
+    def __init__(self, server, bucket: str, db: str):
+        self.server, self.db, self.uri = server, db, f"s3://{bucket}/runs/data"
         self.fs, self.base = server.filesystem(), f"{bucket}/runs/data"
 
     def expected(self, dataset: str) -> list[dict]:
@@ -50,7 +51,7 @@ def store(tmp_path_factory):
     with moto_server() as server, pytest.MonkeyPatch.context() as env:
         for name, value in server.env().items():  # what every reader below relies on
             env.setenv(name, value)
-        store = Store(server, server.bucket())
+        store = Store(server, server.bucket(), db)
         episodes(db, "a", "b")
         export(db, store.uri, incremental=True)
         episodes(db, "c", "d")
@@ -73,6 +74,24 @@ def test_files_are_the_manifests_and_leave_the_orphans_out(store):
     assert {r["episode_id"] for r in store.expected("trajectories")} == {"a", "b", "c", "d"}
 
 
+def test_pyarrow_reads_the_uris_as_they_are(store):
+    import pyarrow.parquet as pq
+
+    for dataset in DATASETS:  # pyarrow.dataset.dataset(uris) would want a filesystem
+        table = pa.concat_tables(pq.read_table(u) for u in files(store.uri, dataset))
+        assert rows_of(table, dataset) == store.expected(dataset)
+
+
+def test_files_of_a_local_export_are_its_paths(store, tmp_path):
+    summary = export(store.db, tmp_path / "local")
+    for dataset in DATASETS:
+        listed = [str(tmp_path / "local" / f) for f in summary.files
+                  if f.startswith(dataset + "/")]
+        assert files(tmp_path / "local", dataset) == listed
+        assert files(f"file://{tmp_path}/local", dataset) == listed
+        assert listed and all(os.path.isfile(f) for f in listed)
+
+
 def test_files_refuses_what_is_not_an_export(store, tmp_path):
     with pytest.raises(ExportError, match="holds no export"):
         files(store.uri.rsplit("/", 1)[0], "calls")
@@ -86,7 +105,7 @@ def test_files_refuses_what_is_not_an_export(store, tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_local(store):
-    ray = pytest.importorskip("ray")
+    import ray  # imported here: ray takes a while to import, and only these tests use it
     # Workers inherit the driver's environment (the S3 variables) when the node starts.
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
@@ -119,8 +138,9 @@ def _duckdb_s3(store):
     """DuckDB reads S3 through its httpfs extension, which it downloads on first use (no
     network here); without it, through an fsspec filesystem registered with it: s3fs,
     which reads the same environment."""
-    duckdb = pytest.importorskip("duckdb")
-    s3fs = pytest.importorskip("s3fs")
+    import duckdb
+    import s3fs
+
     con = duckdb.connect()
     con.register_filesystem(s3fs.S3FileSystem())
     return con
@@ -153,8 +173,8 @@ def test_duckdb_queries_exactly_the_listed_rows(store):
 
 
 def test_hf_datasets_loads_exactly_the_listed_rows(store, tmp_path):
-    datasets = pytest.importorskip("datasets")
-    pytest.importorskip("s3fs")  # datasets opens s3:// through fsspec
+    import datasets  # it opens s3:// through fsspec: s3fs, which reads the same environment
+
     for dataset in DATASETS:
         loaded = datasets.load_dataset("parquet", data_files=files(store.uri, dataset),
                                        split="train", cache_dir=str(tmp_path / "hf"))
