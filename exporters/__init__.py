@@ -2,6 +2,7 @@
 
     from tracetap.exporters import export
     summary = export("sqlite:///tracetap-data/tracetap.db", "data/", incremental=True)
+    ray.data.read_parquet(files("data/", "trajectories"))  # only what the manifest lists
 
 Names resolve on first use, so that ``tracetap serve`` (whose CLI imports
 ``exporters.command`` to describe its flags) never loads pyarrow.
@@ -25,6 +26,7 @@ __all__ = [
     "build_trajectories",
     "export",
     "export_async",
+    "files",
 ]
 
 _HOMES = {
@@ -40,6 +42,7 @@ _HOMES = {
     "build_trajectories": ("tracetap.exporters.trajectories", "build_trajectories"),
     "export": ("tracetap.exporters.pipeline", "export"),
     "export_async": ("tracetap.exporters.pipeline", "export_async"),
+    "files": ("tracetap.exporters.listing", "files"),
 }
 
 
@@ -59,6 +62,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from tracetap.exporters.adapters import ADAPTERS
+    from tracetap.exporters.listing import files
     from tracetap.exporters.parquet import ExportError
     from tracetap.exporters.pipeline import ExportSummary, Progress, export, export_async
     from tracetap.exporters.schema import CALLS as CALLS_SCHEMA

@@ -573,7 +573,7 @@ def test_the_public_api_is_pinned():
     assert sorted(exporters.__all__) == [
         "ADAPTERS", "CALLS_SCHEMA", "ExportError", "ExportSummary", "Progress",
         "SCHEMA_VERSION", "SPLIT_REASONS", "TRAJECTORIES_SCHEMA", "Trajectory",
-        "build_trajectories", "export", "export_async"]
+        "build_trajectories", "export", "export_async", "files"]
     assert all(getattr(exporters, name) is not None for name in exporters.__all__)
 
 
