@@ -13,13 +13,12 @@ Pure functions: no database here (storage.dedup plans, storage.inflate reads).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
-
-import pyarrow
 
 HASH_BYTES = 16
 _ENTRY = struct.Struct("<16sI")  # a reference: the block's hash, its length
@@ -43,7 +42,16 @@ _PLANES = {_ZSTD_PLANES4: 4, _ZSTD_PLANES8: 8}
 _MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
 # zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is
 # the proxy's). pyarrow ships it; tracetap depends on pyarrow for its export anyway.
-_CODEC = pyarrow.Codec("zstd", 1)
+# Loaded on first use, so the command line starts without pyarrow; the writer loads it when
+# it starts (Writer.start), before any call, so no call waits for the import.
+
+
+@functools.cache
+def codec():
+    import pyarrow
+
+    return pyarrow.Codec("zstd", 1)
+
 
 Ref = tuple[bytes, int]  # (hash, length: ids for IDS blocks, UTF-8 bytes for TEXT)
 
@@ -72,11 +80,11 @@ def pack_block(data: bytes, kind: bytes = TEXT) -> bytes:
     if len(data) >= _MIN_COMPRESS:
         width = _WIDTH.get(kind, 1) if len(data) % _WIDTH.get(kind, 1) == 0 else 1
         form = {1: _ZSTD, 4: _ZSTD_PLANES4, 8: _ZSTD_PLANES8}[width]
-        packed = _CODEC.compress(_planes(data, width), asbytes=True)
+        packed = codec().compress(_planes(data, width), asbytes=True)
         size = len(data)  # what the payload decompresses to
         decimal = _decimal(data) if width == 8 else None
         if decimal is not None:
-            shorter = _CODEC.compress(decimal, asbytes=True)
+            shorter = codec().compress(decimal, asbytes=True)
             if len(shorter) < len(packed):
                 form, packed, size = _ZSTD_DECIMAL, shorter, len(decimal)
         if len(packed) + 4 < len(data):
@@ -92,7 +100,7 @@ def unpack_block(stored: bytes) -> bytes:
     if form != _ZSTD and form != _ZSTD_DECIMAL and form not in _PLANES:
         raise ValueError(f"unknown block format {form}")
     size = int.from_bytes(stored[1:5], "little")
-    data = _CODEC.decompress(stored[5:], decompressed_size=size, asbytes=True)
+    data = codec().decompress(stored[5:], decompressed_size=size, asbytes=True)
     if form == _ZSTD_DECIMAL:
         return _floats(data)
     return _unplanes(data, _PLANES.get(form, 1))

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage import blocks
 from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.quarantine import Quarantine
@@ -146,6 +147,7 @@ class Writer:
             return fixed, payload
 
     def start(self) -> None:
+        blocks.codec()  # the block codec (pyarrow) loaded now, not inside the first write
         self._task = asyncio.create_task(self._run(), name="tracetap-writer")
 
     async def close(self, timeout: float = 30.0) -> None:
