@@ -127,15 +127,16 @@ class Ran:
 
 def run_harness(name: str, tools: Path, proxy: Proxy, folder: Path) -> Ran:
     """Register the harness's episode, run it on the task, return how it ended."""
-    place = runs.Place(tools=tools, proxy=proxy.url, episode=f"matrix-{name}",
-                       home=folder / "home", work=folder / "work")
+    episode = f"matrix-{name}"
+    status, body = proxy.admin("POST", "/tracetap/episodes",
+                               {"id": episode, "harness": {"name": name}})
+    if status != 201:
+        raise RuntimeError(f"registering {episode}: {status} {body}")
+    place = runs.Place(tools=tools, proxy=proxy.url, episode=episode, home=folder / "home",
+                       work=folder / "work", episode_url=body["base_url"].removesuffix("/v1"))
     place.home.mkdir()
     place.work.mkdir()
     (place.work / "notes.txt").write_text(runs.NOTES)
-    status, body = proxy.admin("POST", "/tracetap/episodes",
-                               {"id": place.episode, "harness": {"name": name}})
-    if status != 201:
-        raise RuntimeError(f"registering {place.episode}: {status} {body}")
     run = HARNESSES[name].run(place)
     try:
         done = subprocess.run(run.argv, env=run.env, cwd=place.work, stdin=subprocess.DEVNULL,

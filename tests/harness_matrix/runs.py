@@ -61,14 +61,17 @@ class Place:
     episode: str
     home: Path
     work: Path
+    # The episode's URL as its registration returned it (/episodes/<id>~<key>, no /v1):
+    # a registered episode's calls must carry its key.
+    episode_url: str = ""
 
     @property
     def openai_url(self) -> str:
-        return f"{self.proxy}/episodes/{self.episode}/v1"
+        return f"{self.episode_url}/v1"
 
     @property
     def anthropic_url(self) -> str:  # the Anthropic SDK adds /v1 itself
-        return f"{self.proxy}/episodes/{self.episode}"
+        return self.episode_url
 
     def bin(self, name: str) -> str:
         return str(self.tools / "npm" / "bin" / name)
