@@ -12,7 +12,6 @@ import json
 import shutil
 import signal
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from conftest import admin_call, stored_calls
 from tracetap.migrations import upgrade
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from haproxy_lb import HAProxy  # noqa: E402
+from haproxy_lb import HAProxy
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None and not Path(
     "/usr/sbin/haproxy").exists(), reason="haproxy not installed (apt-get install haproxy)")
