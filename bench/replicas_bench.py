@@ -96,6 +96,7 @@ async def run(targets: list[Target], replicas: list[Target], args) -> None:
                             (t.cpu_seconds() - lb_before) / max(sample.done, 1) * 1000)
                     if sample.errors:
                         print(f"  {t.name} stream={stream}: {sample.errors} errors", flush=True)
+                        args.failures += sample.errors
                     rates.setdefault((t.name, stream), []).append(sample.done / sample.elapsed)
                     if not stream and t.name != "direct":
                         cpu.setdefault(t.name, []).append(used / max(sample.done, 1) * 1000)
@@ -113,6 +114,9 @@ async def run(targets: list[Target], replicas: list[Target], args) -> None:
         kind = "stream" if stream else "call"
         print(f"  {name}: HAProxy CPU {statistics.median(values):.3f} ms per {kind}")
     calls = done - sent
+    if calls < sample.done:
+        print(f"only {int(calls)} of {sample.done} calls were written", flush=True)
+        args.failures += 1
     print(f"\ndatabase write load, {int(calls)} calls in {sample.elapsed:.1f} s "
           f"({calls / sample.elapsed:.0f} calls/s) through {targets[-1].name}:")
     for key, label in (("xact_commit", "commits"), ("tup_inserted", "rows inserted"),
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64,
                         help="agent workers, one episode each")
     args = parser.parse_args(argv)
+    args.failures = 0
 
     work = Path(tempfile.mkdtemp(prefix="tracetap-replicas-bench-"))
     upstream_port = free_port()
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in [*replicas, upstream]:
             stop(t.process)
         drop_database(args.db)
-    return 0
+    return 1 if args.failures else 0
 
 
 if __name__ == "__main__":

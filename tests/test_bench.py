@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -129,3 +132,13 @@ def _assert_steps(out: str, *steps: str) -> None:
     rows = dict(re.findall(r"^(\S.*?)\s{2,}(\d+\.\d)\b", out, re.MULTILINE))
     assert set(steps) <= set(rows), out
     assert all(float(v) > 0 for v in rows.values()), out
+
+
+def test_replicas_bench_measures_every_size_and_the_database_load(postgres):
+    if shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists():
+        pytest.skip("haproxy not installed (apt-get install haproxy; .ci/run does)")
+    out = run("replicas_bench.py", "--seconds", "0.4", "--rounds", "1", "--concurrency", "8")
+    # Exit 0 means no failed call and every call of the database run was written.
+    for target in ("direct", "replica-1-direct", "haproxy-1", "haproxy-2", "haproxy-4"):
+        assert re.search(rf"^\| {target} \|", out, re.M), out
+    assert re.search(r"rows inserted per 1,000 calls: [1-9]", out), out
