@@ -93,64 +93,77 @@ def _run(agents: list[Agent], turns: int) -> list:
     return futures
 
 
-def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
-        engine, fresh_postgres, run_proxy, tmp_path):
+@pytest.fixture
+def cluster(engine, fresh_postgres, run_proxy, tmp_path):
+    """Factory: n replicas on one migrated Postgres behind the shipped HAProxy config, all
+    of them up. Replicas are stopped by run_proxy, HAProxy here."""
     upgrade(fresh_postgres)
-    replicas = {f"r{i}": run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
-                                   data_dir=tmp_path / f"r{i}") for i in (1, 2, 3)}
-    lb = HAProxy(tmp_path, {n: f"127.0.0.1:{p.port}" for n, p in replicas.items()})
-    try:
+    balancers = []
+
+    def start(n: int) -> tuple[dict, HAProxy]:
+        replicas = {f"r{i}": run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
+                                       data_dir=tmp_path / f"r{i}") for i in range(1, n + 1)}
+        lb = HAProxy(tmp_path, {name: f"127.0.0.1:{p.port}" for name, p in replicas.items()})
+        balancers.append(lb)
         lb.start()
-        lb.wait_until(lambda: len(lb.up()) == 3)
-        assert admin_call(lb.url, "PUT", "/tracetap/policy", {"version": "v1"}, TOKEN)[0] == 200
-        agents = _agents(lb)
+        lb.wait_until(lambda: len(lb.up()) == n)
+        return replicas, lb
 
-        # 1. Affinity: every call of an episode goes to one replica, and the episodes spread.
-        for f in _run(agents, TURNS_BEFORE_PAUSE):
-            f.result(timeout=120)
-        stored = _wait_stored(fresh_postgres, agents)
-        owners = {e: {c["instance"] for c in calls} for e, calls in stored.items()}
-        assert all(len(o) == 1 for o in owners.values()), owners
-        assert len(set().union(*owners.values())) >= 2, owners
-
-        # 2. A pause through HAProxy holds calls on every replica; the resume's policy
-        # version is stamped on every call after it, whichever replica serves it.
-        status, paused = admin_call(lb.url, "POST", "/tracetap/pause", {"timeout": 30}, TOKEN)
-        assert status == 200 and paused["drained"] is True, paused
-        for proxy in replicas.values():
-            assert proxy.admin("GET", "/readyz")[1]["paused"] is True
-        held = _run(agents, 1)
-        assert not any(f.done() for f in held)  # nothing passes a held pause
-        assert admin_call(lb.url, "POST", "/tracetap/resume", {"policy_version": "v2"},
-                          TOKEN)[0] == 200
-        for f in held:
-            f.result(timeout=120)
-
-        # 3. The replica serving the most episodes is SIGKILLed mid-run; a new one joins,
-        # on the dead one's data directory (its journal holds what it had not yet written).
-        running = _run(agents, TURNS_AFTER)
-        counts = {n: sum(any(f"-{p.process.pid}-" in i for i in o) for o in owners.values())
-                  for n, p in replicas.items()}
-        victim = max(counts, key=counts.get)
-        before = sum(len(a.completed) for a in agents)
-        while sum(len(a.completed) for a in agents) < before + len(agents):
-            time.sleep(0.02)  # polling: let the run get going first
-        replicas[victim].signal(signal.SIGKILL)
-        replicas[victim].wait()
-        lb.wait_until(lambda: victim not in lb.up())
-        joined = run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
-                           data_dir=tmp_path / victim)
-        lb.add_server("r4", f"127.0.0.1:{joined.port}")
-        lb.wait_until(lambda: "r4" in lb.up())
-        for f in running:
-            f.result(timeout=180)
-        served_after_join = _run(agents, 2)
-        for f in served_after_join:
-            f.result(timeout=120)
-    finally:
+    yield start
+    for lb in balancers:
         lb.stop()
-        for proxy in replicas.values():
-            proxy.stop()  # SIGTERM: each flushes what it captured
+
+
+def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
+        cluster, engine, fresh_postgres, run_proxy, tmp_path):
+    replicas, lb = cluster(3)
+    assert admin_call(lb.url, "PUT", "/tracetap/policy", {"version": "v1"}, TOKEN)[0] == 200
+    agents = _agents(lb)
+
+    # 1. Affinity: every call of an episode goes to one replica, and the episodes spread.
+    for f in _run(agents, TURNS_BEFORE_PAUSE):
+        f.result(timeout=120)
+    stored = _wait_stored(fresh_postgres, agents)
+    owners = {e: {c["instance"] for c in calls} for e, calls in stored.items()}
+    assert all(len(o) == 1 for o in owners.values()), owners
+    assert len(set().union(*owners.values())) >= 2, owners
+
+    # 2. A pause through HAProxy holds calls on every replica; the resume's policy
+    # version is stamped on every call after it, whichever replica serves it.
+    status, paused = admin_call(lb.url, "POST", "/tracetap/pause", {"timeout": 30}, TOKEN)
+    assert status == 200 and paused["drained"] is True, paused
+    for proxy in replicas.values():
+        assert proxy.admin("GET", "/readyz")[1]["paused"] is True
+    held = _run(agents, 1)
+    # Every agent's call has reached its replica and is held there, none answered.
+    lb.wait_until(lambda: sum(_inflight(p) for p in replicas.values()) == len(agents))
+    assert not any(f.done() for f in held)
+    assert admin_call(lb.url, "POST", "/tracetap/resume", {"policy_version": "v2"},
+                      TOKEN)[0] == 200
+    for f in held:
+        f.result(timeout=120)
+
+    # 3. The replica serving the most episodes is SIGKILLed mid-run; a new one joins,
+    # on the dead one's data directory (its journal holds what it had not yet written).
+    running = _run(agents, TURNS_AFTER)
+    counts = {n: sum(any(f"-{p.process.pid}-" in i for i in o) for o in owners.values())
+              for n, p in replicas.items()}
+    victim = max(counts, key=counts.get)
+    before = sum(len(a.completed) for a in agents)
+    while sum(len(a.completed) for a in agents) < before + len(agents):
+        time.sleep(0.02)  # polling: let the run get going first
+    replicas[victim].signal(signal.SIGKILL)
+    replicas[victim].wait()
+    lb.wait_until(lambda: victim not in lb.up())
+    joined = run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
+                       data_dir=tmp_path / victim)
+    lb.add_server("r4", f"127.0.0.1:{joined.port}")
+    lb.wait_until(lambda: "r4" in lb.up())
+    for f in running:
+        f.result(timeout=180)
+    served_after_join = _run(agents, 2)
+    for f in served_after_join:
+        f.result(timeout=120)
 
     total = TURNS_BEFORE_PAUSE + 1 + TURNS_AFTER + 2
     stored = _wait_stored(fresh_postgres, agents)
@@ -177,75 +190,58 @@ def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
 
 @pytest.mark.skip(reason="TODO(lead): enable once h25p (episode budgets held in the database "
                   "across replicas) is merged; today each replica counts its own calls")
-def test_an_episode_budget_holds_across_replicas(engine, fresh_postgres, run_proxy, tmp_path):
-    upgrade(fresh_postgres)
-    replicas = {f"r{i}": run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
-                                   data_dir=tmp_path / f"r{i}") for i in (1, 2)}
-    lb = HAProxy(tmp_path, {n: f"127.0.0.1:{p.port}" for n, p in replicas.items()})
-    try:
-        lb.start()
-        lb.wait_until(lambda: len(lb.up()) == 2)
-        status, made = admin_call(lb.url, "POST", "/tracetap/episodes",
-                                  {"id": "budgeted", "budget": {"max_calls": 3}}, TOKEN)
-        assert status == 201, made
-        agent = Agent("budgeted", openai.OpenAI(base_url=f"{lb.url}/v1",
-                                                api_key=made["api_key"], max_retries=0))
+def test_an_episode_budget_holds_across_replicas(cluster, fresh_postgres):
+    replicas, lb = cluster(2)
+    status, made = admin_call(lb.url, "POST", "/tracetap/episodes",
+                              {"id": "budgeted", "budget": {"max_calls": 3}}, TOKEN)
+    assert status == 201, made
+    agent = Agent("budgeted", openai.OpenAI(base_url=f"{lb.url}/v1",
+                                            api_key=made["api_key"], max_retries=0))
+    agent.turn()
+    agent.turn()
+    # The replica that served the episode goes away; the other must know the count.
+    (owner,) = {c["instance"] for c in _wait_stored(fresh_postgres, [agent])["budgeted"]}
+    victim = next(n for n, p in replicas.items() if f"-{p.process.pid}-" in owner)
+    replicas[victim].signal(signal.SIGKILL)
+    replicas[victim].wait()
+    lb.wait_until(lambda: victim not in lb.up())
+    agent.turn()
+    with pytest.raises(openai.PermissionDeniedError) as refused:
         agent.turn()
-        agent.turn()
-        # The replica that served the episode goes away; the other must know the count.
-        (owner,) = {c["instance"] for c in _wait_stored(fresh_postgres, [agent])["budgeted"]}
-        victim = next(n for n, p in replicas.items() if f"-{p.process.pid}-" in owner)
-        replicas[victim].signal(signal.SIGKILL)
-        replicas[victim].wait()
-        lb.wait_until(lambda: victim not in lb.up())
-        agent.turn()
-        with pytest.raises(openai.PermissionDeniedError) as refused:
-            agent.turn()
-        assert refused.value.body["code"] == "episode_budget_exceeded"
-    finally:
-        lb.stop()
-        for proxy in replicas.values():
-            proxy.stop()
+    assert refused.value.body["code"] == "episode_budget_exceeded"
 
 
-def test_a_draining_replica_is_taken_out_while_its_stream_finishes(
-        engine, fresh_postgres, run_proxy, tmp_path):
-    upgrade(fresh_postgres)
-    replicas = {f"r{i}": run_proxy(engine.url, fresh_postgres, "--admin-token", TOKEN,
-                                   data_dir=tmp_path / f"r{i}") for i in (1, 2)}
-    lb = HAProxy(tmp_path, {n: f"127.0.0.1:{p.port}" for n, p in replicas.items()})
-    try:
-        lb.start()
-        lb.wait_until(lambda: len(lb.up()) == 2)
-        client = openai.OpenAI(base_url=f"{lb.url}/episodes/slow/v1", api_key="x",
-                               max_retries=0)
-        stream = client.chat.completions.create(
-            model="mock-model", messages=[{"role": "user", "content": "slow"}],
-            max_tokens=40, stream=True, extra_body={"mock_chunk_delay_s": 0.05})
-        first = next(iter(stream))  # the call is in flight on its replica
-        server = next(n for n, p in replicas.items() if _serving(p))
-        replicas[server].signal(signal.SIGTERM)
-        lb.wait_until(lambda: server not in lb.up())
-        # New calls of the same episode go to the other replica while the stream runs.
-        moved = openai.OpenAI(base_url=f"{lb.url}/episodes/slow/v1", api_key="x",
-                              max_retries=2).chat.completions.create(
-            model="mock-model", messages=[{"role": "user", "content": "next"}], max_tokens=4)
-        rest = list(stream)
-        assert first.choices and rest[-1].choices[0].finish_reason is not None
-        assert replicas[server].wait() == 0
-        calls = stored_calls(fresh_postgres, "slow")
-        assert len({c["instance"] for c in calls}) == 2
-        assert {c["status"] for c in calls} == {"ok"}, [c["status"] for c in calls]
-        assert moved.choices[0].message.content
-    finally:
-        lb.stop()
-        for proxy in replicas.values():
-            proxy.stop()
+def test_a_draining_replica_is_taken_out_while_its_stream_finishes(cluster, fresh_postgres):
+    replicas, lb = cluster(2)
+    client = openai.OpenAI(base_url=f"{lb.url}/episodes/slow/v1", api_key="x",
+                           max_retries=0)
+    stream = client.chat.completions.create(
+        model="mock-model", messages=[{"role": "user", "content": "slow"}],
+        max_tokens=40, stream=True, extra_body={"mock_chunk_delay_s": 0.05})
+    first = next(iter(stream))  # the call is in flight on its replica
+    server = next(n for n, p in replicas.items() if _serving(p))
+    replicas[server].signal(signal.SIGTERM)
+    lb.wait_until(lambda: server not in lb.up())
+    # New calls of the same episode go to the other replica while the stream runs.
+    moved = openai.OpenAI(base_url=f"{lb.url}/episodes/slow/v1", api_key="x",
+                          max_retries=2).chat.completions.create(
+        model="mock-model", messages=[{"role": "user", "content": "next"}], max_tokens=4)
+    rest = list(stream)
+    assert first.choices and rest[-1].choices[0].finish_reason is not None
+    assert replicas[server].wait() == 0
+    calls = stored_calls(fresh_postgres, "slow")
+    assert len({c["instance"] for c in calls}) == 2
+    assert {c["status"] for c in calls} == {"ok"}, [c["status"] for c in calls]
+    assert moved.choices[0].message.content
 
 
-def _serving(proxy) -> bool:
-    """Whether this replica has a model call in flight (its /metrics gauge)."""
+def _inflight(proxy) -> float:
+    """The replica's model calls in flight, held ones included (its /metrics gauge)."""
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("tracetap_inflight_requests ")) > 0
+               if line.startswith("tracetap_inflight_requests "))
+
+
+def _serving(proxy) -> bool:
+    return _inflight(proxy) > 0
