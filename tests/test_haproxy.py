@@ -161,12 +161,22 @@ def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
     lb.wait_until(lambda: "r4" in lb.up())
     for f in running:
         f.result(timeout=180)
-    served_after_join = _run(agents, 2)
-    for f in served_after_join:
+    for f in _run(agents, 2):
         f.result(timeout=120)
+    # The ring gives the new replica its own share of episodes (not necessarily any of the
+    # six above): fresh episodes, one call each, until some land on it.
+    probes = []
+    for i in range(40):
+        probe = Agent(f"probe-{i}", openai.OpenAI(
+            base_url=f"{lb.url}/v1", api_key="x", max_retries=2,
+            default_headers={"X-Tracetap-Episode": f"probe-{i}"}))
+        probe.turn()
+        probes.append(probe)
+    killed_pid = replicas[victim].process.pid
 
     total = TURNS_BEFORE_PAUSE + 1 + TURNS_AFTER + 2
     stored = _wait_stored(fresh_postgres, agents)
+    probed = _wait_stored(fresh_postgres, probes)
     instances = set()
     for agent in agents:
         calls = stored[agent.episode]
@@ -185,7 +195,13 @@ def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
         versions = [c["policy_version"] for c in completed]
         assert versions == ["v1"] * TURNS_BEFORE_PAUSE + ["v2"] * (total - TURNS_BEFORE_PAUSE)
         instances |= {c["instance"] for c in completed}
-    assert len(instances) == 4  # three first replicas and the one that joined
+    for probe in probes:
+        assert [json.loads(c["response"])["id"] for c in probed[probe.episode]] == probe.completed
+    instances |= {c["instance"] for calls in probed.values() for c in calls}
+    # The three first replicas and the one that joined all served completed calls.
+    assert len(instances) == 4, instances
+    assert any(f"-{killed_pid}-" in i for i in instances)
+    assert any(f"-{joined.process.pid}-" in i for i in instances)
 
 
 @pytest.mark.skip(reason="TODO(lead): enable once h25p (episode budgets held in the database "
