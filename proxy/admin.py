@@ -281,13 +281,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when an upstream answers; the journal backlog is reported, the DB is not asked."""
+    """Ready when an upstream answers and the process is not draining; the journal backlog
+    is reported, the DB is not asked."""
     state = request.app[STATE]
     await state.pool.check_health()
     upstreams = state.pool.describe()
-    ready = any(u["healthy"] for u in upstreams)
+    ready = any(u["healthy"] for u in upstreams) and not state.draining
     body = {
         "ready": ready,
+        "draining": state.draining,
         "paused": state.gate.paused,
         "upstreams": upstreams,
         "journal": {"bytes": state.writer.journal.bytes, "pending_records": state.writer.pending},

@@ -41,6 +41,7 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     app[SETTINGS] = settings
     app[OVERLAYS] = load_overlays(settings.overlay)  # the operator's code, imported at start
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_start_draining)
     if worker is not None:
         app[WORKER] = worker
         app.on_response_prepare.append(functools.partial(
@@ -64,6 +65,12 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_route("*", "/v1/{tail:.*}", handlers.agent_request)
     r.add_route("*", "/{tail:.*}", handlers.agent_request)
     return app
+
+
+async def _start_draining(app: web.Application) -> None:
+    """aiohttp's shutdown step: the listener is closed, in-flight calls still run."""
+    if STATE in app:
+        app[STATE].draining = True
 
 
 async def _identify(value: str, request: web.Request, response: web.StreamResponse) -> None:

@@ -67,6 +67,9 @@ class ProxyState:
         self.flavor = "openai" if settings.upstream_flavor == "auto" else settings.upstream_flavor
         self.arrivals = Arrivals()
         self.prompt_prefixes = PromptPrefixes()
+        # Set once SIGTERM starts the drain: /readyz answers 503 so a load balancer stops
+        # sending new calls while the in-flight ones finish.
+        self.draining = False
         self.gate = Gate(settings.pause_timeout)
         self.controls = Controls(engine, self.gate, self.instance,
                                  on_pause=metrics.set_paused if metrics else lambda _: None)

@@ -9,10 +9,14 @@ writes exactly the tokens the synthetic database holds.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -152,3 +156,14 @@ def test_agentic_bench_keeps_every_call_and_relays_what_direct_gets(postgres, tm
         assert same == compared == 3 * 3
         assert result["arms"][arm]["stored_ids_per_unique_token"] > 0
         assert set(result["arms"][arm]["cpu_ms_alone"]) == {"<10k"}
+
+
+def test_replicas_bench_measures_every_size_and_the_database_load(postgres):
+    if (shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists()
+            and not os.environ.get("CI")):
+        pytest.skip("haproxy not installed (apt-get install haproxy; .ci/run does)")
+    out = run("replicas_bench.py", "--seconds", "0.4", "--rounds", "1", "--concurrency", "8")
+    # Exit 0 means no failed call and every call of the database run was written.
+    for target in ("direct", "replica-1-direct", "haproxy-1", "haproxy-2", "haproxy-4"):
+        assert re.search(rf"^\| {target} \|", out, re.M), out
+    assert re.search(r"rows inserted per 1,000 calls: [1-9]", out), out

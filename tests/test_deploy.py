@@ -57,7 +57,7 @@ def run_config(binary: str, *args: str, admin_token: str | None = "test-token"):
 
 
 @pytest.mark.parametrize("profiles", [(), ("vllm",), ("mock",), ("vllm", "mock"),
-                                      ("mock", "grafana")])
+                                      ("mock", "grafana"), ("mock", "replicas")])
 def test_compose_file_validates(docker_compose, profiles):
     flags = [arg for profile in profiles for arg in ("--profile", profile)]
     result = run_config(docker_compose, *flags)
@@ -187,3 +187,44 @@ def test_build_context_holds_what_the_dockerfile_copies():
             for source in value.split()[:-1]:
                 assert source in allowed, f"{source} is excluded by .dockerignore"
                 assert (REPO / source).exists()
+
+
+def test_replicas_profile_puts_haproxy_in_front_of_every_replica(compose):
+    services = compose["services"]
+    cfg = (REPO / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+    servers = re.findall(r"^\s*server\s+(\S+)\s+(\S+)", cfg, re.M)
+    targets = [addr.rsplit(":", 1) for _, addr in servers]
+    # Every server line names a compose service on the proxy's port, and every replica is one.
+    replicas = [name for name, svc in services.items()
+                if svc.get("command") == ["serve"]]
+    assert sorted(host for host, _ in targets) == sorted(replicas) == [
+        "tracetap", "tracetap-2", "tracetap-3"]
+    assert {port for _, port in targets} == {services["tracetap"]["environment"]["TRACETAP_PORT"]}
+    for name in replicas:
+        svc = services[name]
+        assert svc["environment"] == services["tracetap"]["environment"]
+        assert svc["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    # One journal per process: no two replicas share a data volume.
+    data = [v for name in replicas for v in services[name]["volumes"] if v.endswith(":/data")]
+    assert len(set(data)) == len(replicas)
+    haproxy = services["haproxy"]
+    assert haproxy["profiles"] == ["replicas"] == services["tracetap-2"]["profiles"]
+    assert ("./deploy/haproxy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro"
+            in haproxy["volumes"])
+    assert haproxy["environment"]["HAPROXY_BIND"] == ":8090"
+    assert haproxy["ports"] == ["8090:8090"]
+
+
+def test_haproxy_routes_by_episode_with_consistent_hashing_and_readyz_checks():
+    cfg = (REPO / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+    lines = [line.split("#")[0].strip() for line in cfg.splitlines()]
+    assert "balance hash var(txn.episode)" in lines
+    assert "hash-type consistent" in lines
+    assert "option httpchk GET /readyz" in lines
+    # The episode's sources in tracetap's own order: path, key, header.
+    sources = [line for line in lines if line.startswith("http-request set-var(txn.episode)")]
+    assert [s.split()[2] for s in sources] == [
+        "path,field(3,/)", "req.hdr(authorization),bytes(7)", "req.hdr(api-key)",
+        "req.hdr(x-api-key)", "req.hdr(x-tracetap-episode)"]
+    # Only tracetap's own episode keys count: a placeholder key must not decide the route.
+    assert all("tt-" in s for s in sources[1:4])

@@ -1,0 +1,26 @@
+"""/readyz answers 503 once the drain has started, for a load balancer still asking."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+def _readyz(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_readyz_says_not_ready_once_shutdown_begins(proxy):
+    status, body = _readyz(proxy.url)
+    assert (status, body["ready"], body["draining"]) == (200, True, False)
+    # aiohttp's shutdown step (what SIGTERM runs after closing the listener, while calls
+    # in flight finish); run here with the listener still open, so /readyz can be asked.
+    proxy.loop.run(proxy.runner.app.shutdown())
+    status, body = _readyz(proxy.url)
+    assert (status, body["ready"], body["draining"]) == (503, False, True)
+    assert all(u["healthy"] for u in body["upstreams"])  # not ready for the drain alone
