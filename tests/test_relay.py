@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Proxy, free_port
-from tracetap.proxy.capture import ModelCall
 from tracetap.migrations import upgrade
+from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
