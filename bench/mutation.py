@@ -67,13 +67,20 @@ MODULES = {
     # Token ids recovered from the engine's tokenizer, or refused.
     "proxy/resolve.py": _TOKEN_IDS,
     "proxy/tokenizers.py": _TOKEN_IDS,
-    "proxy/admin_token.py": ["tests/test_hostile_agent.py", "tests/test_admin.py"],
+    "proxy/admin_token.py": ["tests/test_admin.py", *(
+        "tests/test_hostile_agent.py::" + name for name in (
+            "test_an_empty_admin_token_file_never_opens_the_admin_api",
+            "test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start"))],
     "proxy/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
     "proxy/budgets.py": ["tests/test_hostile_episodes.py", "tests/test_hostile_agent.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
 }
-PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations"]
+# The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
+# them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
+# copy (mutants/ comes first on sys.path, before the editable install's finder) under the
+# module names mutmut derives from the file paths.
+PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations", "analysis", "viewer"]
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}
 
 
@@ -138,11 +145,10 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
         shutil.rmtree(scratch)
     _copy_repository(scratch)
     tests = "\n    ".join(MODULES[module])
-    packages = "\n    ".join(PACKAGES)
     (scratch / "setup.cfg").write_text(
         "[mutmut]\n"
-        f"source_paths =\n    {packages}\n"
-        f"only_mutate =\n    {module}\n"
+        "source_paths =\n    tracetap\n"
+        f"only_mutate =\n    tracetap/{module}\n"
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
         # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
         # fail already count, a leak warning at exit must not crash mutmut's own run.
@@ -197,14 +203,15 @@ def _copy_repository(scratch: Path) -> None:
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
-            target = scratch / name
+            top = name.split("/", 1)[0]
+            target = scratch / ("tracetap/" + name if top in PACKAGES else name)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
 
 
 def _function(name: str) -> str:
-    """``storage.writer.xǁWriterǁ_run__mutmut_3`` -> ``storage.writer.Writer._run``."""
-    qualified = name.rsplit("__mutmut_", 1)[0]
+    """``tracetap.storage.writer.xǁWriterǁ_run__mutmut_3`` -> ``storage.writer.Writer._run``."""
+    qualified = name.rsplit("__mutmut_", 1)[0].removeprefix("tracetap.")
     module, _, function = qualified.rpartition(".")
     if function.startswith("xǁ"):
         function = ".".join(function[2:].split("ǁ"))
