@@ -7,7 +7,7 @@ that call the mutated function). Tests that run the proxy as a subprocess do not
 mutmut only sees the functions called in its own process.
 
     pip install 'mutmut>=3.8,<4'      # not a test dependency: nothing imports it
-    nice -n 10 python bench/mutation.py                      # all modules, ~22 min on 2 cores
+    nice -n 10 python bench/mutation.py                      # all modules: long, see docs
     nice -n 10 python bench/mutation.py storage/journal.py   # one module
     python bench/mutation.py --show                          # also print each survivor's diff
 
