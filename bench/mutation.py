@@ -7,7 +7,7 @@ that call the mutated function). Tests that run the proxy as a subprocess do not
 mutmut only sees the functions called in its own process.
 
     pip install 'mutmut>=3.8,<4'      # not a test dependency: nothing imports it
-    nice -n 10 python bench/mutation.py                      # all modules, ~22 min on 2 cores
+    nice -n 10 python bench/mutation.py                      # all modules: long, see docs
     nice -n 10 python bench/mutation.py storage/journal.py   # one module
     python bench/mutation.py --show                          # also print each survivor's diff
 
@@ -33,15 +33,54 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "testing.md"
 
 # module -> the fast tests that exercise it
+_RELAY = ["tests/test_relay.py", "tests/test_capture.py", "tests/test_prompt_cut.py"]
+_QUARANTINE = ["tests/test_quarantine.py", "tests/test_quarantine_proxy.py"]
+_MESSAGES = ["tests/test_translate_messages.py", "tests/test_apis_capture.py"]
+_RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
+_TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
     "storage/writer.py": ["tests/test_writer.py", "tests/test_journal.py"],
+    # The writer's quarantine path: a record refused is kept aside, never blocks another.
+    "storage/refusal.py": _QUARANTINE,
+    "storage/storable.py": _QUARANTINE,
+    "storage/quarantine.py": _QUARANTINE,
+    "storage/quarantine_command.py": _QUARANTINE,
+    "storage/retention.py": ["tests/test_prune.py", "tests/test_prune_blocks.py"],
     "proxy/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
+    # One call's capture and the relay: journaled before [DONE], the client's bytes.
+    "proxy/capture.py": _RELAY,
+    "proxy/handlers.py": [*_RELAY, "tests/test_faults.py"],
+    # Capture and translation of the Messages and Responses APIs.
+    "proxy/apis/chat_reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
+                                 "tests/test_translate_responses.py"],
+    "proxy/apis/messages/request.py": _MESSAGES,
+    "proxy/apis/messages/translate.py": _MESSAGES,
+    "proxy/apis/messages/capture.py": _MESSAGES,
+    "proxy/apis/responses/request.py": _RESPONSES,
+    "proxy/apis/responses/history.py": _RESPONSES,
+    "proxy/apis/responses/objects.py": _RESPONSES,
+    "proxy/apis/responses/stream.py": _RESPONSES,
+    "proxy/apis/responses/translate.py": _RESPONSES,
+    "proxy/apis/responses/capture.py": _RESPONSES,
+    # Token ids recovered from the engine's tokenizer, or refused.
+    "proxy/resolve.py": _TOKEN_IDS,
+    "proxy/tokenizers.py": _TOKEN_IDS,
+    "proxy/admin_token.py": ["tests/test_admin.py", *(
+        "tests/test_hostile_agent.py::" + name for name in (
+            "test_an_empty_admin_token_file_never_opens_the_admin_api",
+            "test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start"))],
+    "proxy/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
+    "proxy/budgets.py": ["tests/test_hostile_episodes.py", "tests/test_hostile_agent.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
 }
-PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations"]
+# The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
+# them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
+# copy (mutants/ comes first on sys.path, before the editable install's finder) under the
+# module names mutmut derives from the file paths.
+PACKAGES = ["proxy", "storage", "exporters", "demo", "migrations", "analysis", "viewer"]
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}
 
 
@@ -90,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
     total = sum(r[1] for r in rows)
     killed = sum(r[2] for r in rows)
-    print(f"\n{'module':<28}{'mutants':>8}{'killed':>8}{'score':>8}{'unexplained':>13}")
+    print(f"\n{'module':<36}{'mutants':>8}{'killed':>8}{'score':>8}{'unexplained':>13}")
     for module, n, k, score, unexplained in rows:
-        print(f"{module:<28}{n:>8}{k:>8}{score:>8.1%}{unexplained:>13}")
+        print(f"{module:<36}{n:>8}{k:>8}{score:>8.1%}{unexplained:>13}")
     if total:
-        print(f"{'all':<28}{total:>8}{killed:>8}{killed / total:>8.1%}"
+        print(f"{'all':<36}{total:>8}{killed:>8}{killed / total:>8.1%}"
               f"{sum(r[4] for r in rows):>13}")
     return 1 if failed else 0
 
@@ -106,11 +145,10 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
         shutil.rmtree(scratch)
     _copy_repository(scratch)
     tests = "\n    ".join(MODULES[module])
-    packages = "\n    ".join(PACKAGES)
     (scratch / "setup.cfg").write_text(
         "[mutmut]\n"
-        f"source_paths =\n    {packages}\n"
-        f"only_mutate =\n    {module}\n"
+        "source_paths =\n    tracetap\n"
+        f"only_mutate =\n    tracetap/{module}\n"
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
         # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
         # fail already count, a leak warning at exit must not crash mutmut's own run.
@@ -165,14 +203,15 @@ def _copy_repository(scratch: Path) -> None:
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
-            target = scratch / name
+            top = name.split("/", 1)[0]
+            target = scratch / ("tracetap/" + name if top in PACKAGES else name)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
 
 
 def _function(name: str) -> str:
-    """``storage.writer.xǁWriterǁ_run__mutmut_3`` -> ``storage.writer.Writer._run``."""
-    qualified = name.rsplit("__mutmut_", 1)[0]
+    """``tracetap.storage.writer.xǁWriterǁ_run__mutmut_3`` -> ``storage.writer.Writer._run``."""
+    qualified = name.rsplit("__mutmut_", 1)[0].removeprefix("tracetap.")
     module, _, function = qualified.rpartition(".")
     if function.startswith("xǁ"):
         function = ".".join(function[2:].split("ǁ"))

@@ -430,3 +430,49 @@ def test_auto_picks_the_route_that_keeps_every_tokens_logprob(request_body, tran
         routing = Routing(translate, native={"responses": ResponsesApi()})
         route = routing.for_request(routing.route("/v1/responses", "vllm"), request_body)
         assert (route.endpoint == "responses:chat") is expect, (translate, request_body)
+
+
+def test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk(engine, make_proxy):
+    """vLLM, and the mock engine playing it, send the last token's text in the chunk that
+    carries ``finish_reason: length``. Translated by the proxy, the anthropic and openai
+    SDKs' streams give all of it, as the whole replies do, and the record matches. Kills
+    the Messages or Responses stream translator dropping the text of that chunk."""
+    proxy = make_proxy(engine, translate="all", upstream_flavor="vllm")
+    direct = openai.OpenAI(base_url=engine.url, api_key="x", max_retries=0)
+    with direct, direct.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=5, stream=True) as chunks:
+        ending = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert ending[0].finish_reason == "length" and ending[0].delta.content  # text with it
+
+    messages = [{"role": "user", "content": "hello there"}]
+    claude = anthropic.Anthropic(base_url=proxy.url + "/episodes/len-m", api_key="x",
+                                 max_retries=0)
+    with claude:
+        whole = claude.messages.create(model="mock-model", max_tokens=5, messages=messages)
+        with claude.messages.stream(model="mock-model", max_tokens=5,
+                                    messages=messages) as stream:
+            texts = list(stream.text_stream)
+            streamed = stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    assert "".join(texts) == streamed.content[0].text == whole.content[0].text
+    assert texts[-1] == ending[0].delta.content
+
+    gpt = openai.OpenAI(base_url=proxy.episode_url("len-r"), api_key="x", max_retries=0)
+    with gpt:
+        whole_r = gpt.responses.create(model="mock-model", input=messages,
+                                       max_output_tokens=5)
+        with gpt.responses.stream(model="mock-model", input=messages,
+                                  max_output_tokens=5) as stream:
+            events = list(stream)  # get_final_response wants response.completed
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"
+    streamed_r = events[-1].response
+    assert whole_r.status == streamed_r.status == "incomplete"
+    assert "".join(deltas) == streamed_r.output_text == whole_r.output_text
+    assert deltas[-1] == ending[0].delta.content
+
+    for episode, text in (("len-m", whole.content[0].text), ("len-r", whole_r.output_text)):
+        calls = proxy.calls(episode)
+        assert [c["choices"][0]["text"] for c in calls] == [text, text]
+        assert all(c["choices"][0]["finish_reason"] == "length" for c in calls)

@@ -23,6 +23,8 @@ from aiohttp import web
 from conftest import Proxy, admin_call, free_port
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
+from tracetap.proxy import admin_token
+from tracetap.proxy.admin_token import ensure_admin_token, read_admin_token
 from tracetap.proxy.settings import Settings
 
 SECRET = "sk-upstream-SECRET-77c1"
@@ -277,6 +279,56 @@ def test_serve_generates_an_owner_only_admin_token_and_the_cli_reads_it(
     again = run_proxy(upstream, db, data_dir=data)
     assert again.admin_token == printed
     assert again.admin("GET", "/tracetap/episodes")[0] == 200
+
+
+@pytest.mark.parametrize("content", ["", " \n\t \n"], ids=["empty", "whitespace"])
+def test_an_empty_admin_token_file_never_opens_the_admin_api(upstream, tmp_path, content):
+    """DATA_DIR/admin-token empty or whitespace only: ``serve`` refuses to start with a
+    message naming the file (documented in proxy/admin_token.py); the file is left as it
+    was. Kills ``read_admin_token`` returning the
+    empty string (then ``ensure_admin_token`` hands ``""`` back, and a request without
+    any token matches it: the admin API open to anyone), and ``ensure_admin_token``
+    returning the empty token instead of raising."""
+    data = tmp_path / "data"
+    data.mkdir()
+    token_file = data / "admin-token"
+    token_file.write_text(content)
+    assert read_admin_token(data) is None
+    with pytest.raises(ValueError, match="admin-token exists but is empty"):
+        ensure_admin_token(data)
+    result = subprocess.run(  # a mutant that serves runs into the timeout: a failure too
+        [sys.executable, "-m", "tracetap", "serve", "--upstream", upstream,
+         "--db", f"sqlite:///{tmp_path / 'e.db'}", "--data-dir", str(data),
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{token_file} exists but is empty: remove it or pass --admin-token" in result.stderr
+    assert token_file.read_text() == content
+
+
+def test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start(
+        tmp_path, monkeypatch):
+    """In-process (mutation testing sees it): the token file is created with its folders,
+    mode 0600 whatever the umask allows, and a start that loses the race to create it
+    takes the winner's token. Kills the mode left out or changed, ``parents`` dropped from
+    the mkdir, and the loser raising or making its own token."""
+    data = tmp_path / "not" / "yet"
+    token, path = ensure_admin_token(data)
+    assert path == data / "admin-token" and path.read_text() == token + "\n"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(token) >= 43
+    assert ensure_admin_token(data) == (token, path)  # kept across restarts
+
+    other = tmp_path / "race"
+    real_read = admin_token.read_admin_token
+
+    def lose_the_race(data_dir):  # another process writes its token just after our look
+        monkeypatch.setattr(admin_token, "read_admin_token", real_read)
+        (other / "admin-token").write_text("the-winners-token\n")
+        return None
+
+    other.mkdir()
+    monkeypatch.setattr(admin_token, "read_admin_token", lose_the_race)
+    assert ensure_admin_token(other) == ("the-winners-token", other / "admin-token")
 
 
 def test_admin_api_on_its_own_port_is_absent_from_the_agent_port(upstream, run_proxy,

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from conftest import Proxy, free_port
 from tracetap.migrations import upgrade
+from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
@@ -88,11 +89,13 @@ def stream_writes(asked: dict) -> list[bytes]:
 
 
 class SpacedUpstream:
-    """The upstream app; ``hold`` keeps each stream open after ``[DONE]`` until released."""
+    """The upstream app; ``hold`` keeps each stream open after ``[DONE]`` until released;
+    ``joined_end`` writes the last content chunk, the usage chunk and ``[DONE]`` at once."""
 
-    def __init__(self, loop_thread, hold: bool = False):
+    def __init__(self, loop_thread, hold: bool = False, joined_end: bool = False):
         self.loop_thread = loop_thread
         self.hold = hold
+        self.joined_end = joined_end
         self.received: list[dict] = []
         self.released = asyncio.Event()  # created outside the loop: bound on first wait
 
@@ -108,7 +111,10 @@ class SpacedUpstream:
             return web.Response(body=whole_reply(asked), content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for data in stream_writes(asked):
+        writes = stream_writes(asked)
+        if self.joined_end:  # one write, one TCP send: vLLM's last events often share one
+            writes = [*writes[:-3], b"".join(writes[-3:])]
+        for data in writes:
             await response.write(data)
             await asyncio.sleep(0)  # let each write go out on its own
         if self.hold:
@@ -147,6 +153,13 @@ def _proxy(loop_thread, upstream: SpacedUpstream, db_url: str, tmp_path) -> Prox
     settings = Settings(upstream=upstream.url, db=db_url, data_dir=str(tmp_path / "d"),
                         port=free_port(), upstream_flavor="vllm")
     return Proxy(loop_thread, settings).start()
+
+
+@pytest.fixture
+def joined(loop_thread, serve_app):
+    upstream = SpacedUpstream(loop_thread, joined_end=True)
+    upstream.url = serve_app(upstream.app()) + "/v1"
+    return upstream
 
 
 @pytest.fixture
@@ -290,3 +303,66 @@ def test_a_stream_is_journaled_before_the_client_sees_done(proxy_to_held, held, 
     assert call["choices"][0]["completion_ids"] == IDS
     assert call["choices"][0]["finish_reason"] == "stop"
     assert proxy_to_held.calls("done") == [call]  # and never a second time
+
+
+@pytest.mark.parametrize("asks", [{}, EVERYTHING_STREAMED], ids=["rewritten", "relayed"])
+def test_the_record_is_submitted_before_the_write_that_carries_done(
+        proxy_to_spaced, asks, monkeypatch):
+    """The order itself, spied on in the proxy's process: the writer's ``submit`` comes
+    before the write that gives the client ``data: [DONE]``. Kills the journal call moved
+    to just after that write, on either relay path (``ModelCall._as_received`` after its
+    last ``yield``, ``ModelCall._rewritten`` leaving it to ``finish``): reading the record
+    after the client has read [DONE] cannot tell, since the late journal has happened too
+    by then."""
+    order: list[str] = []
+    writer = proxy_to_spaced.state.writer
+    submit = writer.submit
+
+    def spied_submit(record):
+        order.append(f"submit {record.episode_id}")
+        return submit(record)
+
+    write = web.StreamResponse.write
+
+    async def spied_write(self, data):
+        if b"data: [DONE]" in data:  # the upstream's own [DONE] write, then the proxy's
+            order.append("[DONE] written")
+        return await write(self, data)
+
+    monkeypatch.setattr(writer, "submit", spied_submit)
+    monkeypatch.setattr(web.StreamResponse, "write", spied_write)
+    raw = _raw(proxy_to_spaced.episode_url("order"), True, asks)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert order == ["[DONE] written", "submit order", "[DONE] written"]
+    [call] = proxy_to_spaced.calls("order")
+    assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
+
+
+def test_events_in_the_read_that_carries_done_reach_the_client_byte_for_byte(
+        loop_thread, joined, db_url, tmp_path, monkeypatch):
+    """The upstream writes the last content chunk, the usage chunk and [DONE] at once, and
+    the client asked for everything itself (the stream is relayed as it came): the bytes
+    before the cut at ``data: [DONE]`` must go out too. Kills dropping ``data[:cut]`` in
+    ``ModelCall._as_received``; the read boundary is checked in the proxy, so the test
+    cannot pass with the three events arriving apart."""
+    reads: list[bytes] = []
+    relay_chunk = ModelCall.relay_chunk
+
+    def spied_relay_chunk(self, data):
+        reads.append(data)
+        return relay_chunk(self, data)
+
+    monkeypatch.setattr(ModelCall, "relay_chunk", spied_relay_chunk)
+    proxy = _proxy(loop_thread, joined, db_url, tmp_path)
+    try:
+        direct = _raw(joined.url, True, EVERYTHING_STREAMED)
+        proxied = _raw(proxy.episode_url("joined"), True, EVERYTHING_STREAMED)
+        [call] = proxy.calls("joined")
+    finally:
+        proxy.stop()
+    last_three = b"".join(stream_writes(joined.received[-1])[-3:])
+    assert any(last_three in read for read in reads), "the three events came apart"
+    assert proxied == direct
+    assert direct.endswith(last_three) and b'"usage": {"prompt_tokens": 4' in last_three
+    assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
+    assert (call["prompt_tokens"], call["completion_tokens"]) == (4, 3)

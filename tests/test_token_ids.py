@@ -311,3 +311,67 @@ def test_llama_cpp_python_streams_are_never_cut_by_the_writers_questions(
     [(_, start, end)] = [s for s in seen if s[0] == "/v1/completions" and s[2] - s[1] > 1]
     asked = [t for path, t, _ in seen if path.startswith("/extras/")]
     assert asked and not [t for t in asked if start <= t <= end]
+
+
+# ---- an engine's tokenizer that disagrees with its own usage or strings ----------------------
+
+def _skewed_engine(skew: str) -> web.Application:
+    """The mock vLLM whose /tokenize is off: ``count`` adds a token to a chat prompt (its
+    count is then not the engine's usage.prompt_tokens); ``prefix`` drops the last id of a
+    text (retokenizing a completion then gives a strict prefix of the engine's tokens)."""
+    app = make_engine_app(EngineConfig(flavor="vllm"))
+
+    @web.middleware
+    async def skewed(request, handler):
+        response = await handler(request)
+        if request.path != "/tokenize" or response.status != 200:
+            return response
+        asked, answer = await request.json(), json.loads(response.body)
+        if skew == "count" and "messages" in asked:
+            answer["tokens"].append(answer["tokens"][-1])
+        elif skew == "prefix" and asked.get("prompt") not in (None, "hi") and len(
+                answer["tokens"]) > 1:
+            answer["tokens"].pop()
+        else:
+            return response
+        answer["count"] = len(answer["tokens"])
+        return web.json_response(answer)
+
+    app.middlewares.append(skewed)
+    return app
+
+
+@pytest.mark.parametrize("skew", ["count", "prefix"])
+def test_ids_the_engine_itself_would_not_give_are_not_stored(loop_thread, db_url, tmp_path,
+                                                             serve_app, skew):
+    """``count``: the engine's /tokenize gives one id more than the usage.prompt_tokens it
+    reported; kills removing the prompt count check (``_keep_prompt``'s
+    ``count_mismatch``). ``prefix``: retokenizing the completion gives a strict prefix of
+    the engine's own tokens, every piece matching; kills removing the length check in
+    ``_accept``, which ``zip`` would then truncate to fewer ids than tokens."""
+    upstream = serve_app(_skewed_engine(skew)) + "/v1"
+    settings = Settings(upstream=upstream, db=db_url, data_dir=str(tmp_path / "data"),
+                        port=free_port(), upstream_flavor="openai")
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("skew"), api_key="x",
+                               max_retries=0)
+        request = {"model": "m", "messages": [{"role": "user", "content": "Say it."}],
+                   "max_tokens": 8}
+        with client:
+            reply = client.chat.completions.create(**request)
+        [call] = proxy.calls("skew")
+        metric = missing_metric(proxy)
+    finally:
+        proxy.stop()
+    prompt, completion = engine_ids(upstream, request)
+    assert reply.usage.prompt_tokens == len(prompt) and len(completion) > 1
+    [choice] = call["choices"]
+    if skew == "count":
+        assert call["prompt_ids"] is None and call["ids_missing"] == "count_mismatch"
+        assert choice["completion_ids"] == completion  # the completion still checks out
+        assert metric == {"count_mismatch": 1.0}
+    else:
+        assert call["prompt_ids"] == prompt and call["prompt_source"] == "engine_tokenize"
+        assert choice["completion_ids"] is None and choice["token_source"] == "none"
+        assert call["ids_missing"] == "unverified" and metric == {"unverified": 1.0}

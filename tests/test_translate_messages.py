@@ -14,7 +14,7 @@ from anthropic.types.shared import ErrorResponse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
-from translation import decode_named_events, engine_chat, harness_turn
+from translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
@@ -360,6 +360,26 @@ def test_stream_stop_sequence_from_the_finish_chunk():
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
 
 
+@pytest.mark.parametrize(("finish", "stop", "delta"), [
+    ("length", None, {"stop_reason": "max_tokens", "stop_sequence": None}),
+    ("stop", "END", {"stop_reason": "stop_sequence", "stop_sequence": "END"}),
+], ids=["length", "stop-string"])
+def test_text_in_the_chunk_that_carries_finish_reason_reaches_the_client(finish, stop, delta):
+    """vLLM sends the last text with finish_reason on ``length`` and stop-string endings.
+    Kills the translator dropping (or not translating) the text of the chunk that carries
+    finish_reason."""
+    chunks = stream_chunks("Hello there", finish=finish, usage=USAGE)
+    chunks[-2]["choices"][0]["stop_reason"] = stop
+    chunks = finish_on_last_chunk(chunks)
+    ending = chunks[-2]["choices"][0]
+    assert ending["delta"]["content"] and ending["finish_reason"] == finish
+    events = run_stream({**BASE, "stop_sequences": ["END"]}, chunks)
+    deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas[-1] == ending["delta"]["content"] and "".join(deltas) == "Hello there"
+    assert events[-2]["delta"] == delta
+    assert sdk_final(events).content[0].text == "Hello there"
+
+
 def test_stream_tool_name_after_id_and_no_name_at_all():
     chunks = [
         {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c9"}]}}]},
@@ -427,12 +447,14 @@ ARGS = st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4),
 @given(text=st.none() | WORD, reasoning=st.none() | WORD,
        calls=st.lists(st.tuples(st.text("abc", min_size=1, max_size=3), ARGS), max_size=3),
        finish=st.sampled_from(["stop", "length", "tool_calls", None]),
-       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5))
+       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5), attached=st.booleans())
 def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, finish, usage,
-                                                     pieces):
+                                                     pieces, attached):
+    """``attached``: finish_reason on the last chunk with a delta, as vLLM sends it."""
     request = {**BASE, "messages": [], "tools": [TOOL]}
     calls = [(f"toolu_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
-    events = run_stream(request, stream_chunks(text, reasoning, calls, finish, usage, pieces))
+    chunks = stream_chunks(text, reasoning, calls, finish, usage, pieces)
+    events = run_stream(request, finish_on_last_chunk(chunks) if attached else chunks)
     whole = from_chat(chat_reply(text, reasoning, calls, finish, usage), request,
                       response_id="msg_t")
     assert sdk_final(events) == Message.model_validate(whole)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from translation import decode_named_events, engine_chat, harness_turn
+from translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 
 from conftest import CHAT_USAGE as USAGE
 from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
@@ -334,6 +334,26 @@ def test_stream_without_content_gets_an_empty_message_and_length_is_incomplete()
     assert events[-1]["response"]["output"][0]["status"] == "incomplete"
 
 
+@pytest.mark.parametrize(("finish", "final"), [("length", "response.incomplete"),
+                                               ("stop", "response.completed")])
+def test_text_in_the_chunk_that_carries_finish_reason_reaches_the_client(finish, final):
+    """vLLM sends the last text with finish_reason on ``length`` and stop-string endings.
+    Kills the translator dropping (or not translating) the text of the chunk that carries
+    finish_reason."""
+    chunks = finish_on_last_chunk(stream_chunks("Hello there", finish=finish, usage=USAGE))
+    ending = chunks[-2]["choices"][0]
+    assert ending["delta"]["content"] and ending["finish_reason"] == finish
+    events = run_stream({"input": "x"}, chunks)
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas[-1] == ending["delta"]["content"] and "".join(deltas) == "Hello there"
+    assert events[-1]["type"] == final
+    assert events[-1]["response"] == from_chat(
+        chat_reply("Hello there", finish=finish, usage=USAGE), {"input": "x"},
+        response_id="resp_t")
+    if final == "response.completed":
+        assert sdk_final({"input": "x"}, events).output_text == "Hello there"
+
+
 def test_stream_tool_name_after_id_and_no_name_at_all():
     chunks = [
         {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c9"}]}}]},
@@ -409,12 +429,14 @@ ARGS = st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4),
 @given(text=st.none() | WORD, reasoning=st.none() | WORD,
        calls=st.lists(st.tuples(st.text("abc", min_size=1, max_size=3), ARGS), max_size=3),
        finish=st.sampled_from(["stop", "length", "tool_calls", None]),
-       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5))
+       usage=st.none() | st.just(USAGE), pieces=st.integers(1, 5), attached=st.booleans())
 def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, finish, usage,
-                                                     pieces):
+                                                     pieces, attached):
+    """``attached``: finish_reason on the last chunk with a delta, as vLLM sends it."""
     request = {"model": "gpt-x", "input": "x", "tools": [TOOL]}
     calls = [(f"call_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
-    events = run_stream(request, stream_chunks(text, reasoning, calls, finish, usage, pieces))
+    chunks = stream_chunks(text, reasoning, calls, finish, usage, pieces)
+    events = run_stream(request, finish_on_last_chunk(chunks) if attached else chunks)
     whole = from_chat(chat_reply(text, reasoning, calls, finish, usage), request,
                       response_id="resp_t")
     assert events[-1]["response"] == whole

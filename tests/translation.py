@@ -35,3 +35,20 @@ def harness_turn(message: dict) -> dict:
     """The assistant message a chat harness appends to its history after `message`."""
     return {"role": "assistant", "content": message["content"],
             **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {})}
+
+
+def finish_on_last_chunk(chunks: list[dict]) -> list[dict]:
+    """``chunks`` (``conftest.stream_chunks``) as vLLM streams a ``length`` or stop-string
+    ending: the finish_reason (and stop_reason) on the last chunk that carries a delta,
+    with its text, instead of an empty chunk of its own."""
+    out = [dict(c, choices=[dict(choice) for choice in c["choices"]]) for c in chunks]
+    at = next((i for i, c in enumerate(out)
+               if c["choices"] and c["choices"][0]["finish_reason"]), None)
+    if not at:  # no finish_reason, or nothing before it to carry it
+        return out
+    finish = out.pop(at)["choices"][0]
+    last = out[at - 1]["choices"][0]
+    last["finish_reason"] = finish["finish_reason"]
+    if "stop_reason" in finish:
+        last["stop_reason"] = finish["stop_reason"]
+    return out
