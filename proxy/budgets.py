@@ -106,7 +106,7 @@ class Budgets:
         self._engine = engine
         self._clock = clock
         self._own: Recent[str, bool] = Recent(REMEMBERED)  # has a budget row of its own
-        self._settling: set[asyncio.Task] = set()
+        self._settling: dict[asyncio.Task, str] = {}  # settlements under way: episode
 
     def limits_for(self, budget: Budget | None) -> Limits | None:
         """The limits to store with a registration. None: no row of its own (default
@@ -124,6 +124,12 @@ class Budgets:
         of its own). None: no budget applies."""
         if episode_id is None or not await self._applies(episode_id, keyed):
             return None
+        # The episode's earlier calls that ended here may still hold their reservations:
+        # an agent's next call follows its last reply at once, and must not be refused
+        # for tokens that call no longer holds.
+        earlier = [task for task, episode in self._settling.items() if episode == episode_id]
+        if earlier:
+            await asyncio.gather(*earlier, return_exceptions=True)
         try:
             if not await budget_ledger.reserve(self._engine, episode_id, tokens, self._clock()):
                 spent = await budget_ledger.spent(self._engine, episode_id)
@@ -156,7 +162,7 @@ class Budgets:
     async def settled(self) -> None:
         """Wait for settlements under way (shutdown, tests)."""
         while self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
 
     async def _applies(self, episode_id: str, keyed: bool) -> bool:
         if not self.defaults.empty:
@@ -171,8 +177,8 @@ class Budgets:
 
     def _settle(self, episode_id: str, reserved: int, used: int) -> None:
         task = asyncio.get_running_loop().create_task(self._store(episode_id, reserved, used))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        self._settling[task] = episode_id
+        task.add_done_callback(self._settling.pop)
 
     async def _store(self, episode_id: str, reserved: int, used: int) -> None:
         try:

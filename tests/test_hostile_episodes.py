@@ -248,3 +248,31 @@ def test_a_calls_budget_holds_across_proxies_on_postgres(loop_thread, upstream, 
     finally:
         for proxy in proxies:
             proxy.stop()
+
+
+def test_an_agents_next_call_is_not_refused_for_what_its_last_call_held(
+        loop_thread, upstream, tmp_path, monkeypatch):
+    """A call's reservation is released off the call, in the background; an agent's next
+    call follows its reply at once. Settlements are made slow here: without waiting for
+    the episode's own, the third call would see two calls' reservations still held
+    (85 tokens each against a budget of 120) and get 429 though it has room."""
+    release = budget_ledger.settle
+
+    async def slow_settle(*args):
+        await asyncio.sleep(0.5)
+        await release(*args)
+
+    monkeypatch.setattr(budget_ledger, "settle", slow_settle)
+    db = f"sqlite:///{tmp_path / 'b.db'}"
+    upgrade(db)
+    proxy = Proxy(loop_thread, Settings(upstream=upstream, db=db, data_dir=str(tmp_path / "d"),
+                                        port=free_port(), episode_max_tokens=120)).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("next"), api_key="x", max_retries=0)
+        with client:
+            used = [client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                                   max_tokens=4).usage.total_tokens
+                    for _ in range(3)]
+        assert sum(used) < 120 and len(used) == 3
+    finally:
+        proxy.stop()
