@@ -121,6 +121,10 @@ def test_agents_through_haproxy_survive_a_killed_and_an_added_replica(
         cluster, engine, fresh_postgres, run_proxy, tmp_path):
     replicas, lb = cluster(3)
     assert admin_call(lb.url, "PUT", "/tracetap/policy", {"version": "v1"}, TOKEN)[0] == 200
+    # A version set on one replica reaches the others at their next poll of the shared
+    # controls (docs/scaling.md); wait for it, as a trainer that needs it everywhere would.
+    lb.wait_until(lambda: all(p.admin("GET", "/tracetap/policy")[1]["version"] == "v1"
+                              for p in replicas.values()))
     agents = _agents(lb)
 
     # 1. Affinity: every call of an episode goes to one replica, and the episodes spread.
