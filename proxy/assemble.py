@@ -38,6 +38,10 @@ class _Choice:
         self.finish_reason: str | None = None
 
 
+
+def _decode_whole(raw: bytes) -> tuple[list[int], None]:
+    return decode_ids(raw), None
+
 class Capture:
     """Accumulates an upstream reply; ``choices()`` turns it into choice records."""
 
@@ -52,7 +56,8 @@ class Capture:
         self.usage: Usage | None = None
         self._prompt_ids: list[int] | None = None
         self._prompt_raw: bytes | None = None  # cut out of a chunk, decoded when read
-        self._prompt_decode = decode_ids
+        self._prompt_decode = _decode_whole
+        self._prompt_packed: bytes | None = None  # the decoder's int32 bytes of them
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
@@ -67,7 +72,7 @@ class Capture:
         if raw is not None:
             self._prompt_raw = None
             try:
-                self._prompt_ids = self._prompt_decode(raw)
+                self._prompt_ids, self._prompt_packed = self._prompt_decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 if len(self.errors) < 5:
                     self.errors.append(f"unparseable upstream prompt_token_ids: {exc}")
@@ -75,14 +80,21 @@ class Capture:
 
     @prompt_ids.setter
     def prompt_ids(self, ids: list[int] | None) -> None:
-        self._prompt_ids, self._prompt_raw = ids, None
+        self._prompt_ids, self._prompt_raw, self._prompt_packed = ids, None, None
 
-    def add_prompt_ids(self, raw: bytes, decode: Callable[[bytes], list[int]] = decode_ids,
-                       ) -> None:
+    @property
+    def prompt_packed(self) -> bytes | None:
+        """``prompt_ids`` as int32 bytes when the decoder packed them, else None."""
+        return self._prompt_packed if self.prompt_ids is not None else None
+
+    def add_prompt_ids(self, raw: bytes, decode: Callable[[bytes], tuple[list[int], bytes | None]]
+                       = _decode_whole) -> None:
         """The bytes of a ``prompt_token_ids`` array cut out of a chunk
         (``proxy.prompt_cut``): kept as they are until read, then given to ``decode``
-        (``PromptPrefixes.decode``: in the new tokens only)."""
+        (``PromptPrefixes.decode_packed``: in the new tokens only), which returns the
+        ids and their packed bytes (or None)."""
         self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
+        self._prompt_packed = None
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""

@@ -30,6 +30,7 @@ def call_record(call: ModelCall) -> CallRecord:
         response = call.client_body
     prompt_tokens, completion_tokens = capture.tokens()
     prompt_ids, prompt_source = capture.prompt_ids, None
+    prompt_packed = getattr(capture, "prompt_packed", None)  # packed as decoded (chat)
     if prompt_ids is None and call.endpoint == COMPLETIONS:
         prompt_ids = _token_prompt(call.payload.get("prompt"))
         prompt_source = None if prompt_ids is None else "request"
@@ -59,6 +60,7 @@ def call_record(call: ModelCall) -> CallRecord:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         prompt_ids=prompt_ids,
+        prompt_ids_packed=prompt_packed if prompt_ids is not None else None,
         prompt_source=prompt_source,
         upstream_request=None
         if call.upstream_request is None

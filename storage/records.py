@@ -48,6 +48,11 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_ids: list[int] | None = None
+    # The same ids as int32 little-endian bytes (storage.codec.pack_ids), when the proxy
+    # built them as it decoded the ids (in the new tokens only, proxy.prompt_prefix): the
+    # journal carries these instead of the list and the writer's dedup uses them as they
+    # are, so neither re-encodes the whole prompt every call. None: pack prompt_ids.
+    prompt_ids_packed: bytes | None = None
     # Where prompt_ids came from (PROMPT_SOURCES); None: "engine" if there are ids, else "none".
     prompt_source: str | None = None
     # The body sent upstream when the engine rendered something else than the client's

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
-from tracetap.storage.dedup import BlockCache, plan
+from tracetap.storage.dedup import BlockCache, packed_prompt, plan
 from tracetap.storage.records import CallRecord
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
@@ -58,7 +58,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "upstream_latency": record.upstream_latency,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
-        "prompt_ids": pack_ids(record.prompt_ids),
+        "prompt_ids": None,  # inline only without refs (below)
         "prompt_source": record.prompt_source or (
             "none" if record.prompt_ids is None else "engine"),
         "upstream_request": record.upstream_request,
@@ -68,7 +68,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "stored_at": stored_at,
     }
     if refs is None:
-        row.update(_INLINE)
+        row.update(_INLINE, prompt_ids=packed_prompt(record))
     else:
         row.update(refs, prompt_ids=None, request=None, upstream_request=None, response=None)
     return row

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetap.proxy.prompt_prefix import PromptPrefixes
+from tracetap.storage.codec import pack_ids
 
 
 def _raw(ids: list[int], spaced: bool = False) -> bytes:
@@ -60,12 +61,48 @@ def test_bad_new_ids_raise_and_the_same_prompt_again_is_a_copy():
     assert again == ids and again is not ids
 
 
-def test_the_oldest_episodes_go_first_past_the_token_cap():
-    prefixes = PromptPrefixes(max_tokens=5)
+def test_the_oldest_episodes_go_first_past_the_byte_cap():
+    prefixes = PromptPrefixes(max_bytes=200)  # one 3-token entry holds ~157 bytes
     prefixes.decode("a", _raw([1, 2, 3]))
-    prefixes.decode("b", _raw([4, 5, 6]))  # 6 tokens held: "a" goes
+    assert 0 < prefixes.held_bytes <= 200
+    prefixes.decode("b", _raw([4, 5, 6]))  # two would pass the cap: "a" goes
+    assert prefixes.held_bytes <= 200
     assert prefixes.decode("a", _raw([1, 2, 3, 4])) == [1, 2, 3, 4]
     assert prefixes.extended == 0
+
+
+def test_an_entry_larger_than_the_cap_is_not_kept():
+    prefixes = PromptPrefixes(max_bytes=100)
+    prefixes.decode("a", _raw([1, 2, 3]))
+    assert prefixes.held_bytes == 0
+    assert prefixes.decode("a", _raw([1, 2, 3, 4])) == [1, 2, 3, 4]
+    assert prefixes.extended == 0
+
+
+def test_a_finished_episode_is_forgotten():
+    prefixes = PromptPrefixes()
+    prefixes.decode("a", _raw([1, 2, 3]))
+    prefixes.decode("b", _raw([1, 2, 3]))
+    prefixes.forget("a")
+    prefixes.forget("nobody")  # never seen: nothing happens
+    assert prefixes.decode("a", _raw([1, 2, 3, 4])) == [1, 2, 3, 4]
+    assert prefixes.extended == 0
+    assert prefixes.decode("b", _raw([1, 2, 3, 4])) == [1, 2, 3, 4]
+    assert prefixes.extended == 1
+
+
+def test_the_packed_ids_are_storage_s_bytes_of_the_list_and_none_past_int32():
+    prefixes = PromptPrefixes()
+    for prompt in ([5, 6], [5, 6, 7, 2**31 - 1], [5, 6, 7, 2**31 - 1, 8]):
+        ids, packed = prefixes.decode_packed("e", _raw(prompt))
+        assert ids == prompt and packed == pack_ids(prompt)
+    assert prefixes.extended == 2
+    ids, packed = prefixes.decode_packed("e", _raw([5, 6, 7, 2**31 - 1, 8, 2**31]))
+    assert ids[-1] == 2**31 and packed is None and prefixes.extended == 3
+    # the next extension of an unpackable prompt stays unpacked, its ids still exact
+    assert prefixes.decode_packed("e", _raw([5, 6, 7, 2**31 - 1, 8, 2**31, 1])) == (
+        [5, 6, 7, 2**31 - 1, 8, 2**31, 1], None)
+    assert prefixes.decode_packed(None, _raw([1, -2])) == ([1, -2], pack_ids([1, -2]))
 
 
 @settings(max_examples=200, deadline=None)
@@ -76,4 +113,4 @@ def test_any_sequence_of_prompts_decodes_as_a_whole_decode_would(turns, restart)
     prompt: list[int] = []
     for i, new in enumerate(turns):
         prompt = (new if i == restart else prompt + new)
-        assert prefixes.decode("e", _raw(prompt)) == prompt
+        assert prefixes.decode_packed("e", _raw(prompt)) == (prompt, pack_ids(prompt))
