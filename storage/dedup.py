@@ -154,10 +154,9 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
 
 def packed_prompt(record: CallRecord) -> bytes | None:
     """The record's prompt ids as stored bytes: packed by the proxy already, when it did."""
-    if record.prompt_ids is None:
-        return None
-    packed = record.prompt_ids_packed
-    return packed if packed is not None else pack_ids(record.prompt_ids)
+    if record.prompt_ids_packed is not None:
+        return record.prompt_ids_packed
+    return pack_ids(record.prompt_ids)
 
 
 def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:

@@ -2,16 +2,16 @@
 
 A record whose prompt ids came packed (``CallRecord.prompt_ids_packed``) is journaled
 with the packed bytes only: one copy of ~4 bytes a token, where msgpack would encode
-tens of thousands of ints one by one at every call of a long conversation. Reading
-gives the list back. Journals written before packed ids existed hold the list and
-read as they are: both shapes decode with the same CallRecord.
+tens of thousands of ints one by one at every call of a long conversation, and reads
+back the same way. Journals written before packed ids existed hold the list and read
+as they are: both shapes decode with the same CallRecord, and storage takes either
+(``records.prompt_ids_of``).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from tracetap.storage.codec import unpack_ids
 from tracetap.storage.records import CallRecord
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -22,13 +22,10 @@ def encode(record: CallRecord) -> bytes:
     """The journal's bytes for ``record`` (raises what msgpack raises on a value it
     cannot hold, as before: storage.storable fixes the record)."""
     if record.prompt_ids_packed is not None and record.prompt_ids is not None:
-        record = msgspec.structs.replace(record, prompt_ids=None)
+        record = msgspec.structs.replace(record, prompt_ids=None)  # one copy is enough
     return _encode(record)
 
 
 def decode(payload: bytes) -> CallRecord:
-    """A journaled record, with its prompt ids as a list whichever way they were kept."""
-    record = _decode(payload)
-    if record.prompt_ids is None and record.prompt_ids_packed is not None:
-        record.prompt_ids = unpack_ids(record.prompt_ids_packed)
-    return record
+    """A journaled record, in either shape."""
+    return _decode(payload)

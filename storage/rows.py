@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.dedup import BlockCache, packed_prompt, plan
-from tracetap.storage.records import CallRecord
+from tracetap.storage.records import CallRecord, has_prompt_ids
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
 _json = msgspec.json.encode
@@ -60,7 +60,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "completion_tokens": record.completion_tokens,
         "prompt_ids": None,  # inline only without refs (below)
         "prompt_source": record.prompt_source or (
-            "none" if record.prompt_ids is None else "engine"),
+            "engine" if has_prompt_ids(record) else "none"),
         "upstream_request": record.upstream_request,
         "ids_missing": record.ids_missing,
         "overlay": record.overlay,

@@ -12,16 +12,17 @@ from tracetap.storage import journal_record, queries
 from tracetap.storage.codec import pack_ids
 from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal
-from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.records import CallRecord, ChoiceRecord, has_prompt_ids, prompt_ids_of
 from tracetap.storage.writer import Writer
 
 _OLD = msgspec.msgpack.Encoder().encode  # the journal's format before packed ids
-_PLAIN = msgspec.msgpack.Decoder(CallRecord).decode
 
 
 def _record(i: int, ids: list[int], packed: bool) -> CallRecord:
+    # as the proxy makes them: the ids packed (no list) or, before, a list
     return CallRecord(call_id=uuid7(), episode_id="j", seq=i, endpoint="chat.completions",
-                      t_start=float(i), request='{"messages":[]}', prompt_ids=ids,
+                      t_start=float(i), request='{"messages":[]}',
+                      prompt_ids=None if packed else ids,
                       prompt_ids_packed=pack_ids(ids) if packed else None,
                       choices=[ChoiceRecord(index=0, completion_ids=[7, 8],
                                             completion_logprobs=[-0.5, -0.25])])
@@ -29,11 +30,12 @@ def _record(i: int, ids: list[int], packed: bool) -> CallRecord:
 
 def test_packed_ids_are_journaled_without_the_list_and_read_back_as_one():
     ids = [1, 2**31 - 1, -5, 150_000]
-    payload = journal_record.encode(_record(0, ids, packed=True))
-    as_stored = _PLAIN(payload)
-    assert as_stored.prompt_ids is None and as_stored.prompt_ids_packed == pack_ids(ids)
-    back = journal_record.decode(payload)
-    assert back.prompt_ids == ids and back.prompt_ids_packed == pack_ids(ids)
+    record = _record(0, ids, packed=True)
+    for given in (record, msgspec.structs.replace(record, prompt_ids=ids)):  # both: one copy
+        payload = journal_record.encode(given)
+        back = journal_record.decode(payload)
+        assert back.prompt_ids is None and back.prompt_ids_packed == pack_ids(ids)
+        assert prompt_ids_of(back) == ids and has_prompt_ids(back)
     # without packed bytes the record is journaled exactly as before
     plain = _record(1, ids, packed=False)
     assert journal_record.encode(plain) == _OLD(plain)
