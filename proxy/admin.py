@@ -179,6 +179,7 @@ async def finish_episode(request: web.Request) -> web.Response:
         raise not_found(f"no episode {episode_id!r}: it was never registered and no call was "
                         "tagged with it (a typo?)")
     state.metrics.episode_finished(spec.reward)
+    state.prompt_prefixes.forget(episode_id)  # no call of it extends its prompt again
     return web.json_response({"id": episode_id, "finished": True})
 
 

@@ -14,6 +14,7 @@ import msgspec
 from tracetap.proxy.inject import CHAT
 from tracetap.proxy.prompt_cut import decode_ids
 from tracetap.proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
+from tracetap.storage.codec import unpack_ids
 from tracetap.storage.records import ChoiceRecord
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -38,6 +39,13 @@ class _Choice:
         self.finish_reason: str | None = None
 
 
+
+_PromptDecoder = Callable[[bytes], tuple[list[int] | None, bytes | None]]
+
+
+def _decode_whole(raw: bytes) -> tuple[list[int] | None, bytes | None]:
+    return decode_ids(raw), None
+
 class Capture:
     """Accumulates an upstream reply; ``choices()`` turns it into choice records."""
 
@@ -52,7 +60,8 @@ class Capture:
         self.usage: Usage | None = None
         self._prompt_ids: list[int] | None = None
         self._prompt_raw: bytes | None = None  # cut out of a chunk, decoded when read
-        self._prompt_decode = decode_ids
+        self._prompt_decode = _decode_whole
+        self._prompt_packed: bytes | None = None  # the decoder's int32 bytes of them
         self.errors: list[str] = []
         self.logprobs_missing = 0
         self.ended = False  # chat streams end with the [DONE] sentinel instead
@@ -63,26 +72,39 @@ class Capture:
     def prompt_ids(self) -> list[int] | None:
         """The engine's prompt ids; ones cut out of a chunk (``add_prompt_ids``) are
         decoded here, on first read, off the stream's critical path."""
+        self._decode_prompt()
+        if self._prompt_ids is None and self._prompt_packed is not None:
+            self._prompt_ids = unpack_ids(self._prompt_packed)  # a reader wants the list
+        return self._prompt_ids
+
+    def _decode_prompt(self) -> None:
         raw = self._prompt_raw
         if raw is not None:
             self._prompt_raw = None
             try:
-                self._prompt_ids = self._prompt_decode(raw)
+                self._prompt_ids, self._prompt_packed = self._prompt_decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 if len(self.errors) < 5:
                     self.errors.append(f"unparseable upstream prompt_token_ids: {exc}")
-        return self._prompt_ids
 
     @prompt_ids.setter
     def prompt_ids(self, ids: list[int] | None) -> None:
-        self._prompt_ids, self._prompt_raw = ids, None
+        self._prompt_ids, self._prompt_raw, self._prompt_packed = ids, None, None
 
-    def add_prompt_ids(self, raw: bytes, decode: Callable[[bytes], list[int]] = decode_ids,
-                       ) -> None:
+    @property
+    def prompt_packed(self) -> bytes | None:
+        """The prompt ids as int32 bytes when the decoder packed them (then no list of
+        them need ever be made), else None: read ``prompt_ids``."""
+        self._decode_prompt()
+        return self._prompt_packed
+
+    def add_prompt_ids(self, raw: bytes, decode: _PromptDecoder = _decode_whole) -> None:
         """The bytes of a ``prompt_token_ids`` array cut out of a chunk
         (``proxy.prompt_cut``): kept as they are until read, then given to ``decode``
-        (``PromptPrefixes.decode``: in the new tokens only)."""
+        (``PromptPrefixes.decode_packed``: in the new tokens only), which returns
+        ``(ids, None)`` or ``(None, packed ids)``."""
         self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
+        self._prompt_packed = None
 
     def add(self, data: bytes) -> None:
         """One non-stream body or one stream chunk; bad JSON is noted, never raised."""

@@ -29,8 +29,11 @@ def call_record(call: ModelCall) -> CallRecord:
     else:
         response = call.client_body
     prompt_tokens, completion_tokens = capture.tokens()
-    prompt_ids, prompt_source = capture.prompt_ids, None
-    if prompt_ids is None and call.endpoint == COMPLETIONS:
+    # Packed as decoded (chat streams): the record carries the bytes, no list of the prompt.
+    prompt_packed = getattr(capture, "prompt_packed", None)
+    prompt_ids = None if prompt_packed is not None else capture.prompt_ids
+    prompt_source = None
+    if prompt_ids is None and prompt_packed is None and call.endpoint == COMPLETIONS:
         prompt_ids = _token_prompt(call.payload.get("prompt"))
         prompt_source = None if prompt_ids is None else "request"
     model = capture.model or call.model
@@ -59,6 +62,7 @@ def call_record(call: ModelCall) -> CallRecord:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         prompt_ids=prompt_ids,
+        prompt_ids_packed=prompt_packed,
         prompt_source=prompt_source,
         upstream_request=None
         if call.upstream_request is None

@@ -311,7 +311,8 @@ class ModelCall:
         if cut is not None:
             data, prompt_ids = cut
             self.capture.add_prompt_ids(
-                prompt_ids, functools.partial(self.state.prompt_prefixes.decode, self.episode_id))
+                prompt_ids, functools.partial(self.state.prompt_prefixes.decode_packed,
+                                          self.episode_id))
             if self.injected.token_ids:
                 stripped = Event(event.raw, data)
         self.capture.add(data)

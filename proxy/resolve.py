@@ -45,7 +45,7 @@ from tracetap.proxy.local_tokenizer import LocalTokenizer
 from tracetap.proxy.tokenizers import EngineTokenizer, NoChatTemplate, TokenizeFailed, detect
 from tracetap.proxy.traffic import Traffic
 from tracetap.proxy.upstream import UpstreamClient
-from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.records import CallRecord, ChoiceRecord, has_prompt_ids
 
 log = logging.getLogger("tracetap.resolve")
 
@@ -122,7 +122,7 @@ class TokenResolver:
                 if quiet:
                     tokenizer = await self.tokenizer(upstream)
                     prompt = None
-                    if record.prompt_ids is None:
+                    if not has_prompt_ids(record):
                         prompt = await self._prompt(record, tokenizer)
                     completions = [await _completion(c, tokenizer)
                                    if c.completion_ids is None and (c.token_strs or c.text)
@@ -157,7 +157,7 @@ class TokenResolver:
         local = self.local
         assert local is not None
         prompt = None
-        if record.prompt_ids is None:
+        if not has_prompt_ids(record):
             prompt = await asyncio.to_thread(_local_prompt, record, local)
         completions = []
         for choice in record.choices:
@@ -308,7 +308,7 @@ def _has_content(choice: ChoiceRecord) -> bool:
 def _needs_ids(record: CallRecord) -> bool:
     if record.status != "ok" or record.http_status != 200 or not record.choices:
         return False
-    return record.prompt_ids is None or any(
+    return not has_prompt_ids(record) or any(
         c.completion_ids is None and (c.token_strs or c.text) for c in record.choices)
 
 

@@ -119,7 +119,7 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         used: set[bytes] = set()
         refs: dict[str, bytes | None] = {}
         prompt: list[Ref] = []
-        ids = pack_ids(record.prompt_ids)
+        ids = packed_prompt(record)
         if ids is not None:
             pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
             prompt = [ref for ref, _ in pieces]
@@ -150,6 +150,13 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
                                             last=entry)
     return out
+
+
+def packed_prompt(record: CallRecord) -> bytes | None:
+    """The record's prompt ids as stored bytes: packed by the proxy already, when it did."""
+    if record.prompt_ids_packed is not None:
+        return record.prompt_ids_packed
+    return pack_ids(record.prompt_ids)
 
 
 def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:

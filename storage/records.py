@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tracetap.storage.codec import unpack_ids
+
 
 class ChoiceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One upstream choice (``n`` > 1 gives several per call)."""
@@ -48,6 +50,11 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_ids: list[int] | None = None
+    # The prompt ids as int32 little-endian bytes (storage.codec.pack_ids) instead of
+    # prompt_ids (then None), when the proxy packed them as it decoded them (in the new
+    # tokens only, proxy.prompt_prefix): no list of the whole prompt is made, journaled or
+    # packed again at each call. Read either with ``prompt_ids_of``.
+    prompt_ids_packed: bytes | None = None
     # Where prompt_ids came from (PROMPT_SOURCES); None: "engine" if there are ids, else "none".
     prompt_source: str | None = None
     # The body sent upstream when the engine rendered something else than the client's
@@ -62,6 +69,17 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # None when nothing was dropped or the call was not translated.
     translation_dropped: str | None = None
     choices: list[ChoiceRecord] = []
+
+
+def has_prompt_ids(record: CallRecord) -> bool:
+    return record.prompt_ids is not None or record.prompt_ids_packed is not None
+
+
+def prompt_ids_of(record: CallRecord) -> list[int] | None:
+    """The record's prompt ids as a list, however it holds them."""
+    if record.prompt_ids is not None or record.prompt_ids_packed is None:
+        return record.prompt_ids
+    return unpack_ids(record.prompt_ids_packed)
 
 
 # Where a choice's completion ids came from, most trusted first: the engine's token_ids;

@@ -12,8 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
-from tracetap.storage.dedup import BlockCache, plan
-from tracetap.storage.records import CallRecord
+from tracetap.storage.dedup import BlockCache, packed_prompt, plan
+from tracetap.storage.records import CallRecord, has_prompt_ids
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
 _json = msgspec.json.encode
@@ -58,9 +58,9 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "upstream_latency": record.upstream_latency,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
-        "prompt_ids": pack_ids(record.prompt_ids),
+        "prompt_ids": None,  # inline only without refs (below)
         "prompt_source": record.prompt_source or (
-            "none" if record.prompt_ids is None else "engine"),
+            "engine" if has_prompt_ids(record) else "none"),
         "upstream_request": record.upstream_request,
         "ids_missing": record.ids_missing,
         "overlay": record.overlay,
@@ -68,7 +68,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "stored_at": stored_at,
     }
     if refs is None:
-        row.update(_INLINE)
+        row.update(_INLINE, prompt_ids=packed_prompt(record))
     else:
         row.update(refs, prompt_ids=None, request=None, upstream_request=None, response=None)
     return row

@@ -48,7 +48,8 @@ def storable(record: CallRecord, dialect: str) -> tuple[CallRecord, list[str]]:
             changes[name] = None
             notes.append(f"{name} {value} out of range, not stored")
     if record.prompt_ids is not None and not _fits_int32(record.prompt_ids):
-        changes.update(prompt_ids=None, prompt_source="none", ids_missing=UNSTORABLE_IDS)
+        changes.update(prompt_ids=None, prompt_ids_packed=None, prompt_source="none",
+                       ids_missing=UNSTORABLE_IDS)
         notes.append("prompt_ids: a token id outside int32, ids not stored")
     changes.update(_texts(record, _CALL_LENGTHS, postgres, notes, ""))
     choices = [_choice(c, postgres, notes) for c in record.choices]

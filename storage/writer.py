@@ -23,12 +23,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage import blocks
 from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
+from tracetap.storage.journal_record import decode as _decode
+from tracetap.storage.journal_record import encode as _encode
 from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
@@ -36,9 +37,6 @@ from tracetap.storage.rows import insert_calls
 from tracetap.storage.storable import storable
 
 log = logging.getLogger("tracetap.writer")
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(CallRecord).decode
 
 
 class WriterObserver:

@@ -1,0 +1,68 @@
+"""storage.journal_record: prompt ids journaled as the packed bytes the proxy built, and
+journals written before that (the ids as a msgpack list) still replay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from tracetap.proxy.ids import uuid7
+from tracetap.storage import journal_record, queries
+from tracetap.storage.codec import pack_ids
+from tracetap.storage.engine import create_engine
+from tracetap.storage.journal import Journal
+from tracetap.storage.records import CallRecord, ChoiceRecord, has_prompt_ids, prompt_ids_of
+from tracetap.storage.writer import Writer
+
+_OLD = msgspec.msgpack.Encoder().encode  # the journal's format before packed ids
+
+
+def _record(i: int, ids: list[int], packed: bool) -> CallRecord:
+    # as the proxy makes them: the ids packed (no list) or, before, a list
+    return CallRecord(call_id=uuid7(), episode_id="j", seq=i, endpoint="chat.completions",
+                      t_start=float(i), request='{"messages":[]}',
+                      prompt_ids=None if packed else ids,
+                      prompt_ids_packed=pack_ids(ids) if packed else None,
+                      choices=[ChoiceRecord(index=0, completion_ids=[7, 8],
+                                            completion_logprobs=[-0.5, -0.25])])
+
+
+def test_packed_ids_are_journaled_without_the_list_and_read_back_as_one():
+    ids = [1, 2**31 - 1, -5, 150_000]
+    record = _record(0, ids, packed=True)
+    for given in (record, msgspec.structs.replace(record, prompt_ids=ids)):  # both: one copy
+        payload = journal_record.encode(given)
+        back = journal_record.decode(payload)
+        assert back.prompt_ids is None and back.prompt_ids_packed == pack_ids(ids)
+        assert prompt_ids_of(back) == ids and has_prompt_ids(back)
+    # without packed bytes the record is journaled exactly as before
+    plain = _record(1, ids, packed=False)
+    assert journal_record.encode(plain) == _OLD(plain)
+    assert journal_record.decode(_OLD(plain)) == plain
+
+
+def test_a_journal_written_before_packed_ids_replays_beside_a_new_one(db_url, tmp_path):
+    # records 0-1 as the previous release journaled them, 2-3 as this one does, in one
+    # conversation (so the writer's dedup reuses blocks across the two shapes)
+    prompts = [list(range(1, 40 * (i + 1))) for i in range(4)]
+    records = [_record(i, prompts[i], packed=i >= 2) for i in range(4)]
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    for record in records[:2]:
+        journal.append(_OLD(record))
+    for record in records[2:]:
+        journal.append(journal_record.encode(record))
+    journal.close()  # the process stops here: nothing was written
+
+    async def restart():
+        engine = create_engine(db_url)
+        writer = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20))
+        await writer.flush()
+        calls = await queries.calls_of(engine, "j")
+        await engine.dispose()
+        return calls, writer.journal.bytes
+
+    calls, left = asyncio.run(restart())
+    assert left == 0
+    assert [c["prompt_ids"] for c in calls] == prompts
+    assert [c["choices"][0]["completion_ids"] for c in calls] == [[7, 8]] * 4
