@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
 import resource
 import socket
 import sys
@@ -336,7 +337,10 @@ def test_idle_and_half_sent_connections_are_closed(make_proxy):
 def test_one_peer_with_2000_idle_connections_does_not_lock_others_out(upstream, tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2300:
-        pytest.skip(f"the hard open-files limit ({hard}) is below what the test needs")
+        message = f"the hard open-files limit ({hard}) is below what the test needs"
+        if os.environ.get("CI"):  # the promise: never skipped where CI runs
+            pytest.fail(message)
+        pytest.skip(message)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2300), hard))
     db = f"sqlite:///{tmp_path / 'c.db'}"
     upgrade(db)
