@@ -16,7 +16,7 @@ from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.scan import ScanError
-from tracetap.viewer import PREFIX, access, live, pages
+from tracetap.viewer import PREFIX, access, compare, live, pages, variants
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
@@ -59,6 +59,11 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r.add_get(base + "/episodes/{episode}", pages.episode)
     r.add_get(base + "/calls/{call}", pages.call)
     r.add_get(base + "/calls/{call}/{body:request|response}.json", pages.call_body)
+    # issue 29 (h29a): side-by-side comparison, harness variants, coverage heatmap
+    r.add_get(base + "/compare", compare.episodes_page)
+    r.add_get(base + "/compare/calls", compare.calls_page)
+    r.add_get(base + "/variants", variants.variants_page)
+    r.add_get(base + "/harnesses", variants.harnesses_page)
     r.add_get(base + "/live", live.page)
     r.add_get(base + "/live/events", live.events)
     r.add_get(base + "/login", pages.login_form)

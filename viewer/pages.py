@@ -7,7 +7,7 @@ import re
 from aiohttp import web
 
 from tracetap.storage import browse, details, quarantine
-from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, params, tokens
+from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
 
@@ -78,13 +78,16 @@ async def episode(request: web.Request) -> web.Response:
     index = _bounded(request, "t", 0, 0, max(len(rows) - 1, 0))
     size = _bounded(request, "n", tokens.WINDOW, 64, tokens.MAX_WINDOW)
     row = rows[index] if rows else None
-    window = overview = texts = None
+    window = overview = texts = low = None
     if row is not None:
         at = _bounded(request, "at", 0, 0, max(row.total - 1, 0))
         shown = row.ids[at:at + size]
         split = row.split
+        # issue 29 (h29a): the row's low-probability tokens (their texts are asked for too)
+        low = lowp.summary(row, at, at + size, *lowp.options(request.query))
         texts = await request.app[DETOKENIZER].texts(
-            [*shown, *(split.expected if split else ()), *(split.received if split else ())])
+            [*shown, *(split.expected if split else ()), *(split.received if split else ()),
+             *(low.ids if low else ())])
         overlapping = [s.call_id for s in row.spans if s.end > at and s.start < at + size]
         alternatives = await details.top_logprobs(engine, overlapping)
         window = tokens.window(row, at, size, texts, alternatives)
@@ -103,7 +106,8 @@ async def episode(request: web.Request) -> web.Response:
                 timeline=charts.timeline(info.calls), size=size,
                 budget_exceeded=any(c.status == "budget_exceeded" for c in info.calls),
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
-                metadata_json=_pretty(info.metadata), rewards_json=info.rewards)
+                metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
+                low=low, low_href=lowp.linker(request.query, size))  # issue 29 (h29a)
 
 
 def _pretty(value) -> str | None:

@@ -162,11 +162,35 @@ def window(row: Row, start: int, size: int, texts: dict[int, str],
            alternatives: dict[tuple[str, int], list]) -> Window:
     start = max(0, min(start, max(row.total - 1, 0)))
     end = min(row.total, start + size)
-    model_made = bytearray(end - start)  # inside a completion, trained here or not
+    model_made = _model_made(row, start, end)
+    pieces = _pieces(row, start, end, model_made, _markers(row, start, end), texts)
+    logprobs = row.logprobs
+    data = {
+        "start": start,
+        "ids": list(row.ids[start:end]),
+        "mask": list(row.mask[start:end]),
+        "model": list(model_made),
+        "lp": None if logprobs is None else [round(v, 5) for v in logprobs[start:end]],
+        "alt": _alternatives(row, start, end, alternatives),
+        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained] for s in row.spans
+                  if s.end > start and s.start < end],
+        "nprompt": row.n_prompt,
+    }
+    return Window(start=start, end=end, size=size, pieces=pieces, data=data)
+
+
+def _model_made(row: Row, start: int, end: int) -> bytearray:
+    """1 where a token of [start, end) is inside a completion, trained here or not."""
+    made = bytearray(end - start)
     for span in row.spans:
         lo, hi = max(span.start, start), min(span.end, end)
         if lo < hi:
-            model_made[lo - start:hi - start] = b"\x01" * (hi - lo)
+            made[lo - start:hi - start] = b"\x01" * (hi - lo)
+    return made
+
+
+def _markers(row: Row, start: int, end: int) -> dict[int, list[Marker]]:
+    """The labels drawn before a token: response start, each turn, the split point."""
     markers: dict[int, list[Marker]] = {}
     if row.n_prompt > 0 and start <= row.n_prompt < end:
         markers.setdefault(row.n_prompt, []).append(
@@ -180,11 +204,15 @@ def window(row: Row, start: int, size: int, texts: dict[int, str],
     if split is not None and split.position is not None and start <= split.position < end:
         markers.setdefault(split.position, []).append(
             Marker(kind="split", label=f"split: {split.reason}"))
+    return markers
+
+
+def _pieces(row: Row, start: int, end: int, model_made: bytearray,
+            markers: dict[int, list[Marker]], texts: dict[int, str]) -> list:
     pieces: list = []
     ids, mask, logprobs = row.ids, row.mask, row.logprobs
     for pos in range(start, end):
-        for marker in markers.get(pos, ()):
-            pieces.append(marker)
+        pieces.extend(markers.get(pos, ()))
         token_id = ids[pos]
         if mask[pos]:
             kind = "s " + _band(logprobs[pos]) if logprobs is not None else "s"
@@ -197,18 +225,7 @@ def window(row: Row, start: int, size: int, texts: dict[int, str],
             pieces.append(Token(kind + " u", f"[{token_id}]", False))
         else:
             pieces.append(Token(kind, text, "\n" in text))
-    data = {
-        "start": start,
-        "ids": list(ids[start:end]),
-        "mask": list(mask[start:end]),
-        "model": list(model_made),
-        "lp": None if logprobs is None else [round(v, 5) for v in logprobs[start:end]],
-        "alt": _alternatives(row, start, end, alternatives),
-        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained] for s in row.spans
-                  if s.end > start and s.start < end],
-        "nprompt": row.n_prompt,
-    }
-    return Window(start=start, end=end, size=size, pieces=pieces, data=data)
+    return pieces
 
 
 def _band(logprob: float) -> str:

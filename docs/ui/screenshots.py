@@ -23,7 +23,8 @@ ROOT = HERE.parent.parent
 
 
 def main() -> int:
-    demo = subprocess.Popen([sys.executable, "-m", "tracetap", "demo", "--ui", "--quiet"],
+    demo = subprocess.Popen([sys.executable, "-m", "tracetap", "demo", "--ui", "--quiet",
+                             "--variants"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     found: dict[str, str] = {}
     for line in demo.stdout:
@@ -74,7 +75,26 @@ def shoot(ui: str, token: str, split: str) -> None:
                                        messages=[{"role": "user", "content": "hello"}])
         page.wait_for_selector("#live-calls tr.new:has-text('live-demo')")
         page.screenshot(path=HERE / "live.png")
+        shoot_compare(page, ui, split)
         browser.close()
+
+
+def shoot_compare(page, ui: str, split: str) -> None:
+    """The compare pages, the coverage heatmap and the low-probability panel (issue 29)."""
+    episode = split.split("/episodes/")[1].split("?")[0]
+    page.goto(split.replace("#tokens", "#lowp"))
+    page.locator("#lowest tbody a").first.click()
+    page.locator("#lowp").screenshot(path=HERE / "lowp.png")
+    page.goto(f"{ui}compare?a={episode}&b={episode}&ta=0&tb=1")
+    page.screenshot(path=HERE / "compare.png")
+    page.goto(f"{ui}variants?baseline=config.context%3Dfull"
+              "&candidate=config.context%3Dsummarised&success=solved")
+    page.screenshot(path=HERE / "variants.png", full_page=True)
+    page.goto(f"{ui}harnesses?where=meta.batch%3Dvariants&factor=context,seed&success=solved")
+    page.screenshot(path=HERE / "harnesses.png", full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{ui}compare?a={episode}&b={episode}&ta=0&tb=1")
+    page.screenshot(path=HERE / "compare-390.png")
 
 
 if __name__ == "__main__":
