@@ -98,7 +98,9 @@ def test_ticking_two_episodes_compares_them_side_by_side(page, site):
 def test_two_rows_of_one_episode_part_where_the_split_box_says(page, site):
     (episode_id,) = _of(site, "context-rewrite")
     first, second = site.rows[episode_id]
-    page.goto(f"{site.url}/compare?a={episode_id}&b={episode_id}&ta=0&tb=1")
+    page.goto(f"{site.url}/episodes/{episode_id}?t=1")
+    page.locator("#split-compare").click()  # the split box links to the two side by side
+    assert page.url.endswith(f"/compare?a={episode_id}&b={episode_id}&ta=0&tb=1")
     common = _common(_tokens(first), _tokens(second))
     expect(page.locator("#diverge-at")).to_have_text(f"{common:,}")
     page.locator(".cmp-diverge a", has_text="show in B").click()
@@ -268,6 +270,9 @@ def test_new_pages_fit_a_390_px_phone(browser, session_state, variants_site, pat
     context = browser.new_context(storage_state=session_state,
                                   viewport={"width": 390, "height": 844})
     page = context.new_page()
+    problems: list[str] = []  # a CSP refusal or a script error shows up on the console
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
     a, b = _of(site, "append-only")[0], _of(site, "context-rewrite")[0]
     page.goto(site.url + path.format(a=a, b=b))
     expect(page.locator("h1")).to_be_visible()
@@ -279,4 +284,15 @@ def test_new_pages_fit_a_390_px_phone(browser, session_state, variants_site, pat
     if path.startswith("/episodes"):
         page.locator("#lowp").scroll_into_view_if_needed()
         assert page.locator(".lowp-strip").bounding_box()["width"] <= 390
+    assert problems == []
     context.close()
+
+
+def test_hostile_content_compared_is_shown_as_text_and_never_runs(page, site):
+    reply = page.goto(f"{site.url}/compare?a=hostile&b=alts")
+    assert "unsafe-inline" not in reply.headers["content-security-policy"]
+    expect(page.locator(".cmp-pairs")).to_contain_text("<script>window.__xss = 1</script>")
+    expect(page.locator(".cmp-head").first).to_contain_text("<script>window.__xss = 5</script>")
+    assert page.locator("a[href^='javascript:'], img[src='x'], main script").count() == 0
+    assert page.evaluate("window.__xss") is None and page.dialogs == []
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")

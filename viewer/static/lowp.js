@@ -1,14 +1,16 @@
-// tracetap viewer: jump between low-probability tokens (issue 29). Loaded after app.js by
-// the episode page's low-probability panel. Selecting goes through the token box's own
-// click handler (app.js), so the detail panel shows the token as if it had been clicked.
+// tracetap viewer: jump between low-probability tokens (issue 29). Loaded after app.js on
+// every page; acts only where the episode page has its low-probability panel. Selecting
+// goes through the token box's own click handler (app.js), so the detail panel shows the
+// token as if it had been clicked.
 (function () {
   "use strict";
   const box = document.getElementById("toks");
   const tokData = document.getElementById("tok-data");
-  const lowData = document.getElementById("lowp-data");
-  if (!box || !tokData || !lowData) return;
+  const panel = document.getElementById("lowp");
+  if (!box || !tokData || !panel) return;
   const data = JSON.parse(tokData.textContent);
-  const low = JSON.parse(lowData.textContent);
+  const low = { threshold: Number(panel.dataset.threshold), prevHref: panel.dataset.prevHref,
+    nextHref: panel.dataset.nextHref };
   const spans = Array.from(box.querySelectorAll(".t"));
   // Window-relative indices of the trained tokens below the threshold, in order.
   const lows = [];
