@@ -104,6 +104,7 @@ def test_two_rows_of_one_episode_part_where_the_split_box_says(page, site):
     common = _common(_tokens(first), _tokens(second))
     expect(page.locator("#diverge-at")).to_have_text(f"{common:,}")
     page.locator(".cmp-diverge a", has_text="show in B").click()
+    expect(page.locator("#tok-detail")).to_contain_text(re.compile(rf"position{common}id"))
     expect(page.locator(".split-box h3")).to_contain_text("Why row 2 split")
     expect(page.locator(".split-box")).to_contain_text(f"It shares its first {common} tokens")
 

@@ -28,6 +28,7 @@ from tracetap.viewer.tokens import SHOWN_DIVERGING, _band, _common, episode_rows
 BEFORE = 160  # shared tokens shown before the divergence
 AFTER = 352  # tokens shown from it on
 DASH = "\u2013"
+_KINDS = bytes.maketrans(b"\x00\x01", b"os")
 
 
 class Side(msgspec.Struct, kw_only=True):
@@ -124,11 +125,8 @@ async def _episode_side(request: web.Request, name: str, episode_id: str, index:
         raise BadParameter(f"{name}: episode {episode_id!r} has {len(rows)} rows "
                            f"(t{name.lower()} counts from 0)")
     row = rows[index]
-    kinds = bytearray(b"o" * row.total)
+    kinds = bytearray(row.mask.translate(_KINDS))  # mask 1: trained, 0: observation
     kinds[:row.n_prompt] = b"p" * row.n_prompt
-    for pos, trained in enumerate(row.mask):
-        if trained:
-            kinds[pos] = ord("s")
     reason = "main line" if row.reason is None else row.reason
     return Side(
         name=name, title=f"{episode_id}, row {index + 1} ({reason})",

@@ -1,29 +1,15 @@
-// tracetap viewer: jump between low-probability tokens (issue 29). Loaded after app.js on
-// every page; acts only where the episode page has its low-probability panel. Selecting
-// goes through the token box's own click handler (app.js), so the detail panel shows the
-// token as if it had been clicked.
+// tracetap viewer: select a token named in the URL (?sel=) and jump between low-probability
+// tokens (issue 29). Loaded after app.js on every page; acts only where there is a token
+// view. Selecting goes through the token box's own click handler (app.js), so the detail
+// panel shows the token as if it had been clicked.
 (function () {
   "use strict";
   const box = document.getElementById("toks");
   const tokData = document.getElementById("tok-data");
   const panel = document.getElementById("lowp");
-  if (!box || !tokData || !panel) return;
+  if (!box || !tokData) return;
   const data = JSON.parse(tokData.textContent);
-  const low = { threshold: Number(panel.dataset.threshold), prevHref: panel.dataset.prevHref,
-    nextHref: panel.dataset.nextHref };
   const spans = Array.from(box.querySelectorAll(".t"));
-  // Window-relative indices of the trained tokens below the threshold, in order.
-  const lows = [];
-  if (data.lp) {
-    data.lp.forEach((lp, i) => {
-      if (data.mask[i] && lp < low.threshold) { lows.push(i); spans[i].classList.add("lowp-mark"); }
-    });
-  }
-
-  function selected() {
-    const node = box.querySelector(".t.sel");
-    return node ? Number(node.dataset.k) : -1;
-  }
 
   // A jump scrolls the tokens; whatever then lies under the resting mouse pointer must not
   // take the selection over (app.js selects on hover), so hovers are ignored for a moment.
@@ -35,6 +21,27 @@
   function pick(i) {
     quietUntil = Date.now() + 600;
     spans[i].dispatchEvent(new MouseEvent("click", { bubbles: true }));
+  }
+
+  // ?sel=POSITION (the lowest-token links, the strip, the compare page): select that token.
+  const query = new URLSearchParams(window.location.search);
+  const sel = query.has("sel") ? Number(query.get("sel")) - data.start : -1;
+  if (Number.isInteger(sel) && sel >= 0 && sel < spans.length) pick(sel);
+
+  if (!panel) return;
+  const low = { threshold: Number(panel.dataset.threshold), prevHref: panel.dataset.prevHref,
+    nextHref: panel.dataset.nextHref };
+  // Window-relative indices of the trained tokens below the threshold, in order.
+  const lows = [];
+  if (data.lp) {
+    data.lp.forEach((lp, i) => {
+      if (data.mask[i] && lp < low.threshold) { lows.push(i); spans[i].classList.add("lowp-mark"); }
+    });
+  }
+
+  function selected() {
+    const node = box.querySelector(".t.sel");
+    return node ? Number(node.dataset.k) : -1;
   }
 
   function jump(step) {
@@ -54,9 +61,4 @@
     if (event.key === "n") { event.preventDefault(); jump(1); }
     else if (event.key === "p") { event.preventDefault(); jump(-1); }
   });
-
-  // ?sel=POSITION (the lowest-token links, the strip): select that token on arrival.
-  const sel = Number(new URLSearchParams(window.location.search).get("sel"));
-  const i = Number.isInteger(sel) ? sel - data.start : -1;
-  if (i >= 0 && i < spans.length && new URLSearchParams(window.location.search).has("sel")) pick(i);
 })();
