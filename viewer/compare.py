@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from tracetap.storage import details
+from tracetap.storage.scan import ScannedCall
 from tracetap.viewer import PREFIX, conversation
 from tracetap.viewer.conversation import Turn
 from tracetap.viewer.keys import DETOKENIZER, ROWS, SOURCE
@@ -144,28 +145,37 @@ async def _call_side(request: web.Request, name: str, call_id: str) -> Side:
     stored = await details.stored_call(engine, call_id)
     if stored is None:
         raise BadParameter(f"{name}: no call {call_id!r} in this database")
-    ids, kinds, logprobs = array("i"), b"", None
+    found = None
     if stored.episode_id is not None:
         _, calls = await episode_rows(await request.app[SOURCE].reader(), stored.episode_id)
         found = next((c for c in calls if c.call_id == call_id), None)
-        if found is not None and found.prompt_ids:
-            ids.frombytes(found.prompt_ids)
-            kinds = b"p" * len(ids)
-            choice = next((c for c in found.choices if c.index == 0), None)
-            if choice is not None and choice.completion_ids:
-                ids.frombytes(choice.completion_ids)
-                if choice.completion_logprobs:
-                    logprobs = array("d", bytes(8 * len(kinds)))
-                    logprobs.frombytes(choice.completion_logprobs)
-                kinds += b"s" * (len(ids) - len(kinds))
+    ids, kinds, logprobs = _call_tokens(found)
     s = stored.summary
     return Side(
         name=name, title=f"call {s.seq} of {stored.episode_id or 'no episode'}",
         href=f"{PREFIX}/calls/{call_id}", episode_id=stored.episode_id, row=None, ids=ids,
-        kinds=kinds, logprobs=logprobs if logprobs is not None and len(logprobs) == len(ids)
-        else None, leaf=call_id,
+        kinds=kinds, logprobs=logprobs, leaf=call_id,
         facts={"status": f"{s.status} {s.http_status}", "model": s.model or DASH,
                "policy": s.policy_version or DASH, "tokens": f"{len(ids):,}"})
+
+
+def _call_tokens(call: ScannedCall | None) -> tuple[array, bytes, array | None]:
+    """A call's prompt then its first choice's completion: ids, kinds, logprobs."""
+    ids = array("i")
+    if call is None or not call.prompt_ids:
+        return ids, b"", None
+    ids.frombytes(call.prompt_ids)
+    prompt = len(ids)
+    choice = next((c for c in call.choices if c.index == 0), None)
+    if choice is None or not choice.completion_ids:
+        return ids, b"p" * prompt, None
+    ids.frombytes(choice.completion_ids)
+    logprobs = None
+    if choice.completion_logprobs:
+        logprobs = array("d", bytes(8 * prompt))
+        logprobs.frombytes(choice.completion_logprobs)
+    kinds = b"p" * prompt + b"s" * (len(ids) - prompt)
+    return ids, kinds, logprobs if logprobs is not None and len(logprobs) == len(ids) else None
 
 
 def _text(reward: float | None) -> str:

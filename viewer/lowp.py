@@ -71,6 +71,11 @@ class Summary(msgspec.Struct, kw_only=True):
         return [low.token_id for low in self.lowest]
 
 
+def token_ids(low: Summary | None) -> list[int]:
+    """The ids whose text the page shows (the lowest tokens'), none without a summary."""
+    return [] if low is None else low.ids
+
+
 class _Whole(msgspec.Struct):
     """What does not depend on the window: computed once per row and threshold."""
 

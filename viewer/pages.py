@@ -87,7 +87,7 @@ async def episode(request: web.Request) -> web.Response:
         low = lowp.summary(row, at, at + size, *lowp.options(request.query))
         texts = await request.app[DETOKENIZER].texts(
             [*shown, *(split.expected if split else ()), *(split.received if split else ()),
-             *(low.ids if low else ())])
+             *lowp.token_ids(low)])
         overlapping = [s.call_id for s in row.spans if s.end > at and s.start < at + size]
         alternatives = await details.top_logprobs(engine, overlapping)
         window = tokens.window(row, at, size, texts, alternatives)
