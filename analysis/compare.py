@@ -88,19 +88,21 @@ def compare(
         raise AnalysisError("give at least one --candidate selection")
     if resamples < 1:
         raise AnalysisError("--resamples must be at least 1")
-    base_eps, base_infra = clean_variant(_chosen(episodes, baseline, "baseline"), baseline.text)
+    base_all = _chosen(episodes, baseline, "baseline")
+    base_eps, base_infra = clean_variant(base_all, baseline.text)
     base, base_tasks = _variant(base_eps, baseline, success)
     base.infra_excluded = base_infra
     results = []
     for selector in candidates:
-        chosen, infra = clean_variant(_chosen(episodes, selector, "candidate"), selector.text)
-        both = {e.id for e in base_eps} & {e.id for e in chosen}
+        chosen = _chosen(episodes, selector, "candidate")
+        both = {e.id for e in base_all} & {e.id for e in chosen}
         if both:
             raise AnalysisError(
                 f"{len(both)} episodes match both the baseline "
                 f"{baseline.text!r} and the candidate {selector.text!r} "
                 f"(e.g. {min(both)}): the selections must not overlap"
             )
+        chosen, infra = clean_variant(chosen, selector.text)
         variant, tasks = _variant(chosen, selector, success)
         variant.infra_excluded = infra
         results.append(

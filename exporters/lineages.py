@@ -23,8 +23,10 @@ is the lineage that started it, None for a root. Calls are taken in arrival orde
    in flight, so parallel sub-agents of one type stay apart;
 4. otherwise it starts a new lineage. Its parent is the lineage of the latest call that
    finished, before it started, asking for a tool (the call that spawned it: a Task tool,
-   a handoff), else the lineage of the latest call that started before it (the one
-   active), else none.
+   a handoff), else the lineage of the latest call started before it (the one active)
+   when that lineage is a conversation (more than one call so far), else none: a one-shot
+   side call (opencode's title, Claude Code's quota check), often the episode's first,
+   parents nothing, so the main conversation after it is a root too.
 
 Detection can be wrong where a harness gives no sign: two sub-agents with one system
 prompt started one after the other join one lineage (as rewrites); the headers say it
@@ -123,9 +125,12 @@ def _new(call: CallView, parent: str | None) -> Lineage:
 
 
 def _parent(call: CallView, history: list[tuple[CallView, Lineage]]) -> str | None:
-    """The lineage that started ``call``: the latest call finished before it asking for a
-    tool, else the latest call started before it, else none."""
+    """The lineage that started ``call`` (rule 4 above)."""
     for earlier, lineage in reversed(history):
         if earlier.asked_tool and earlier.t_end is not None and earlier.t_end <= call.t_start:
             return lineage.id
-    return history[-1][1].id if history else None
+    if not history:
+        return None
+    active = history[-1][1]
+    calls = sum(1 for _, lineage in history if lineage is active)
+    return active.id if calls > 1 else None

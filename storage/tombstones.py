@@ -50,6 +50,11 @@ def tombstone(record: CallRecord, status: str, reason: str) -> CallRecord:
     )
 
 
+def tombstones(records) -> int:
+    """How many of ``records`` are tombstones."""
+    return sum(1 for r in records if r.status in (DROPPED, QUARANTINED))
+
+
 def _clean(value: str | None, size: int) -> str | None:
     """Cut to the column's size, without the characters a database refuses in text."""
     if value is None:

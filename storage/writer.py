@@ -35,7 +35,7 @@ from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.storable import storable
-from tracetap.storage.tombstones import DROPPED, QUARANTINED, slack, tombstone
+from tracetap.storage.tombstones import DROPPED, QUARANTINED, slack, tombstone, tombstones
 
 log = logging.getLogger("tracetap.writer")
 
@@ -259,8 +259,9 @@ class Writer:
         if held:  # journaled again before their segment goes
             await self._hold(held)
         replayed = segment in self._failed
+        # A tombstone is no captured record (its drop was counted): not counted again.
         self.observer.records("replayed" if replayed else "written",
-                              len(records) - len(outcome.refused))
+                              len(records) - len(outcome.refused) - tombstones(records))
         self._failed.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)

@@ -51,6 +51,9 @@ class Harness:
     # The causes its rows may split by (docs/harnesses.md says why); a release that
     # resends its history another way shows a new one.
     splits: frozenset[str] = frozenset()
+    # The conversations its episode holds (exporters.lineages): a title call, a final
+    # answer asked for in a conversation of its own.
+    lineages: int = 1
 
 
 # Claude Code resends tool input with its keys in schema order; when that is not the
@@ -68,8 +71,9 @@ HARNESSES = {
     "codex": Harness(runs.codex, "@openai/codex"),
     "codex-translated": Harness(runs.codex, "@openai/codex", serve=(("translate", "all"),)),
     "qwen-code": Harness(runs.qwen_code, "@qwen-code/qwen-code"),
-    # Its first call writes the session's title: a conversation of its own.
-    "opencode": Harness(runs.opencode, "opencode-ai", splits=frozenset({"system_changed"})),
+    # Its first call writes the session's title: a conversation of its own, so a lineage
+    # of its own (it was a system_changed split of the main line before lineages).
+    "opencode": Harness(runs.opencode, "opencode-ai", lineages=2),
     "openai-agents": Harness(runs.framework("openai-agents"), "openai-agents"),
     "openai-agents-translated": Harness(runs.framework("openai-agents"), "openai-agents",
                                         serve=(("translate", "all"),)),
@@ -79,9 +83,10 @@ HARNESSES = {
     "langchain-openai-repaired": Harness(runs.framework("langchain-openai"), "langchain-openai",
                                          serve=(("repair_history", True),)),
     "pydantic-ai": Harness(runs.framework("pydantic-ai"), "pydantic-ai-slim[openai]"),
-    # Tool calls resent as text parts; the final answer asked for in a new conversation.
+    # Tool calls resent as text parts; the final answer asked for in a new conversation
+    # (a lineage of its own; a system_changed split before lineages).
     "smolagents": Harness(runs.framework("smolagents"), "smolagents",
-                          splits=frozenset({"content_parts", "system_changed"})),
+                          splits=frozenset({"content_parts"}), lineages=2),
 }
 
 
@@ -175,8 +180,9 @@ def assert_captured(calls: list[dict]) -> None:
 
 
 def assert_trajectories(rows: list[dict], calls: list[dict]) -> None:
-    """One main line; every other row says why it split, by a named cause."""
-    assert [r["split_reason"] for r in rows].count(None) == 1, rows
+    """One main line per lineage; every other row says why it split, by a named cause."""
+    lineages = {r["lineage_id"] for r in rows}
+    assert [r["split_reason"] for r in rows].count(None) == len(lineages), rows
     for row in rows:
         if row["split_reason"] == "non_prefix":
             assert row["drift_cause"] in CAUSES and row["drift_cause"] != "unknown", row
@@ -206,3 +212,4 @@ def test_harness_through_tracetap(name, launched, proxies, tmp_path):
     assert_trajectories(rows, calls)
     causes = {r["drift_cause"] or r["split_reason"] for r in rows if r["split_reason"]}
     assert causes <= harness.splits, causes
+    assert len({r["lineage_id"] for r in rows}) == harness.lineages, rows

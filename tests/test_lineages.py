@@ -29,10 +29,13 @@ def test_a_sub_agent_started_by_a_tool_call_is_a_lineage_under_its_spawner():
                                               ("a", None)]
 
 
-def test_a_title_call_beside_the_first_turn_has_no_spawner_so_the_active_lineage():
-    # opencode: the title call starts while the first turn is in flight.
-    found = assign([view("a", 0, MAIN, t_end=5), view("t", 1, "s3:f3", t_end=2)])
-    assert ids(found, "a", "t") == [("a", None), ("t", "a")]
+def test_one_shot_side_calls_parent_nothing_conversations_do():
+    # opencode: the title call comes first; the main conversation is no child of it.
+    found = assign([view("t", 0, "s3:f3"), view("a", 2, MAIN), view("b", 4, MAIN)])
+    assert ids(found, "t", "a", "b") == [("t", None), ("a", None), ("a", None)]
+    # A summariser started without a tool call, once the main conversation has turns.
+    found = assign([view("a", 0, MAIN), view("b", 2, MAIN), view("s", 4, "s9:f9")])
+    assert ids(found, "s") == [("s", "a")]
 
 
 def test_a_rewritten_history_stays_in_its_lineage_but_parallel_twins_do_not():
@@ -46,10 +49,14 @@ def test_a_rewritten_history_stays_in_its_lineage_but_parallel_twins_do_not():
 
 
 def test_names_from_headers_win_over_detection():
-    found = assign([view("a", 0, MAIN), view("b", 2, MAIN, lineage="helper", parent="main"),
-                    view("c", 3, MAIN, lineage="main"), view("d", 4, SUB, lineage="helper")])
-    # "helper" named a parent that did not exist yet: found as detection would.
-    assert ids(found, "b", "c", "d") == [("b", "a"), ("c", "b"), ("b", "a")]
+    found = assign([view("a", 0, MAIN), view("a2", 1, MAIN),
+                    view("b", 2, MAIN, lineage="helper", parent="main"),
+                    view("c", 3, MAIN, lineage="main"), view("d", 4, SUB, lineage="helper"),
+                    view("e", 5, SUB, lineage="x", parent="main")])
+    # "helper" named a parent that did not exist yet: found as detection would (the
+    # active conversation); "main" followed a one-call lineage: a root.
+    assert ids(found, "b", "c", "d", "e") == [("b", "a"), ("c", None), ("b", "a"),
+                                              ("e", "c")]
 
 
 def test_calls_without_a_conversation_hash_are_one_lineage_as_before():
@@ -109,20 +116,26 @@ def test_a_sub_agent_and_a_named_helper_export_as_lineages(proxy, tmp_path):
 
     client = openai.OpenAI(base_url=proxy.episode_url("ep"), api_key="k", max_retries=0)
 
-    def turn(messages, **headers):
-        reply = client.chat.completions.create(model="mock-model", max_tokens=8,
-                                               messages=messages, extra_headers=headers)
-        return [*messages, {"role": "assistant", "content": reply.choices[0].message.content}]
+    def turn(messages, tools=None, **headers):
+        reply = client.chat.completions.create(
+            model="mock-model", max_tokens=200, messages=messages, extra_headers=headers,
+            **({"tools": tools} if tools else {}))
+        return [*messages, reply.choices[0].message.model_dump(exclude_none=True)]
 
+    # The main agent's first reply asks for a tool (the mock engine calls the first one):
+    # the sub-agent that follows is its child.
+    task = [{"type": "function", "function": {"name": "task", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
     main = turn([{"role": "system", "content": "You are the main agent."},
-                 {"role": "user", "content": "Fix the bug."}])
+                 {"role": "user", "content": "Fix the bug."}], task)
+    call_id = main[-1]["tool_calls"][0]["id"]
     sub = turn([{"role": "system", "content": "You are a search sub-agent."},
                 {"role": "user", "content": "Find the bug."}])
     turn([*sub, {"role": "user", "content": "And the test?"}])
     turn([{"role": "system", "content": "You are the main agent."},
           {"role": "user", "content": "Name this session."}],
          **{"X-Tracetap-Lineage": "title", "X-Tracetap-Parent": "nope"})
-    turn([*main, {"role": "user", "content": "Go on."}])
+    turn([*main, {"role": "tool", "tool_call_id": call_id, "content": "found it"}], task)
     assert proxy.admin("POST", "/tracetap/episodes/ep/finish", {"reward": 1.0})[0] == 200
     summary = export(proxy.settings.db, tmp_path / "out")
     rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
@@ -133,7 +146,8 @@ def test_a_sub_agent_and_a_named_helper_export_as_lineages(proxy, tmp_path):
     assert got == sorted([
         ([calls[0], calls[4]], None, main_id, None),
         ([calls[1], calls[2]], None, sub_id, main_id),
-        ([calls[3]], None, title_id, sub_id),  # named, parent unknown: the active one
+        # Named; its parent name unknown, so found: the main agent's tool call spawned it.
+        ([calls[3]], None, title_id, main_id),
     ])
     assert summary.splits == {}
     by_call = {c["call_id"]: c for c in pq.read_table(tmp_path / "out" / "calls").to_pylist()}
