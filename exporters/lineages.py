@@ -11,9 +11,10 @@ is the lineage that started it, None for a root. Calls are taken in arrival orde
 1. a call that names its lineage (``X-Tracetap-Lineage``, proxy.lineage) joins the
    lineage of that name, or starts it; its parent is the lineage named by
    ``X-Tracetap-Parent``, else found as in 4;
-2. a call without a conversation hash (a completions prompt, a row stored before
-   revision 0010) joins the episode's one lineage of such calls: an episode stored
-   before lineages existed is one lineage, as it exported before;
+2. a call without a conversation hash (a completions prompt, a relayed count_tokens, a
+   row stored before revision 0010) joins the lineage of the latest call before it, or
+   begins the episode's first: an episode stored before lineages existed is one lineage,
+   as it exported before;
 3. a call whose start (system prompt and first message, ``F``) is one a lineage already
    began with joins it (every turn of a conversation resends its start); else one whose
    system prompt (``S``) is a lineage's, when that lineage has no call in flight as this
@@ -69,7 +70,6 @@ def assign(calls: Iterable[CallView]) -> dict[str, Lineage]:
     named: dict[str, Lineage] = {}
     by_start: dict[str, Lineage] = {}
     order: list[Lineage] = []  # lineages by their latest call, most recent last
-    keyless: Lineage | None = None
     history: list[tuple[CallView, Lineage]] = []
     for call in calls:
         if call.lineage is not None:
@@ -79,9 +79,7 @@ def assign(calls: Iterable[CallView]) -> dict[str, Lineage]:
                 found = named[call.lineage] = _new(call, parent.id if parent else
                                                    _parent(call, history))
         elif call.conversation is None:
-            if keyless is None:
-                keyless = _new(call, _parent(call, history))
-            found = keyless
+            found = history[-1][1] if history else _new(call, None)
         else:
             found = _detected(call, by_start, order, history)
         _joined(found, call, by_start, order)

@@ -59,9 +59,13 @@ def test_names_from_headers_win_over_detection():
                                               ("e", "c")]
 
 
-def test_calls_without_a_conversation_hash_are_one_lineage_as_before():
+def test_calls_without_a_conversation_hash_join_the_call_before_them():
+    # Rows stored before revision 0010: one lineage, as they exported before.
     found = assign([view("a", 0, None), view("b", 2, None), view("c", 4, None)])
     assert {f.id for f in found.values()} == {"a"}
+    # A relayed count_tokens (no messages) inside a sub-agent's turns is the sub-agent's.
+    found = assign([view("a", 0, MAIN, tool=True), view("s", 2, SUB), view("p", 3, None)])
+    assert found["p"] is found["s"]
 
 
 def test_each_lineage_merges_on_its_own_with_its_own_main_line():
