@@ -120,6 +120,7 @@ def test_selectors_by_policy_and_config_and_the_table(seeded, capsys):
     )
     table = capsys.readouterr().out
     assert "harness=B" in table and "+0.167" in table and "0.625" in table
+    assert "left out of 'harness=A': 1 episodes with integrity infra" in table
 
 
 @pytest.mark.parametrize(

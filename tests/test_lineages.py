@@ -157,3 +157,39 @@ def test_a_sub_agent_and_a_named_helper_export_as_lineages(proxy, tmp_path):
     by_call = {c["call_id"]: c for c in pq.read_table(tmp_path / "out" / "calls").to_pylist()}
     assert [by_call[c]["lineage_id"] for c in calls] == [main_id, sub_id, sub_id, title_id,
                                                          main_id]
+
+
+def test_a_sub_agent_registered_as_an_episode_names_its_parent(proxy, tmp_path):
+    """Registration field ``parent``: the sub-agent episode's root lineage hangs under the
+    parent episode's root lineage (its first call)."""
+    import openai
+    import pyarrow.parquet as pq
+
+    from tracetap.exporters import export
+
+    assert proxy.admin("POST", "/tracetap/episodes", {"id": "boss"})[0] == 201
+    assert proxy.admin("POST", "/tracetap/episodes", {"id": "helper", "parent": "boss"})[0] == 201
+    assert proxy.admin("POST", "/tracetap/episodes", {"parent": "not an id!"})[0] == 400
+    for episode in ("boss", "helper"):
+        client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="k",
+                               max_retries=0)
+        client.chat.completions.create(model="mock-model", max_tokens=8,
+                                       messages=[{"role": "user", "content": episode}])
+        assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {})[0] == 200
+    export(proxy.settings.db, tmp_path / "out")
+    rows = {r["episode_id"]: r for r in pq.read_table(tmp_path / "out" / "trajectories")
+            .to_pylist()}
+    [boss] = proxy.calls("boss")
+    assert rows["boss"]["lineage_id"] == boss["call_id"]
+    assert rows["boss"]["parent_lineage_id"] is None
+    assert rows["helper"]["parent_lineage_id"] == boss["call_id"]
+
+
+def test_the_lineage_headers_never_reach_the_upstream():
+    from tracetap.proxy.headers import upstream_request_headers
+
+    sent = upstream_request_headers(
+        {"X-Tracetap-Lineage": "sub", "X-Tracetap-Parent": "main", "Accept": "*/*"},
+        api_key=None, forward_client_auth=False, identity=True)
+    assert "Accept" in sent
+    assert not any(name.lower().startswith("x-tracetap") for name in sent)
