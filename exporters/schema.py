@@ -205,7 +205,6 @@ def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJEC
                        notes: PageNotes | None = None) -> pa.RecordBatch:
     episodes = [e for e, _ in rows]
     trajectories = [t for _, t in rows]
-    verdicts = [(notes or PageNotes({}, {}, {})).verdict(e.id) for e in episodes]
     columns = {
         "trajectory_id": [t.trajectory_id for t in trajectories],
         "episode_id": [e.id for e in episodes],
@@ -229,13 +228,23 @@ def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJEC
         "harness_config": [e.harness_config for e in episodes],
         "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
+        **_trajectory_notes(episodes, trajectories, notes),
+    }
+    return _batch(columns, schema)
+
+
+def _trajectory_notes(episodes: Sequence[ScannedEpisode], trajectories: Sequence[Trajectory],
+                      notes: PageNotes | None) -> dict[str, list]:
+    """The integrity and lineage columns of the trajectories dataset."""
+    notes = notes or PageNotes({}, {}, {})
+    verdicts = [notes.verdict(e.id) for e in episodes]
+    return {
         "integrity": [v.integrity for v in verdicts],
         "integrity_causes": [[{"cause": c, "calls": n} for c, n in v.causes.items()]
                              for v in verdicts],
         "lineage_id": [t.lineage_id for t in trajectories],
         "parent_lineage_id": [t.parent_lineage_id for t in trajectories],
     }
-    return _batch(columns, schema)
 
 
 def list_column(values: Sequence[bytes | array | None], stored: pa.DataType,
