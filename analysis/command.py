@@ -147,6 +147,9 @@ def _packets(args: argparse.Namespace) -> int:
             f"{len(result.packets)} failure packets of {result.episodes} episodes ({why}) "
             f"-> {', '.join(str(f) for f in files)}"
         )
+        if result.infra:
+            print(f"no packet for {result.infra} episodes with integrity infra (an upstream "
+                  "failure, a refusal, a lost record: not the harness's doing)")
 
     return _guarded("packets", go)
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import msgspec
 
 from tracetap.analysis.episodes import AnalysisError, Episode
+from tracetap.analysis.integrity import clean_variant
 from tracetap.analysis.select import Selector, Success
 from tracetap.analysis.stats import bootstrap_interval, mean, normalised, sign_test
 
@@ -32,6 +33,8 @@ class Variant(msgspec.Struct, kw_only=True):
     mean_reward: float | None
     tokens_per_episode: float
     latency_per_episode: float  # seconds
+    # Episodes of this selection left out because their integrity is infra (not in Δ_B).
+    infra_excluded: int = 0
 
 
 class Flips(msgspec.Struct, kw_only=True):
@@ -85,19 +88,23 @@ def compare(
         raise AnalysisError("give at least one --candidate selection")
     if resamples < 1:
         raise AnalysisError("--resamples must be at least 1")
-    base_eps = _chosen(episodes, baseline, "baseline")
+    base_all = _chosen(episodes, baseline, "baseline")
+    base_eps, base_infra = clean_variant(base_all, baseline.text)
     base, base_tasks = _variant(base_eps, baseline, success)
+    base.infra_excluded = base_infra
     results = []
     for selector in candidates:
         chosen = _chosen(episodes, selector, "candidate")
-        both = {e.id for e in base_eps} & {e.id for e in chosen}
+        both = {e.id for e in base_all} & {e.id for e in chosen}
         if both:
             raise AnalysisError(
                 f"{len(both)} episodes match both the baseline "
                 f"{baseline.text!r} and the candidate {selector.text!r} "
                 f"(e.g. {min(both)}): the selections must not overlap"
             )
+        chosen, infra = clean_variant(chosen, selector.text)
         variant, tasks = _variant(chosen, selector, success)
+        variant.infra_excluded = infra
         results.append(
             _against(
                 variant, tasks, base_tasks, selector, baseline, resamples, seed, allow_unpaired
@@ -235,6 +242,10 @@ def render(c: Comparison) -> str:
             f"{v.success_rate:>8.3f} {reward:>7} {v.tokens_per_episode:>10.1f} "
             f"{v.latency_per_episode:>9.3f}s"
         )
+    infra = [v for v in [c.baseline, *(x.variant for x in c.candidates)] if v.infra_excluded]
+    for v in infra:
+        lines.append(f"left out of {v.selector!r}: {v.infra_excluded} episodes with "
+                     "integrity infra (not the harness's doing)")
     lines += ["", f"against the baseline {c.baseline.selector!r}:"]
     lines.append(
         f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tracetap.exporters.factors import factors_of
+from tracetap.storage.integrity import CLEAN_VERDICT, Verdict, verdicts
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError
 from tracetap.storage.summaries import EpisodeSummary, call_summaries, episode_summaries
 
@@ -30,6 +31,7 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any]
     factors: dict[str, str]  # the config's scalar values as levels
     policies: frozenset[str] = frozenset()  # the calls' policy versions (when asked for)
+    integrity: Verdict = CLEAN_VERDICT  # storage.integrity: clean, or infra and why
 
     @property
     def id(self) -> str:
@@ -80,6 +82,9 @@ async def read(
     reader: Reader, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False
 ) -> list[Episode]:
     summaries = await episode_summaries(reader, filt, costs=costs)
+    with reader.translated():
+        async with reader.engine.connect() as conn:
+            verdict = await verdicts(conn, reader.engine, [s.id for s in summaries])
     versions: dict[str, set[str]] = {}
     if policies and summaries:
         for call in await call_summaries(reader, [s.id for s in summaries]):
@@ -103,6 +108,7 @@ async def read(
                 metadata=meta,
                 factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
+                integrity=verdict[s.id],
             )
         )
     return episodes

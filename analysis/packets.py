@@ -22,6 +22,7 @@ import msgspec
 
 from tracetap.analysis import conversation
 from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read, run
+from tracetap.analysis.integrity import clean
 from tracetap.analysis.select import Selector, Success, value_of
 from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_summaries
@@ -90,6 +91,7 @@ class PacketSet(msgspec.Struct, kw_only=True):
     reasons: dict[str, int]  # packets per failure reason
     packets: list[Packet]
     batches: list[dict[str, Any]] | None = None
+    infra: int = 0  # failed episodes given no packet: their integrity is infra
 
 
 def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
@@ -112,6 +114,7 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
                 "the selection matches no episode" + (f" (--where {where.text!r})" if where else "")
             )
         suspects = [e for e in episodes if not options.success(e) or e.summary.failed_calls]
+        suspects, infra = clean(suspects)  # an infra failure is not the harness's
         calls = await call_summaries(reader, [e.id for e in suspects])
         by_episode: dict[str, list[CallSummary]] = defaultdict(list)
         for call in calls:
@@ -134,7 +137,8 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
     packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
     counts = {r: sum(r in p.outcome.failure for p in packets) for r in options.failures}
     batches = _batches(episodes, packets, options) if options.batch else None
-    return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches)
+    return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches,
+                     infra=infra)
 
 
 def _reasons(

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="keep calls without token ids in trajectories/ as single-turn rows marked "
            "split_reason=no_token_ids (not training data; the adapters refuse them) "
            "[default off]")
+    a("--exclude-infra", action="store_true",
+      help="leave out episodes whose integrity is infra (an upstream failure, a refusal, a "
+           "lost record...: docs/export.md) and say how many [default off]")
     a("--metrics-file", metavar="FILE",
       help="write this run's tracetap_trajectory_splits_total{cause} in Prometheus text "
            "format (for node_exporter's textfile collector)")
@@ -83,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             db, args.out, since=args.since, until=args.until, episodes=args.episode,
             group=args.group, finished_only=args.finished_only, datasets=datasets,
             incremental=args.incremental, overwrite=args.overwrite,
-            keep_untokenized=args.keep_untokenized, progress=bar.update if bar else None,
+            keep_untokenized=args.keep_untokenized, exclude_infra=args.exclude_infra,
+            progress=bar.update if bar else None,
             s3_endpoint=args.s3_endpoint,
         )
     except ExportError as exc:
@@ -96,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     if summary.not_found or summary.not_finished:
         print(f"tracetap export: not exported: "
               f"{missing_note(summary.not_found, summary.not_finished)}", file=sys.stderr)
+    if args.exclude_infra:
+        print(f"left out: {summary.excluded_infra} episodes with integrity infra "
+              "(--exclude-infra)")
     if args.metrics_file:
         write_metrics(args.metrics_file, summary.splits)
     if summary.left_out:

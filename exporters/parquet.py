@@ -62,6 +62,7 @@ class Selection(msgspec.Struct, kw_only=True, frozen=True):
     finished_only: bool = True
     datasets: tuple[str, ...] = DATASETS
     keep_untokenized: bool = False
+    exclude_infra: bool = False  # leave out episodes whose integrity is infra
 
 
 class RunRecord(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ import msgspec
 import pyarrow.compute as pc
 
 from tracetap import __version__
+from tracetap.exporters.annotate import PageNotes, adopt, page_notes, without_infra
 from tracetap.exporters.drift import explain
 from tracetap.exporters.ledger import LedgerWriter
 from tracetap.exporters.location import Location, resolve
@@ -82,6 +83,8 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     # Of the --episode ids asked for, those not exported for these reasons.
     not_found: list[str] = []
     not_finished: list[str] = []
+    # Episodes left out by --exclude-infra (their integrity verdict is infra).
+    excluded_infra: int = 0
 
     @property
     def tokens(self) -> int:
@@ -110,6 +113,7 @@ async def export_async(
     incremental: bool = False,
     overwrite: bool = False,
     keep_untokenized: bool = False,
+    exclude_infra: bool = False,
     progress: Callable[[Progress], None] | None = None,
     page_size: int = 256,
     s3_endpoint: str | None = None,
@@ -126,7 +130,7 @@ async def export_async(
     selection = Selection(since=_epoch(since), until=_epoch(until),
                           episode_ids=tuple(sorted(set(episodes))), group_id=group,
                           finished_only=finished_only, datasets=_datasets(datasets),
-                          keep_untokenized=keep_untokenized)
+                          keep_untokenized=keep_untokenized, exclude_infra=exclude_infra)
     if incremental and not finished_only:
         raise ExportError("--incremental needs --finished-only: an unfinished episode can "
                           "still grow, so it cannot be exported once and for all")
@@ -235,15 +239,20 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
     # Closed here, not left to the event loop's shutdown, when a write fails: the read
     # ahead must end while the database is still open (see _prefetched).
     async with contextlib.aclosing(_prefetched(reader.episodes(filt))) as pages:
-        async for page in pages:
+        async for whole in pages:
+            notes = page_notes(whole.rows)  # integrity verdicts, lineages
+            await adopt(reader.engine, whole, notes)
+            page, excluded = (without_infra(whole, notes) if selection.exclude_infra
+                              else (whole, 0))
+            summary.excluded_infra += excluded
             if calls is not None:
-                _add_calls(calls, ledger, page, summary)
+                _add_calls(calls, ledger, page, summary, notes)
                 await asyncio.sleep(0)  # lets the prefetched page's queries move on
             if trajectories is not None:
                 await _add_trajectories(reader, trajectories, page, summary,
-                                        selection.keep_untokenized)
+                                        selection.keep_untokenized, notes)
             summary.episodes += len(page.episodes)
-            for episode in page.episodes:
+            for episode in whole.episodes:
                 if episode.finished_at is not None:
                     recent.add(episode.id, episode.finished_at)
             report()
@@ -251,13 +260,13 @@ async def _stream(reader: Reader, selection: Selection, previous: Manifest | Non
     if calls is not None and not (selection.finished_only or selection.episode_ids
                                   or selection.group_id):
         async for page in reader.untagged_calls(filt):
-            _add_calls(calls, ledger, page, summary)
+            _add_calls(calls, ledger, page, summary, page_notes(page.rows))
         report()
 
 
 def _add_calls(writer: DatasetWriter, ledger: LedgerWriter, page: ScanPage,
-               summary: ExportSummary) -> None:
-    for batch in calls_batches(page.rows, page.episodes, writer.schema):
+               summary: ExportSummary, notes: PageNotes) -> None:
+    for batch in calls_batches(page.rows, page.episodes, writer.schema, notes):
         writer.add(batch)
         ledger.add(ledger_batch(batch, page.episodes))
         summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
@@ -266,10 +275,11 @@ def _add_calls(writer: DatasetWriter, ledger: LedgerWriter, page: ScanPage,
 
 
 async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPage,
-                            summary: ExportSummary, keep_untokenized: bool) -> None:
-    rows = [(episode, t) for episode in page.episodes
+                            summary: ExportSummary, keep_untokenized: bool,
+                            notes: PageNotes) -> None:
+    rows = [(episode, notes.lineage_rows(t)) for episode in page.episodes
             for t in build_trajectories(episode.calls, keep_untokenized=keep_untokenized,
-                                        left_out=summary.left_out)]
+                                        left_out=summary.left_out, lineages=notes.lineages)]
     drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
     if drifted:  # only split rows need bodies; read here when the page came without them
         calls = {c.call_id: c for e, _ in drifted for c in e.calls}
@@ -282,7 +292,7 @@ async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPag
         if t.split_reason is not None:
             cause = t.drift_cause or t.split_reason
             summary.splits[cause] = summary.splits.get(cause, 0) + 1
-    batch = trajectories_batch(rows, writer.schema)
+    batch = trajectories_batch(rows, writer.schema, notes)
     writer.add(batch)
     summary.trajectories += batch.num_rows
     summary.trajectory_ids += _tokens(batch, "prompt_ids", "response_ids")

@@ -14,14 +14,16 @@ from itertools import accumulate
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracetap.exporters.annotate import PageNotes
 from tracetap.exporters.factors import factors_of_json
 from tracetap.exporters.trajectories import Trajectory
 from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "3"  # 2: token origin, the engine's view of the request, drift columns;
-# 3: harness_factors (trajectories), overlay (calls)
+SCHEMA_VERSION = "4"  # 2: token origin, the engine's view of the request, drift columns;
+# 3: harness_factors (trajectories), overlay (calls); 4: integrity and lineage columns
+# (both datasets; exporters.annotate)
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -58,7 +60,15 @@ CALLS = pa.schema([
     ("prompt_tokens", pa.int32()),
     ("completion_tokens", pa.int32()),
     ("reward", pa.float64()),
+    # The episode's integrity verdict (storage.integrity), this call's own cause, and the
+    # conversation inside the episode the call belongs to (exporters.lineages).
+    ("integrity", pa.string()),
+    ("integrity_cause", pa.string()),
+    ("lineage_id", pa.string()),
+    ("parent_lineage_id", pa.string()),
 ])
+
+_CAUSES = pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))
 
 TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()),
@@ -91,6 +101,10 @@ TRAJECTORIES = pa.schema([
     ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()),
     ("drift_call_id", pa.string()),  # the earlier call whose context was expected
+    ("integrity", pa.string()),  # clean / infra (storage.integrity)
+    ("integrity_causes", _CAUSES),  # [{cause, calls}], empty when clean
+    ("lineage_id", pa.string()),  # the conversation inside the episode (exporters.lineages)
+    ("parent_lineage_id", pa.string()),
 ])
 _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
@@ -119,7 +133,8 @@ def with_metadata(schema: pa.Schema, dataset: str, tracetap_version: str) -> pa.
 
 
 def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
-                  schema: pa.Schema = CALLS) -> Iterator[pa.RecordBatch]:
+                  schema: pa.Schema = CALLS,
+                  notes: PageNotes | None = None) -> Iterator[pa.RecordBatch]:
     """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
@@ -129,14 +144,14 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         size = sum(len(row[b] or "") for b in BODIES)
         new_call = i > start and row[call_id] != rows[i - 1][call_id]
         if new_call and chars + size > BODY_CHARS_PER_BATCH:
-            yield calls_batch(rows[start:i], episodes, schema)
+            yield calls_batch(rows[start:i], episodes, schema, notes)
             start, chars = i, 0
         chars += size
-    yield calls_batch(rows[start:], episodes, schema)
+    yield calls_batch(rows[start:], episodes, schema, notes)
 
 
 def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
-                schema: pa.Schema = CALLS) -> pa.RecordBatch:
+                schema: pa.Schema = CALLS, notes: PageNotes | None = None) -> pa.RecordBatch:
     """Scanned rows (storage.scan.ROW, one per call and choice) → the calls dataset.
 
     Column by column: the rows are transposed once, in C, and no Python code runs per row
@@ -158,10 +173,22 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "completion_ids": list_column(columns["completion_ids"], pa.int32()),
         "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
                                            pa.float32()),
+        **_call_notes(columns, notes or PageNotes({}, {}, {})),
     }
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
     return _batch(built, schema)
+
+
+def _call_notes(columns: dict, notes: PageNotes) -> dict[str, list]:
+    """The integrity and lineage columns of the calls dataset."""
+    lineages = [notes.lineage_ids(c) for c in columns["call_id"]]
+    return {
+        "integrity": [notes.verdict(e).integrity for e in columns["episode_id"]],
+        "integrity_cause": list(map(notes.causes.get, columns["call_id"])),
+        "lineage_id": [lineage for lineage, _ in lineages],
+        "parent_lineage_id": [parent for _, parent in lineages],
+    }
 
 
 def ledger_batch(calls: pa.RecordBatch, episodes: Sequence[ScannedEpisode],
@@ -174,8 +201,8 @@ def ledger_batch(calls: pa.RecordBatch, episodes: Sequence[ScannedEpisode],
                    "finished_at": [finished.get(e) for _, e in pairs]}, schema)
 
 
-def trajectories_batch(rows: Sequence[TrajectoryRow],
-                       schema: pa.Schema = TRAJECTORIES) -> pa.RecordBatch:
+def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJECTORIES,
+                       notes: PageNotes | None = None) -> pa.RecordBatch:
     episodes = [e for e, _ in rows]
     trajectories = [t for _, t in rows]
     columns = {
@@ -201,8 +228,23 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         "harness_config": [e.harness_config for e in episodes],
         "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
+        **_trajectory_notes(episodes, trajectories, notes),
     }
     return _batch(columns, schema)
+
+
+def _trajectory_notes(episodes: Sequence[ScannedEpisode], trajectories: Sequence[Trajectory],
+                      notes: PageNotes | None) -> dict[str, list]:
+    """The integrity and lineage columns of the trajectories dataset."""
+    notes = notes or PageNotes({}, {}, {})
+    verdicts = [notes.verdict(e.id) for e in episodes]
+    return {
+        "integrity": [v.integrity for v in verdicts],
+        "integrity_causes": [[{"cause": c, "calls": n} for c, n in v.causes.items()]
+                             for v in verdicts],
+        "lineage_id": [t.lineage_id for t in trajectories],
+        "parent_lineage_id": [t.parent_lineage_id for t in trajectories],
+    }
 
 
 def list_column(values: Sequence[bytes | array | None], stored: pa.DataType,

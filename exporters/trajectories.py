@@ -18,7 +18,8 @@ it leaves it (the top of its trainable part):
   "retry"         a request whose prompt equals an earlier request's prompt
   "branch"        a later, different continuation of the same context
   "non_prefix"    a new root: the prompt extends no earlier completion (context rewritten,
-                  summarised, a sub-agent)
+                  summarised; a sub-agent too, unless ``lineages`` puts it in a lineage of
+                  its own: each lineage is merged on its own, with its own main line)
   "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched (only
                   with keep_untokenized: such rows are not training data)
   "vetoed"        a reply an overlay rejected (the model sampled again, docs/overlays.md):
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import insort
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Protocol
 
@@ -92,6 +93,9 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     drift_message_index: int | None = None
     drift_expected_text: str | None = None
     drift_received_text: str | None = None
+    # The conversation inside the episode the row belongs to (exporters.lineages).
+    lineage_id: str | None = None
+    parent_lineage_id: str | None = None
 
     @property
     def num_turns(self) -> int:
@@ -127,11 +131,13 @@ class _Node:
 
 
 def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = False,
-                       left_out: dict[str, int] | None = None) -> list[Trajectory]:
+                       left_out: dict[str, int] | None = None,
+                       lineages: Mapping[str, object] | None = None) -> list[Trajectory]:
     """All rows of one episode: the prefix forest's leaves (then, with ``keep_untokenized``,
     calls without token ids as marked single-turn rows). Each (call, choice) left out for
     lack of ids is counted in ``left_out`` under why (the call's ``ids_missing`` reason
-    when it has one, else ``no_token_ids``)."""
+    when it has one, else ``no_token_ids``). ``lineages`` (call id → its lineage,
+    exporters.lineages): each lineage is merged on its own, with a main line of its own."""
     ordered = sorted(calls, key=_arrival)
     nodes: list[_Node] = []
     single_turn: list[Trajectory] = []
@@ -151,11 +157,23 @@ def build_trajectories(calls: Iterable[CallLike], *, keep_untokenized: bool = Fa
             elif left_out is not None:
                 reason = getattr(call, "ids_missing", None) or "no_token_ids"
                 left_out[reason] = left_out.get(reason, 0) + 1
-    _link(nodes)
-    rows = _tree_rows(nodes)
+    rows = []
+    for part in _by_lineage(nodes, lineages):
+        _link(part)
+        rows += _tree_rows(part)
     for node in nodes:  # parent <-> children cycles would keep token buffers until a GC pass
         node.parent, node.children = None, []
     return [*rows, *single_turn]
+
+
+def _by_lineage(nodes: list[_Node], lineages: Mapping[str, object] | None) -> list[list[_Node]]:
+    """The nodes of each lineage, in arrival order; lineages by their first node."""
+    if not lineages:
+        return [nodes]
+    parts: dict[int, list[_Node]] = {}
+    for node in nodes:
+        parts.setdefault(id(lineages.get(node.call.call_id)), []).append(node)
+    return list(parts.values())
 
 
 def _link(nodes: list[_Node]) -> None:

@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
+from tracetap.proxy.finish_integrity import verdict_at_finish
 from tracetap.proxy.headers import bearer
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
@@ -37,6 +38,7 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     budget: Budget | None = None
     repair_history: bool | None = None  # None: the proxy's --repair-history
     overlay: str | None = None  # a loaded --overlay NAME; kept in metadata["overlay"] too
+    parent: str | None = None  # the episode this one is a sub-agent of (a lineage's parent)
 
 
 class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,6 +114,8 @@ async def create_episode(request: web.Request) -> web.Response:
     episode_id = validate_episode_id(spec.id) if spec.id is not None else uuid7()
     if spec.group_id is not None:
         validate_episode_id(spec.group_id)
+    if spec.parent is not None:
+        validate_episode_id(spec.parent)
     api_key = KEY_PREFIX + secrets.token_urlsafe(32)
     key_hash = hash_key(api_key)
     harness = spec.harness or Harness()
@@ -121,7 +125,7 @@ async def create_episode(request: web.Request) -> web.Response:
         await queries.create_episode(
             state.engine, episode_id=episode_id, key_hash=key_hash, group_id=spec.group_id,
             task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
-            metadata=metadata, budget=limits,
+            metadata=metadata, budget=limits, parent_id=spec.parent,
         )
     except queries.EpisodeExists as exc:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
@@ -179,6 +183,8 @@ async def finish_episode(request: web.Request) -> web.Response:
         raise not_found(f"no episode {episode_id!r}: it was never registered and no call was "
                         "tagged with it (a typo?)")
     state.metrics.episode_finished(spec.reward)
+    if (verdict := await verdict_at_finish(state, episode_id)) is not None:
+        state.metrics.episode_integrity(verdict)
     state.prompt_prefixes.forget(episode_id)  # no call of it extends its prompt again
     return web.json_response({"id": episode_id, "finished": True})
 

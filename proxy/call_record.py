@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tracetap.proxy.inject import COMPLETIONS
+from tracetap.proxy.lineage import conversation
 from tracetap.proxy.wire import encode
 from tracetap.storage.records import CallRecord
 
@@ -69,6 +70,11 @@ def call_record(call: ModelCall) -> CallRecord:
         else call.upstream_request.decode("utf-8", "replace"),
         overlay=None if call.overlay is None else encode(call.overlay).decode(),
         translation_dropped=call.dropped.encoded(),
+        lineage=call.lineage[0],
+        parent_lineage=call.lineage[1],
+        # The client's view: a harness whose calls are translated only some of the time
+        # (--translate auto) hashes the same start either way.
+        conversation=conversation(call.client_payload or call.payload),
         choices=choices,
     )
 

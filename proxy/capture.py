@@ -72,6 +72,7 @@ class ModelCall:
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.repaired = False  # the model's own turns put back (proxy.repair)
         self.overlay = None  # proxy.overlays.hooks.OverlayLog, when an overlay runs
+        self.lineage: tuple[str | None, str | None] = (None, None)  # proxy.lineage.names
         self.stream_translator = None
         self.stream = False
         self.status = "ok"

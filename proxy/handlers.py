@@ -7,6 +7,7 @@ import time
 
 from aiohttp import web
 
+from tracetap.proxy import lineage
 from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded
 from tracetap.proxy.capture import ModelCall
@@ -91,6 +92,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             tagged = await state.tagger.resolve(request.headers,
                                                 request.match_info.get("episode"))
             call.tag(tagged.episode_id)
+            call.lineage = lineage.names(request.headers)
             body = await read_body(request, state.settings.max_body,
                                    state.settings.body_timeout)
             upstream_body = call.parse_request(body)

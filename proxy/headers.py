@@ -58,6 +58,9 @@ SECRET = frozenset({"authorization", "api-key", "x-api-key", "proxy-authorizatio
 EPISODE_HEADER = "X-Tracetap-Episode"
 OVERLAY_HEADER = "X-Tracetap-Overlay"
 OVERHEAD_HEADER = "x-tracetap-overhead-ms"
+# The conversation a call belongs to inside its episode, and its parent (proxy.lineage).
+LINEAGE_HEADER = "X-Tracetap-Lineage"
+PARENT_HEADER = "X-Tracetap-Parent"
 
 
 def upstream_request_headers(
@@ -89,7 +92,8 @@ def upstream_request_headers(
     return out
 
 
-_TAGS = frozenset({EPISODE_HEADER.lower(), OVERLAY_HEADER.lower()})
+_TAGS = frozenset({EPISODE_HEADER.lower(), OVERLAY_HEADER.lower(), LINEAGE_HEADER.lower(),
+                   PARENT_HEADER.lower()})
 _REQUEST_ONLY = frozenset({"content-encoding"})
 
 

@@ -152,6 +152,12 @@ class Metrics(WriterObserver):
                                    multiprocess_mode="livemax", registry=r)
         self.episodes_finished = Counter("tracetap_episodes_finished_total",
                                          "Episodes finished through the admin API", registry=r)
+        self.episodes_integrity = Counter(
+            "tracetap_episodes_integrity_total", "Finished episodes by the integrity verdict "
+            "their stored calls gave at the finish (clean, infra)", ["integrity"], registry=r)
+        self.integrity_causes = Counter(
+            "tracetap_episode_integrity_causes_total", "Finished episodes whose stored calls "
+            "showed this infrastructure cause at the finish", ["cause"], registry=r)
         self.episode_reward = Summary("tracetap_episode_reward",
                                       "Rewards of finished episodes (sum and count: the mean)",
                                       registry=r)
@@ -244,6 +250,12 @@ class Metrics(WriterObserver):
         self.episodes_finished.inc()
         if reward is not None:
             self.episode_reward.observe(reward)
+
+    def episode_integrity(self, verdict) -> None:
+        """A finished episode's storage.integrity.Verdict."""
+        self.child(self.episodes_integrity, verdict.integrity).inc()
+        for cause in verdict.causes:
+            self.child(self.integrity_causes, cause).inc()
 
     def refresh(self, state: ProxyState) -> None:
         """Gauges that mirror the proxy's state, read when scraped."""

@@ -48,10 +48,11 @@ class Journal:
         """Segments that were on disk when the journal opened (to replay)."""
         return list(self._sealed)
 
-    def append(self, payload: bytes) -> bool:
-        """Append one record; False when the journal is full (the caller counts a drop)."""
+    def append(self, payload: bytes, slack: int = 0) -> bool:
+        """Append one record; False when the journal is full (the caller counts a drop).
+        ``slack``: bytes it may go past its bound (tombstones, storage.tombstones)."""
         frame = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        if self.bytes + len(frame) > self.max_bytes:
+        if self.bytes + len(frame) > self.max_bytes + slack:
             return False
         if self._fd is None:
             self._open_active()

@@ -42,9 +42,11 @@ async def create_episode(
     harness_config: Any,
     metadata: Any,
     budget: Limits | None = None,
+    parent_id: str | None = None,
 ) -> None:
     """Register an episode (with its budget row, in the same transaction). An id first
-    seen through calls may be registered once."""
+    seen through calls may be registered once. ``parent_id``: the episode it is a
+    sub-agent of (exporters.lineages)."""
     values = {
         Episode.group_id: group_id,
         Episode.task_id: task_id,
@@ -54,6 +56,7 @@ async def create_episode(
         Episode.api_key_hash: key_hash,
         Episode.registered: True,
         Episode.registered_at: time.time(),
+        Episode.parent_id: parent_id,
     }
     async with engine.begin() as conn:
         stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)

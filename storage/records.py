@@ -68,6 +68,12 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # JSON {field: count}: request fields translation to chat dropped (proxy.apis.dropped);
     # None when nothing was dropped or the call was not translated.
     translation_dropped: str | None = None
+    # Lineage (exporters.lineages): the harness's names for the conversation the call
+    # belongs to and its parent (X-Tracetap-Lineage / X-Tracetap-Parent), when it sent
+    # them; ``conversation``: the hashes of the request's start (proxy.lineage).
+    lineage: str | None = None
+    parent_lineage: str | None = None
+    conversation: str | None = None
     choices: list[ChoiceRecord] = []
 
 
@@ -115,4 +121,6 @@ STATUSES = (
     "passthrough",  # an exposed, uncaptured path (e.g. count_tokens) called in an episode
     "vetoed",  # an overlay rejected the reply and had the model sample again
     "overlay_failed",  # an overlay hook failed under --overlay-fail closed
+    "record_dropped",  # a tombstone: the record was lost, the journal was full
+    "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
 )

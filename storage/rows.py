@@ -65,6 +65,9 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
         "ids_missing": record.ids_missing,
         "overlay": record.overlay,
         "translation_dropped": record.translation_dropped,
+        "lineage": record.lineage,
+        "parent_lineage": record.parent_lineage,
+        "conversation": record.conversation,
         "stored_at": stored_at,
     }
     if refs is None:

@@ -83,6 +83,10 @@ class ScannedCall(msgspec.Struct, gc=False):
     prompt_ids: bytes | None = None  # int32, native byte order
     prompt_source: str | None = None
     ids_missing: str | None = None
+    # The conversation inside the episode (exporters.lineages; null before 0010).
+    conversation: str | None = None
+    lineage: str | None = None
+    parent_lineage: str | None = None
     choices: list[ScannedChoice] = []  # not a column: filled from the rows that follow
 
 
@@ -97,6 +101,7 @@ class ScannedEpisode(msgspec.Struct, gc=False):
     reward: float | None = None
     rewards: str | None = None  # JSON text
     outcome: str | None = None
+    parent_id: str | None = None  # the episode it is a sub-agent of (registration)
     calls: list[ScannedCall] = []  # not a column
 
 

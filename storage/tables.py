@@ -53,6 +53,8 @@ class Episode(Base):
     rewards: Mapped[str | None] = mapped_column(Text)  # JSON {name: value}
     outcome: Mapped[str | None] = mapped_column(String(256), index=True)
     info: Mapped[str | None] = mapped_column(Text)  # JSON
+    # The episode this one is a sub-agent of (registration field ``parent``, 0010).
+    parent_id: Mapped[str | None] = mapped_column(String(128))
 
 
 class Call(Base):
@@ -89,6 +91,12 @@ class Call(Base):
     overlay: Mapped[str | None] = mapped_column(Text)
     # JSON {field: count}: what translation to chat left out of the request (0006).
     translation_dropped: Mapped[str | None] = mapped_column(Text)
+    # The conversation the call belongs to (0010, exporters.lineages): the harness's own
+    # names from X-Tracetap-Lineage / X-Tracetap-Parent, and the hashes of the request's
+    # start (system prompt; system prompt and first message) that detect it otherwise.
+    lineage: Mapped[str | None] = mapped_column(String(128))
+    parent_lineage: Mapped[str | None] = mapped_column(String(128))
+    conversation: Mapped[str | None] = mapped_column(String(40))
     # When the writer committed the row: the watermark for incremental export.
     stored_at: Mapped[float] = mapped_column(Float, index=True)
     # Since revision 0007 the prompt ids and the bodies are stored as references to

@@ -35,6 +35,7 @@ from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.storable import storable
+from tracetap.storage.tombstones import DROPPED, QUARANTINED, slack, tombstone, tombstones
 
 log = logging.getLogger("tracetap.writer")
 
@@ -119,7 +120,12 @@ class Writer:
                 record.call_id,
                 record.episode_id,
             )
+            self._tombstone(record)
             return False
+        self._accepted(record)
+        return True
+
+    def _accepted(self, record: CallRecord) -> None:
         self._active.append(record)
         self._pending_count += 1
         self._fresh += 1
@@ -129,7 +135,15 @@ class Writer:
         # writer for a full batch, otherwise its flush interval collects what came.
         if len(self._active) >= self.batch_records:
             self._wake.set()
-        return True
+
+    def _tombstone(self, record: CallRecord) -> None:
+        """A dropped record's episode still shows the call (storage.tombstones): its
+        tombstone is journaled in the slack kept for them, if there is room."""
+        if record.episode_id is None:
+            return
+        stone = tombstone(record, DROPPED, "journal full: the record was dropped")
+        if self.journal.append(_encode(stone), slack=slack(self.journal.max_bytes)):
+            self._accepted(stone)
 
     def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes]:
         """The record and its journal encoding; a value msgpack cannot hold (an int over
@@ -241,11 +255,13 @@ class Writer:
         if records:
             self.observer.db_write(time.perf_counter() - started, len(records))
         self._quarantine(outcome)  # before the segment goes: the dead-letter keeps them
+        await self._quarantined(outcome)
         if held:  # journaled again before their segment goes
             await self._hold(held)
         replayed = segment in self._failed
+        # A tombstone is no captured record (its drop was counted): not counted again.
         self.observer.records("replayed" if replayed else "written",
-                              len(records) - len(outcome.refused))
+                              len(records) - len(outcome.refused) - tombstones(records))
         self._failed.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)
@@ -270,6 +286,17 @@ class Writer:
             self.observer.records("altered", altered)
         if lost:
             self.observer.records("dropped", lost)
+
+    async def _quarantined(self, outcome: Outcome) -> None:
+        """Tombstones of the refused records (storage.tombstones), so their episodes show
+        them; one the database refuses too is left to the dead-letter file."""
+        stones = [tombstone(r.record, QUARANTINED, f"refused by the database: {r.reason}")
+                  for r in outcome.refused if r.record.episode_id is not None]
+        if stones:
+            again = await write_batch(self.engine, stones, self._insert)
+            if again.refused:
+                log.error("%d tombstones refused too (first: call %s: %s)", len(again.refused),
+                          again.refused[0].record.call_id, again.refused[0].reason)
 
     async def _prepare(self, records: list[CallRecord], hold: bool) -> list[CallRecord]:
         """Run ``prepare``; the records it hands back (none if it fails)."""
@@ -298,6 +325,7 @@ class Writer:
             await self._prepare(now, hold=False)
             outcome = await write_batch(self.engine, now, self._insert)
             self._quarantine(outcome)
+            await self._quarantined(outcome)
             self.observer.records("written", len(now) - len(outcome.refused))
             self._pending_count = max(0, self._pending_count - len(now))
             self._held.difference_update(r.call_id for r in now)

@@ -62,7 +62,10 @@ def test_delta_interval_p_value_flips_and_costs_match_a_direct_computation(db_ur
     assert b["tokens_delta"] == pytest.approx(per_episode["B"] - per_episode["A"])
     assert b["latency_delta"] == pytest.approx(2 * (SECONDS["B"] - SECONDS["A"]))
     assert b["advantage"] is None  # one candidate: no group
-    assert result["baseline"]["success_rate"] == pytest.approx(5 / 12)
+    # A-t4-0's upstream failed: infra, left out (its task t4 still has A-t4-1).
+    assert result["baseline"]["infra_excluded"] == 1
+    assert b["variant"]["infra_excluded"] == 0
+    assert result["baseline"]["success_rate"] == pytest.approx(5 / 11)
     assert b["variant"]["success_rate"] == pytest.approx(7 / 12)
     assert (result["resamples"], result["seed"]) == (500, 7)
 
@@ -102,20 +105,22 @@ def test_selectors_by_policy_and_config_and_the_table(seeded, capsys):
         seeded,
         capsys,
         "--baseline",
-        "harness=A,policy=v0",
+        "harness=A,policy=v1",
         "--candidate",
-        "config.context=window,policy=v0",
+        "config.context=window,policy=v1",
     )
     [c] = result["candidates"]
+    # (Not v0: A-t4-0 is infra, left out, which would leave t4 unpaired.)
     assert (result["baseline"]["episodes"], c["variant"]["episodes"]) == (6, 6)
-    # Repeat 0 succeeds wherever the task's rate is 0.5: A t3 now succeeds, B t5 too.
-    assert c["flips"] == {"fixed": ["t4", "t5"], "broken": ["t2"], "unchanged": 3}
+    # Repeat 1 fails wherever the task's rate is 0.5: A t3 fails, B t5 too.
+    assert c["flips"] == {"fixed": ["t3", "t4"], "broken": ["t2"], "unchanged": 3}
     assert (
         cli.main(["compare", "--db", seeded, "--baseline", "harness=A", "--candidate", "harness=B"])
         == 0
     )
     table = capsys.readouterr().out
     assert "harness=B" in table and "+0.167" in table and "0.625" in table
+    assert "left out of 'harness=A': 1 episodes with integrity infra" in table
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,8 @@ DOCUMENTED_CALLS = pa.schema([
     ("completion_logprobs", pa.list_(pa.float32())), ("token_source", pa.string()),
     ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("reward", pa.float64()),
+    ("reward", pa.float64()), ("integrity", pa.string()), ("integrity_cause", pa.string()),
+    ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
 ])
 DOCUMENTED_TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
@@ -347,6 +348,9 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("drift_expected_token", pa.int32()), ("drift_received_token", pa.int32()),
     ("drift_message_index", pa.int32()), ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()), ("drift_call_id", pa.string()),
+    ("integrity", pa.string()),
+    ("integrity_causes", pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))),
+    ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
 ])
 
 
@@ -359,7 +363,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"3"
+        assert written.metadata[b"tracetap.schema_version"] == b"4"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

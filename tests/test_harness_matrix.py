@@ -21,12 +21,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 import pytest
+from aiohttp import web
 
 from tests.conftest import LoopThread, Proxy, free_port
-from tests.harness_matrix import runs
+from tests.harness_matrix import runs, steer
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.exporters.history import CAUSES
@@ -51,6 +53,12 @@ class Harness:
     # The causes its rows may split by (docs/harnesses.md says why); a release that
     # resends its history another way shows a new one.
     splits: frozenset[str] = frozenset()
+    # The conversations its episode holds (exporters.lineages): a title call, a final
+    # answer asked for in a conversation of its own.
+    lineages: int = 1
+    # It starts sub-agents: at least two lineages, one root, each other one's parent in
+    # the episode (their number varies: a sub-agent may start its own).
+    sub_agents: bool = False
 
 
 # Claude Code resends tool input with its keys in schema order; when that is not the
@@ -63,13 +71,19 @@ HARNESSES = {
     "claude-code-sonnet-4-5": Harness(lambda p: runs.claude_code(p, "claude-sonnet-4-5"),
                                       "@anthropic-ai/claude-code",
                                       splits=frozenset({"template_drift"})),
+    # Its Agent tool left in (the engine is steered to start a real sub-agent): each
+    # sub-agent's turns are a lineage of their own under the one that started it.
+    "claude-code-agents": Harness(runs.claude_code_agents, "@anthropic-ai/claude-code",
+                                  serve=(("steer_agents", True),),
+                                  splits=frozenset({"template_drift"}), sub_agents=True),
     # Under --translate auto its tool-offering Responses calls go to the engine as chat
     # (a bare tool-call turn keeps its logprobs); --translate all translates every call.
     "codex": Harness(runs.codex, "@openai/codex"),
     "codex-translated": Harness(runs.codex, "@openai/codex", serve=(("translate", "all"),)),
     "qwen-code": Harness(runs.qwen_code, "@qwen-code/qwen-code"),
-    # Its first call writes the session's title: a conversation of its own.
-    "opencode": Harness(runs.opencode, "opencode-ai", splits=frozenset({"system_changed"})),
+    # Its first call writes the session's title: a conversation of its own, so a lineage
+    # of its own (it was a system_changed split of the main line before lineages).
+    "opencode": Harness(runs.opencode, "opencode-ai", lineages=2),
     "openai-agents": Harness(runs.framework("openai-agents"), "openai-agents"),
     "openai-agents-translated": Harness(runs.framework("openai-agents"), "openai-agents",
                                         serve=(("translate", "all"),)),
@@ -79,9 +93,10 @@ HARNESSES = {
     "langchain-openai-repaired": Harness(runs.framework("langchain-openai"), "langchain-openai",
                                          serve=(("repair_history", True),)),
     "pydantic-ai": Harness(runs.framework("pydantic-ai"), "pydantic-ai-slim[openai]"),
-    # Tool calls resent as text parts; the final answer asked for in a new conversation.
+    # Tool calls resent as text parts; the final answer asked for in a new conversation
+    # (a lineage of its own; a system_changed split before lineages).
     "smolagents": Harness(runs.framework("smolagents"), "smolagents",
-                          splits=frozenset({"content_parts", "system_changed"})),
+                          splits=frozenset({"content_parts"}), lineages=2),
 }
 
 
@@ -104,16 +119,28 @@ def proxies(tmp_path_factory) -> Iterator[dict[tuple, Proxy]]:
     engine = EngineServer(EngineConfig(flavor="vllm", tool_rounds=1, tool_preface=0.0))
     loop.run(engine.start())
     started = {}
+    steering = web.AppRunner(steer.app(engine.url))
+    steer_port = free_port()
+
+    async def start_steering():
+        await steering.setup()
+        await web.TCPSite(steering, "127.0.0.1", steer_port).start()
+
+    loop.run(start_steering())
+    steered = f"http://127.0.0.1:{steer_port}{urlsplit(engine.url).path}"
     for serve in {h.serve for h in HARNESSES.values()}:
         data = tmp_path_factory.mktemp("matrix")
         db = f"sqlite:///{data / 'tracetap.db'}"
         upgrade(db)
-        settings = Settings(upstream=engine.url, db=db, data_dir=str(data / "data"),
-                            port=free_port(), model_map=["claude-*=mock-model"], **dict(serve))
+        options = dict(serve)
+        upstream = steered if options.pop("steer_agents", False) else engine.url
+        settings = Settings(upstream=upstream, db=db, data_dir=str(data / "data"),
+                            port=free_port(), model_map=["claude-*=mock-model"], **options)
         started[serve] = Proxy(loop, settings).start()
     yield started
     for proxy in started.values():
         proxy.stop()
+    loop.run(steering.cleanup())
     loop.run(engine.close())
     loop.close()
 
@@ -175,8 +202,9 @@ def assert_captured(calls: list[dict]) -> None:
 
 
 def assert_trajectories(rows: list[dict], calls: list[dict]) -> None:
-    """One main line; every other row says why it split, by a named cause."""
-    assert [r["split_reason"] for r in rows].count(None) == 1, rows
+    """One main line per lineage; every other row says why it split, by a named cause."""
+    lineages = {r["lineage_id"] for r in rows}
+    assert [r["split_reason"] for r in rows].count(None) == len(lineages), rows
     for row in rows:
         if row["split_reason"] == "non_prefix":
             assert row["drift_cause"] in CAUSES and row["drift_cause"] != "unknown", row
@@ -206,3 +234,15 @@ def test_harness_through_tracetap(name, launched, proxies, tmp_path):
     assert_trajectories(rows, calls)
     causes = {r["drift_cause"] or r["split_reason"] for r in rows if r["split_reason"]}
     assert causes <= harness.splits, causes
+    assert_lineages(rows, harness)
+
+
+def assert_lineages(rows: list[dict], harness: Harness) -> None:
+    """Its side conversations and sub-agents land in lineages of their own."""
+    lineages = {r["lineage_id"]: r["parent_lineage_id"] for r in rows}
+    if not harness.sub_agents:
+        assert len(lineages) == harness.lineages, rows
+        return
+    roots = [lineage for lineage, parent in lineages.items() if parent is None]
+    assert len(lineages) >= 2 and len(roots) == 1, lineages
+    assert all(parent in lineages for parent in lineages.values() if parent), lineages

@@ -53,12 +53,14 @@ def test_explicit_episodes_are_read_on_both_backends(db_url, tmp_path, capsys):
     asyncio.run(seed(db_url))
     chosen = ("A-t4-0", "A-t1-0", "B-t6-1", "B-t2-0")
     assert packets(db_url, tmp_path, *(f for e in chosen for f in ("--episode", e))) == 0
-    assert "3 failure packets of 4 episodes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # A-t4-0's upstream error makes it infra (storage.integrity): not the harness's doing.
+    assert "2 failure packets of 4 episodes" in out
+    assert "no packet for 1 episodes with integrity infra" in out
     found = lines(tmp_path / "packets.jsonl")
-    assert [p["episode_id"] for p in found] == ["B-t2-0", "A-t4-0", "B-t6-1"]  # task order
+    assert [p["episode_id"] for p in found] == ["B-t2-0", "B-t6-1"]  # task order
     assert [p["calls"] for p in found] == [
         ["B-t2-0-c0", "B-t2-0-c1"],
-        ["A-t4-0-c0", "A-t4-0-c1"],
         ["B-t6-1-c0", "B-t6-1-c1"],
     ]
 
@@ -76,16 +78,15 @@ def test_every_packet_follows_the_documented_json_schema(seeded, tmp_path):
 def test_failed_episodes_their_reasons_steps_and_links(seeded, tmp_path, capsys):
     assert packets(seeded, tmp_path, "--max-chars", "100") == 0
     assert (
-        "12 failure packets of 24 episodes (unsuccessful: 12, call_error: 2, "
+        "11 failure packets of 24 episodes (unsuccessful: 11, call_error: 1, "
         "context_length: 1)" in capsys.readouterr().out
     )
     by_id = {p["episode_id"]: p for p in lines(tmp_path / "packets.jsonl")}
     # The failures of the seed and nothing else: A fails t3 once, t4-t6 twice; B fails
-    # t2 twice, t5 once, t6 twice.
+    # t2 twice, t5 once, t6 twice; but A-t4-0, whose upstream failed, is infra.
     assert sorted(by_id) == sorted(
         [
             "A-t3-1",
-            "A-t4-0",
             "A-t4-1",
             "A-t5-0",
             "A-t5-1",
@@ -99,12 +100,12 @@ def test_failed_episodes_their_reasons_steps_and_links(seeded, tmp_path, capsys)
         ]
     )
     assert by_id["B-t6-1"]["outcome"]["failure"] == ["unsuccessful", "call_error", "context_length"]
-    [error] = by_id["A-t4-0"]["outcome"]["call_errors"]
+    [error] = by_id["B-t6-1"]["outcome"]["call_errors"]
     assert error == {
-        "call_id": "A-t4-0-c1",
-        "status": "upstream_error",
-        "http_status": 502,
-        "error": "upstream answered 502 Bad Gateway",
+        "call_id": "B-t6-1-c1",
+        "status": "ok",
+        "http_status": 400,
+        "error": None,
     }
     packet = by_id["A-t5-0"]
     assert packet["task"] == {
@@ -142,13 +143,12 @@ def test_failure_kinds_steps_and_where_narrow_the_packets(seeded, tmp_path):
     assert [p["episode_id"] for p in lines(tmp_path / "packets.jsonl")] == ["B-t6-1"]
     assert packets(seeded, tmp_path, "--where", "harness=A,task=t4", "--steps", "1") == 0
     found = lines(tmp_path / "packets.jsonl")
-    assert [p["episode_id"] for p in found] == ["A-t4-0", "A-t4-1"]
-    assert [[s["index"] for s in p["steps"]] for p in found] == [[0], [1]]
-    assert [p["steps_total"] for p in found] == [1, 2]  # A-t4-0's last call failed
+    assert [p["episode_id"] for p in found] == ["A-t4-1"]  # A-t4-0 is infra
+    assert [[s["index"] for s in p["steps"]] for p in found] == [[1]]
+    assert [p["steps_total"] for p in found] == [2]
     # A lower bar for success: reward 0 is enough, so only call errors remain.
     assert packets(seeded, tmp_path, "--threshold", "0") == 0
     assert [p["outcome"]["failure"] for p in lines(tmp_path / "packets.jsonl")] == [
-        ["call_error"],
         ["call_error", "context_length"],
     ]
 

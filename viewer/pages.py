@@ -7,6 +7,7 @@ import re
 from aiohttp import web
 
 from tracetap.storage import browse, details, quarantine
+from tracetap.storage.integrity import verdicts_of
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
@@ -32,7 +33,9 @@ async def episodes(request: web.Request) -> web.Response:
     group = (await browse.group_rewards(engine, query.group_id)
              if query.group_id is not None else None)
     data_dir = request.app[CONFIG].data_dir
+    integrity = await verdicts_of(engine, [e.id for e in found.rows])  # storage.integrity
     return page(request, "episodes.html", found=found, group=group, view="episodes",
+                integrity=integrity,
                 quarantined=quarantine.count(data_dir) if data_dir else (0, 0),
                 data_dir=data_dir, **_listing(request))
 
@@ -105,6 +108,7 @@ async def episode(request: web.Request) -> web.Response:
                 overview=overview, texts=texts or {}, turns=turns, leaf=leaf, group=group,
                 timeline=charts.timeline(info.calls), size=size,
                 budget_exceeded=any(c.status == "budget_exceeded" for c in info.calls),
+                integrity=(await verdicts_of(engine, [episode_id]))[episode_id],
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
                 low=low, low_href=lowp.linker(request.query, size))  # issue 29 (h29a)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from tracetap.exporters.annotate import page_notes
 from tracetap.exporters.trajectories import Trajectory, build_trajectories
 from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
 
@@ -96,13 +97,16 @@ def _spans(t: Trajectory, calls: dict[str, ScannedCall], mask: bytes):
 async def episode_rows(reader: Reader, episode_id: str) -> tuple[list[Row], list[ScannedCall]]:
     """Every trajectory row of one episode, with splits located; and its calls."""
     calls: list[ScannedCall] = []
+    scanned: list = []
     async for page in reader.episodes(EpisodeFilter(episode_ids=(episode_id,),
                                                     finished_only=False)):
+        scanned.extend(page.rows)
         for episode in page.episodes:
             calls.extend(episode.calls)
     by_id = {c.call_id: c for c in calls}
-    rows = [Row(i, t, by_id)
-            for i, t in enumerate(build_trajectories(calls, keep_untokenized=True))]
+    lineages = page_notes(scanned).lineages  # a sub-agent's rows are its own (lineages)
+    rows = [Row(i, t, by_id) for i, t in enumerate(
+        build_trajectories(calls, keep_untokenized=True, lineages=lineages))]
     for row in rows:
         row.split = _split(row, rows)
     return rows, calls

@@ -97,6 +97,17 @@ def claude_code(place: Place, model: str | None = None) -> Run:
     return Run(argv + (["--model", model] if model else []), env)
 
 
+def claude_code_agents(place: Place) -> Run:
+    """Claude Code with its Agent tool: the engine's first tool call starts a sub-agent
+    (tests/harness_matrix/steer.py makes it a real one, in the foreground)."""
+    run = claude_code(place)
+    argv = list(run.argv)
+    at = argv.index("--disallowedTools")
+    del argv[at:at + 2]
+    argv[argv.index("--allowedTools") + 1] = "Read,Agent"
+    return Run(argv, run.env)
+
+
 def codex(place: Place) -> Run:
     codex_home = place.home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
