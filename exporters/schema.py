@@ -15,19 +15,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracetap.exporters.factors import factors_of_json
+from tracetap.exporters.policy import call_spans
 from tracetap.exporters.trajectories import Trajectory
 from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "3"  # 2: token origin, the engine's view of the request, drift columns;
-# 3: harness_factors (trajectories), overlay (calls)
+SCHEMA_VERSION = "4"  # 2: token origin, the engine's view of the request, drift columns;
+# 3: harness_factors (trajectories), overlay (calls); 4: policy spans, mixed_policy (both)
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
 
 _TIME = pa.timestamp("us", tz="UTC")
 _IDS = pa.list_(pa.int32())
+# [start, end) runs of tokens with the policy version that sampled them (exporters.policy).
+SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
+                            ("version", pa.string())]))
 
 CALLS = pa.schema([
     ("call_id", pa.string()),
@@ -58,6 +62,10 @@ CALLS = pa.schema([
     ("prompt_tokens", pa.int32()),
     ("completion_tokens", pa.int32()),
     ("reward", pa.float64()),
+    # issue 27: the policy version of each completion token, as [start, version) runs
+    # (exporters.policy); null for a call without a choice.
+    ("policy_spans", SPANS),
+    ("mixed_policy", pa.bool_()),
 ])
 
 TRAJECTORIES = pa.schema([
@@ -91,6 +99,10 @@ TRAJECTORIES = pa.schema([
     ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()),
     ("drift_call_id", pa.string()),  # the earlier call whose context was expected
+    # issue 27: the policy version of each response token as runs (exporters.policy);
+    # whether the trained tokens are not all from one known version.
+    ("response_policy_spans", SPANS),
+    ("mixed_policy", pa.bool_()),
 ])
 _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
@@ -158,6 +170,7 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "completion_ids": list_column(columns["completion_ids"], pa.int32()),
         "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
                                            pa.float32()),
+        **call_spans(columns),
     }
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
@@ -201,6 +214,8 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         "harness_config": [e.harness_config for e in episodes],
         "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
+        "response_policy_spans": [t.response_policy_spans for t in trajectories],
+        "mixed_policy": [t.mixed_policy for t in trajectories],
     }
     return _batch(columns, schema)
 

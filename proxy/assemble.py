@@ -184,6 +184,12 @@ class Capture:
         if finish is not None:
             acc.finish_reason = finish
 
+    def token_counts(self) -> dict[int, int]:
+        """Completion tokens received so far, per choice (proxy.versions follows a stream
+        by them): engine ids, else logprob entries."""
+        return {i: len(c.engine_ids) if c.engine_ids is not None else len(c.tokens)
+                for i, c in self._choices.items()}
+
     def tokens(self) -> tuple[int | None, int | None]:
         """Prompt and completion tokens, as the upstream's usage reports them."""
         if self.usage is None:

@@ -19,6 +19,7 @@ def call_record(call: ModelCall) -> CallRecord:
     state = call.state
     capture = call.capture
     choices = capture.choices()
+    call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
     if capture.errors and call.error is None:
         call.error = "; ".join(capture.errors)
     if call.stream and capture.response_id is not None:

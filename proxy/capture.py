@@ -47,6 +47,7 @@ from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
+from tracetap.proxy.versions import CallVersions
 from tracetap.proxy.wire import decode_object, encode
 
 
@@ -78,6 +79,8 @@ class ModelCall:
         self.http_status = 0
         self.error: str | None = None
         self.policy_version: str | None = None
+        # issue 27 hook: the version of each token (proxy.versions)
+        self.versions = CallVersions(state)
         self.upstream_url: str | None = None
         self.t_first_byte: float | None = None
         self.perf_upstream_start: float | None = None
@@ -109,6 +112,7 @@ class ModelCall:
         self._admitted = True
         # Stamped after any pause: a call released by a resume runs on the new weights.
         self.policy_version = self.state.controls.policy_version
+        self.versions.admit()  # issue 27 hook: token versions are judged from here
 
     # -- request side -----------------------------------------------------------
     def reroute(self, route: Route, body: bytes) -> bytes:
@@ -316,6 +320,7 @@ class ModelCall:
             if self.injected.token_ids:
                 stripped = Event(event.raw, data)
         self.capture.add(data)
+        self.versions.observe(_counts(self.capture))  # issue 27 hook: tokens arrived now
         if self.capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
             self.upstream_done()
@@ -367,6 +372,12 @@ class ModelCall:
 
 # Below this a chunk's prompt ids are few enough to decode with the rest of it.
 _CUT_ABOVE = 4096
+
+
+def _counts(capture: Any) -> dict[int, int] | None:
+    """Tokens per choice so far, where the reassembly can say (chat and completions)."""
+    counts = getattr(capture, "token_counts", None)
+    return None if counts is None else counts()
 
 
 def _str(value: Any) -> str | None:

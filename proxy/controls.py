@@ -54,6 +54,12 @@ class Controls:
         self._beat_at = 0.0
         self._failing = False
 
+    @property
+    def serial(self) -> int:
+        """Grows with every change applied here (pause, resume, version): a call whose
+        tokens arrived across a change knows it (``proxy.versions``)."""
+        return self._applied[POLICY] + self._applied[PAUSED]
+
     def _apply(self, name: str, value: str | None, serial: int) -> None:
         """Apply a stored change unless a newer one is applied already (a poll that read
         the table before an admin call of this process stored its change comes later)."""

@@ -22,6 +22,9 @@ class ChoiceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The engine's own string for each completion token, kept only while the ids are
     # missing: the writer's resolver checks a retokenization against them. Not stored.
     token_strs: list[str] | None = None
+    # [(start_token, version or None)]: set only when the tokens are not all from the
+    # call's policy_version (a weight sync during the call; None = unknown); revision 0009.
+    policy_spans: list[tuple[int, str | None]] | None = None
 
 
 class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

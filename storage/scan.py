@@ -59,6 +59,8 @@ class ScannedChoice(msgspec.Struct, gc=False):
     completion_ids: bytes | None = None  # int32, native byte order
     completion_logprobs: bytes | None = None  # float64, native byte order (as stored)
     token_source: str = "none"
+    # JSON [[start, version]] when the tokens are not all from the call's version (0009).
+    policy_spans: str | None = None
 
 
 class ScannedCall(msgspec.Struct, gc=False):

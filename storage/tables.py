@@ -125,6 +125,9 @@ class Choice(Base):
     text_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_ids_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_logprobs_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # JSON [[start_token, version | null], ...], null when every token is from the
+    # call's policy_version (storage.policy_spans; revision 0009).
+    policy_spans: Mapped[str | None] = mapped_column(Text)
 
 
 class Block(Base):

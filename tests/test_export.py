@@ -320,6 +320,8 @@ def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(pr
 # The datasets' columns and types as docs/export.md documents them, written out by hand: the
 # exporter's own constants cannot be the reference for what it writes.
 _TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
+_SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
+                             ("version", pa.string())]))
 DOCUMENTED_CALLS = pa.schema([
     ("call_id", pa.string()), ("choice_index", pa.int32()), ("episode_id", pa.string()),
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
@@ -332,6 +334,7 @@ DOCUMENTED_CALLS = pa.schema([
     ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
     ("reward", pa.float64()),
+    ("policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
 ])
 DOCUMENTED_TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
@@ -347,6 +350,7 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("drift_expected_token", pa.int32()), ("drift_received_token", pa.int32()),
     ("drift_message_index", pa.int32()), ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()), ("drift_call_id", pa.string()),
+    ("response_policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
 ])
 
 
@@ -359,7 +363,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"3"
+        assert written.metadata[b"tracetap.schema_version"] == b"4"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 
