@@ -118,4 +118,5 @@ STATUSES = (
     "passthrough",  # an exposed, uncaptured path (e.g. count_tokens) called in an episode
     "vetoed",  # an overlay rejected the reply and had the model sample again
     "overlay_failed",  # an overlay hook failed under --overlay-fail closed
+    "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
 )
