@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tracetap.demo import continuation, engine_info, messages, responses, sending
+from tracetap.demo import continuation, engine_info, experts, messages, responses, sending
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine_common import (
     ABORTS,
@@ -213,11 +213,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     shape = _shape(request, req, "chatcmpl-", top_k, "top_logprobs")
     turn = ChatTurn(req.messages, req.tools, req.tool_choice)
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
+    routed = experts.wanted(config, req)
     if req.stream:
         chunks = chat_chunks(shape, prompt_ids, completions)
+        chunks = experts.chunks(chunks) if routed else chunks
         return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
                                          interrupted=_interrupter(request))
-    return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
+    body = chat_body(shape, prompt_ids, completions)
+    return await sending.send_body(request, req,
+                                   experts.add(body, prompt_ids) if routed else body)
 
 
 def _interrupter(request: web.Request):
@@ -253,11 +257,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     batch = _prompts(req.prompt)
     results = [(p, generate_text(p, j, sampling)) for p in batch for j in range(req.n or 1)]
     prompt_tokens = sum(len(p) for p in batch)
+    routed = experts.wanted(config, req)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
+        chunks = experts.chunks(chunks) if routed else chunks
         return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
                                          interrupted=_interrupter(request))
-    return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
+    body = completion_body(shape, results, prompt_tokens)
+    return await sending.send_body(request, req, experts.add(body) if routed else body)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

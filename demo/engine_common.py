@@ -24,6 +24,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_model_len: int = 32768
     bad_tool_args: float = 0.0  # seeded failure mode: this fraction of tool calls is invalid
     tool_preface: float = 0.5  # the share of tool calls with a sentence before them
+    routed_experts: bool = False  # vLLM's --enable-return-routed-experts (demo/experts.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bad_tool_args <= 1.0:

@@ -14,6 +14,7 @@ from itertools import accumulate
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracetap.exporters.experts import call_experts
 from tracetap.exporters.factors import factors_of_json
 from tracetap.exporters.policy import call_spans
 from tracetap.exporters.trajectories import Trajectory
@@ -32,6 +33,8 @@ _IDS = pa.list_(pa.int32())
 # [start, end) runs of tokens with the policy version that sampled them (exporters.policy).
 SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
                             ("version", pa.string())]))
+# Per token, [layers][top_k] MoE expert ids (exporters.experts).
+ROUTING = pa.list_(pa.list_(pa.list_(pa.int16())))
 
 CALLS = pa.schema([
     ("call_id", pa.string()),
@@ -66,6 +69,7 @@ CALLS = pa.schema([
     # (exporters.policy); null for a call without a choice.
     ("policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
+    ("routed_experts", ROUTING),  # aligned with completion_ids (--routed-experts)
 ])
 
 TRAJECTORIES = pa.schema([
@@ -103,6 +107,7 @@ TRAJECTORIES = pa.schema([
     # whether the trained tokens are not all from one known version.
     ("response_policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
+    ("response_routed_experts", ROUTING),  # aligned with response_ids (--routed-experts)
 ])
 _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
@@ -171,6 +176,7 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
                                            pa.float32()),
         **call_spans(columns),
+        "routed_experts": call_experts(columns),
     }
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
@@ -216,6 +222,7 @@ def trajectories_batch(rows: Sequence[TrajectoryRow],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
         "response_policy_spans": [t.response_policy_spans for t in trajectories],
         "mixed_policy": [t.mixed_policy for t in trajectories],
+        "response_routed_experts": [t.response_routed_experts for t in trajectories],
     }
     return _batch(columns, schema)
 

@@ -44,6 +44,7 @@ from typing import Protocol
 
 import msgspec
 
+from tracetap.exporters.experts import trajectory_experts
 from tracetap.exporters.policy import trajectory_runs
 
 SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids", "vetoed")
@@ -98,6 +99,8 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     # policy version (None: unknown); whether the trained ones mix versions (exporters.policy).
     response_policy_spans: list[dict] = []
     mixed_policy: bool = False
+    # response_ids-aligned MoE routing, None without any (exporters.experts).
+    response_routed_experts: list | None = None
 
     @property
     def num_turns(self) -> int:
@@ -300,6 +303,8 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
     return Trajectory(
         response_policy_spans=runs,
         mixed_policy=mixed,
+        response_routed_experts=trajectory_experts(
+            ((n.choice, (len(n.prompt) - len(root.prompt)) // 4) for n in path), len(response)),
         trajectory_id=f"{leaf.call.call_id}:{leaf.choice.index}",
         call_ids=[n.call.call_id for n in path],
         choice_indices=[n.choice.index for n in path],
@@ -321,6 +326,7 @@ def _single_turn(call: CallLike, choice: ChoiceLike,
     return Trajectory(
         response_policy_spans=runs,
         mixed_policy=mixed,
+        response_routed_experts=trajectory_experts([(choice, 0)], len(response)),
         trajectory_id=f"{call.call_id}:{choice.index}",
         call_ids=[call.call_id],
         choice_indices=[choice.index],

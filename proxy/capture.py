@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tracetap.proxy import experts
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.budgets import Reservation, reservation_size
@@ -81,6 +82,7 @@ class ModelCall:
         self.policy_version: str | None = None
         # issue 27 hook: the version of each token (proxy.versions)
         self.versions = CallVersions(state)
+        self.experts = None  # issue 27 hook: MoE routing, with --routed-experts (proxy.experts)
         self.upstream_url: str | None = None
         self.t_first_byte: float | None = None
         self.perf_upstream_start: float | None = None
@@ -160,6 +162,7 @@ class ModelCall:
         self.payload = payload
         self.injected = self.api.prepare(payload, self.state.flavor)
         self.capture = self.api.capture(self.injected)
+        self.experts = experts.ask(self)  # issue 27 hook: before the body is encoded
         if self.injected.any or rewritten or self.repaired:
             body = encode(payload)
         if self.translation is not None or self.repaired:
@@ -218,6 +221,8 @@ class ModelCall:
             self.client_body = body
             return body
         self.capture.add(body)
+        if self.experts is not None:
+            self.experts.add(body)  # issue 27 hook
         if self.translation is not None:
             try:
                 body = encode(self.translation.from_chat(decode_object(body), self.client_payload))
@@ -321,6 +326,8 @@ class ModelCall:
                 stripped = Event(event.raw, data)
         self.capture.add(data)
         self.versions.observe(_counts(self.capture))  # issue 27 hook: tokens arrived now
+        if self.experts is not None:
+            self.experts.add(data)  # issue 27 hook
         if self.capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
             self.upstream_done()

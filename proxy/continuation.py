@@ -19,9 +19,9 @@ answer:
 
 A stream that cannot be continued exactly (a request with tools, whose calls the
 engine's tool parser turns into ``tool_calls`` that a raw continuation would not parse;
-reasoning text; ``n`` > 1; an engine without ids) is not cut once its client holds part
-of the answer: it finishes on the old weights as a drain-mode pause would let it, and
-its tokens are marked by proxy.versions.
+reasoning text; ``n`` > 1; an engine without ids; nothing sampled yet) is not cut: its
+client may hold part of the answer, which a retry could not match. It finishes on the
+old weights as a drain-mode pause would let it, and proxy.versions marks its tokens.
 """
 
 from __future__ import annotations
@@ -223,6 +223,8 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     cap = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if cap is not None:
         body["max_tokens"] = max(cap - len(ids), 1)
+    if call.injected.experts:
+        body["return_routed_experts"] = True
     if call.injected.logprobs or payload.get("logprobs"):
         body["logprobs"] = max(payload.get("top_logprobs") or 0, 1)
     return body
@@ -264,4 +266,6 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
         out["logprobs"] = None
     if c.get("token_ids") is not None:
         out["token_ids"] = c["token_ids"]
+    if c.get("routed_experts") is not None:
+        out["routed_experts"] = c["routed_experts"]
     return out

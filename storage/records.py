@@ -25,6 +25,9 @@ class ChoiceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # [(start_token, version or None)]: set only when the tokens are not all from the
     # call's policy_version (a weight sync during the call; None = unknown); revision 0009.
     policy_spans: list[tuple[int, str | None]] | None = None
+    # The MoE experts the engine routed each completion token to (--routed-experts):
+    # storage.experts.pack's bytes (layers, top_k, then int16 ids); revision 0009.
+    routed_experts: bytes | None = None
 
 
 class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -76,7 +76,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
 
 
 _CHOICE_INLINE = {"text_refs": None, "completion_ids_refs": None,
-                  "completion_logprobs_refs": None}
+                  "completion_logprobs_refs": None, "routed_experts_refs": None}
 
 
 def choice_rows(record: CallRecord, refs: dict[int, dict] | None = None) -> list[dict]:

@@ -322,6 +322,7 @@ def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(pr
 _TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
 _SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
                              ("version", pa.string())]))
+_ROUTING = pa.list_(pa.list_(pa.list_(pa.int16())))
 DOCUMENTED_CALLS = pa.schema([
     ("call_id", pa.string()), ("choice_index", pa.int32()), ("episode_id", pa.string()),
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
@@ -335,6 +336,7 @@ DOCUMENTED_CALLS = pa.schema([
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
     ("reward", pa.float64()),
     ("policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
+    ("routed_experts", _ROUTING),
 ])
 DOCUMENTED_TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
@@ -351,6 +353,7 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("drift_message_index", pa.int32()), ("drift_expected_text", pa.string()),
     ("drift_received_text", pa.string()), ("drift_call_id", pa.string()),
     ("response_policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
+    ("response_routed_experts", _ROUTING),
 ])
 
 
