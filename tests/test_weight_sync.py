@@ -73,6 +73,8 @@ def test_a_stream_cut_by_a_weight_sync_is_continued_token_for_token(proxy, engin
     [choice] = call["choices"]
     # Token for token: the partial ids plus the continuation's are the content's bytes.
     assert choice["completion_ids"] == [*CONTENT.encode(), EOS]
+    # The continuation's logprobs join the partial's: one per token, so the turn trains.
+    assert len(choice["completion_logprobs"]) == len(choice["completion_ids"])
     spans = json.loads(spans)
     assert [v for _, v in spans] == ["v1", "v2"] and 0 < spans[1][0] < len(CONTENT)
 
@@ -122,3 +124,29 @@ def test_a_drain_pause_cuts_nothing(proxy, engine):
     assert "".join(text) == CONTENT and _aborts(engine) == 0
     assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
     assert proxy.admin("POST", "/tracetap/pause", {"mode": "cut"})[0] == 400
+
+
+def test_a_stream_that_cannot_continue_exactly_is_not_cut(proxy, engine):
+    """A request with tools: a raw continuation would not be parsed into the tool call,
+    so the abort leaves it to finish on the old weights (its tokens' versions marked)."""
+    tools = [{"type": "function", "function": {
+        "name": "search", "parameters": {"type": "object", "properties": {
+            "q": {"type": "string"}}, "required": ["q"]}}}]
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    client = openai.OpenAI(base_url=proxy.episode_url("tools"), api_key="x", max_retries=0)
+    calls = []
+    with client:
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, tools=tools, stream=True,
+            extra_body={"mock_chunk_delay_s": 0.1})
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.tool_calls:
+                calls.extend(chunk.choices[0].delta.tool_calls)
+            if i == 1:
+                assert proxy.admin("POST", "/tracetap/pause",
+                                   {"mode": "abort", "wait": False})[0] == 200
+    assert calls and calls[0].function.name == "search"
+    assert _aborts(engine) == 0
+    assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    [(status, _, spans, _)] = _stored(proxy, "tools")
+    assert status == "ok" and [v for _, v in json.loads(spans)] == ["v1", None]
