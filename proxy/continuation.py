@@ -36,6 +36,7 @@ import msgspec
 from tracetap.proxy.assemble import Capture
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.inject import CHAT
+from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
 
@@ -200,13 +201,11 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
     if reply.status != 200:
         reply.close()
         raise UpstreamBroken(f"the engine refused the continuation (HTTP {reply.status})")
-    buffer = b""
+    parser = SSEParser()
     try:
         async for data in reply.iter_chunks():
-            buffer += data
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
-                out = _chat_event(capture, event, len(choice.completion_ids or ()))
+            for event in parser.feed(data):
+                out = _chat_event(capture, event.data, len(choice.completion_ids or ()))
                 if out:
                     yield out
     finally:
@@ -230,14 +229,19 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     return body
 
 
-def _chat_event(capture: Capture, event: bytes, partial: int) -> bytes:
+def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
     """One completions SSE event as the chat chunk the cut stream would have sent."""
-    data = event.partition(b"data: ")[2].strip()
     if not data:
         return b""
     if data == b"[DONE]":
         return b"data: [DONE]\n\n"
-    body = msgspec.json.decode(data)
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        capture.errors.append("unparseable continuation event")
+        return b""
+    if not isinstance(body, dict):
+        return b""
     chunk = {"id": capture.response_id, "object": "chat.completion.chunk",
              "created": capture.created, "model": capture.model, "choices": []}
     for c in body.get("choices") or ():
