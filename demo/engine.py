@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,8 +40,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tracetap.demo import messages, responses, sending
+from tracetap.demo import continuation, engine_info, experts, messages, responses, sending
 from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine_common import (
+    ABORTS,
+    CONFIG,
+    Aborts,
+    ApiError,
+    EngineConfig,
+)
+from tracetap.demo.engine_common import json_response as _json
 from tracetap.demo.generate import (
     TOP_LOGPROBS_MAX,
     Completion,
@@ -49,14 +58,12 @@ from tracetap.demo.generate import (
     generate_text,
 )
 from tracetap.demo.wire import (
-    FLAVORS,
     LLAMA_SERVER,
     OPENAI_FIELDS,
     ChatRequest,
     ChatTurn,
     CompletionRequest,
     EngineRequest,
-    Flavor,
     InputError,
     Shape,
     chat_body,
@@ -66,29 +73,8 @@ from tracetap.demo.wire import (
     error_body,
 )
 
-VLLM_VERSION = "0.11.0"
-
-
-class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
-    flavor: Flavor = "vllm"
-    model: str = "mock-model"
-    max_tokens_default: int = 256  # byte-level tool calls are ~50 tokens: keep headroom
-    tool_rounds: int = 2
-    chunk_delay_s: float = 0.0
-    max_model_len: int = 32768
-    bad_tool_args: float = 0.0  # seeded failure mode: this fraction of tool calls is invalid
-    tool_preface: float = 0.5  # the share of tool calls with a sentence before them
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.bad_tool_args <= 1.0:
-            raise ValueError("bad_tool_args is a fraction in [0, 1]")
-        if not 0.0 <= self.tool_preface <= 1.0:
-            raise ValueError("tool_preface is a fraction in [0, 1]")
-        if self.flavor not in FLAVORS:
-            raise ValueError(f"unknown engine flavor {self.flavor!r}")
-
-
-CONFIG = web.AppKey("engine_config", EngineConfig)
+__all__ = ["EngineConfig", "EngineServer", "make_engine_app", "run_engine", "serve_engine"]
+VLLM_VERSION = engine_info.VLLM_VERSION
 
 
 class Arrivals:
@@ -111,18 +97,19 @@ ARRIVALS = web.AppKey("arrivals", Arrivals)
 async def _count_arrivals(request: web.Request, handler: Any) -> web.StreamResponse:
     request.app[ARRIVALS].count += 1
     return await handler(request)
+
+
+@web.middleware
+async def _count_aborts(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A client that closes its connection mid-answer aborts the request (as in vLLM)."""
+    try:
+        return await handler(request)
+    except (ConnectionResetError, asyncio.CancelledError):
+        request.app[ABORTS].count += 1
+        raise
+
+
 _OPENAI_FIELDS = OPENAI_FIELDS | {responses.ResponsesRequest: responses.OPENAI_FIELDS}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    data = msgspec.json.encode(body)
-    return web.Response(body=data, status=status, content_type="application/json")
 
 
 @web.middleware
@@ -157,6 +144,9 @@ async def _parse(request: web.Request, kind: type[EngineRequest]) -> Any:
         raise ApiError(400, str(exc)) from None
     if req.mock_delay_s > 0:
         await asyncio.sleep(req.mock_delay_s)
+        if request.transport is None or request.transport.is_closing():
+            # Like vLLM, which checks for a disconnected client while it generates.
+            raise ConnectionResetError("the client went away: request aborted")
     if req.mock_status is not None:
         if not 400 <= req.mock_status <= 599:
             raise ApiError(400, "mock_status must be between 400 and 599", "mock_status")
@@ -223,11 +213,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     shape = _shape(request, req, "chatcmpl-", top_k, "top_logprobs")
     turn = ChatTurn(req.messages, req.tools, req.tool_choice)
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
+    routed = experts.wanted(config, req)
     if req.stream:
         chunks = chat_chunks(shape, prompt_ids, completions)
+        chunks = experts.chunks(chunks) if routed else chunks
         return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
                                          interrupted=_interrupter(request))
-    return await sending.send_body(request, req, chat_body(shape, prompt_ids, completions))
+    body = chat_body(shape, prompt_ids, completions)
+    return await sending.send_body(request, req,
+                                   experts.add(body, prompt_ids) if routed else body)
 
 
 def _interrupter(request: web.Request):
@@ -256,15 +250,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     req: CompletionRequest = await _parse(request, CompletionRequest)
     sampling = _sampling(req, req.max_tokens, config.max_tokens_default)
+    rest = continuation.remaining(req.prompt, sampling.content)
+    if rest != sampling.content:  # a cut answer sent back to be continued
+        sampling = dataclasses.replace(sampling, content=rest)
     shape = _shape(request, req, "cmpl-", req.logprobs, "logprobs")
     batch = _prompts(req.prompt)
     results = [(p, generate_text(p, j, sampling)) for p in batch for j in range(req.n or 1)]
     prompt_tokens = sum(len(p) for p in batch)
+    routed = experts.wanted(config, req)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
+        chunks = experts.chunks(chunks) if routed else chunks
         return await sending.send_stream(request, req, chunks, config.chunk_delay_s,
                                          interrupted=_interrupter(request))
-    return await sending.send_body(request, req, completion_body(shape, results, prompt_tokens))
+    body = completion_body(shape, results, prompt_tokens)
+    return await sending.send_body(request, req, experts.add(body) if routed else body)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -302,147 +302,34 @@ async def count_tokens(request: web.Request) -> web.Response:
     return _json({"input_tokens": count, "context_management": {"original_input_tokens": count}})
 
 
-# ---- other endpoints ---------------------------------------------------------------------
-
-
-async def models(request: web.Request) -> web.Response:
-    config = request.app[CONFIG]
-    if config.flavor == "llama-cpp-python":
-        card = {"id": config.model, "object": "model", "owned_by": "me", "permissions": []}
-        return _json({"object": "list", "data": [card]})
-    owner = "llamacpp" if config.flavor in LLAMA_SERVER else config.flavor
-    card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": owner}
-    if config.flavor == "vllm":
-        card |= {"root": config.model, "parent": None, "max_model_len": config.max_model_len}
-    return _json({"object": "list", "data": [card]})
-
-
-async def version(request: web.Request) -> web.Response:
-    return _json({"version": VLLM_VERSION})
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
-
-
-async def _object(request: web.Request) -> dict[str, Any]:
-    try:
-        return msgspec.json.decode(await request.read(), type=dict[str, Any])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ApiError(400, f"Invalid JSON body: {exc}") from None
-
-
-def _tokens(body: dict[str, Any]) -> list[int]:
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise ApiError(400, "detokenize needs a tokens list of ids")
-    if any(not 0 <= t < tok.VOCAB_SIZE for t in tokens):
-        raise ApiError(400, f"token ids must be in [0, {tok.VOCAB_SIZE})", "tokens")
-    return tokens
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    """vLLM's /tokenize: a prompt string or a chat (rendered like the chat endpoint)."""
-    config = request.app[CONFIG]
-    body = await _object(request)
-    if isinstance(body.get("messages"), list):
-        gen = body.get("add_generation_prompt", True)
-        ids = tok.apply_chat_template(body["messages"], body.get("tools"), gen)
-    elif isinstance(body.get("prompt"), str):
-        ids = tok.encode(body["prompt"])
-    else:
-        raise ApiError(400, "tokenize needs a prompt string or a messages list")
-    strs = [tok.token_str(t) for t in ids] if body.get("return_token_strs") else None
-    body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
-    return _json(body | {"token_strs": strs})
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    return _json({"prompt": tok.decode(_tokens(await _object(request)))})
-
-
-def _piece(token_id: int) -> str | list[int]:
-    """llama-server's piece: the text, or the bytes when they are not valid UTF-8 alone."""
-    raw = tok.token_bytes(token_id)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return list(raw)
-
-
-async def llama_tokenize(request: web.Request) -> web.Response:
-    """llama-server's /tokenize: ``content``; ``parse_special`` (default true) reads
-    special-token strings as special tokens; ``with_pieces`` pairs each id with its piece.
-    (``add_special`` would add BOS: the byte vocabulary has none.)"""
-    body = await _object(request)
-    content = body.get("content")
-    if not isinstance(content, str):
-        raise ApiError(400, "tokenize needs a content string", "content")
-    ids = tok.encode(content) if body.get("parse_special", True) else list(content.encode())
-    if body.get("with_pieces"):
-        return _json({"tokens": [{"id": t, "piece": _piece(t)} for t in ids]})
-    return _json({"tokens": ids})
-
-
-async def llama_detokenize(request: web.Request) -> web.Response:
-    return _json({"content": tok.decode(_tokens(await _object(request)))})
-
-
-async def apply_template(request: web.Request) -> web.Response:
-    """llama-server's /apply-template: the chat request's prompt text, as it would render."""
-    body = await _object(request)
-    if not isinstance(body.get("messages"), list) or not body["messages"]:
-        raise ApiError(400, "messages must contain at least one message", "messages")
-    return _json({"prompt": tok.render_chat(body["messages"], body.get("tools"))})
-
-
-async def extras_tokenize(request: web.Request) -> web.Response:
-    """llama-cpp-python's /extras/tokenize: ``input`` with special tokens parsed."""
-    body = await _object(request)
-    if not isinstance(body.get("input"), str):
-        raise ApiError(400, "tokenize needs an input string", "input")
-    ids = tok.encode(body["input"])
-    if request.path.endswith("/count"):
-        return _json({"count": len(ids)})
-    return _json({"tokens": ids})
-
-
-async def extras_detokenize(request: web.Request) -> web.Response:
-    """llama-cpp-python's /extras/detokenize: special tokens render as nothing, and text
-    that is not valid UTF-8 is a server error (it decodes strictly)."""
-    raw = b"".join(tok.token_bytes(t) for t in _tokens(await _object(request)) if t < 256)
-    try:
-        return _json({"text": raw.decode("utf-8")})
-    except UnicodeDecodeError as exc:
-        raise ApiError(500, f"'utf-8' codec can't decode: {exc.reason}") from None
-
 
 def make_engine_app(config: EngineConfig | None = None) -> web.Application:
     config = config or EngineConfig()
-    app = web.Application(middlewares=[_count_arrivals, _errors],
+    app = web.Application(middlewares=[_count_arrivals, _count_aborts, _errors],
                           client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
     app[ARRIVALS] = Arrivals()
+    app[ABORTS] = Aborts()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", engine_info.models)
+    app.router.add_get("/health", engine_info.health)
     if config.flavor in ("vllm", "openai"):
         app.router.add_post("/v1/responses", create_response)
     if config.flavor == "vllm":
         app.router.add_post("/v1/messages", create_message)
         app.router.add_post("/v1/messages/count_tokens", count_tokens)
-        app.router.add_get("/version", version)
-        app.router.add_post("/tokenize", tokenize)
-        app.router.add_post("/detokenize", detokenize)
+        app.router.add_get("/version", engine_info.version)
+        app.router.add_post("/tokenize", engine_info.tokenize)
+        app.router.add_post("/detokenize", engine_info.detokenize)
     if config.flavor in LLAMA_SERVER:
-        app.router.add_post("/tokenize", llama_tokenize)
-        app.router.add_post("/detokenize", llama_detokenize)
-        app.router.add_post("/apply-template", apply_template)
+        app.router.add_post("/tokenize", engine_info.llama_tokenize)
+        app.router.add_post("/detokenize", engine_info.llama_detokenize)
+        app.router.add_post("/apply-template", engine_info.apply_template)
     if config.flavor == "llama-cpp-python":
-        app.router.add_post("/extras/tokenize", extras_tokenize)
-        app.router.add_post("/extras/tokenize/count", extras_tokenize)
-        app.router.add_post("/extras/detokenize", extras_detokenize)
+        app.router.add_post("/extras/tokenize", engine_info.extras_tokenize)
+        app.router.add_post("/extras/tokenize/count", engine_info.extras_tokenize)
+        app.router.add_post("/extras/detokenize", engine_info.extras_detokenize)
     return app
 
 

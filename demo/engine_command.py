@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seeded failure mode: this fraction of tool calls gets arguments that break "
         "the tool's schema [default 0.0]",
     )
+    a(
+        "--routed-experts",
+        action="store_true",
+        help="return each token's MoE routing, as vLLM with --enable-return-routed-experts "
+        "[default off]",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_default=args.max_tokens_default,
         chunk_delay_s=args.chunk_delay_s,
         bad_tool_args=args.bad_tool_args,
+        routed_experts=args.routed_experts,
     )
     run_engine(args.host, args.port, config)
     return 0

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 from aiohttp import web
 
+from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.wire import EngineRequest
 
 
@@ -67,6 +68,6 @@ async def send_stream(
         if not named:
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-    except ConnectionResetError:  # the client went away; nothing to clean up
-        pass
+    except ConnectionResetError:  # the client went away: the request is aborted
+        request.app[ABORTS].count += 1
     return resp

@@ -29,6 +29,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool | None = None
+    return_routed_experts: bool | None = None  # SGLang's switch (demo/experts.py)
     mock_delay_s: float = 0.0
     mock_chunk_delay_s: float | None = None
     mock_fail_after_chunks: int | None = None

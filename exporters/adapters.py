@@ -5,12 +5,19 @@ a ``datasets`` example, or ``DataFrame.iloc[i]`` (list columns may be numpy arra
 Nothing here pads or batches; each trainer does that itself. A row without token ids
 (``split_reason = "no_token_ids"``, exported only with ``--keep-untokenized``) is not
 training data: every adapter raises ``UntrainableRow`` for it; filter with ``trainable``.
+
+Every adapter takes ``policy=`` (exporters.policy.POLICY_CHOICES): "keep" (default) trains
+every sampled token; "known" masks tokens whose policy version is unknown (sampled
+during a weight sync); "latest" keeps only the row's newest known version; any other
+string keeps only that version. Masked tokens stay in the sequence as context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from tracetap.exporters.policy import policy_mask
 
 
 class UntrainableRow(ValueError):
@@ -39,48 +46,48 @@ def _floats(values: Sequence[float] | None) -> list[float] | None:
     return None if values is None else [float(v) for v in values]
 
 
-def to_verl(row: Mapping[str, Any]) -> dict[str, Any]:
+def to_verl(row: Mapping[str, Any], policy: str = "keep") -> dict[str, Any]:
     """verl agent-loop output: response_mask 1 = LLM token; rollout_log_probs aligned."""
     row = _checked(row)
     return {
         "prompt_ids": _ints(row["prompt_ids"]),
         "response_ids": _ints(row["response_ids"]),
-        "response_mask": _ints(row["response_mask"]),
+        "response_mask": policy_mask(row, policy),
         "rollout_log_probs": _floats(row["response_logprobs"]),
         "reward": row["reward"],
     }
 
 
-def to_trl(row: Mapping[str, Any]) -> dict[str, Any]:
+def to_trl(row: Mapping[str, Any], policy: str = "keep") -> dict[str, Any]:
     """TRL GRPO ``rollout_func`` fields: env_mask 1 = model token (kept in the loss)."""
     row = _checked(row)
     return {
         "prompt_ids": _ints(row["prompt_ids"]),
         "completion_ids": _ints(row["response_ids"]),
         "logprobs": _floats(row["response_logprobs"]),
-        "env_mask": _ints(row["response_mask"]),
+        "env_mask": policy_mask(row, policy),
     }
 
 
-def to_slime(row: Mapping[str, Any]) -> dict[str, Any]:
+def to_slime(row: Mapping[str, Any], policy: str = "keep") -> dict[str, Any]:
     """slime ``Sample``: tokens = prompt + response; loss_mask covers the response."""
     row = _checked(row)
     response = _ints(row["response_ids"])
     return {
         "tokens": _ints(row["prompt_ids"]) + response,
         "response_length": len(response),
-        "loss_mask": _ints(row["response_mask"]),
+        "loss_mask": policy_mask(row, policy),
         "rollout_log_probs": _floats(row["response_logprobs"]),
         "reward": row["reward"],
     }
 
 
-def to_openrlhf(row: Mapping[str, Any]) -> dict[str, Any]:
+def to_openrlhf(row: Mapping[str, Any], policy: str = "keep") -> dict[str, Any]:
     """OpenRLHF agent sample: action_ranges are [start, end) spans of model tokens in
     ``sequences`` (prompt + response), one per trainable run of the mask."""
     row = _checked(row)
     prompt = _ints(row["prompt_ids"])
-    mask = _ints(row["response_mask"])
+    mask = policy_mask(row, policy)
     ranges: list[tuple[int, int]] = []
     start = None
     for i, bit in enumerate([*mask, 0]):

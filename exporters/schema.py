@@ -15,7 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracetap.exporters.annotate import PageNotes
+from tracetap.exporters.experts import call_experts
 from tracetap.exporters.factors import factors_of_json
+from tracetap.exporters.policy import call_spans
 from tracetap.exporters.trajectories import Trajectory
 from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
@@ -23,13 +25,18 @@ from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 # metadata key below.
 SCHEMA_VERSION = "4"  # 2: token origin, the engine's view of the request, drift columns;
 # 3: harness_factors (trajectories), overlay (calls); 4: integrity and lineage columns
-# (both datasets; exporters.annotate)
+# (both datasets; exporters.annotate), policy spans and mixed_policy (both), routed experts
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
 
 _TIME = pa.timestamp("us", tz="UTC")
 _IDS = pa.list_(pa.int32())
+# [start, end) runs of tokens with the policy version that sampled them (exporters.policy).
+SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
+                            ("version", pa.string())]))
+# Per token, [layers][top_k] MoE expert ids (exporters.experts).
+ROUTING = pa.list_(pa.list_(pa.list_(pa.int16())))
 
 CALLS = pa.schema([
     ("call_id", pa.string()),
@@ -66,6 +73,11 @@ CALLS = pa.schema([
     ("integrity_cause", pa.string()),
     ("lineage_id", pa.string()),
     ("parent_lineage_id", pa.string()),
+    # issue 27: the policy version of each completion token, as [start, version) runs
+    # (exporters.policy); null for a call without a choice.
+    ("policy_spans", SPANS),
+    ("mixed_policy", pa.bool_()),
+    ("routed_experts", ROUTING),  # aligned with completion_ids (--routed-experts)
 ])
 
 _CAUSES = pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))
@@ -105,6 +117,11 @@ TRAJECTORIES = pa.schema([
     ("integrity_causes", _CAUSES),  # [{cause, calls}], empty when clean
     ("lineage_id", pa.string()),  # the conversation inside the episode (exporters.lineages)
     ("parent_lineage_id", pa.string()),
+    # issue 27: the policy version of each response token as runs (exporters.policy);
+    # whether the trained tokens are not all from one known version.
+    ("response_policy_spans", SPANS),
+    ("mixed_policy", pa.bool_()),
+    ("response_routed_experts", ROUTING),  # aligned with response_ids (--routed-experts)
 ])
 _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
@@ -174,6 +191,8 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "completion_logprobs": list_column(columns["completion_logprobs"], pa.float64(),
                                            pa.float32()),
         **_call_notes(columns, notes or PageNotes({}, {}, {})),
+        **call_spans(columns),
+        "routed_experts": call_experts(columns),
     }
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
@@ -229,6 +248,9 @@ def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJEC
         "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
         **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
         **_trajectory_notes(episodes, trajectories, notes),
+        "response_policy_spans": [t.response_policy_spans for t in trajectories],
+        "mixed_policy": [t.mixed_policy for t in trajectories],
+        "response_routed_experts": [t.response_routed_experts for t in trajectories],
     }
     return _batch(columns, schema)
 

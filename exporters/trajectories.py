@@ -45,6 +45,9 @@ from typing import Protocol
 
 import msgspec
 
+from tracetap.exporters.experts import trajectory_experts
+from tracetap.exporters.policy import trajectory_runs
+
 SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids", "vetoed")
 
 
@@ -96,6 +99,12 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     # The conversation inside the episode the row belongs to (exporters.lineages).
     lineage_id: str | None = None
     parent_lineage_id: str | None = None
+    # issue 27: [start, end) runs of the completions' tokens in response_ids with their
+    # policy version (None: unknown); whether the trained ones mix versions (exporters.policy).
+    response_policy_spans: list[dict] = []
+    mixed_policy: bool = False
+    # response_ids-aligned MoE routing, None without any (exporters.experts).
+    response_routed_experts: list | None = None
 
     @property
     def num_turns(self) -> int:
@@ -306,7 +315,14 @@ def _row(path: list[_Node], top: int, reason: str | None) -> Trajectory:
             logprobs.append(node.logprobs)
         else:  # a trainable turn without captured logprobs: say "unknown", never guess
             logprobs = None
+    runs, mixed = trajectory_runs(
+        (n.call, n.choice, (len(n.prompt) - len(root.prompt)) // 4, len(n.completion) // 4,
+         i >= top) for i, n in enumerate(path))
     return Trajectory(
+        response_policy_spans=runs,
+        mixed_policy=mixed,
+        response_routed_experts=trajectory_experts(
+            ((n.choice, (len(n.prompt) - len(root.prompt)) // 4) for n in path), len(response)),
         trajectory_id=f"{leaf.call.call_id}:{leaf.choice.index}",
         call_ids=[n.call.call_id for n in path],
         choice_indices=[n.choice.index for n in path],
@@ -324,7 +340,11 @@ def _single_turn(call: CallLike, choice: ChoiceLike,
                  reason: str = "no_token_ids") -> Trajectory:
     response = array("i", _packed(choice.completion_ids, "i"))
     logprobs = _logprobs(_packed(choice.completion_logprobs, "d", None), len(response) * 4)
+    runs, mixed = trajectory_runs([(call, choice, 0, len(response), True)])
     return Trajectory(
+        response_policy_spans=runs,
+        mixed_policy=mixed,
+        response_routed_experts=trajectory_experts([(choice, 0)], len(response)),
         trajectory_id=f"{call.call_id}:{choice.index}",
         call_ids=[call.call_id],
         choice_indices=[choice.index],

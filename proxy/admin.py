@@ -238,6 +238,9 @@ async def get_policy(request: web.Request) -> web.Response:
 class Pause(msgspec.Struct, forbid_unknown_fields=True):
     wait: bool = True  # return once the calls in flight have finished
     timeout: float = 60.0
+    # "drain": calls in flight finish; "abort": they are cut at the engine, held, and
+    # continued after the resume (proxy.continuation, issue 27).
+    mode: str = "drain"
 
 
 class Resume(msgspec.Struct, forbid_unknown_fields=True):
@@ -249,8 +252,10 @@ async def pause(request: web.Request) -> web.Response:
     """Hold new model calls in every process (for a weight sync); in-flight calls finish."""
     _require_admin(request)
     spec = await _decode(request, Pause)
+    if spec.mode not in ("drain", "abort"):
+        raise bad_request('mode must be "drain" or "abort"')
     state = request.app[STATE]
-    serial = await _stored(state.controls.pause())
+    serial = await _stored(state.controls.pause(abort=spec.mode == "abort"))
     drained = True
     if spec.wait:
         drained = await state.controls.drained(serial, max(0.0, spec.timeout))

@@ -184,6 +184,22 @@ class Capture:
         if finish is not None:
             acc.finish_reason = finish
 
+    def continuable(self) -> bool:
+        """Whether the reply so far can be continued token for token (proxy.continuation):
+        one unfinished choice with the engine's ids, no tool call or reasoning text, and
+        the prompt's ids known."""
+        if len(self._choices) != 1 or self.prompt_ids is None:
+            return False
+        [c] = self._choices.values()
+        return (c.engine_ids is not None and not c.tools and not c.reasoning
+                and c.finish_reason is None)
+
+    def token_counts(self) -> dict[int, int]:
+        """Completion tokens received so far, per choice (proxy.versions follows a stream
+        by them): engine ids, else logprob entries."""
+        return {i: len(c.engine_ids) if c.engine_ids is not None else len(c.tokens)
+                for i, c in self._choices.items()}
+
     def tokens(self) -> tuple[int | None, int | None]:
         """Prompt and completion tokens, as the upstream's usage reports them."""
         if self.usage is None:

@@ -20,6 +20,10 @@ def call_record(call: ModelCall) -> CallRecord:
     state = call.state
     capture = call.capture
     choices = capture.choices()
+    call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
+    if call.experts is not None:  # issue 27 hook: MoE routing per completion token
+        call.experts.stamp(choices)
+        capture.errors.extend(call.experts.errors)
     if capture.errors and call.error is None:
         call.error = "; ".join(capture.errors)
     if call.stream and capture.response_id is not None:

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tracetap.proxy import experts
 from tracetap.proxy.apis.chat_reply import read_chunk_bytes
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.budgets import Reservation, reservation_size
@@ -47,6 +48,7 @@ from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
+from tracetap.proxy.versions import CallVersions
 from tracetap.proxy.wire import decode_object, encode
 
 
@@ -79,6 +81,9 @@ class ModelCall:
         self.http_status = 0
         self.error: str | None = None
         self.policy_version: str | None = None
+        # issue 27 hook: the version of each token (proxy.versions)
+        self.versions = CallVersions(state)
+        self.experts = None  # issue 27 hook: MoE routing, with --routed-experts (proxy.experts)
         self.upstream_url: str | None = None
         self.t_first_byte: float | None = None
         self.perf_upstream_start: float | None = None
@@ -110,6 +115,7 @@ class ModelCall:
         self._admitted = True
         # Stamped after any pause: a call released by a resume runs on the new weights.
         self.policy_version = self.state.controls.policy_version
+        self.versions.admit()  # issue 27 hook: token versions are judged from here
 
     # -- request side -----------------------------------------------------------
     def reroute(self, route: Route, body: bytes) -> bytes:
@@ -157,6 +163,7 @@ class ModelCall:
         self.payload = payload
         self.injected = self.api.prepare(payload, self.state.flavor)
         self.capture = self.api.capture(self.injected)
+        self.experts = experts.ask(self)  # issue 27 hook: before the body is encoded
         if self.injected.any or rewritten or self.repaired:
             body = encode(payload)
         if self.translation is not None or self.repaired:
@@ -215,6 +222,8 @@ class ModelCall:
             self.client_body = body
             return body
         self.capture.add(body)
+        if self.experts is not None:
+            self.experts.add(body)  # issue 27 hook
         if self.translation is not None:
             try:
                 body = encode(self.translation.from_chat(decode_object(body), self.client_payload))
@@ -317,6 +326,9 @@ class ModelCall:
             if self.injected.token_ids:
                 stripped = Event(event.raw, data)
         self.capture.add(data)
+        self.versions.observe(_counts(self.capture))  # issue 27 hook: tokens arrived now
+        if self.experts is not None:
+            self.experts.add(data)  # issue 27 hook
         if self.capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
             self.upstream_done()
@@ -368,6 +380,12 @@ class ModelCall:
 
 # Below this a chunk's prompt ids are few enough to decode with the rest of it.
 _CUT_ABOVE = 4096
+
+
+def _counts(capture: Any) -> dict[int, int] | None:
+    """Tokens per choice so far, where the reassembly can say (chat and completions)."""
+    counts = getattr(capture, "token_counts", None)
+    return None if counts is None else counts()
 
 
 def _str(value: Any) -> str | None:

@@ -26,6 +26,7 @@ log = logging.getLogger("tracetap")
 
 POLICY = "policy_version"
 PAUSED = "paused"
+ABORT = "abort"  # the paused row's value for a pause that cuts calls in flight (issue 27)
 POLL_SECONDS = 0.2
 HEARTBEAT_SECONDS = 1.0
 LIVE_SECONDS = 5.0  # a process whose heartbeat is older is taken for gone
@@ -54,6 +55,12 @@ class Controls:
         self._beat_at = 0.0
         self._failing = False
 
+    @property
+    def serial(self) -> int:
+        """Grows with every change applied here (pause, resume, version): a call whose
+        tokens arrived across a change knows it (``proxy.versions``)."""
+        return self._applied[POLICY] + self._applied[PAUSED]
+
     def _apply(self, name: str, value: str | None, serial: int) -> None:
         """Apply a stored change unless a newer one is applied already (a poll that read
         the table before an admin call of this process stored its change comes later)."""
@@ -62,9 +69,11 @@ class Controls:
         self._applied[name] = serial
         if name == POLICY:
             self.policy_version = value
-        elif value == "1":
+        elif value in ("1", ABORT):
             self.gate.close()
             self.on_pause(True)
+            if value == ABORT:
+                self.gate.cut_all()  # issue 27: cut in-flight calls (proxy.continuation)
         else:
             self.gate.open()
             self.on_pause(False)
@@ -87,10 +96,12 @@ class Controls:
     async def set_policy(self, version: str) -> None:
         self._apply(POLICY, version, await table.store(self.engine, POLICY, version))
 
-    async def pause(self) -> int:
-        """Hold new calls in every process; returns the pause's serial."""
-        serial = await table.store(self.engine, PAUSED, "1")
-        self._apply(PAUSED, "1", serial)
+    async def pause(self, abort: bool = False) -> int:
+        """Hold new calls in every process; returns the pause's serial. ``abort``: also
+        cut the calls in flight, to be continued after the resume (proxy.continuation)."""
+        value = ABORT if abort else "1"
+        serial = await table.store(self.engine, PAUSED, value)
+        self._apply(PAUSED, value, serial)
         return serial
 
     async def resume(self, version: str | None) -> None:

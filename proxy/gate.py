@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from tracetap.proxy.errors import ProxyError
 
@@ -19,6 +20,8 @@ class Gate:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Calls that a pause in abort mode may cut (proxy.continuation registers them).
+        self.cuts: set[Callable[[], None]] = set()
 
     @property
     def paused(self) -> bool:
@@ -53,6 +56,25 @@ class Gate:
                 ) from None
         self.inflight += 1
         self._idle.clear()
+
+    def cut_all(self) -> None:
+        """A pause in abort mode: every registered call is cut at the engine now."""
+        for cut in list(self.cuts):
+            cut()
+
+    async def hold(self) -> bool:
+        """A call cut for a weight sync steps out of the in-flight count (the sync need not
+        wait for it) until the gate opens, then steps back in. False: the pause outlasted
+        ``pause_timeout``."""
+        self.release()
+        try:
+            await asyncio.wait_for(self._running.wait(), self.pause_timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.inflight += 1
+            self._idle.clear()
 
     def release(self) -> None:
         self.inflight -= 1

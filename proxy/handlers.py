@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 
 from tracetap.proxy import lineage
+from tracetap.proxy import continuation
 from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded
 from tracetap.proxy.capture import ModelCall
@@ -111,7 +112,9 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             call.sending()
 
             def send(attempt: ModelCall, b: bytes):  # the route as it is when called
-                return _send(request, attempt, route, path, headers, b)
+                # issue 27 hook: a body awaited when a weight sync cuts it is sent again
+                return continuation.cuttable(
+                    attempt, lambda: _send(request, attempt, route, path, headers, b))
 
             if overlay is not None and overlay.reviews_reply(call):
                 return await review(overlay, request, call, route, send, upstream_body)
@@ -129,8 +132,14 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                 target, reply = await send(call, upstream_body)
             call.replied(target.base_url, reply.status)
             if call.stream and reply.content_type == "text/event-stream":
-                return await _relay_stream(request, reply, call)
-            return await _relay_body(reply, call)
+                # issue 27 hook: a weight sync in abort mode continues the stream
+                return await _relay_stream(request, reply, call,
+                                           continuation.sender(state, call, headers))
+
+            async def again():  # issue 27 hook: a body cut by a weight sync is sent again
+                return (await send(call, upstream_body))[1]
+
+            return await _relay_body(reply, call, again)
         except BudgetExceeded as error:
             metrics.child(metrics.budget_exceeded, error.limit).inc()
             return call.fail(error, "budget_exceeded")
@@ -167,8 +176,10 @@ async def _send(
     )
 
 
-async def _relay_body(reply: Reply, call: ModelCall) -> web.StreamResponse:
+async def _relay_body(reply: Reply, call: ModelCall, again=None) -> web.StreamResponse:
     try:
+        if again is not None:
+            reply = await continuation.whole(call, reply, again)  # issue 27 hook
         body = await reply.read()
     except UpstreamBroken as exc:
         raise ProxyError(
@@ -186,13 +197,15 @@ async def _relay_body(reply: Reply, call: ModelCall) -> web.StreamResponse:
     return response
 
 
-async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall) -> web.StreamResponse:
+async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall,
+                        send=None) -> web.StreamResponse:
     response = web.StreamResponse(
         status=reply.status, headers=response_headers(reply.headers.items())
     )
     try:
         await response.prepare(request)
-        async for data in reply.iter_chunks():
+        chunks = reply.iter_chunks() if send is None else continuation.stream(call, reply, send)
+        async for data in chunks:  # issue 27 hook: continued after a weight sync
             for piece in call.relay_chunk(data):
                 await response.write(piece)
         tail = call.stream_end()

@@ -27,10 +27,12 @@ class Injected(msgspec.Struct, kw_only=True):
     client_top_logprobs: int = 0
     # Responses echo ``top_logprobs``: null again when the client did not set it.
     top_logprobs_echo: bool = False
+    # MoE routing (--routed-experts, proxy.experts): removed from every reply.
+    experts: bool = False
 
     @property
     def any(self) -> bool:
-        return self.logprobs or self.usage or self.token_ids
+        return self.logprobs or self.usage or self.token_ids or self.experts
 
 
 def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
@@ -124,6 +126,8 @@ def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
 def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
     if injected.token_ids:
         _drop(top, "prompt_token_ids", keep_null)
+    if injected.experts:
+        top.pop("prompt_routed_experts", None)
     if "choices" not in top:
         return
     choices = _decode_choices(top["choices"])
@@ -133,4 +137,6 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
         if injected.token_ids:
             _drop(choice, "token_ids", keep_null)
             _drop(choice, "prompt_token_ids", keep_null)
+        if injected.experts:
+            choice.pop("routed_experts", None)
     top["choices"] = msgspec.Raw(_encode(choices))

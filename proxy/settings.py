@@ -84,6 +84,7 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_max_resamples: int = 2
     workers: int = 1
     tokenizer: str | None = None
+    routed_experts: bool = False  # issue 27: ask for MoE routing, store it (proxy.experts)
 
     def local_tokenizer(self):
         """The tokenizer --tokenizer names (proxy.local_tokenizer), loaded; None without."""
@@ -339,6 +340,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
            "(docs/scaling.md)")
     a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
       help="seconds a call waits while paused (POST /tracetap/pause) before a 503")
+    a("--routed-experts", action="store_true", default=_env_bool("routed_experts"),
+      help="ask the engine for the MoE experts it routed each completion token to "
+           "(return_routed_experts; vLLM: serve with --enable-return-routed-experts), keep "
+           "them from the agent, store and export them for router replay (docs/export.md)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

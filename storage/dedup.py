@@ -35,6 +35,7 @@ from tracetap.storage.blocks import (
     whole,
 )
 from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.experts import EXPERTS
 from tracetap.storage.records import CallRecord
 
 # The bodies stored as references, by record field (and calls column "<field>_refs").
@@ -168,7 +169,8 @@ def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
                 ("text_refs", TEXT, None if choice.text is None
                  else choice.text.encode("utf-8", "surrogatepass")),
                 ("completion_ids_refs", IDS, pack_ids(choice.completion_ids)),
-                ("completion_logprobs_refs", FLOATS, pack_logprobs(choice.completion_logprobs))):
+                ("completion_logprobs_refs", FLOATS, pack_logprobs(choice.completion_logprobs)),
+                ("routed_experts_refs", EXPERTS, choice.routed_experts)):
             if data is None:
                 refs[column] = None
                 continue

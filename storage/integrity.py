@@ -29,6 +29,9 @@ record_dropped       its record was lost: the journal was full (a tombstone)
 record_quarantined   its record was refused by the database (a tombstone; the record is
                      in the dead-letter file)
 ==================== =====================================================================
+
+An attempt a weight sync cut and sent again (``weight_sync_retried``) is no cause: the
+agent's answer is its retry's, which is judged as any call.
 """
 
 from __future__ import annotations

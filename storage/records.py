@@ -22,6 +22,12 @@ class ChoiceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The engine's own string for each completion token, kept only while the ids are
     # missing: the writer's resolver checks a retokenization against them. Not stored.
     token_strs: list[str] | None = None
+    # [(start_token, version or None)]: set only when the tokens are not all from the
+    # call's policy_version (a weight sync during the call; None = unknown); revision 0009.
+    policy_spans: list[tuple[int, str | None]] | None = None
+    # The MoE experts the engine routed each completion token to (--routed-experts):
+    # storage.experts.pack's bytes (layers, top_k, then int16 ids); revision 0009.
+    routed_experts: bytes | None = None
 
 
 class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -123,4 +129,5 @@ STATUSES = (
     "overlay_failed",  # an overlay hook failed under --overlay-fail closed
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
+    "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
 )

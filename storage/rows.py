@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.dedup import BlockCache, packed_prompt, plan
+from tracetap.storage.policy_spans import encode_spans
 from tracetap.storage.records import CallRecord, has_prompt_ids
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
@@ -78,7 +79,7 @@ def call_row(record: CallRecord, stored_at: float, refs: dict | None = None) -> 
 
 
 _CHOICE_INLINE = {"text_refs": None, "completion_ids_refs": None,
-                  "completion_logprobs_refs": None}
+                  "completion_logprobs_refs": None, "routed_experts_refs": None}
 
 
 def choice_rows(record: CallRecord, refs: dict[int, dict] | None = None) -> list[dict]:
@@ -95,6 +96,7 @@ def choice_rows(record: CallRecord, refs: dict[int, dict] | None = None) -> list
             "top_logprobs": None if choice.top_logprobs is None
             else _json(choice.top_logprobs).decode(),
             "token_source": choice.token_source,
+            "policy_spans": encode_spans(choice.policy_spans),
         }
         for choice in record.choices
     ]

@@ -59,6 +59,10 @@ class ScannedChoice(msgspec.Struct, gc=False):
     completion_ids: bytes | None = None  # int32, native byte order
     completion_logprobs: bytes | None = None  # float64, native byte order (as stored)
     token_source: str = "none"
+    # JSON [[start, version]] when the tokens are not all from the call's version (0009).
+    policy_spans: str | None = None
+    # storage.experts bytes: the MoE routing of each completion token (--routed-experts).
+    routed_experts: bytes | None = None
 
 
 class ScannedCall(msgspec.Struct, gc=False):
@@ -120,7 +124,8 @@ def _columns(struct: type[msgspec.Struct], table, renamed: dict[str, str] | None
 
 _EPISODE_COLUMNS = _columns(ScannedEpisode, Episode)
 _CALL_COLUMNS = _columns(ScannedCall, Call)
-_ROW_COLUMNS = (*_CALL_COLUMNS, *_columns(ScannedChoice, Choice, {"index": "choice_index"}))
+_ROW_COLUMNS = (*_CALL_COLUMNS, *_columns(ScannedChoice, Choice, {
+    "index": "choice_index", "routed_experts": "routed_experts_refs"}))
 # Bulk reads run on the driver connection, so its own errors come through unwrapped.
 _READ_ERRORS = (SQLAlchemyError, OSError, sqlite3.Error, asyncpg.PostgresError,
                 asyncpg.InterfaceError)
@@ -299,7 +304,8 @@ class Reader:
         columns = list(_ROW_COLUMNS)
         refs = [(COLUMN.prompt_ids, Call.prompt_refs, IDS),
                 (COLUMN.completion_ids, Choice.completion_ids_refs, IDS),
-                (COLUMN.completion_logprobs, Choice.completion_logprobs_refs, IDS)]
+                (COLUMN.completion_logprobs, Choice.completion_logprobs_refs, IDS),
+                (COLUMN.routed_experts_refs, Choice.routed_experts_refs, IDS)]
         if self.with_bodies:
             refs += [(COLUMN.request, Call.request_refs, TEXT),
                      (COLUMN.response, Call.response_refs, TEXT),

@@ -133,6 +133,12 @@ class Choice(Base):
     text_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_ids_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_logprobs_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # JSON [[start_token, version | null], ...], null when every token is from the
+    # call's policy_version (storage.policy_spans; revision 0009).
+    policy_spans: Mapped[str | None] = mapped_column(Text)
+    # The MoE routing of each completion token, one compressed block (storage.experts;
+    # revision 0009); null unless the proxy ran with --routed-experts.
+    routed_experts_refs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Block(Base):

@@ -320,6 +320,9 @@ def test_kept_calls_without_token_ids_are_marked_and_refused_by_every_adapter(pr
 # The datasets' columns and types as docs/export.md documents them, written out by hand: the
 # exporter's own constants cannot be the reference for what it writes.
 _TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
+_SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
+                             ("version", pa.string())]))
+_ROUTING = pa.list_(pa.list_(pa.list_(pa.int16())))
 DOCUMENTED_CALLS = pa.schema([
     ("call_id", pa.string()), ("choice_index", pa.int32()), ("episode_id", pa.string()),
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
@@ -333,6 +336,8 @@ DOCUMENTED_CALLS = pa.schema([
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
     ("reward", pa.float64()), ("integrity", pa.string()), ("integrity_cause", pa.string()),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
+    ("policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
+    ("routed_experts", _ROUTING),
 ])
 DOCUMENTED_TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
@@ -351,6 +356,8 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("integrity", pa.string()),
     ("integrity_causes", pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
+    ("response_policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
+    ("response_routed_experts", _ROUTING),
 ])
 
 

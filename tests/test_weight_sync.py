@@ -1,0 +1,152 @@
+"""A weight sync loses no rollout (issue 27): a pause in abort mode cuts the calls in
+flight at the engine, holds them, and after the resume continues a stream token for
+token (one answer, one stored completion with its version spans) or sends a body again
+(the cut attempt stored apart, never trained). Real openai SDK, proxy and mock engine."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+
+import openai
+import pytest
+
+from tracetap.demo.engine_common import ABORTS
+from tracetap.demo.tokenizer import EOS
+from tracetap.migrations import upgrade
+
+CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
+MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
+
+
+@pytest.fixture
+def db_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"  # one database kind: the logic is the proxy's
+    upgrade(url)
+    return url
+
+
+def _aborts(engine, expected: int = 0) -> int:
+    """The engine's count of aborted requests, once it reaches ``expected`` (an engine
+    sees an abort at its next write) or after 2 s."""
+    deadline = time.monotonic() + 2
+    while engine._runner.app[ABORTS].count < expected and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the engine's own counter
+    return engine._runner.app[ABORTS].count
+
+
+def _stored(proxy, episode: str) -> list[tuple]:
+    proxy.flush()
+    path = proxy.settings.db.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as db:
+        return db.execute(
+            "SELECT c.status, c.policy_version, ch.policy_spans, ch.choice_index "
+            "FROM calls c LEFT JOIN choices ch ON ch.call_id = c.call_id "
+            "WHERE c.episode_id = ? ORDER BY c.t_start, c.seq", (episode,)).fetchall()
+
+
+def test_a_stream_cut_by_a_weight_sync_is_continued_token_for_token(proxy, engine):
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    client = openai.OpenAI(base_url=proxy.episode_url("cut-stream"), api_key="x", max_retries=0)
+    text, paused = [], None
+    with client:
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03})
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if i == 12:
+                # Answers once every call in flight is cut and held: nothing left to drain.
+                status, paused = proxy.admin("POST", "/tracetap/pause",
+                                             {"mode": "abort", "timeout": 10})
+                assert status == 200 and paused["drained"] is True
+                assert _aborts(engine, 1) == 1  # the engine saw its request aborted
+                assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+    assert paused is not None
+    assert "".join(text) == CONTENT  # one uninterrupted answer
+    [(status, version, spans, _)] = _stored(proxy, "cut-stream")
+    assert status == "ok" and version == "v1"
+    [call] = proxy.calls("cut-stream")
+    [choice] = call["choices"]
+    # Token for token: the partial ids plus the continuation's are the content's bytes.
+    assert choice["completion_ids"] == [*CONTENT.encode(), EOS]
+    # The continuation's logprobs join the partial's: one per token, so the turn trains.
+    assert len(choice["completion_logprobs"]) == len(choice["completion_ids"])
+    spans = json.loads(spans)
+    assert [v for _, v in spans] == ["v1", "v2"] and 0 < spans[1][0] < len(CONTENT)
+
+
+def test_a_body_cut_by_a_weight_sync_is_sent_again_and_the_cut_attempt_kept_apart(proxy, engine):
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    client = openai.OpenAI(base_url=proxy.episode_url("cut-body"), api_key="x", max_retries=0)
+    answers = []
+    with client:
+        def slow_call():
+            reply = client.chat.completions.create(
+                model="mock-model", messages=MESSAGES, max_tokens=200,
+                extra_body={"mock_content": CONTENT, "mock_delay_s": 1.0})
+            answers.append(reply.choices[0].message.content)
+
+        worker = threading.Thread(target=slow_call)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while proxy.state.gate.inflight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling the proxy's own counter for the call to be admitted
+        time.sleep(0.2)  # the request is at the engine
+        status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and paused["drained"] is True
+        assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+        worker.join(30)
+    assert answers == [CONTENT]
+    assert _aborts(engine, 1) == 1  # the engine saw the first request go
+    rows = _stored(proxy, "cut-body")
+    assert sorted((s, v) for s, v, _, _ in rows) == [("ok", "v2"), ("weight_sync_retried", "v1")]
+    retried = [r for r in rows if r[0] == "weight_sync_retried"]
+    assert retried[0][3] is None  # no choice: nothing of it can be trained
+
+
+def test_a_drain_pause_cuts_nothing(proxy, engine):
+    client = openai.OpenAI(base_url=proxy.episode_url("drain"), api_key="x", max_retries=0)
+    with client:
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.01})
+        text = []
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if i == 5:
+                assert proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
+    assert "".join(text) == CONTENT and _aborts(engine) == 0
+    assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    assert proxy.admin("POST", "/tracetap/pause", {"mode": "cut"})[0] == 400
+
+
+def test_a_stream_that_cannot_continue_exactly_is_not_cut(proxy, engine):
+    """A request with tools: a raw continuation would not be parsed into the tool call,
+    so the abort leaves it to finish on the old weights (its tokens' versions marked)."""
+    tools = [{"type": "function", "function": {
+        "name": "search", "parameters": {"type": "object", "properties": {
+            "q": {"type": "string"}}, "required": ["q"]}}}]
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    client = openai.OpenAI(base_url=proxy.episode_url("tools"), api_key="x", max_retries=0)
+    calls = []
+    with client:
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, tools=tools, stream=True,
+            extra_body={"mock_chunk_delay_s": 0.1})
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.tool_calls:
+                calls.extend(chunk.choices[0].delta.tool_calls)
+            if i == 1:
+                assert proxy.admin("POST", "/tracetap/pause",
+                                   {"mode": "abort", "wait": False})[0] == 200
+    assert calls and calls[0].function.name == "search"
+    assert _aborts(engine) == 0
+    assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    [(status, _, spans, _)] = _stored(proxy, "tools")
+    assert status == "ok" and [v for _, v in json.loads(spans)] == ["v1", None]
