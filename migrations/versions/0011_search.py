@@ -1,0 +1,122 @@
+"""call_text: the viewer's full-text search (a GIN index on Postgres, FTS5 on SQLite),
+backfilled from the calls already stored
+
+Revision ID: 0011
+Revises: 0008
+Create Date: 2027-02-01 00:00:00.000000
+
+Existing calls keep everything: the backfill reads each call's request, choice texts and
+error (inline, or from its blocks since 0007), picks the text storage.search_text picks
+for new calls, and inserts it, a page of calls at a time. On Postgres the GIN index is
+built after the backfill, in one pass.
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+from tracetap.storage.blocks import join_text, unpack_block, unpack_refs
+from tracetap.storage.search_text import text_of
+
+revision = "0011"
+down_revision = "0008"
+branch_labels = None
+depends_on = None
+
+PAGE = 500
+_FTS = [
+    "CREATE VIRTUAL TABLE call_text_fts USING fts5(body, content='call_text', "
+    "content_rowid='id', tokenize='unicode61')",
+    "CREATE TRIGGER call_text_ai AFTER INSERT ON call_text BEGIN "
+    "INSERT INTO call_text_fts(rowid, body) VALUES (new.id, new.body); END",
+    "CREATE TRIGGER call_text_ad AFTER DELETE ON call_text BEGIN "
+    "INSERT INTO call_text_fts(call_text_fts, rowid, body) VALUES ('delete', old.id, old.body); "
+    "END",
+]
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    postgres = bind.dialect.name == "postgresql"
+    op.create_table(
+        "call_text",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), sa.Identity(),
+                  nullable=False),
+        sa.Column("call_id", sa.String(length=36), nullable=False),
+        sa.Column("episode_id", sa.String(length=128), nullable=True),
+        sa.Column("body", sa.Text(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_call_text")),
+        sa.UniqueConstraint("call_id", name=op.f("uq_call_text_call_id")),
+    )
+    op.create_index(op.f("ix_call_text_episode_id"), "call_text", ["episode_id"])
+    if not postgres:
+        for statement in _FTS:
+            op.execute(statement)
+    _backfill(bind)
+    if postgres:
+        # storage.search.PG_DOCUMENT: the planner uses the index for that expression only.
+        op.execute("CREATE INDEX ix_call_text_document ON call_text "
+                   "USING gin (to_tsvector('simple', translate(body, './:@', '    ')))")
+
+
+def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("DROP INDEX ix_call_text_document")
+    else:
+        for name in ("call_text_ad", "call_text_ai"):
+            op.execute(f"DROP TRIGGER {name}")
+        op.execute("DROP TABLE call_text_fts")
+    op.drop_index(op.f("ix_call_text_episode_id"), table_name="call_text")
+    op.drop_table("call_text")
+
+
+def _backfill(bind) -> None:
+    calls = sa.table("calls", *(sa.column(c) for c in (
+        "call_id", "episode_id", "request", "request_refs", "error")))
+    choices = sa.table("choices", *(sa.column(c) for c in (
+        "call_id", "choice_index", "text", "text_refs")))
+    call_text = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id",
+                                                               "body")))
+    after = ""
+    while True:
+        page = bind.execute(
+            sa.select(calls).where(calls.c.call_id > after, calls.c.episode_id.is_not(None))
+            .order_by(calls.c.call_id).limit(PAGE)).all()
+        if not page:
+            return
+        after = page[-1].call_id
+        texts: dict[str, list] = {}
+        for c in bind.execute(sa.select(choices).where(
+                choices.c.call_id.in_([r.call_id for r in page]))
+                .order_by(choices.c.call_id, choices.c.choice_index)):
+            texts.setdefault(c.call_id, []).append((c.text, c.text_refs))
+        blocks = _blocks(bind, [r.request_refs for r in page]
+                         + [refs for v in texts.values() for _, refs in v])
+        rows = []
+        for r in page:
+            body = text_of(_value(r.request, r.request_refs, blocks),
+                           [_value(t, refs, blocks) for t, refs in texts.get(r.call_id, ())],
+                           r.error)
+            if body:
+                rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
+        if rows:
+            bind.execute(call_text.insert(), rows)
+
+
+def _blocks(bind, refs: list) -> dict[bytes, bytes]:
+    wanted = sorted({h for r in refs if r is not None for h, _ in unpack_refs(bytes(r))})
+    blocks = sa.table("blocks", sa.column("hash"), sa.column("data"))
+    out = {}
+    for start in range(0, len(wanted), PAGE):
+        for h, data in bind.execute(sa.select(blocks.c.hash, blocks.c.data).where(
+                blocks.c.hash.in_(wanted[start:start + PAGE]))):
+            out[bytes(h)] = unpack_block(bytes(data))
+    return out
+
+
+def _value(inline, refs, blocks: dict[bytes, bytes]):
+    if refs is None:
+        return inline
+    try:
+        return join_text(blocks[h] for h, _ in unpack_refs(bytes(refs)))
+    except KeyError:  # a block missing: the call cannot be read whole, nor indexed
+        return inline
