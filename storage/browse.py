@@ -217,8 +217,22 @@ async def _call_stats(conn, ids: list[str]) -> dict[str, tuple]:
                    int(r[8] or 0)) for r in rows}
 
 
+def _group_order(query: EpisodeQuery, latest) -> list:
+    """ORDER BY for groups, by the episodes page's sort keys read per group: created and
+    finished by the group's latest, reward by its mean, task by its first."""
+    keys = {"created": latest, "finished": func.max(Episode.finished_at),
+            "reward": func.avg(Episode.reward), "id": Episode.group_id,
+            "group": Episode.group_id, "task": func.min(Episode.task_id)}
+    if query.sort not in keys:
+        raise ValueError(f"sort must be one of {', '.join(keys)}")
+    key = keys[query.sort]
+    key = (key.desc() if query.descending else key.asc()).nulls_last()
+    return [key] if query.sort in ("id", "group") else [key, Episode.group_id]
+
+
 async def group_page(engine: AsyncEngine, query: EpisodeQuery) -> GroupPage:
-    """Groups (GRPO) with a matching episode, newest first, each with all its members."""
+    """Groups (GRPO) with a matching episode, in the query's order (newest first by
+    default), each with all its members."""
     conditions = [*_conditions(query), Episode.group_id.is_not(None)]
     latest = func.max(Episode.created_at).label("latest")
     async with engine.connect() as conn:
@@ -228,7 +242,7 @@ async def group_page(engine: AsyncEngine, query: EpisodeQuery) -> GroupPage:
             .subquery()))).scalar()
         groups = (await conn.execute(
             select(Episode.group_id, latest).where(*conditions).group_by(Episode.group_id)
-            .order_by(latest.desc(), Episode.group_id).limit(query.limit)
+            .order_by(*_group_order(query, latest)).limit(query.limit)
             .offset(query.offset))).all()
         ids = [g.group_id for g in groups]
         members = (await conn.execute(

@@ -5,8 +5,9 @@ would index a 200-call episode's first message 200 times (quadratic text). A cal
 is instead: the request's messages from its last assistant message on (that message, the
 tool results and user messages since: what the harness added this turn; all of them when
 no assistant has spoken yet, with ``system``/``instructions``), each choice's text, and
-the error. The message list is decoded as raw slices and only its tail is parsed, so the
-writer's cost stays a fraction of the JSON decode of the body (bench/writer_bench.py).
+the error (with the upstream's answer when it was an error: its message is there).
+The message list is decoded as raw slices and only its tail is parsed, so the writer's
+cost stays a fraction of the JSON decode of the body (bench/writer_bench.py).
 
 What is missed: a message the harness rewrote earlier in its history (a summarised
 context) is indexed only where it first appears after an assistant turn.
@@ -22,6 +23,7 @@ import msgspec
 from tracetap.storage.records import CallRecord
 
 MAX_CHARS = 100_000  # per call: a 10 MB tool output is searchable by its start
+ERROR_BODY = 4_000  # characters of an upstream's error answer
 # Strings under these keys are text a person reads; everything beneath them is too
 # (an Anthropic tool_use ``input`` object, a Responses ``output`` list).
 TEXT_KEYS = frozenset({"content", "text", "arguments", "output", "input", "prompt", "system",
@@ -55,11 +57,20 @@ _any = msgspec.json.Decoder()
 
 def call_text(record: CallRecord) -> str:
     """The searchable text of one call ('' when it has none), at most MAX_CHARS."""
-    return text_of(record.request, [c.text for c in record.choices], record.error)
+    return text_of(record.request, [c.text for c in record.choices],
+                   failure(record.error, record.http_status, record.response))
+
+
+def failure(error: str | None, http_status: int, response: str | None) -> str | None:
+    """The error, and for an upstream's error answer its body (its message is there)."""
+    if http_status == 200 or not response:
+        return error
+    return "\n".join(filter(None, (error, response[:ERROR_BODY])))
 
 
 def text_of(request: str | None, choice_texts: Iterable[str | None], error: str | None) -> str:
-    """call_text from a call's stored parts (the migration's backfill reads them so)."""
+    """call_text from a call's stored parts (the migration's backfill reads them so);
+    ``error``: the error text, with a failed call's response (``failure``)."""
     parts: list[str] = []
     if request:
         try:

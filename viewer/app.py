@@ -81,6 +81,7 @@ async def _lifecycle(app: web.Application):
     source = Source(config.database_url)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
+    app[TEMPLATES].warm()
     app[SOURCE] = source
     app[DETOKENIZER] = detokenizer
     try:

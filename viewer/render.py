@@ -57,6 +57,11 @@ class Templates:
                                 reward_class=_reward_class, status=status_label)
         self.env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
 
+    def warm(self) -> None:
+        """Compile every template now (at start), not inside a reader's first request."""
+        for name in self.env.list_templates():
+            self.env.get_template(name)
+
     def render(self, name: str, **context: Any) -> str:
         return self.env.get_template(name).render(**context)
 

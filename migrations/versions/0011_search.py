@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from tracetap.storage.blocks import join_text, unpack_block, unpack_refs
-from tracetap.storage.search_text import text_of
+from tracetap.storage.search_text import failure, text_of
 
 revision = "0011"
 down_revision = "0008"
@@ -71,7 +71,8 @@ def downgrade() -> None:
 
 def _backfill(bind) -> None:
     calls = sa.table("calls", *(sa.column(c) for c in (
-        "call_id", "episode_id", "request", "request_refs", "error")))
+        "call_id", "episode_id", "request", "request_refs", "error", "http_status",
+        "response", "response_refs")))
     choices = sa.table("choices", *(sa.column(c) for c in (
         "call_id", "choice_index", "text", "text_refs")))
     call_text = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id",
@@ -90,12 +91,14 @@ def _backfill(bind) -> None:
                 .order_by(choices.c.call_id, choices.c.choice_index)):
             texts.setdefault(c.call_id, []).append((c.text, c.text_refs))
         blocks = _blocks(bind, [r.request_refs for r in page]
+                         + [r.response_refs for r in page if r.http_status != 200]
                          + [refs for v in texts.values() for _, refs in v])
         rows = []
         for r in page:
             body = text_of(_value(r.request, r.request_refs, blocks),
                            [_value(t, refs, blocks) for t, refs in texts.get(r.call_id, ())],
-                           r.error)
+                           failure(r.error, r.http_status, None if r.http_status == 200
+                                   else _value(r.response, r.response_refs, blocks)))
             if body:
                 rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
         if rows:
