@@ -92,7 +92,10 @@ async def _seed(engine) -> None:
     await insert_calls(engine, records)  # a journal replayed: indexed once
 
 
-async def _ids(engine, text: str | None, where: Where = Where()) -> list[str]:
+NOWHERE = Where()
+
+
+async def _ids(engine, text: str | None, where: Where = NOWHERE) -> list[str]:
     terms = search.parse_terms(text) if text else None
     found = await browse.episode_page(
         engine, browse.EpisodeQuery(sort="id", descending=False),
@@ -143,7 +146,7 @@ async def _search_and_filters(db_url: str) -> None:
 def test_bad_where_terms_are_named():
     from tracetap.viewer.params import BadParameter
     for bad in ("context=full", "config.=x", "config.a b=1", "other.x=1", "config.x="):
-        with pytest.raises(BadParameter, match="config.NAME=VALUE"):
+        with pytest.raises(BadParameter, match=r"config\.NAME=VALUE"):
             parse_where({"where": bad})
 
 
