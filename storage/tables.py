@@ -141,9 +141,10 @@ class Block(Base):
 
 class CallText(Base):
     """What the viewer's search finds a call by (storage.search_text: the turn it added,
-    its answer, its error). Full-text indexed (0011): on Postgres a GIN index of
-    ``to_tsvector('simple', body)``, on SQLite the FTS5 table ``call_text_fts`` that
-    triggers keep in step (``id`` is its rowid, so it must never change)."""
+    its answer, its error). Full-text indexed (0011): on Postgres a GIN index of the
+    generated tsvector column ``doc`` (storage.search.PG_DOCUMENT; not modelled, SQLite
+    has none), on SQLite the FTS5 table ``call_text_fts`` that triggers keep in step
+    (``id`` is its rowid, so it must never change)."""
 
     __tablename__ = "call_text"
 

@@ -96,10 +96,19 @@ NOWHERE = Where()
 
 
 async def _ids(engine, text: str | None, where: Where = NOWHERE) -> list[str]:
+    """The matching episodes, found both ways: through the subquery, and with each term's
+    episodes looked up first (search.resolved_conditions); the two must agree."""
     terms = search.parse_terms(text) if text else None
+    query = browse.EpisodeQuery(sort="id", descending=False)
     found = await browse.episode_page(
-        engine, browse.EpisodeQuery(sort="id", descending=False),
-        extra=conditions(engine.dialect.name, terms, where), count_cap=1000)
+        engine, query, extra=conditions(engine.dialect.name, terms, where), count_cap=1000)
+    if terms is not None:
+        resolved = await browse.episode_page(
+            engine, query, count_cap=1000, extra=conditions(
+                engine.dialect.name, terms, where, await search.resolved_conditions(
+                    engine, terms)))
+        assert [r.id for r in resolved.rows] == [r.id for r in found.rows]
+        assert resolved.total == found.total
     return [r.id for r in found.rows]
 
 

@@ -54,8 +54,11 @@ def parse_where(query: Mapping[str, str]) -> Where:
     return Where(model=text("model"), policy=text("policy"), json=tuple(terms))
 
 
-def conditions(dialect: str, terms: search.Terms | None, where: Where) -> tuple:
-    out = [] if terms is None else search.text_conditions(dialect, terms)
+def conditions(dialect: str, terms: search.Terms | None, where: Where,
+               text: list | None = None) -> tuple:
+    """The search's conditions; ``text``: the terms' own, resolved already."""
+    out = list(text) if text is not None else [] if terms is None \
+        else search.text_conditions(dialect, terms)
     if where.model is not None:
         out.append(search.call_condition(Call.model, where.model))
     if where.policy is not None:
@@ -86,8 +89,9 @@ async def page_handler(request: web.Request) -> web.Response:
         or any(query.get(k) for k in ("harness", "task", "outcome", "status", "finished"))
     found = snippets = None
     if asked:
+        text_part = None if terms is None else await search.resolved_conditions(engine, terms)
         found = await browse.episode_page(
-            engine, episodes, extra=conditions(engine.dialect.name, terms, where),
+            engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
             count_cap=COUNT_CAP)
         if terms is not None:
             snippets = await search.snippets(engine, terms, [r.id for r in found.rows])
