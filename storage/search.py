@@ -3,7 +3,7 @@
 The writer adds one ``call_text`` row per call of an episode in its batch's transaction
 (``index_calls``, from storage.rows): the text storage.search_text picks, so replaying a
 journal indexes once (the row is keyed by call id) and a refused batch indexes nothing.
-Postgres indexes it with a GIN index of its tsvector (``doc``, config ``simple``: no stemming:
+Postgres indexes it with a GIN index of its words (``doc``, a tsvector; no stemming:
 tool output, code and error names are matched as written, case-insensitively); SQLite
 with an FTS5 table (``unicode61``). Both read the same query syntax: words (all must
 occur, each in any call of the episode), ``"quoted phrases"`` (in one call) and
@@ -23,22 +23,24 @@ from tracetap.storage.records import CallRecord
 from tracetap.storage.search_text import call_text
 from tracetap.storage.tables import Call, CallText, Episode
 
-_PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, body) VALUES ($1, $2, $3) "
+_PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, body, doc) "
+              "VALUES ($1, $2, $3, array_to_tsvector($4::text[])) "
               "ON CONFLICT (call_id) DO NOTHING")
 _SQLITE_INSERT = ("INSERT INTO call_text (call_id, episode_id, body) VALUES (?, ?, ?) "
                   "ON CONFLICT (call_id) DO NOTHING")
-# Postgres's document of a call's text: a generated column (migration 0011),
-# to_tsvector('simple', translate(body, SPLIT, '    ')). Postgres's parser reads
-# ``conftest.py`` or ``/tmp/x`` as one file token; as spaces, these characters make words
-# of their parts, as SQLite's unicode61 does.
-SPLIT = "./:@"
+# Postgres's document of a call's text (migration 0011): its distinct words, lower case,
+# as the writer found them (``words``: letters and digits, as SQLite's unicode61 splits),
+# made a tsvector by array_to_tsvector. Postgres's own parser (to_tsvector) cost a
+# millisecond and more per call in the database and halved the writer's throughput
+# (bench/writer_bench.py); it also reads ``conftest.py`` as one word. Without positions a
+# phrase is its words in the document, then the phrase in the text (``_phrase``).
 PG_DOCUMENT = "call_text.doc"
+MAX_WORD = 200  # characters: a longer "word" (base64, a hash) is not looked up by anyone
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
 _SNIPPET_READ = 20_000  # characters of a matching call read for its snippet
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
-_WORD = re.compile(r"\w+")
-_SPACES = str.maketrans(dict.fromkeys(SPLIT, " "))
+_WORD = re.compile(r"[^\W_]+")
 
 
 def rows_for(records: list[CallRecord]) -> list[tuple[str, str | None, str]]:
@@ -60,7 +62,7 @@ async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
     if not rows:
         return
     if dialect == "postgresql":
-        await raw.executemany(_PG_INSERT, rows)
+        await raw.executemany(_PG_INSERT, [(*row, words(row[2])) for row in rows])
     else:
         await raw.executemany(_SQLITE_INSERT, rows)
 
@@ -88,10 +90,23 @@ def parse_terms(query: str) -> Terms | None:
     return Terms(tuple(wanted), tuple(unwanted)) if wanted else None
 
 
+def words(text: str) -> list[str]:
+    """The distinct words of a text, lower case: what Postgres indexes of it."""
+    return [w for w in set(_WORD.findall(text.lower())) if len(w) <= MAX_WORD]
+
+
 def _pg_query(term: str) -> str:
-    """One term in websearch_to_tsquery's syntax: quoted, so a phrase stays one and
-    ``or`` is a word."""
-    return '"' + term.replace('"', " ").translate(_SPACES) + '"'
+    """One term as a tsquery literal: all of its words (quoted, so any is a plain word)."""
+    return " & ".join("'" + w + "'" for w in _WORD.findall(term.lower())) or "''"
+
+
+def _phrase(term: str):
+    """A phrase's words in this order, in the text (the document has no positions)."""
+    found = _WORD.findall(term.lower())
+    if len(found) < 2:
+        return None
+    pattern = r"\m" + "[^[:alnum:]]+".join(found) + r"\M"  # \W is not allowed in [ ]
+    return CallText.body.op("~*")(bindparam("phrase", pattern, unique=True))
 
 
 def _fts_query(term: str) -> str:
@@ -103,9 +118,13 @@ def matching_calls(dialect: str, term: str | list[str]):
     """SELECT of call_text rows whose body holds ``term`` (or any of a list)."""
     terms = [term] if isinstance(term, str) else term
     if dialect == "postgresql":
-        return select(CallText).where(text(
-            f"{PG_DOCUMENT} @@ websearch_to_tsquery('simple', :search_q)").bindparams(
-                _unique(" or ".join(_pg_query(t) for t in terms))))
+        query = select(CallText).where(text(f"{PG_DOCUMENT} @@ CAST(:search_q AS tsquery)")
+                                       .bindparams(_unique(" | ".join(
+                                           f"({_pg_query(t)})" for t in terms))))
+        phrases = [p for t in terms if (p := _phrase(t)) is not None]
+        if len(terms) == 1 and phrases:
+            query = query.where(phrases[0])
+        return query
     fts = text("SELECT rowid FROM call_text_fts WHERE call_text_fts MATCH :search_q"
                ).bindparams(_unique(" OR ".join(_fts_query(t) for t in terms)))
     return select(CallText).where(CallText.id.in_(fts))
@@ -125,7 +144,7 @@ async def _estimate(conn, term: str) -> float:
     a millisecond, where reading a common word's 300,000 postings costs a hundred)."""
     plan = (await conn.execute(text(
         f"EXPLAIN (FORMAT JSON) SELECT 1 FROM call_text WHERE {PG_DOCUMENT} @@ "
-        "websearch_to_tsquery('simple', :search_q)"), {"search_q": _pg_query(term)})).scalar()
+        "CAST(:search_q AS tsquery)"), {"search_q": _pg_query(term)})).scalar()
     decoded = msgspec.json.decode(plan) if isinstance(plan, (str, bytes)) else plan
     return float(decoded[0]["Plan"]["Plan Rows"])
 

@@ -159,29 +159,34 @@ def test_bad_where_terms_are_named():
             parse_where({"where": bad})
 
 
-def test_the_migration_backfills_calls_stored_before_it(tmp_path):
-    url = f"sqlite:///{tmp_path / 'old.db'}"
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind):
+    url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" \
+        else request.getfixturevalue("fresh_postgres")
     upgrade(url, "0008")
-    engine = create_engine(url)
-    try:
-        async def old_writer():  # revision 0008's writer: no call_text table yet
-            import tracetap.storage.rows as rows
-            saved = rows.index_calls
-            rows.index_calls = _nothing
-            try:
-                await insert_calls(engine, _conversation("old", "SegfaultGremlin at 0x0"))
-            finally:
-                rows.index_calls = saved
-        asyncio.run(old_writer())
-    finally:
-        asyncio.run(engine.dispose())
+
+    async def old_writer():  # revision 0008's writer: no call_text table yet
+        import tracetap.storage.rows as rows
+        engine = create_engine(url)
+        saved = rows.index_calls
+        rows.index_calls = _nothing
+        try:
+            await insert_calls(engine, _conversation("old", "SegfaultGremlin at 0x0"))
+            await insert_calls(engine, [_chat("old-2", "old", [], "", error="x")])
+        finally:
+            rows.index_calls = saved
+            await engine.dispose()
+    asyncio.run(old_writer())
     upgrade(url)
-    engine = create_engine(url)
-    try:
-        assert asyncio.run(_ids(engine, "segfaultgremlin")) == ["old"]
-        assert asyncio.run(_ids(engine, "zebracorn")) == ["old"]
-    finally:
-        asyncio.run(engine.dispose())
+
+    async def found():
+        engine = create_engine(url)
+        try:
+            return [await _ids(engine, "segfaultgremlin"), await _ids(engine, "zebracorn"),
+                    await _ids(engine, '"gremlin at"')]
+        finally:
+            await engine.dispose()
+    assert asyncio.run(found()) == [["old"], ["old"], []]
 
 
 async def _nothing(*_args) -> None:

@@ -8,13 +8,15 @@ Create Date: 2027-02-01 00:00:00.000000
 Existing calls keep everything: the backfill reads each call's request, choice texts and
 error (inline, or from its blocks since 0007), picks the text storage.search_text picks
 for new calls, and inserts it, a page of calls at a time. On Postgres the text's document
-(``doc``, a generated tsvector column) is indexed with GIN after the backfill, in one pass.
+(``doc``, its words as a tsvector, storage.search.words) is indexed with GIN after the
+backfill, in one pass.
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 from tracetap.storage.blocks import join_text, unpack_block, unpack_refs
+from tracetap.storage.search import words
 from tracetap.storage.search_text import failure, text_of
 
 revision = "0011"
@@ -49,11 +51,9 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_call_text_episode_id"), "call_text", ["episode_id"])
     if postgres:
-        # storage.search.PG_DOCUMENT. Stored, not an expression index: a query that
-        # walks episodes newest first tests each call's document, and computing it per
-        # row cost seconds on 100,000 episodes.
-        op.execute("ALTER TABLE call_text ADD COLUMN doc tsvector GENERATED ALWAYS AS "
-                   "(to_tsvector('simple', translate(body, './:@', '    '))) STORED")
+        # storage.search.PG_DOCUMENT: the text's words, written by the writer (and the
+        # backfill below); stored, so a query walking episodes tests it cheaply.
+        op.execute("ALTER TABLE call_text ADD COLUMN doc tsvector")
     else:
         for statement in _FTS:
             op.execute(statement)
@@ -105,7 +105,12 @@ def _backfill(bind) -> None:
                                    else _value(r.response, r.response_refs, blocks)))
             if body:
                 rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
-        if rows:
+        if rows and bind.dialect.name == "postgresql":
+            bind.execute(sa.text("INSERT INTO call_text (call_id, episode_id, body, doc) "
+                                 "VALUES (:call_id, :episode_id, :body, "
+                                 "array_to_tsvector(CAST(:words AS text[])))"),
+                         [{**r, "words": words(r["body"])} for r in rows])
+        elif rows:
             bind.execute(call_text.insert(), rows)
 
 
