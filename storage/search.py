@@ -91,8 +91,15 @@ def parse_terms(query: str) -> Terms | None:
 
 
 def words(text: str) -> list[str]:
-    """The distinct words of a text, lower case: what Postgres indexes of it."""
-    return [w for w in set(_WORD.findall(text.lower())) if len(w) <= MAX_WORD]
+    """The distinct words of a text, lower case: what Postgres indexes of it. Split at
+    whitespace and deduplicated first (C speed), so the regex sees each chunk once."""
+    out: set[str] = set()
+    for chunk in set(text.lower().split()):
+        if chunk.isalnum():
+            out.add(chunk)
+        else:
+            out.update(_WORD.findall(chunk))
+    return [w for w in out if len(w) <= MAX_WORD]
 
 
 def _pg_query(term: str) -> str:
