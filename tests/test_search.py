@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import subprocess
+import sys
 
 import pytest
 from sqlalchemy import func, select
@@ -191,3 +193,13 @@ def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind)
 
 async def _nothing(*_args) -> None:
     return None
+
+
+def test_search_bench_stays_runnable(postgres):
+    done = subprocess.run([sys.executable, "bench/search_bench.py", "--episodes", "300",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["episodes"] == 300 and len(figures["results"]) >= 15
+    assert all(r["p50"] > 0 for r in figures["results"].values())
+    assert "worst p95" in done.stdout and "load average" in done.stdout
