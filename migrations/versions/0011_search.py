@@ -73,45 +73,55 @@ def downgrade() -> None:
     op.drop_table("call_text")
 
 
+_CALLS = sa.table("calls", *(sa.column(c) for c in (
+    "call_id", "episode_id", "request", "request_refs", "error", "http_status", "response",
+    "response_refs")))
+_CHOICES = sa.table("choices", *(sa.column(c) for c in (
+    "call_id", "choice_index", "text", "text_refs")))
+_CALL_TEXT = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id", "body")))
+
+
 def _backfill(bind) -> None:
-    calls = sa.table("calls", *(sa.column(c) for c in (
-        "call_id", "episode_id", "request", "request_refs", "error", "http_status",
-        "response", "response_refs")))
-    choices = sa.table("choices", *(sa.column(c) for c in (
-        "call_id", "choice_index", "text", "text_refs")))
-    call_text = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id",
-                                                               "body")))
     after = ""
     while True:
         page = bind.execute(
-            sa.select(calls).where(calls.c.call_id > after, calls.c.episode_id.is_not(None))
-            .order_by(calls.c.call_id).limit(PAGE)).all()
+            sa.select(_CALLS).where(_CALLS.c.call_id > after, _CALLS.c.episode_id.is_not(None))
+            .order_by(_CALLS.c.call_id).limit(PAGE)).all()
         if not page:
             return
         after = page[-1].call_id
-        texts: dict[str, list] = {}
-        for c in bind.execute(sa.select(choices).where(
-                choices.c.call_id.in_([r.call_id for r in page]))
-                .order_by(choices.c.call_id, choices.c.choice_index)):
-            texts.setdefault(c.call_id, []).append((c.text, c.text_refs))
-        blocks = _blocks(bind, [r.request_refs for r in page]
-                         + [r.response_refs for r in page if r.http_status != 200]
-                         + [refs for v in texts.values() for _, refs in v])
-        rows = []
-        for r in page:
-            body = text_of(_value(r.request, r.request_refs, blocks),
-                           [_value(t, refs, blocks) for t, refs in texts.get(r.call_id, ())],
-                           failure(r.error, r.http_status, None if r.http_status == 200
-                                   else _value(r.response, r.response_refs, blocks)))
-            if body:
-                rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
-        if rows and bind.dialect.name == "postgresql":
-            bind.execute(sa.text("INSERT INTO call_text (call_id, episode_id, body, doc) "
-                                 "VALUES (:call_id, :episode_id, :body, "
-                                 "array_to_tsvector(CAST(:words AS text[])))"),
-                         [{**r, "words": words(r["body"])} for r in rows])
-        elif rows:
-            bind.execute(call_text.insert(), rows)
+        _insert(bind, _texts(bind, page))
+
+
+def _texts(bind, page: list) -> list[dict]:
+    """The call_text rows of a page of calls (those with any text)."""
+    texts: dict[str, list] = {}
+    for c in bind.execute(sa.select(_CHOICES).where(
+            _CHOICES.c.call_id.in_([r.call_id for r in page]))
+            .order_by(_CHOICES.c.call_id, _CHOICES.c.choice_index)):
+        texts.setdefault(c.call_id, []).append((c.text, c.text_refs))
+    blocks = _blocks(bind, [r.request_refs for r in page]
+                     + [r.response_refs for r in page if r.http_status != 200]
+                     + [refs for v in texts.values() for _, refs in v])
+    rows = []
+    for r in page:
+        response = None if r.http_status == 200 else _value(r.response, r.response_refs, blocks)
+        body = text_of(_value(r.request, r.request_refs, blocks),
+                       [_value(t, refs, blocks) for t, refs in texts.get(r.call_id, ())],
+                       failure(r.error, r.http_status, response))
+        if body:
+            rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
+    return rows
+
+
+def _insert(bind, rows: list[dict]) -> None:
+    if rows and bind.dialect.name == "postgresql":  # with the document the writer gives
+        bind.execute(sa.text("INSERT INTO call_text (call_id, episode_id, body, doc) "
+                             "VALUES (:call_id, :episode_id, :body, "
+                             "array_to_tsvector(CAST(:words AS text[])))"),
+                     [{**r, "words": words(r["body"])} for r in rows])
+    elif rows:
+        bind.execute(_CALL_TEXT.insert(), rows)
 
 
 def _blocks(bind, refs: list) -> dict[bytes, bytes]:
