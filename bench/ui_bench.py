@@ -13,7 +13,9 @@ episode of 200 calls whose merged trajectory holds 200,000 tokens.
    /detokenize) and times HTTP requests from a client in this process: each page
    --rounds times after one warm-up request; p50, p95 and max in milliseconds.
 
-Targets (issue 13): the episodes page under 200 ms, the big episode under 1 s.
+Targets: the episodes page under 200 ms (issue 13); the big episode's first open under
+500 ms and each later window under 150 ms at low load (issue 29). ``cpu1st``/``cpu``: this
+process's CPU per request (viewer, client, mock engine), which load does not inflate.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -139,11 +142,17 @@ async def timed(session: aiohttp.ClientSession, url: str, rounds: int) -> dict:
                 raise RuntimeError(f"{url} answered {reply.status}")
         return (time.perf_counter() - started) * 1000
 
+    cpu = time.process_time()
     first = await once()  # warm-up, reported on its own (cold caches)
+    first_cpu = (time.process_time() - cpu) * 1000
+    cpu = time.process_time()
     samples = sorted([await once() for _ in range(rounds)])
+    # CPU of this process (viewer, client and mock engine) per request: what the load
+    # on a shared machine does not inflate; the database's time is in wall time only.
     return {"first": first, "p50": statistics.median(samples),
             "p95": samples[min(len(samples) - 1, int(0.95 * len(samples)))],
-            "max": samples[-1]}
+            "max": samples[-1], "first_cpu": first_cpu,
+            "cpu": (time.process_time() - cpu) * 1000 / max(rounds, 1)}
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict:
@@ -170,6 +179,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         "groups": "/groups",
         "charts (2,000 newest)": "/charts.svg",
         f"big episode: first window ({args.big_calls} calls)": "/episodes/big",
+        "big episode: every call listed": "/episodes/big?calls=all",
         "big episode: last window": f"/episodes/big?at={args.big_tokens - 100}",
         "big episode: 8,192-token window": "/episodes/big?n=8192&at=100000",
         "a call of the big episode": f"/calls/big-{args.big_calls - 1:04d}",
@@ -202,16 +212,19 @@ def main() -> int:
     finally:
         if not args.db:
             drop_database(url)
-    print(f"{'page':<44} {'first':>8} {'p50':>8} {'p95':>8} {'max':>8}"
+    load = os.getloadavg()
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'page':<44} {'first':>8} {'p50':>8} {'p95':>8} {'max':>8} {'cpu1st':>8} {'cpu':>6}"
           f"   (ms, {args.rounds} rounds)")
     for name, r in results.items():
-        print(f"{name:<44} {r['first']:>8.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['max']:>8.1f}")
+        print(f"{name:<44} {r['first']:>8.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['max']:>8.1f}"
+              f" {r['first_cpu']:>8.1f} {r['cpu']:>6.1f}")
     episodes_p95 = max(r["p95"] for n, r in results.items() if n.startswith("episodes"))
     big_p95 = max(r["p95"] for n, r in results.items() if n.startswith("big episode"))
     big_first = results[next(n for n in results if n.startswith("big episode: first"))]["first"]
     print(f"\nepisodes pages: worst p95 {episodes_p95:.0f} ms (target < 200 ms)")
     print(f"big episode: worst p95 {big_p95:.0f} ms, first open {big_first:.0f} ms "
-          "(target < 1000 ms)")
+          "(targets, issue 29: first open < 500 ms, later windows < 150 ms at low load)")
     print(json.dumps({"episodes": args.episodes, "results": results}))
     return 0
 

@@ -154,7 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--burst", type=int, default=32,
                         help="records submitted between yields to the event loop")
+    parser.add_argument("--no-search-index", action="store_true",
+                        help="skip the search rows the writer adds (storage.search, "
+                             "migration 0011): the cost before them, for comparison")
     args = parser.parse_args(argv)
+    if args.no_search_index:
+        import tracetap.storage.rows as rows
+
+        async def nothing(*_args) -> None:
+            return None
+        rows.index_calls = nothing
     records = make_records(args.records)
     size = len(msgspec.msgpack.encode(records[0]))
     print(f"{os.cpu_count()} cores; {args.records} records, {size} bytes each in the journal")
@@ -168,20 +177,25 @@ def main(argv: list[str] | None = None) -> int:
             urls += [writer_url, copy_url]
             with tempfile.TemporaryDirectory(prefix="tracetap-writer-bench-") as tmp:
                 # Alternate which goes first, so neither always meets a cold server.
+                cpu = time.process_time()
                 if r % 2 == 0:
                     w, peak, batches = uvloop.run(
                         through_writer(writer_url, records, Path(tmp), args.burst))
+                    cpu = time.process_time() - cpu
                     total, copy_only = uvloop.run(through_copy(copy_url, records))
                 else:
                     total, copy_only = uvloop.run(through_copy(copy_url, records))
+                    cpu = time.process_time()
                     w, peak, batches = uvloop.run(
                         through_writer(writer_url, records, Path(tmp), args.burst))
+                    cpu = time.process_time() - cpu
             for url in (writer_url, copy_url):
                 assert uvloop.run(count_rows(url)) == (args.records, args.records), url
             n = args.records
             ratios.append(total / w)
             print(f"{r + 1:>5}  {n / w:>12.0f}  {n / total:>10.0f}  {total / w:>5.2f}  "
-                  f"{n / copy_only:>15.0f}  {peak:>10}  {batches:>7}", flush=True)
+                  f"{n / copy_only:>15.0f}  {peak:>10}  {batches:>7}  "
+                  f"writer CPU {1e6 * cpu / n:.0f} us/record", flush=True)
     finally:
         for url in urls:
             drop_database(url)

@@ -253,7 +253,8 @@ async def _episode(admin: Admin, plan: Plan, say) -> list[dict]:
               "rewrite_at": plan.rewrite_at}
     if plan.context is not None:  # a harness factor: docs/harness-engineering.md
         config["context"] = plan.context
-    harness = {"name": "tracetap-demo-agent", "config": config}
+    harness = {"name": "tracetap-demo-agent" + (f"-{plan.context}" if plan.context else ""),
+               "config": config}
     created = await admin.post("/tracetap/episodes", {
         "id": plan.id, "group_id": plan.group_id, "task_id": plan.task.id,
         "harness": harness,

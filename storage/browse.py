@@ -60,6 +60,7 @@ class EpisodeRow(msgspec.Struct, kw_only=True):
     budget_exceeded: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    context_tokens: int = 0  # its longest call's prompt + completion: the trajectory's length
     first_start: float | None = None
     last_end: float | None = None
 
@@ -163,17 +164,22 @@ def _order(query: EpisodeQuery, reverse: bool = False) -> list:
     return [key.nulls_first() if reverse else key.nulls_last(), tie]
 
 
-async def episode_page(engine: AsyncEngine, query: EpisodeQuery) -> EpisodePage:
-    """One page of matching episodes with their call counts, tokens and failures."""
-    conditions = _conditions(query)
+async def episode_page(engine: AsyncEngine, query: EpisodeQuery, extra: tuple = (),
+                       count_cap: int | None = None) -> EpisodePage:
+    """One page of matching episodes with their call counts, tokens and failures.
+    ``extra``: more conditions (storage.search); ``count_cap``: count at most one more
+    than this many (a search matching most episodes need not count them all)."""
+    conditions = [*_conditions(query), *extra]
     columns = (Episode.id, Episode.group_id, Episode.task_id, Episode.harness_name,
                Episode.created_at, Episode.finished_at, Episode.reward, Episode.outcome)
     async with engine.connect() as conn:
-        total = (await conn.execute(
-            select(func.count()).select_from(Episode).where(*conditions))).scalar() or 0
+        counted = select(func.count()).select_from(Episode).where(*conditions) \
+            if count_cap is None else select(func.count()).select_from(
+                select(Episode.id).where(*conditions).limit(count_cap + 1).subquery())
+        total = (await conn.execute(counted)).scalar() or 0
         # A page past the middle is read from the other end: OFFSET walks every row it
         # skips, so the last page of 100,000 costs what the first does.
-        backwards = query.offset > total // 2
+        backwards = query.offset > total // 2 and (count_cap is None or total <= count_cap)
         offset = max(0, total - query.offset - query.limit) if backwards else query.offset
         limit = min(query.limit, max(total - query.offset, 0)) if backwards else query.limit
         rows = (await conn.execute(
@@ -188,7 +194,7 @@ async def episode_page(engine: AsyncEngine, query: EpisodeQuery) -> EpisodePage:
         stat = stats.get(r.id)
         if stat is not None:
             (row.calls, row.failed_calls, budget, row.prompt_tokens, row.completion_tokens,
-             row.first_start, row.last_end) = stat
+             row.first_start, row.last_end, row.context_tokens) = stat
             row.budget_exceeded = bool(budget)
         out.append(row)
     return EpisodePage(rows=out, total=int(total), query=query)
@@ -203,14 +209,30 @@ async def _call_stats(conn, ids: list[str]) -> dict[str, tuple]:
         select(Call.episode_id, func.count(), failed, budget,
                func.coalesce(func.sum(Call.prompt_tokens), 0),
                func.coalesce(func.sum(Call.completion_tokens), 0),
-               func.min(Call.t_start), func.max(Call.t_end))
+               func.min(Call.t_start), func.max(Call.t_end),
+               func.max(func.coalesce(Call.prompt_tokens, 0)
+                        + func.coalesce(Call.completion_tokens, 0)))
         .where(Call.episode_id.in_(ids)).group_by(Call.episode_id))).all()
-    return {r[0]: (int(r[1]), int(r[2] or 0), int(r[3] or 0), int(r[4]), int(r[5]), r[6], r[7])
-            for r in rows}
+    return {r[0]: (int(r[1]), int(r[2] or 0), int(r[3] or 0), int(r[4]), int(r[5]), r[6], r[7],
+                   int(r[8] or 0)) for r in rows}
+
+
+def _group_order(query: EpisodeQuery, latest) -> list:
+    """ORDER BY for groups, by the episodes page's sort keys read per group: created and
+    finished by the group's latest, reward by its mean, task by its first."""
+    keys = {"created": latest, "finished": func.max(Episode.finished_at),
+            "reward": func.avg(Episode.reward), "id": Episode.group_id,
+            "group": Episode.group_id, "task": func.min(Episode.task_id)}
+    if query.sort not in keys:
+        raise ValueError(f"sort must be one of {', '.join(keys)}")
+    key = keys[query.sort]
+    key = (key.desc() if query.descending else key.asc()).nulls_last()
+    return [key] if query.sort in ("id", "group") else [key, Episode.group_id]
 
 
 async def group_page(engine: AsyncEngine, query: EpisodeQuery) -> GroupPage:
-    """Groups (GRPO) with a matching episode, newest first, each with all its members."""
+    """Groups (GRPO) with a matching episode, in the query's order (newest first by
+    default), each with all its members."""
     conditions = [*_conditions(query), Episode.group_id.is_not(None)]
     latest = func.max(Episode.created_at).label("latest")
     async with engine.connect() as conn:
@@ -220,7 +242,7 @@ async def group_page(engine: AsyncEngine, query: EpisodeQuery) -> GroupPage:
             .subquery()))).scalar()
         groups = (await conn.execute(
             select(Episode.group_id, latest).where(*conditions).group_by(Episode.group_id)
-            .order_by(latest.desc(), Episode.group_id).limit(query.limit)
+            .order_by(*_group_order(query, latest)).limit(query.limit)
             .offset(query.offset))).all()
         ids = [g.group_id for g in groups]
         members = (await conn.execute(

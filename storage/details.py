@@ -95,8 +95,11 @@ _SUMMARY = (Call.call_id, Call.seq, Call.endpoint, Call.model, Call.policy_versi
             Call.prompt_tokens, Call.completion_tokens)
 
 
+_NAMES = [c.key for c in _SUMMARY]  # read once: an ORM attribute's name costs a lookup
+
+
 def _summary(row) -> CallSummary:
-    return CallSummary(**{c.name: row._mapping[c.name] for c in _SUMMARY})
+    return CallSummary(**{name: row._mapping[name] for name in _NAMES})
 
 
 async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | None:

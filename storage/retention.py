@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.blockstore import begin_sweeping, mark_swept
-from tracetap.storage.tables import Call, Choice, Episode
+from tracetap.storage.tables import Call, CallText, Choice, Episode
 
 # Exported calls per episode, per finished_at it was exported with.
 Proven = dict[str, dict[float | None, set[str]]]
@@ -160,6 +160,7 @@ def _hashes(row) -> Iterable[bytes]:
 async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) -> None:
     for chunk in _chunks(calls):
         await conn.execute(delete(Choice).where(Choice.call_id.in_(chunk)))
+        await conn.execute(delete(CallText).where(CallText.call_id.in_(chunk)))
         await conn.execute(delete(Call).where(Call.call_id.in_(chunk)))
     for chunk in _chunks(episodes):
         # A call stored meanwhile (SQLite has no row lock) keeps its episode.

@@ -15,6 +15,7 @@ from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.dedup import BlockCache, packed_prompt, plan
 from tracetap.storage.policy_spans import encode_spans
 from tracetap.storage.records import CallRecord, has_prompt_ids
+from tracetap.storage.search import index_calls
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
 _json = msgspec.json.encode
@@ -173,6 +174,7 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
                 for (sql, names), rows in zip(_PG_INSERTS, _batches(records, planned)):
                     if rows:
                         await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
+                await index_calls(raw, dialect, records)  # the viewer's search (0011)
             cache.commit(planned)
             return
         try:
@@ -180,6 +182,7 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
             for table, rows in zip(_TABLES, _batches(records, planned)):
                 for sql, params in _sqlite_inserts(table.__table__, rows):
                     await raw.execute(sql, params)
+            await index_calls(raw, dialect, records)  # the viewer's search (0011)
             await raw.commit()
         except BaseException:
             await raw.rollback()

@@ -6,6 +6,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Float,
+    Identity,
     Index,
     Integer,
     LargeBinary,
@@ -150,6 +151,22 @@ class Block(Base):
 
     hash: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)  # a format byte, then the contents
+
+
+class CallText(Base):
+    """What the viewer's search finds a call by (storage.search_text: the turn it added,
+    its answer, its error). Full-text indexed (0011): on Postgres a GIN index of the
+    generated tsvector column ``doc`` (storage.search.PG_DOCUMENT; not modelled, SQLite
+    has none), on SQLite the FTS5 table ``call_text_fts`` that triggers keep in step
+    (``id`` is its rowid, so it must never change)."""
+
+    __tablename__ = "call_text"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), Identity(),
+                                    primary_key=True)
+    call_id: Mapped[str] = mapped_column(String(36), unique=True)
+    episode_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    body: Mapped[str] = mapped_column(Text)
 
 
 class Control(Base):

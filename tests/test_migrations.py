@@ -11,13 +11,26 @@ from tracetap.storage.engine import create_engine
 from tracetap.storage.tables import metadata
 
 
+def _modelled(name, type_, parent) -> bool:
+    # call_text's full-text indexes (0011) have no model: SQLite's FTS5 table and its
+    # shadow tables, Postgres's GIN index of its generated column.
+    return not (name or "").startswith(("call_text_fts", "ix_call_text_document"))
+
+
+def _has_model(item, name, type_, reflected, compare_to) -> bool:
+    # Postgres's generated tsvector of call_text (0011): SQLite has none, the model neither.
+    return not (type_ == "column" and name == "doc" and item.table.name == "call_text")
+
+
 def _diff(url: str) -> list:
     async def run():
         engine = create_engine(url)
         try:
             async with engine.connect() as conn:
-                return await conn.run_sync(
-                    lambda sync: compare_metadata(MigrationContext.configure(sync), metadata))
+                return await conn.run_sync(lambda sync: compare_metadata(
+                    MigrationContext.configure(sync, opts={"include_name": _modelled,
+                                                           "include_object": _has_model}),
+                    metadata))
         finally:
             await engine.dispose()
 

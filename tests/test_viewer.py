@@ -384,7 +384,7 @@ def test_ui_bench_stays_runnable(postgres):
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["episodes"] == 300
     pages = figures["results"]
-    assert len(pages) == 14 and all(r["p50"] > 0 for r in pages.values())
+    assert len(pages) == 15 and all(r["p50"] > 0 for r in pages.values())
     assert "episodes pages: worst p95" in done.stdout
 
 

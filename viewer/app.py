@@ -16,7 +16,7 @@ from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.scan import ScanError
-from tracetap.viewer import PREFIX, access, compare, live, pages, variants
+from tracetap.viewer import PREFIX, access, compare, live, pages, search, variants
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
@@ -55,6 +55,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r = app.router
     r.add_get(base + "/", pages.episodes)
     r.add_get(base + "/groups", pages.groups)
+    r.add_get(base + "/search", search.page_handler)
     r.add_get(base + "/charts.svg", pages.charts_image)
     r.add_get(base + "/episodes/{episode}", pages.episode)
     r.add_get(base + "/calls/{call}", pages.call)
@@ -85,6 +86,7 @@ async def _lifecycle(app: web.Application):
     source = Source(config.database_url)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
+    app[TEMPLATES].warm()
     app[SOURCE] = source
     app[DETOKENIZER] = detokenizer
     try:

@@ -65,6 +65,8 @@ def histogram(title: str, values: Sequence[float], unit: str = "", bins: int = 1
         width = (hi - lo) / bins if hi > lo else 1.0
         if hi == lo:
             bins = 1
+    if bins == 1:  # one value: one bar of a twelfth of the width, not a solid block
+        return _single(title, values, unit, lo)
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, int((v - lo) / width))] += 1
@@ -84,6 +86,15 @@ def histogram(title: str, values: Sequence[float], unit: str = "", bins: int = 1
     summary = (f"{title}: {len(values)} values from {_num(lo)} to {_num(hi)}{unit}, "
                f"mean {_num(mean)}{unit}")
     return Chart(title=title, summary=summary, bars=bars, xticks=xticks, yticks=yticks)
+
+
+def _single(title: str, values: Sequence[float], unit: str, value: float) -> Chart:
+    w = PLOT_W / 12
+    bar = Bar(x=LEFT + (PLOT_W - w) / 2, y=TOP, w=w, h=PLOT_H,
+              label=f"{_num(value)}{unit}: {len(values)}")
+    return Chart(title=title, summary=f"{title}: all {len(values)} values are {_num(value)}{unit}",
+                 bars=[bar], xticks=[Tick(at=LEFT + PLOT_W / 2, label=_num(value))],
+                 yticks=[Tick(at=TOP + PLOT_H, label="0"), Tick(at=TOP, label=str(len(values)))])
 
 
 def percentiles_over_time(title: str, samples: Sequence[tuple[float, float, float | None]],

@@ -9,8 +9,11 @@ from aiohttp import web
 from tracetap.storage import browse, details, quarantine
 from tracetap.storage.integrity import verdicts_of
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
+from tracetap.viewer.callinfo import error_line
+from tracetap.viewer.collapse import collapsed
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
+from tracetap.viewer.tokenhtml import pieces_html, script_json
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CALL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -64,8 +67,11 @@ async def charts_image(request: web.Request) -> web.Response:
         charts.histogram("tokens per episode", sample.tokens_per_episode),
         charts.percentiles_over_time("call latency", sample.latencies),
     ]
-    return page(request, "charts.svg", content_type="image/svg+xml", panels=panels,
-                episodes=sample.episodes, limit=CHART_EPISODES)
+    response = page(request, "charts.svg", content_type="image/svg+xml", panels=panels,
+                    episodes=sample.episodes, limit=CHART_EPISODES)
+    # Back and forward (and the same filters reloaded) reuse it for a minute.
+    response.headers["Cache-Control"] = "private, max-age=60"
+    return response
 
 
 async def episode(request: web.Request) -> web.Response:
@@ -107,6 +113,9 @@ async def episode(request: web.Request) -> web.Response:
     return page(request, "episode.html", info=info, rows=rows, row=row, window=window,
                 overview=overview, texts=texts or {}, turns=turns, leaf=leaf, group=group,
                 timeline=charts.timeline(info.calls), size=size,
+                listed=collapsed(info.calls, request.query.get("calls") == "all"),
+                token_html=pieces_html(window.pieces) if window else "",
+                token_json=script_json(window.data) if window else "",
                 budget_exceeded=any(c.status == "budget_exceeded" for c in info.calls),
                 integrity=(await verdicts_of(engine, [episode_id]))[episode_id],
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
@@ -142,6 +151,7 @@ async def call(request: web.Request) -> web.Response:
         turns=conversation.turns(stored.summary.endpoint, stored.request, stored.response),
         request_tree=None if request_json is None else jsonview.tree(request_json),
         response_tree=None if response_json is None else jsonview.tree(response_json),
+        error=error_line(stored.summary, stored.response),
         request_text=stored.request if request_json is None else None,
         response_text=stored.response if response_json is None else None,
         limit=jsonview.STRING_LIMIT)

@@ -9,6 +9,7 @@ import jinja2
 from aiohttp import web
 
 from tracetap.viewer import PREFIX
+from tracetap.viewer.callinfo import status_label
 from tracetap.viewer.charts import seconds
 from tracetap.viewer.keys import TEMPLATES
 from tracetap.viewer.tokens import REASONS
@@ -53,8 +54,13 @@ class Templates:
             undefined=jinja2.StrictUndefined,
         )
         self.env.filters.update(when=_when, secs=seconds, reward=_reward, count=_count,
-                                reward_class=_reward_class)
+                                reward_class=_reward_class, status=status_label)
         self.env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
+
+    def warm(self) -> None:
+        """Compile every template now (at start), not inside a reader's first request."""
+        for name in self.env.list_templates():
+            self.env.get_template(name)
 
     def render(self, name: str, **context: Any) -> str:
         return self.env.get_template(name).render(**context)

@@ -1,0 +1,205 @@
+"""The viewer's full-text search (storage.search, migration 0011) on both databases: what
+the writer indexes (a call's new turn, not its resent history), the query syntax, the
+filters on model, policy, harness config factors and metadata, idempotent replays, prune,
+and the backfill of calls stored before the migration."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import func, select
+
+from tracetap.migrations import upgrade
+from tracetap.storage import browse, queries, retention, search
+from tracetap.storage.engine import create_engine
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.rows import insert_calls
+from tracetap.storage.search_text import call_text
+from tracetap.storage.tables import CallText
+from tracetap.viewer.search import Where, conditions, parse_where
+
+T0 = 1_700_000_000.0
+
+
+def _chat(call_id: str, episode: str | None, messages: list[dict], answer: str, *,
+          model: str = "m1", policy: str | None = None, error: str | None = None,
+          t: float = T0) -> CallRecord:
+    choices = [] if error else [ChoiceRecord(index=0, finish_reason="stop", text=answer,
+                                             token_source="engine")]
+    return CallRecord(call_id=call_id, episode_id=episode, endpoint="chat.completions",
+                      t_start=t, t_end=t + 1, status="ok" if not error else "upstream_error",
+                      http_status=200 if not error else 500, instance="i", model=model,
+                      policy_version=policy, error=error, choices=choices,
+                      request=json.dumps({"model": model, "messages": messages}))
+
+
+SYSTEM = {"role": "system", "content": "You are a careful agent. Zebracorn rules apply."}
+
+
+def _conversation(episode: str, observation: str, **kw) -> list[CallRecord]:
+    first = [SYSTEM, {"role": "user", "content": "fix the failing test"}]
+    second = [*first, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "shell",
+                                                      "arguments": '{"cmd": "pytest -x"}'}}]},
+              {"role": "tool", "tool_call_id": "t1", "content": observation}]
+    return [_chat(f"{episode}-0", episode, first, "let me run the tests", **kw),
+            _chat(f"{episode}-1", episode, second, "done", t=T0 + 2, **kw)]
+
+
+def test_a_call_indexes_its_new_turn_not_the_history_it_resends():
+    first, second = _conversation("e", "FileNotFoundError: conftest.py")
+    assert "Zebracorn" in call_text(first) and "fix the failing" in call_text(first)
+    text = call_text(second)
+    assert "Zebracorn" not in text and "fix the failing" not in text  # resent: not again
+    assert "FileNotFoundError" in text and "pytest -x" in text and "done" in text
+    failed = _chat("x", "e", [{"role": "user", "content": "hi"}], "", error="upstream 502")
+    assert "upstream 502" in call_text(failed)
+    messages = CallRecord(call_id="a", episode_id="e", endpoint="messages", t_start=T0,
+                          status="ok", http_status=200, instance="i", request=json.dumps({
+                              "system": "sys words", "messages": [
+                                  {"role": "user", "content": [{"type": "tool_result",
+                                   "tool_use_id": "u", "content": [
+                                       {"type": "text", "text": "quokka output"}]}]}]}))
+    assert "quokka output" in call_text(messages) and "sys words" in call_text(messages)
+    assert call_text(CallRecord(call_id="b", episode_id="e", endpoint="chat.completions",
+                                t_start=T0, status="ok", http_status=200, instance="i",
+                                request="not json")) == ""
+
+
+def test_query_syntax():
+    assert search.parse_terms('disk "no space" -warning') == search.Terms(
+        ("disk", "no space"), ("warning",))
+    assert search.parse_terms("  ** ") is None
+    assert search.parse_terms("or").wanted == ("or",)
+
+
+async def _seed(engine) -> None:
+    for episode, harness_config, metadata in (
+            ("alpha", {"context": "full", "retries": 3}, {"batch": "variants"}),
+            ("beta", {"context": "summarised", "retries": 3, "strict": True}, None),
+            ("gamma", None, {"batch": "other"})):
+        await queries.create_episode(engine, episode_id=episode, key_hash=episode,
+                                     group_id=None, task_id="t", harness_name="h",
+                                     harness_config=harness_config, metadata=metadata)
+    records = [*_conversation("alpha", "FileNotFoundError: conftest.py", policy="v1"),
+               *_conversation("beta", "No space left on device", model="m2", policy="v2"),
+               _chat("gamma-0", "gamma", [{"role": "user", "content": "hello"}], "",
+                     error="upstream timed out after 30 s")]
+    await insert_calls(engine, records)
+    await insert_calls(engine, records)  # a journal replayed: indexed once
+
+
+NOWHERE = Where()
+
+
+async def _ids(engine, text: str | None, where: Where = NOWHERE) -> list[str]:
+    """The matching episodes, found both ways: through the subquery, and with each term's
+    episodes looked up first (search.resolved_conditions); the two must agree."""
+    terms = search.parse_terms(text) if text else None
+    query = browse.EpisodeQuery(sort="id", descending=False)
+    found = await browse.episode_page(
+        engine, query, extra=conditions(engine.dialect.name, terms, where), count_cap=1000)
+    if terms is not None:
+        resolved = await browse.episode_page(
+            engine, query, count_cap=1000, extra=conditions(
+                engine.dialect.name, terms, where, await search.resolved_conditions(
+                    engine, terms)))
+        assert [r.id for r in resolved.rows] == [r.id for r in found.rows]
+        assert resolved.total == found.total
+    return [r.id for r in found.rows]
+
+
+def test_search_and_filters_on_both_databases(db_url):
+    asyncio.run(_search_and_filters(db_url))
+
+
+async def _search_and_filters(db_url: str) -> None:
+    engine = create_engine(db_url)
+    try:
+        await _seed(engine)
+        async with engine.connect() as conn:
+            assert (await conn.execute(select(func.count()).select_from(CallText))).scalar() == 5
+        ids = functools.partial(_ids, engine)
+        assert await ids("zebracorn") == ["alpha", "beta"]  # case-insensitive, whole word
+        assert await ids("filenotfounderror") == ["alpha"]  # tool output
+        assert await ids('"no space left"') == ["beta"]  # a phrase
+        assert await ids('"space no"') == []  # the phrase's order matters
+        assert await ids("timed") == ["gamma"]  # an error
+        assert await ids("zebracorn -device") == ["alpha"]  # in none of the episode's calls
+        assert await ids("zebracorn conftest") == ["alpha"]  # each word in some call
+        assert await ids("zebra") == []  # words are whole
+        assert await ids(None, parse_where({"model": "m2"})) == ["beta"]
+        assert await ids("zebracorn", parse_where({"policy": "v1"})) == ["alpha"]
+        assert await ids(None, parse_where({"where": "config.context=summarised"})) == ["beta"]
+        assert await ids(None, parse_where({"where": "config.retries=3"})) == ["alpha", "beta"]
+        assert await ids(None, parse_where({"where": "config.strict=true"})) == ["beta"]
+        assert await ids(None, parse_where({"where": "config.strict=null"})) == [
+            "alpha", "gamma"]
+        assert await ids(None, parse_where(
+            {"where": "meta.batch=variants, config.retries=3"})) == ["alpha"]
+        found = await search.snippets(engine, search.parse_terms("FileNotFoundError"),
+                                      ["alpha", "beta"])
+        assert list(found) == ["alpha"] and found["alpha"].call_id == "alpha-1"
+        assert found["alpha"].match == "FileNotFoundError" and found["alpha"].matches == 1
+        # prune's delete takes the calls' search rows with them
+        async with engine.begin() as conn:
+            await retention._delete(conn, ["beta"], ["beta-0", "beta-1"])
+        assert await ids("zebracorn") == ["alpha"]
+    finally:
+        await engine.dispose()
+
+
+def test_bad_where_terms_are_named():
+    from tracetap.viewer.params import BadParameter
+    for bad in ("context=full", "config.=x", "config.a b=1", "other.x=1", "config.x="):
+        with pytest.raises(BadParameter, match=r"config\.NAME=VALUE"):
+            parse_where({"where": bad})
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind):
+    url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" \
+        else request.getfixturevalue("fresh_postgres")
+    upgrade(url, "0008")
+
+    async def old_writer():  # revision 0008's writer: no call_text table yet
+        import tracetap.storage.rows as rows
+        engine = create_engine(url)
+        saved = rows.index_calls
+        rows.index_calls = _nothing
+        try:
+            await insert_calls(engine, _conversation("old", "SegfaultGremlin at 0x0"))
+            await insert_calls(engine, [_chat("old-2", "old", [], "", error="x")])
+        finally:
+            rows.index_calls = saved
+            await engine.dispose()
+    asyncio.run(old_writer())
+    upgrade(url)
+
+    async def found():
+        engine = create_engine(url)
+        try:
+            return [await _ids(engine, "segfaultgremlin"), await _ids(engine, "zebracorn"),
+                    await _ids(engine, '"gremlin at"')]
+        finally:
+            await engine.dispose()
+    assert asyncio.run(found()) == [["old"], ["old"], []]
+
+
+async def _nothing(*_args) -> None:
+    return None
+
+
+def test_search_bench_stays_runnable(postgres):
+    done = subprocess.run([sys.executable, "bench/search_bench.py", "--episodes", "300",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["episodes"] == 300 and len(figures["results"]) >= 15
+    assert all(r["p50"] > 0 for r in figures["results"].values())
+    assert "worst p95" in done.stdout and "load average" in done.stdout
