@@ -62,7 +62,7 @@ def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
 def test_a_corrupt_record_ends_the_segment_there(tmp_path):
     _, segment = _sealed(tmp_path)
     data = bytearray(segment.read_bytes())
-    data[FILE_HEADER + _size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # one bit rot in the third payload
+    data[FILE_HEADER + _size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # bit rot in the 3rd payload
     segment.write_bytes(bytes(data))
     assert list(read_segment(segment)) == PAYLOADS[:2]
 
