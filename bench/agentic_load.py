@@ -48,6 +48,20 @@ def cpu_ns(pids: list[int]) -> int:
     return total
 
 
+def minor_faults(pids: list[int]) -> int:
+    """Minor page faults of ``pids`` and their descendants so far: each is a page touched
+    for the first time, a few µs of CPU on a virtual machine (proxy/heap.py)."""
+    total = 0
+    for root in pids:
+        for pid in tree(root):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            total += int(stat.rsplit(")", 1)[1].split()[7])  # minflt, the 10th field
+    return total
+
+
 def rss_bytes(pids: list[int]) -> int:
     total = 0
     for root in pids:
@@ -149,11 +163,13 @@ class Run:
         for conv in convs:
             for t in range(self.sizes.turns):
                 before = await self.settle(pids) if pids else 0
+                faults = minor_faults(pids)
                 began = time.perf_counter()
                 row = await self.turn(http, conv, t)
                 if pids:
                     spent = (await self.settle(pids) - before) / 1e9
                     row["cpu"] = spent - self.idle_rate * (time.perf_counter() - began)
+                    row["faults"] = minor_faults(pids) - faults
                 self.turns.append(row)
 
     async def concurrent(self, http: aiohttp.ClientSession, convs: list[Conversation]) -> None:

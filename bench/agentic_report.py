@@ -100,6 +100,7 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
         ok = turns_ok and all(compared)
         if arm != "direct":
             fig["cpu_ms_alone"] = {b: v * 1e3 for b, v in _medians(rs, "alone", "cpu").items()}
+            fig["faults_alone"] = _medians(rs, "alone", "faults")
             fig["cpu_ms_concurrent"] = median(
                 r.together["proxy_cpu"] / len(r.together["turns"]) for r in rs) * 1e3
             alone, together = _medians(rs, "alone", "ttft"), _medians(rs, "together", "ttft")
@@ -147,6 +148,8 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
     line("engine CPU (share of a core)", [_fmt(f[a]["engine_cpu_share"], digits=2)
                                           for a in arms])
     for title, key, sign in (("proxy CPU ms per turn, one session alone", "cpu_ms_alone", False),
+                             ("proxy minor page faults per turn, one session alone",
+                              "faults_alone", False),
                              ("added TTFT ms, one session alone", "ttft_ms_alone", True),
                              ("added TTFT ms, concurrent", "ttft_ms_concurrent", True)):
         print(f"\n{title}, by context tokens\n{'':<34}{header}")

@@ -11,7 +11,7 @@ import socket
 
 from aiohttp import web
 
-from tracetap.proxy import connections
+from tracetap.proxy import connections, heap
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.settings import Settings
 
@@ -59,6 +59,7 @@ def run(app: web.Application, sockets: list[socket.socket], settings: Settings) 
     """Serve until SIGTERM or SIGINT, then drain (--drain-timeout) and flush. What
     aiohttp's run_app does, with the runner's server in reach for the connection caps."""
     _tune_gc()
+    heap.keep_freed_memory()
     before, after = connections.raise_open_files_limit()
     if after != before:
         log.info("open files limit raised from %d to %d", before, after)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import stat
+import struct
+import zlib
 
 from tracetap.storage.journal import Journal, adopt, read_segment
 
 PAYLOADS = [b"first", b"", b"x" * 1000, b"last one"]
 FRAME = 8  # length + crc32
+FILE_HEADER = 8  # magic + the seed of the segment's checksums
 
 
 def _size(payloads: list[bytes]) -> int:
@@ -20,6 +23,14 @@ def _sealed(tmp_path, payloads=PAYLOADS):
     for payload in payloads:
         assert journal.append(payload)
     return journal, journal.seal()
+
+
+def _crashed(tmp_path, payloads=PAYLOADS):
+    """The active segment as a process that dies after these appends leaves it."""
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    for payload in payloads:
+        assert journal.append(payload)
+    return tmp_path / "j" / "000000000001.seg"
 
 
 def test_records_come_back_in_order_from_a_private_segment(tmp_path):
@@ -39,11 +50,11 @@ def test_records_come_back_in_order_from_a_private_segment(tmp_path):
 
 
 def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
-    _, segment = _sealed(tmp_path)
+    segment = _crashed(tmp_path)
     segment.write_bytes(segment.read_bytes()[:-3])  # SIGKILL in the middle of the last write
     with caplog.at_level(logging.WARNING, logger="tracetap.journal"):
         assert list(read_segment(segment)) == PAYLOADS[:-1]
-    offset = _size(PAYLOADS[:-1])
+    offset = FILE_HEADER + _size(PAYLOADS[:-1])
     assert [r.getMessage() for r in caplog.records] == [
         f"journal {segment.name}: torn record at byte {offset} ignored"]
 
@@ -51,7 +62,7 @@ def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
 def test_a_corrupt_record_ends_the_segment_there(tmp_path):
     _, segment = _sealed(tmp_path)
     data = bytearray(segment.read_bytes())
-    data[_size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # one bit rot in the third payload
+    data[FILE_HEADER + _size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # bit rot in the 3rd payload
     segment.write_bytes(bytes(data))
     assert list(read_segment(segment)) == PAYLOADS[:2]
 
@@ -62,7 +73,7 @@ def test_an_empty_last_record_is_read(tmp_path):
 
 
 def test_a_cut_inside_a_header_is_ignored(tmp_path):
-    _, segment = _sealed(tmp_path)
+    segment = _crashed(tmp_path)
     segment.write_bytes(segment.read_bytes() + b"\x05\x00\x00")  # 3 of a header's 8 bytes
     assert list(read_segment(segment)) == PAYLOADS
 
@@ -80,7 +91,9 @@ def test_segments_left_on_disk_are_recovered_and_numbering_goes_on(tmp_path):
     reopened = Journal(tmp_path / "j", max_bytes=1 << 20)
     assert reopened.recovered() == [first, second, active]
     assert reopened.pending() == [first, second, active]
-    assert reopened.bytes == _size([b"a", b"bb", b"ccc"])
+    # Left by a previous process, a segment counts as its whole file: three file headers
+    # and the two sealed ones' end markers besides the records.
+    assert reopened.bytes == _size([b"a", b"bb", b"ccc"]) + 3 * FILE_HEADER + 2 * FRAME
     reopened.append(b"dddd")
     newest = reopened.seal()
     assert newest.name == "000000000004.seg"
@@ -123,3 +136,53 @@ def test_an_orphan_journal_is_adopted_after_the_segments_already_there(tmp_path)
     assert not list((tmp_path / "journal-2").iterdir())
     reopened = Journal(tmp_path / "journal", 1 << 20)
     assert [p for s in reopened.recovered() for p in read_segment(s)] == [b"own", b"o1", b"o2"]
+
+
+def test_a_committed_segment_is_written_over_and_its_old_records_never_come_back(tmp_path):
+    """A fresh file costs a new page per 4 KiB; the next segment reuses the committed
+    one's file, and its leftover frames, although intact, fail the new seed."""
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    same = [b"a" * 100, b"b" * 100, b"c" * 100]  # equal sizes: old frames start where
+    for payload in same:                          # a new one would
+        journal.append(payload)
+    old = journal.seal()
+    inode = old.stat().st_ino
+    journal.remove(old)
+    assert journal.bytes == 0 and journal.pending() == [] and not old.exists()
+    journal.append(b"d" * 100)  # the process dies with this segment active
+    new = tmp_path / "j" / "000000000002.seg"
+    assert new.stat().st_ino == inode and new.stat().st_size > FILE_HEADER + FRAME + 100
+    assert list(read_segment(new)) == [b"d" * 100]
+    assert [list(read_segment(s)) for s in Journal(tmp_path / "j", 1 << 20).recovered()] == [
+        [b"d" * 100]]
+
+
+def test_a_sealed_segment_over_a_longer_file_reads_to_its_end_without_a_warning(tmp_path,
+                                                                                caplog):
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    journal.append(b"x" * 5000)
+    journal.remove(journal.seal())
+    journal.append(b"short")
+    segment = journal.seal()
+    with caplog.at_level(logging.WARNING, logger="tracetap.journal"):
+        assert list(read_segment(segment)) == [b"short"]
+    assert caplog.records == []
+    assert journal.bytes == FRAME + 5
+
+
+def test_a_segment_written_before_headers_reads_as_before(tmp_path):
+    segment = tmp_path / "000000000001.seg"
+    segment.write_bytes(b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p
+                                 for p in PAYLOADS))
+    assert list(read_segment(segment)) == PAYLOADS
+
+
+def test_at_most_two_committed_files_are_kept(tmp_path):
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    segments = []
+    for i in range(4):
+        journal.append(b"%d" % i)
+        segments.append(journal.seal())
+    for segment in segments:
+        journal.remove(segment)
+    assert sorted(p.suffix for p in (tmp_path / "j").iterdir()) == [".spare", ".spare"]

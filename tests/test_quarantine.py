@@ -191,7 +191,7 @@ def test_poison_records_never_hold_up_the_others(db_url, tmp_path, stage, caplog
     assert total.get("written", 0) + total.get("replayed", 0) == len(mixed) - len(refused)
     if stage == "replay":
         assert replay.get("replayed", 0) > 0
-    assert restarted.journal.bytes == 0 and list((tmp_path / "journal").iterdir()) == []
+    assert restarted.journal.bytes == 0 and list((tmp_path / "journal").glob("*.seg")) == []
     # One log line a batch (a flood must not flood the log), naming how many.
     logged = [re.match(r"QUARANTINED (\d+) ", r.getMessage()) for r in caplog.records]
     assert sum(int(m.group(1)) for m in logged if m) == len(refused)
