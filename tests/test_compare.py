@@ -11,7 +11,7 @@ import pytest
 from analysis_seed import SECONDS, SUCCESS, TASKS, TOKENS, cli_json, seed, seeded_sqlite
 
 from tracetap.analysis import stats
-from tracetap.proxy import cli
+from tracetap import cli
 
 
 @pytest.fixture(scope="module")

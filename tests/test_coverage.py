@@ -11,7 +11,7 @@ import pytest
 from analysis_seed import cli_json, seed, seeded_sqlite
 
 from tracetap.analysis.design import Space, cover
-from tracetap.proxy import cli
+from tracetap import cli
 
 
 @pytest.fixture(scope="module")

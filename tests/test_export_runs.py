@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import text
 
 from tracetap.exporters import ExportError, export
-from tracetap.proxy import cli
+from tracetap import cli
 from tracetap.proxy.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine

@@ -14,7 +14,7 @@ from analysis_seed import seed, seeded_sqlite
 
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE
-from tracetap.proxy import cli
+from tracetap import cli
 
 GOLDEN = Path(__file__).parent / "golden"
 
