@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
-from tracetap import __version__, exporters
+from tracetap import __version__, cli, exporters
 from tracetap.demo.engine import EngineConfig
 from tracetap.exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
 from tracetap.exporters import schema as export_schema
@@ -36,7 +36,6 @@ from tracetap.exporters.adapters import (
     to_verl,
 )
 from tracetap.exporters.command import ProgressBar, timestamp
-from tracetap import cli
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 
