@@ -47,12 +47,7 @@ def read(
     request: str | None, upstream_request: str | None, response: str | None, budget: int
 ) -> tuple[Task, list[Step]]:
     body = _body(upstream_request) or _body(request) or _Body()
-    if body.input is not UNSET or body.instructions is not UNSET:
-        messages = [_message(m) for m in _responses_messages(body.input, body.instructions)]
-    else:
-        messages = body.messages or []
-        if body.system is not None:
-            messages = [_Message(role="system", content=body.system), *messages]
+    messages = _messages(body)
     final = _final_message(_object(response))
     if final is not None:
         messages = [*messages, _message(final)]
@@ -70,6 +65,16 @@ def read(
         elif role in ("user", "tool") and steps:
             steps[-1].observations += _observations(m, names, budget)
     return task, steps
+
+
+def _messages(body: _Body) -> list[_Message]:
+    """The request's conversation as chat messages, whichever API it speaks."""
+    if body.input is not UNSET or body.instructions is not UNSET:
+        return [_message(m) for m in _responses_messages(body.input, body.instructions)]
+    messages = body.messages or []
+    if body.system is not None:
+        messages = [_Message(role="system", content=body.system), *messages]
+    return messages
 
 
 # The few fields a conversation is read from, decoded straight into structs: a request

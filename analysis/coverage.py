@@ -56,37 +56,16 @@ def coverage(
 ) -> Coverage:
     if not episodes:
         raise AnalysisError("the filters select no episode")
-    names = list(factors) or (
-        list(space.factors) if space else sorted({f for e in episodes for f in e.factors})
-    )
-    if not names:
-        raise AnalysisError(
-            f"none of the {len(episodes)} episodes has harness factors: "
-            'register them with {"harness": {"config": {factor: level}}}'
-        )
-    levels: dict[str, list[str]] = {}
-    for f in names:
-        seen = sorted({e.factors[f] for e in episodes if f in e.factors})
-        listed = space.factors.get(f, []) if space else []
-        levels[f] = listed + [v for v in seen if v not in listed]
+    names = _factor_names(episodes, factors, space)
+    levels = _levels(episodes, names, space)
     by_level: dict[tuple[str, str], list[Episode]] = defaultdict(list)
     for e in episodes:
         for f in names:
             if f in e.factors:
                 by_level[(f, e.factors[f])].append(e)
     rows = [_level(f, v, by_level.get((f, v), []), success) for f in names for v in levels[f]]
-    seen_pairs = {
-        (f, e.factors[f], g, e.factors[g])
-        for e in episodes
-        for f, g in itertools.combinations(names, 2)
-        if f in e.factors and g in e.factors
-    }
-    every = [
-        (f, a, g, b)
-        for f, g in itertools.combinations(names, 2)
-        for a in levels[f]
-        for b in levels[g]
-    ]
+    every = _every_pair(names, levels)
+    seen_pairs = _seen_pairs(episodes, names)
     return Coverage(
         episodes=len(episodes),
         factors=names,
@@ -95,6 +74,50 @@ def coverage(
         pairs=len(every),
         unseen_pairs=[Pair(*p) for p in every if p not in seen_pairs],
     )
+
+
+def _factor_names(episodes: Sequence[Episode], factors: Sequence[str],
+                  space: Space | None) -> list[str]:
+    """The factors asked for, else the space's, else every one the episodes name."""
+    names = list(factors) or (
+        list(space.factors) if space else sorted({f for e in episodes for f in e.factors})
+    )
+    if not names:
+        raise AnalysisError(
+            f"none of the {len(episodes)} episodes has harness factors: "
+            'register them with {"harness": {"config": {factor: level}}}'
+        )
+    return names
+
+
+def _levels(episodes: Sequence[Episode], names: list[str],
+            space: Space | None) -> dict[str, list[str]]:
+    """Each factor's levels: the space's in its order, then the others seen, sorted."""
+    levels: dict[str, list[str]] = {}
+    for f in names:
+        seen = sorted({e.factors[f] for e in episodes if f in e.factors})
+        listed = space.factors.get(f, []) if space else []
+        levels[f] = listed + [v for v in seen if v not in listed]
+    return levels
+
+
+def _every_pair(names: list[str], levels: dict[str, list[str]]) -> list[tuple]:
+    """Every level pair of two different factors, in the factors' and levels' order."""
+    return [
+        (f, a, g, b)
+        for f, g in itertools.combinations(names, 2)
+        for a in levels[f]
+        for b in levels[g]
+    ]
+
+
+def _seen_pairs(episodes: Sequence[Episode], names: list[str]) -> set[tuple]:
+    return {
+        (f, e.factors[f], g, e.factors[g])
+        for e in episodes
+        for f, g in itertools.combinations(names, 2)
+        if f in e.factors and g in e.factors
+    }
 
 
 def _level(factor: str, value: str, episodes: list[Episode], success: Success) -> Level:

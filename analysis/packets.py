@@ -104,41 +104,62 @@ def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
 
 
 async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
-    where = options.where
     async with open_reader(db) as reader:
-        episodes = await read(reader, filt, policies=bool(where and where.needs_policies))
-        if where is not None:
-            episodes = [e for e in episodes if where.matches(e)]
-        if not episodes:
-            raise AnalysisError(
-                "the selection matches no episode" + (f" (--where {where.text!r})" if where else "")
-            )
-        suspects = [e for e in episodes if not options.success(e) or e.summary.failed_calls]
-        suspects, infra = clean(suspects)  # an infra failure is not the harness's
-        calls = await call_summaries(reader, [e.id for e in suspects])
-        by_episode: dict[str, list[CallSummary]] = defaultdict(list)
-        for call in calls:
-            by_episode[call.episode_id].append(call)
-        failed_ids = [c.call_id for c in calls if c.failed]
-        failed_bodies = (
-            await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
-        )
-        chosen: list[tuple[Episode, list[str]]] = []
-        for e in suspects:
-            reasons = _reasons(e, by_episode[e.id], failed_bodies, options)
-            if reasons:
-                chosen.append((e, reasons))
-        sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
-        bodies = await reader.bodies(sorted(sources.values()))
+        episodes = await _selected(reader, filt, options.where)
+        found = await _failed(reader, episodes, options)
     packets = [
-        _packet(e, reasons, by_episode[e.id], bodies.get(sources.get(e.id, "")), options)
-        for e, reasons in chosen
+        _packet(e, reasons, found.calls[e.id],
+                found.bodies.get(found.sources.get(e.id, "")), options)
+        for e, reasons in found.chosen
     ]
     packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
     counts = {r: sum(r in p.outcome.failure for p in packets) for r in options.failures}
     batches = _batches(episodes, packets, options) if options.batch else None
     return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches,
-                     infra=infra)
+                     infra=found.infra)
+
+
+async def _selected(reader, filt: EpisodeFilter, where: Selector | None) -> list[Episode]:
+    """The episodes the filters and --where select; an error when none is."""
+    episodes = await read(reader, filt, policies=bool(where and where.needs_policies))
+    if where is not None:
+        episodes = [e for e in episodes if where.matches(e)]
+    if not episodes:
+        raise AnalysisError(
+            "the selection matches no episode" + (f" (--where {where.text!r})" if where else "")
+        )
+    return episodes
+
+
+class _Failed(msgspec.Struct):
+    chosen: list[tuple[Episode, list[str]]]  # failed episodes, with why
+    calls: dict[str, list[CallSummary]]  # a suspect episode's calls, in order
+    sources: dict[str, str]  # a failed episode's last call, whose bodies it is told from
+    bodies: dict[str, ScannedCall]
+    infra: int  # failed episodes given no packet: their integrity is infra
+
+
+async def _failed(reader, episodes: list[Episode], options: Options) -> _Failed:
+    """The failed episodes among ``episodes``, with what their packets are built from."""
+    suspects = [e for e in episodes if not options.success(e) or e.summary.failed_calls]
+    suspects, infra = clean(suspects)  # an infra failure is not the harness's
+    calls = await call_summaries(reader, [e.id for e in suspects])
+    by_episode: dict[str, list[CallSummary]] = defaultdict(list)
+    for call in calls:
+        by_episode[call.episode_id].append(call)
+    failed_ids = [c.call_id for c in calls if c.failed]
+    failed_bodies = (
+        await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
+    )
+    chosen: list[tuple[Episode, list[str]]] = []
+    for e in suspects:
+        reasons = _reasons(e, by_episode[e.id], failed_bodies, options)
+        if reasons:
+            chosen.append((e, reasons))
+    sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
+    bodies = await reader.bodies(sorted(sources.values()))
+    return _Failed(chosen=chosen, calls=by_episode, sources=sources, bodies=bodies,
+                   infra=infra)
 
 
 def _reasons(

@@ -75,6 +75,7 @@ MODULES = {
     "proxy/budgets.py": ["tests/test_hostile_episodes.py", "tests/test_hostile_agent.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
+    "exporters/watermark.py": ["tests/test_export_runs.py"],
 }
 # The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
 # them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated

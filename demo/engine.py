@@ -29,12 +29,10 @@ streams), ``mock_status``, ``mock_completion_tokens``, ``mock_garbage``, ``mock_
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -380,15 +378,3 @@ async def serve_engine(host: str, port: int, config: EngineConfig | None = None)
 def run_engine(host: str, port: int, config: EngineConfig | None = None) -> None:
     """Blocking: serve until interrupted (Ctrl-C / SIGTERM)."""
     web.run_app(make_engine_app(config), host=host, port=port, access_log=None)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    from tracetap.demo import engine_command
-
-    parser = argparse.ArgumentParser(prog="tracetap mock-engine", description=__doc__)
-    engine_command.add_arguments(parser)
-    engine_command.run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

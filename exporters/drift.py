@@ -62,25 +62,39 @@ def reply_message(response: Mapping[str, Any], index: int) -> dict[str, Any] | N
     """The model's reply as a chat message, from a chat, Anthropic Messages or OpenAI
     Responses body (translated calls store the client's API)."""
     if isinstance(response.get("choices"), list):
-        for choice in response["choices"]:
-            if isinstance(choice, Mapping) and choice.get("index", 0) == index:
-                message = choice.get("message")
-                return dict(message) if isinstance(message, Mapping) else None
-        return None
+        return _chat_reply(response["choices"], index)
     if response.get("type") == "message" and isinstance(response.get("content"), list):
-        blocks = [b for b in response["content"] if isinstance(b, Mapping)]
-        return _assistant("".join(b.get("text", "") for b in blocks if b.get("type") == "text"),
-                          [(b.get("id"), b.get("name"), b.get("input", {}))
-                           for b in blocks if b.get("type") == "tool_use"],
-                          "".join(b.get("thinking", "") for b in blocks
-                                  if b.get("type") == "thinking"))
+        return _messages_reply(response["content"])
     if response.get("object") == "response" and isinstance(response.get("output"), list):
-        items = [i for i in response["output"] if isinstance(i, Mapping)]
-        text = "".join(part.get("text", "") for i in items if i.get("type") == "message"
-                       for part in i.get("content") or () if isinstance(part, Mapping))
-        return _assistant(text, [(i.get("call_id"), i.get("name"), i.get("arguments", ""))
-                                 for i in items if i.get("type") == "function_call"], "")
+        return _responses_reply(response["output"])
     return None
+
+
+def _chat_reply(choices: list, index: int) -> dict[str, Any] | None:
+    for choice in choices:
+        if isinstance(choice, Mapping) and choice.get("index", 0) == index:
+            message = choice.get("message")
+            return dict(message) if isinstance(message, Mapping) else None
+    return None
+
+
+def _messages_reply(content: list) -> dict[str, Any]:
+    """An Anthropic Messages reply: text, tool_use and thinking blocks."""
+    blocks = [b for b in content if isinstance(b, Mapping)]
+    return _assistant("".join(b.get("text", "") for b in blocks if b.get("type") == "text"),
+                      [(b.get("id"), b.get("name"), b.get("input", {}))
+                       for b in blocks if b.get("type") == "tool_use"],
+                      "".join(b.get("thinking", "") for b in blocks
+                              if b.get("type") == "thinking"))
+
+
+def _responses_reply(output: list) -> dict[str, Any]:
+    """An OpenAI Responses reply: message items' text, function_call items."""
+    items = [i for i in output if isinstance(i, Mapping)]
+    text = "".join(part.get("text", "") for i in items if i.get("type") == "message"
+                   for part in i.get("content") or () if isinstance(part, Mapping))
+    return _assistant(text, [(i.get("call_id"), i.get("name"), i.get("arguments", ""))
+                             for i in items if i.get("type") == "function_call"], "")
 
 
 def _assistant(text: str, calls: Sequence[tuple], reasoning: str) -> dict[str, Any]:

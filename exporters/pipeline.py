@@ -1,17 +1,17 @@
-"""One export run: pages of episodes in, trajectories built, both datasets streamed, commit.
+"""One export run (``ExportRun``): pages of episodes in, trajectories built, both datasets
+streamed, commit.
 
-Incremental runs keep a watermark in the manifest: the finished_at below which every
-episode has been exported. It trails the newest exported episode by SETTLE_SECONDS, so
-an episode whose finish committed late (its finished_at is stamped before its
-transaction commits) is still picked up; episodes exported inside that window are
-remembered by (id, finished_at) so they are never written twice.
+Incremental runs keep a watermark in the manifest (exporters/watermark.py): the
+finished_at below which every episode has been exported. It trails the newest exported
+episode by SETTLE_SECONDS, so an episode whose finish committed late (its finished_at is
+stamped before its transaction commits) is still picked up; episodes exported inside that
+window are remembered by (id, finished_at) so they are never written twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -46,9 +46,8 @@ from tracetap.exporters.schema import (
     with_metadata,
 )
 from tracetap.exporters.trajectories import build_trajectories
+from tracetap.exporters.watermark import Recent
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
-
-SETTLE_SECONDS = 60.0
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -144,8 +143,9 @@ async def export_async(
                           with_bodies="calls" in selection.datasets,
                           with_calls="trajectories" in selection.datasets) as reader:
             missing = await _missing(reader, selection)
-            summary = await _run(reader, location, selection, incremental, overwrite,
-                                 progress, started, clock)
+            summary = await ExportRun(reader, location, selection, incremental=incremental,
+                                      overwrite=overwrite, progress=progress,
+                                      started=started, clock=clock).run()
     except ScanError as exc:
         raise ExportError(str(exc)) from exc
     summary.not_found, summary.not_finished = missing
@@ -166,137 +166,166 @@ async def _missing(reader: Reader, selection: Selection) -> tuple[list[str], lis
     return not_found, not_finished
 
 
-async def _run(reader: Reader, location: Location, selection: Selection, incremental: bool,
-               overwrite: bool, progress: Callable[[Progress], None] | None, started: float,
-               clock: float) -> ExportSummary:
-    out = location.display
-    target = ExportDir(location.local) if location.local else StoreDir(location)
-    target = target.open()
-    writers: dict[str, DatasetWriter] = {}
-    ledger: LedgerWriter | None = None
-    try:
-        previous = _previous(target.manifest, selection, incremental, overwrite)
-        summary = ExportSummary(out=out, orphans_deleted=target.orphans_deleted)
-        recent = _Recent(previous.watermark if previous else None,
-                         previous.recent if previous else {})
-        rid = run_id(started)
-        writers = {name: DatasetWriter(target, name, rid,
-                                       with_metadata(SCHEMAS[name], name, __version__))
-                   for name in selection.datasets}
-        ledger = LedgerWriter(target, rid) if "calls" in writers else None
-        await _stream(reader, selection, previous, writers, ledger, summary, recent, progress,
-                      clock)
+class ExportRun:
+    """One run from the open output to the committed manifest: the output and its
+    writers, the manifest it extends, the summary it counts into and the watermark's
+    overlap are its own state; ``run`` is the whole of it."""
+
+    def __init__(self, reader: Reader, location: Location, selection: Selection, *,
+                 incremental: bool, overwrite: bool,
+                 progress: Callable[[Progress], None] | None, started: float, clock: float):
+        self.reader = reader
+        self.location = location
+        self.selection = selection
+        self.incremental = incremental
+        self.overwrite = overwrite
+        self.progress = progress
+        self.started = started
+        self.clock = clock
+        self.out = location.display
+        self.writers: dict[str, DatasetWriter] = {}
+        self.ledger: LedgerWriter | None = None
+        self.previous: Manifest | None = None
+        self.summary = ExportSummary(out=self.out)
+        self.recent = Recent(None, {})
+        self.rid = ""  # the run's id, from its start time
+        self.total = 0  # episodes the filter selects, for progress
+
+    async def run(self) -> ExportSummary:
+        target = ExportDir(self.location.local) if self.location.local else StoreDir(
+            self.location)
+        target = target.open()
+        try:
+            self._prepare(target)
+            await self._stream()
+            self._commit(target)
+            self.summary.seconds = time.perf_counter() - self.clock
+            return self.summary
+        except BaseException as exc:
+            if not target.committed:  # after the commit point the next run finishes the job
+                for writer in (*self.writers.values(), *([self.ledger] if self.ledger else [])):
+                    writer.abort()
+            if isinstance(exc, OSError):
+                raise ExportError(f"cannot write to {self.out}: {exc}") from exc
+            raise
+        finally:
+            target.close()
+
+    def _prepare(self, target) -> None:
+        """The manifest extended, the summary begun, the datasets' writers opened."""
+        selection = self.selection
+        previous = _previous(target.manifest, selection, self.incremental, self.overwrite)
+        self.previous = previous
+        self.summary = ExportSummary(out=self.out, orphans_deleted=target.orphans_deleted)
+        self.recent = Recent(previous.watermark if previous else None,
+                              previous.recent if previous else {})
+        self.rid = run_id(self.started)
+        self.writers = {name: DatasetWriter(target, name, self.rid,
+                                            with_metadata(SCHEMAS[name], name, __version__))
+                        for name in selection.datasets}
+        self.ledger = LedgerWriter(target, self.rid) if "calls" in self.writers else None
+
+    def _commit(self, target) -> None:
+        """The datasets' files closed, then the manifest: the run's commit point."""
+        summary, previous = self.summary, self.previous
         kept = previous.files if previous else []
-        for name, writer in writers.items():
+        for name, writer in self.writers.items():
             empty = not any(f.startswith(name + "/") for f in kept)
             summary.files += writer.finish(ensure_file=empty)
-        watermark, overlap = recent.result() if selection.finished_only else (None, {})
+        watermark, overlap = (self.recent.result() if self.selection.finished_only
+                              else (None, {}))
         summary.watermark = watermark
-        run = RunRecord(run_id=rid, started_at=started, seconds=time.perf_counter() - clock,
+        run = RunRecord(run_id=self.rid, started_at=self.started,
+                        seconds=time.perf_counter() - self.clock,
                         episodes=summary.episodes, calls=summary.calls,
                         trajectories=summary.trajectories, tokens=summary.tokens,
-                        files=summary.files, ledger=ledger.finish() if ledger else [])
+                        files=summary.files, ledger=self.ledger.finish() if self.ledger else [])
         replaced = target.manifest if target.manifest is not previous else None
         target.commit(Manifest(
-            schema_version=SCHEMA_VERSION, tracetap_version=__version__, selection=selection,
-            watermark=watermark, recent=overlap,
+            schema_version=SCHEMA_VERSION, tracetap_version=__version__,
+            selection=self.selection, watermark=watermark, recent=overlap,
             runs=[*(previous.runs if previous else ()), run],
             obsolete=[*replaced.written, *replaced.obsolete] if replaced else [],
         ))
-        summary.seconds = time.perf_counter() - clock
-        return summary
-    except BaseException as exc:
-        if not target.committed:  # after the commit point the next run finishes the job
-            for writer in (*writers.values(), *([ledger] if ledger else [])):
-                writer.abort()
-        if isinstance(exc, OSError):
-            raise ExportError(f"cannot write to {out}: {exc}") from exc
-        raise
-    finally:
-        target.close()
 
+    async def _stream(self) -> None:
+        selection, previous, summary = self.selection, self.previous, self.summary
+        filt = EpisodeFilter(
+            since=selection.since, until=selection.until, episode_ids=selection.episode_ids,
+            group_id=selection.group_id, finished_only=selection.finished_only,
+            finished_from=previous.watermark if previous else None,
+            skip=dict(previous.recent) if previous else {},
+        )
+        calls, trajectories = self.writers.get("calls"), self.writers.get("trajectories")
+        self.total = await self.reader.count(filt)
+        self._report()
+        # Closed here, not left to the event loop's shutdown, when a write fails: the read
+        # ahead must end while the database is still open (see _prefetched).
+        async with contextlib.aclosing(_prefetched(self.reader.episodes(filt))) as pages:
+            async for whole in pages:
+                notes = page_notes(whole.rows)  # integrity verdicts, lineages
+                await adopt(self.reader.engine, whole, notes)
+                page, excluded = (without_infra(whole, notes) if selection.exclude_infra
+                                  else (whole, 0))
+                summary.excluded_infra += excluded
+                if calls is not None:
+                    self._add_calls(calls, page, notes)
+                    await asyncio.sleep(0)  # lets the prefetched page's queries move on
+                if trajectories is not None:
+                    await self._add_trajectories(trajectories, page, notes)
+                summary.episodes += len(page.episodes)
+                for episode in whole.episodes:
+                    if episode.finished_at is not None:
+                        self.recent.add(episode.id, episode.finished_at)
+                self._report()
+        # Calls outside any episode never finish; they belong only to a whole-table export.
+        if calls is not None and not (selection.finished_only or selection.episode_ids
+                                      or selection.group_id):
+            async for page in self.reader.untagged_calls(filt):
+                self._add_calls(calls, page, page_notes(page.rows))
+            self._report()
 
-async def _stream(reader: Reader, selection: Selection, previous: Manifest | None,
-                  writers: dict[str, DatasetWriter], ledger: LedgerWriter | None,
-                  summary: ExportSummary, recent: _Recent,
-                  progress: Callable[[Progress], None] | None, clock: float) -> None:
-    filt = EpisodeFilter(
-        since=selection.since, until=selection.until, episode_ids=selection.episode_ids,
-        group_id=selection.group_id, finished_only=selection.finished_only,
-        finished_from=previous.watermark if previous else None,
-        skip=dict(previous.recent) if previous else {},
-    )
-    calls, trajectories = writers.get("calls"), writers.get("trajectories")
-    total = await reader.count(filt)
+    def _report(self) -> None:
+        if self.progress is not None:
+            s = self.summary
+            self.progress(Progress(episodes=s.episodes, episodes_total=self.total,
+                                   calls=s.calls, trajectories=s.trajectories,
+                                   tokens=s.tokens, seconds=time.perf_counter() - self.clock))
 
-    def report() -> None:
-        if progress is not None:
-            progress(Progress(episodes=summary.episodes, episodes_total=total,
-                              calls=summary.calls, trajectories=summary.trajectories,
-                              tokens=summary.tokens, seconds=time.perf_counter() - clock))
+    def _add_calls(self, writer: DatasetWriter, page: ScanPage, notes: PageNotes) -> None:
+        summary = self.summary
+        for batch in calls_batches(page.rows, page.episodes, writer.schema, notes):
+            writer.add(batch)
+            self.ledger.add(ledger_batch(batch, page.episodes))
+            summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
+            summary.call_rows += batch.num_rows
+            summary.call_ids += _tokens(batch, "prompt_ids", "completion_ids")
 
-    report()
-    # Closed here, not left to the event loop's shutdown, when a write fails: the read
-    # ahead must end while the database is still open (see _prefetched).
-    async with contextlib.aclosing(_prefetched(reader.episodes(filt))) as pages:
-        async for whole in pages:
-            notes = page_notes(whole.rows)  # integrity verdicts, lineages
-            await adopt(reader.engine, whole, notes)
-            page, excluded = (without_infra(whole, notes) if selection.exclude_infra
-                              else (whole, 0))
-            summary.excluded_infra += excluded
-            if calls is not None:
-                _add_calls(calls, ledger, page, summary, notes)
-                await asyncio.sleep(0)  # lets the prefetched page's queries move on
-            if trajectories is not None:
-                await _add_trajectories(reader, trajectories, page, summary,
-                                        selection.keep_untokenized, notes)
-            summary.episodes += len(page.episodes)
-            for episode in whole.episodes:
-                if episode.finished_at is not None:
-                    recent.add(episode.id, episode.finished_at)
-            report()
-    # Calls outside any episode never finish; they belong only to a whole-table export.
-    if calls is not None and not (selection.finished_only or selection.episode_ids
-                                  or selection.group_id):
-        async for page in reader.untagged_calls(filt):
-            _add_calls(calls, ledger, page, summary, page_notes(page.rows))
-        report()
-
-
-def _add_calls(writer: DatasetWriter, ledger: LedgerWriter, page: ScanPage,
-               summary: ExportSummary, notes: PageNotes) -> None:
-    for batch in calls_batches(page.rows, page.episodes, writer.schema, notes):
+    async def _add_trajectories(self, writer: DatasetWriter, page: ScanPage,
+                                notes: PageNotes) -> None:
+        summary = self.summary
+        rows = [(episode, notes.lineage_rows(t)) for episode in page.episodes
+                for t in build_trajectories(episode.calls,
+                                            keep_untokenized=self.selection.keep_untokenized,
+                                            left_out=summary.left_out,
+                                            lineages=notes.lineages)]
+        drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
+        if drifted:  # only split rows need bodies; read here when the page came without them
+            calls = {c.call_id: c for e, _ in drifted for c in e.calls}
+            if not self.reader.with_bodies:
+                calls = await self.reader.bodies(sorted({
+                    i for _, t in drifted for i in (t.call_ids[0], t.drift_call_id)}))
+            for _, t in drifted:
+                explain(t, calls)
+        for _, t in rows:
+            if t.split_reason is not None:
+                cause = t.drift_cause or t.split_reason
+                summary.splits[cause] = summary.splits.get(cause, 0) + 1
+        batch = trajectories_batch(rows, writer.schema, notes)
         writer.add(batch)
-        ledger.add(ledger_batch(batch, page.episodes))
-        summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
-        summary.call_rows += batch.num_rows
-        summary.call_ids += _tokens(batch, "prompt_ids", "completion_ids")
-
-
-async def _add_trajectories(reader: Reader, writer: DatasetWriter, page: ScanPage,
-                            summary: ExportSummary, keep_untokenized: bool,
-                            notes: PageNotes) -> None:
-    rows = [(episode, notes.lineage_rows(t)) for episode in page.episodes
-            for t in build_trajectories(episode.calls, keep_untokenized=keep_untokenized,
-                                        left_out=summary.left_out, lineages=notes.lineages)]
-    drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
-    if drifted:  # only split rows need bodies; read here when the page came without them
-        calls = {c.call_id: c for e, _ in drifted for c in e.calls}
-        if not reader.with_bodies:
-            calls = await reader.bodies(sorted({i for _, t in drifted
-                                                for i in (t.call_ids[0], t.drift_call_id)}))
-        for _, t in drifted:
-            explain(t, calls)
-    for _, t in rows:
-        if t.split_reason is not None:
-            cause = t.drift_cause or t.split_reason
-            summary.splits[cause] = summary.splits.get(cause, 0) + 1
-    batch = trajectories_batch(rows, writer.schema, notes)
-    writer.add(batch)
-    summary.trajectories += batch.num_rows
-    summary.trajectory_ids += _tokens(batch, "prompt_ids", "response_ids")
-    summary.trained_tokens += pc.sum(batch.column("response_mask").values).as_py() or 0
+        summary.trajectories += batch.num_rows
+        summary.trajectory_ids += _tokens(batch, "prompt_ids", "response_ids")
+        summary.trained_tokens += pc.sum(batch.column("response_mask").values).as_py() or 0
 
 
 def _tokens(batch, *columns: str) -> int:
@@ -342,36 +371,6 @@ def _previous(manifest: Manifest | None, selection: Selection, incremental: bool
                          for k in ours if ours[k] != theirs[k])
         raise ExportError(f"--incremental must select what the existing export did ({diff})")
     return manifest
-
-
-class _Recent:
-    """The watermark's overlap, kept small: exported episodes within SETTLE of the newest."""
-
-    def __init__(self, watermark: float | None, recent: dict[str, float]):
-        self.floor = watermark
-        self.newest = max(recent.values(), default=watermark)
-        self.items = dict(recent)
-        self.heap = [(f, i) for i, f in recent.items()]
-        heapq.heapify(self.heap)
-
-    def add(self, episode_id: str, finished_at: float) -> None:
-        self.items[episode_id] = finished_at
-        heapq.heappush(self.heap, (finished_at, episode_id))
-        if self.newest is None or finished_at > self.newest:
-            self.newest = finished_at
-        cutoff = self.newest - SETTLE_SECONDS
-        while self.heap and self.heap[0][0] < cutoff:
-            f, i = heapq.heappop(self.heap)
-            if self.items.get(i) == f:
-                del self.items[i]
-
-    def result(self) -> tuple[float | None, dict[str, float]]:
-        if self.newest is None:
-            return self.floor, {}
-        watermark = self.newest - SETTLE_SECONDS
-        if self.floor is not None:
-            watermark = max(watermark, self.floor)
-        return watermark, {i: f for i, f in self.items.items() if f >= watermark}
 
 
 def _epoch(value: float | datetime | None) -> float | None:

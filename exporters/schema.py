@@ -224,11 +224,15 @@ def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJEC
                        notes: PageNotes | None = None) -> pa.RecordBatch:
     episodes = [e for e, _ in rows]
     trajectories = [t for _, t in rows]
-    columns = {
+    columns = {**_trajectory_columns(trajectories), **_episode_columns(episodes),
+               **_trajectory_notes(episodes, trajectories, notes)}
+    return _batch(columns, schema)
+
+
+def _trajectory_columns(trajectories: Sequence[Trajectory]) -> dict:
+    """The columns a trajectory row holds itself (the batch orders them by the schema)."""
+    return {
         "trajectory_id": [t.trajectory_id for t in trajectories],
-        "episode_id": [e.id for e in episodes],
-        "group_id": [e.group_id for e in episodes],
-        "task_id": [e.task_id for e in episodes],
         "call_ids": [t.call_ids for t in trajectories],
         "choice_indices": [t.choice_indices for t in trajectories],
         "prompt_ids": list_column([t.prompt_ids for t in trajectories], pa.int32()),
@@ -240,19 +244,26 @@ def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJEC
         "split_reason": [t.split_reason for t in trajectories],
         "finish_reason": [t.finish_reason for t in trajectories],
         "policy_versions": [t.policy_versions for t in trajectories],
+        **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
+        "response_policy_spans": [t.response_policy_spans for t in trajectories],
+        "mixed_policy": [t.mixed_policy for t in trajectories],
+        "response_routed_experts": [t.response_routed_experts for t in trajectories],
+    }
+
+
+def _episode_columns(episodes: Sequence[ScannedEpisode]) -> dict:
+    """The columns each row repeats from its episode."""
+    return {
+        "episode_id": [e.id for e in episodes],
+        "group_id": [e.group_id for e in episodes],
+        "task_id": [e.task_id for e in episodes],
         "reward": [e.reward for e in episodes],
         "rewards": [e.rewards for e in episodes],
         "outcome": [e.outcome for e in episodes],
         "harness": [e.harness_name for e in episodes],
         "harness_config": [e.harness_config for e in episodes],
         "harness_factors": [factors_of_json(e.harness_config) for e in episodes],
-        **{name: [getattr(t, name) for t in trajectories] for name in _DRIFT},
-        **_trajectory_notes(episodes, trajectories, notes),
-        "response_policy_spans": [t.response_policy_spans for t in trajectories],
-        "mixed_policy": [t.mixed_policy for t in trajectories],
-        "response_routed_experts": [t.response_routed_experts for t in trajectories],
     }
-    return _batch(columns, schema)
 
 
 def _trajectory_notes(episodes: Sequence[ScannedEpisode], trajectories: Sequence[Trajectory],

@@ -11,21 +11,13 @@ import os
 from aiohttp import web
 
 from tracetap.proxy import admin, flavor, handlers
-from tracetap.proxy.admin_token import ensure_admin_token
+from tracetap.proxy.compose import compose_state
 from tracetap.proxy.keys import STATE
-from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.overlays.loader import load_overlays
-from tracetap.proxy.pool import Pool
-from tracetap.proxy.resolve import TokenResolver
 from tracetap.proxy.settings import Settings, Worker
 from tracetap.proxy.state import ProxyState
-from tracetap.proxy.tagging import Tagger
 from tracetap.proxy.ui import mount_viewer
-from tracetap.proxy.upstream import UpstreamClient
 from tracetap.storage import queries
-from tracetap.storage.engine import create_engine
-from tracetap.storage.journal import Journal
-from tracetap.storage.writer import Writer
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
@@ -81,35 +73,7 @@ async def _identify(value: str, request: web.Request, response: web.StreamRespon
 async def _lifecycle(app: web.Application):
     settings = app[SETTINGS]
     worker = app.get(WORKER)
-    engine = create_engine(settings.database_url)
-    metrics = Metrics(multiprocess_dir=worker and worker.metrics_dir)
-    journal = Journal(settings.worker_journal(worker.index if worker else 0),
-                      settings.journal_max_bytes)
-    client = UpstreamClient(timeout=settings.upstream_timeout,
-                            connect_timeout=settings.connect_timeout,
-                            max_connections=settings.max_connections,
-                            api_key=settings.upstream_api_key)
-    await client.start()
-    # Token ids an engine did not return are asked of its tokenizer as records are written
-    # (or of the local one --tokenizer names, loaded once here).
-    local = await asyncio.to_thread(settings.local_tokenizer)  # a GGUF's: seconds
-    resolver = TokenResolver(client, metrics.ids_missing, local=local,
-                             processes=worker.count if worker else 1)
-    writer = Writer(engine, journal, observer=metrics, prepare=resolver)
-    pool = Pool(settings.upstreams, client)
-    resolver.traffic = pool.traffic  # llama-cpp-python cuts streams when asked meanwhile
-    tagger = Tagger(
-        key_owner=functools.partial(queries.key_owner, engine),
-        is_registered=functools.partial(queries.is_registered, engine),
-        require_episode=settings.require_episode,
-        require_registered=settings.require_registered,
-    )
-    admin_token = settings.admin_token or ensure_admin_token(settings.data_dir)[0]
-    state = ProxyState(settings, engine=engine, writer=writer, pool=pool,
-                       tagger=tagger, metrics=metrics, admin_token=admin_token,
-                       overlays=app[OVERLAYS])
-    resolver.flavor = functools.partial(getattr, state, "flavor")
-    resolver.address = pool.address  # records name an upstream with its credentials masked
+    state = await compose_state(settings, app[OVERLAYS], worker)
     log.info("exposed to agents: %s", state.exposure.describe())
     if app[OVERLAYS]:
         log.info("overlays loaded: %s (fail %s)", ", ".join(app[OVERLAYS]), settings.overlay_fail)
@@ -119,27 +83,8 @@ async def _lifecycle(app: web.Application):
         await state.controls.refresh()
     except Exception as exc:  # the database is down: serve, and follow it once it is back
         log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
-    writer.start()
-    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
-        tagger.follow(functools.partial(queries.registered_since, engine)))]
-    if worker is not None:
-        # Gauges mirrored from a worker's state are read from files by whichever worker is
-        # scraped, so each worker keeps its own current.
-        background.append(asyncio.create_task(_keep_refreshing(state)))
-    if len(pool.targets) > 1:
-        background.append(asyncio.create_task(pool.keep_checking()))
-    if settings.upstream_flavor == "auto":
-        # Engines behind one proxy are assumed to be of one kind: ask the first.
-        found = await flavor.detect(client, pool.primary)
-        if found is not None:
-            state.flavor = found
-            log.info("upstream flavor: %s", found)
-        else:
-            background.append(asyncio.create_task(flavor.keep_detecting(
-                client, pool.primary, functools.partial(setattr, state, "flavor"))))
-    # After the flavor: which engines need their tokenizer found before calls arrive.
-    background.append(asyncio.create_task(resolver.identify(
-        [t.base_url for t in pool.targets])))
+    state.writer.start()
+    background = await _background(state, worker is not None)
     try:
         yield
     finally:
@@ -147,16 +92,46 @@ async def _lifecycle(app: web.Application):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await state.controls.close()
-        await state.budgets.settled()  # what calls held is released before the DB closes
-        await writer.close(timeout=settings.drain_timeout)
-        await client.close()
-        try:
-            await asyncio.wait_for(engine.dispose(), 10)
-        except asyncio.TimeoutError:
-            log.warning("database connections did not close in time")
-        log.info("tracetap stopped; %d records left in the journal for the next start",
-                 writer.pending)
+        await _close(state)
+
+
+async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
+    """The tasks that run beside the calls, started (the flavor asked first, if auto)."""
+    pool, settings = state.pool, state.settings
+    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
+        state.tagger.follow(functools.partial(queries.registered_since, state.engine)))]
+    if is_worker:
+        # Gauges mirrored from a worker's state are read from files by whichever worker is
+        # scraped, so each worker keeps its own current.
+        background.append(asyncio.create_task(_keep_refreshing(state)))
+    if len(pool.targets) > 1:
+        background.append(asyncio.create_task(pool.keep_checking()))
+    if settings.upstream_flavor == "auto":
+        # Engines behind one proxy are assumed to be of one kind: ask the first.
+        found = await flavor.detect(pool.client, pool.primary)
+        if found is not None:
+            state.upstream_kind.found(found)
+            log.info("upstream flavor: %s", found)
+        else:
+            background.append(asyncio.create_task(flavor.keep_detecting(
+                pool.client, pool.primary, state.upstream_kind.found)))
+    # After the flavor: which engines need their tokenizer found before calls arrive.
+    background.append(asyncio.create_task(state.resolver.identify(
+        [t.base_url for t in pool.targets])))
+    return background
+
+
+async def _close(state: ProxyState) -> None:
+    await state.controls.close()
+    await state.budgets.settled()  # what calls held is released before the DB closes
+    await state.writer.close(timeout=state.settings.drain_timeout)
+    await state.pool.client.close()
+    try:
+        await asyncio.wait_for(state.engine.dispose(), 10)
+    except asyncio.TimeoutError:
+        log.warning("database connections did not close in time")
+    log.info("tracetap stopped; %d records left in the journal for the next start",
+             state.writer.pending)
 
 
 async def _keep_refreshing(state: ProxyState) -> None:

@@ -12,6 +12,21 @@ log = logging.getLogger("tracetap.flavor")
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "llama.cpp": "llamacpp"}
 
 
+class Flavor:
+    """The upstream's kind as the proxy knows it now: ``--upstream-flavor``, or, with
+    ``auto``, "openai" until detection finds it (once, maybe after the start). One per
+    process; the routing, the capture and the token resolver read it."""
+
+    def __init__(self, configured: str):
+        self.name = "openai" if configured == "auto" else configured
+
+    def __call__(self) -> str:
+        return self.name
+
+    def found(self, name: str) -> None:
+        self.name = name
+
+
 async def detect(client: UpstreamClient, target: Target) -> str | None:
     """Guess from ``/v1/models`` owners or vLLM's ``/version``; None if unreachable.
     Asked only while no call is in flight to it (llama-cpp-python would cut a stream)."""

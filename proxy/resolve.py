@@ -89,16 +89,19 @@ class TokenResolver:
     resolve yet. ``missing(reason, count)`` is told what stays missing."""
 
     def __init__(self, client: UpstreamClient, missing=None, concurrency: int = 8, *,
-                 local: LocalTokenizer | None = None, processes: int = 1):
+                 local: LocalTokenizer | None = None, processes: int = 1,
+                 traffic: Callable[[str], Traffic | None] = lambda upstream: None,
+                 flavor: Callable[[], str] = lambda: "openai",
+                 address: Callable[[str], str] = lambda shown: shown):
         self.client = client
         self.on_missing = missing
         self.local = local
         self.processes = processes  # serve --workers: each knows only its own calls
-        # Set by the app: the calls in flight to an upstream (Pool), and the engine's kind.
-        self.traffic: Callable[[str], Traffic | None] = lambda upstream: None
-        self.flavor: Callable[[], str] = lambda: "openai"
-        # Records name an upstream by its shown URL (credentials masked); set by the app.
-        self.address: Callable[[str], str] = lambda shown: shown
+        # The calls in flight to an upstream (the pool's), and the engine's kind now.
+        self.traffic = traffic
+        self.flavor = flavor
+        # Records name an upstream by its shown URL (credentials masked).
+        self.address = address
         self._tokenizers: dict[str, EngineTokenizer | None] = {}
         self._detecting: dict[str, asyncio.Lock] = {}
         self._logged: set[tuple[str, str]] = set()

@@ -125,3 +125,18 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+def announcement(settings: Settings, admin_at: str, token_note: str) -> str:
+    """The one line `tracetap serve` prints once it listens (one process or a supervisor)."""
+    from tracetap import __version__
+    from tracetap.storage.engine import redact_url
+
+    upstreams = ", ".join(spec.shown for spec in settings.upstreams)
+    journal = f"journal {settings.journal_dir}"
+    if settings.workers > 1:
+        journal = (f"{settings.workers} workers, journals {settings.journal_dir}, "
+                   f"{settings.worker_journal(1).name}, ...")
+    return (f"tracetap {__version__} listening on http://{settings.host}:{settings.port} "
+            f"-> upstream {upstreams}; storing in {redact_url(settings.database_url)} "
+            f"({journal}); admin API on {admin_at}, {token_note}")

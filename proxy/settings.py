@@ -126,6 +126,14 @@ class Settings(msgspec.Struct, kw_only=True):
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     def __post_init__(self) -> None:
+        # Checked in this order, so that a command line with several mistakes names the
+        # same one first whatever is refactored here.
+        self._check_listening()
+        self._check_behaviour()
+        self._check_reaching()
+
+    def _check_listening(self) -> None:
+        """The upstreams, ports, timeouts and processes."""
         if isinstance(self.upstream, str):
             self.upstream = [self.upstream]
         parse_upstreams(self.upstream)  # fail at start, with the flag's name
@@ -142,6 +150,9 @@ class Settings(msgspec.Struct, kw_only=True):
             raise ValueError("--max-peer-connections must be 0 (no cap) or more")
         if not 0 < self.workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be 1-{MAX_WORKERS}, got {self.workers}")
+
+    def _check_behaviour(self) -> None:
+        """What the proxy does to calls: paths, models, translation, overlays, budgets."""
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
         ModelMap(self.model_map)
         parse_translate(self.translate)
@@ -153,6 +164,9 @@ class Settings(msgspec.Struct, kw_only=True):
         if self.overlay_max_resamples < 0:
             raise ValueError("--overlay-max-resamples must be 0 or more")
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
+
+    def _check_reaching(self) -> None:
+        """How the proxy reaches the engine, and who may reach the proxy's admin API."""
         if self.upstream_flavor not in FLAVORS:
             raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
         if self.tokenizer is not None:

@@ -36,8 +36,7 @@ ORPHAN_CHECK_SECONDS = 1.0
 
 
 def supervise(settings: Settings, log_level: str, token_note: str) -> int:
-    from tracetap.proxy.cli import announcement
-    from tracetap.proxy.serve import listeners
+    from tracetap.proxy.serve import announcement, listeners
 
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ValueError(

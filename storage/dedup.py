@@ -118,39 +118,59 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         last = out.episodes.get(record.episode_id) or parents.get(record.episode_id)
         known = last.known if last is not None else frozenset()
         used: set[bytes] = set()
-        refs: dict[str, bytes | None] = {}
-        prompt: list[Ref] = []
         ids = packed_prompt(record)
-        if ids is not None:
-            pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
-            prompt = [ref for ref, _ in pieces]
-            _add(out.blocks, pieces, known, used, IDS)
-        refs["prompt_refs"] = None if ids is None else pack_refs(prompt)
-        texts: dict[str, Prefix] = {}
-        for field in BODIES:
-            text = getattr(record, field)
-            if text is None:
-                refs[field + "_refs"] = None
-                continue
-            pieces, prefix = cut_text(text, field != "response",
-                                      last.texts.get(field) if last else None)
-            if prefix is not None:
-                texts[field] = prefix
-            _add(out.blocks, pieces, known, used, TEXT)
-            refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
+        prompt = _cut_prompt(ids, last, known, used, out.blocks)
+        refs: dict[str, bytes | None] = {
+            "prompt_refs": None if ids is None else pack_refs(prompt)}
+        texts = _cut_bodies(record, last, known, used, out.blocks, refs)
         entry = None
         if record.episode_id is not None:
-            if ids is None and last is not None:  # a call without ids (an error): the next
-                prompt, ids = last.prompt, last.ids  # one continues the last prompt seen
-                used.update(h for h, _ in prompt)
-            if last is not None:
-                texts = {**last.texts, **texts}
-                used.update(h for _, refs in last.texts.values() for h, _ in refs)
-            entry = Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
+            entry = _next_last(prompt, ids, texts, last, used)
             out.episodes[record.episode_id] = entry
         out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
                                             last=entry)
     return out
+
+
+def _cut_prompt(ids: bytes | None, last: Last | None, known: frozenset[bytes],
+                used: set[bytes], blocks: dict[bytes, bytes]) -> list[Ref]:
+    """The prompt's blocks, continuing the boundaries of the conversation's last prompt."""
+    if ids is None:
+        return []
+    pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
+    _add(blocks, pieces, known, used, IDS)
+    return [ref for ref, _ in pieces]
+
+
+def _cut_bodies(record: CallRecord, last: Last | None, known: frozenset[bytes],
+                used: set[bytes], blocks: dict[bytes, bytes],
+                refs: dict[str, bytes | None]) -> dict[str, Prefix]:
+    """Each body's references into ``refs``; the message prefixes the next call may share."""
+    texts: dict[str, Prefix] = {}
+    for field in BODIES:
+        text = getattr(record, field)
+        if text is None:
+            refs[field + "_refs"] = None
+            continue
+        pieces, prefix = cut_text(text, field != "response",
+                                  last.texts.get(field) if last else None)
+        if prefix is not None:
+            texts[field] = prefix
+        _add(blocks, pieces, known, used, TEXT)
+        refs[field + "_refs"] = pack_refs(ref for ref, _ in pieces)
+    return texts
+
+
+def _next_last(prompt: list[Ref], ids: bytes | None, texts: dict[str, Prefix],
+               last: Last | None, used: set[bytes]) -> Last:
+    """What the conversation's next call continues from after this one."""
+    if ids is None and last is not None:  # a call without ids (an error): the next
+        prompt, ids = last.prompt, last.ids  # one continues the last prompt seen
+        used.update(h for h, _ in prompt)
+    if last is not None:
+        texts = {**last.texts, **texts}
+        used.update(h for _, refs in last.texts.values() for h, _ in refs)
+    return Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
 
 
 def packed_prompt(record: CallRecord) -> bytes | None:

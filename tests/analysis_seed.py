@@ -13,8 +13,8 @@ import asyncio
 import json
 from pathlib import Path
 
+from tracetap import cli
 from tracetap.migrations import upgrade
-from tracetap.proxy import cli
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from analysis_seed import SECONDS, SUCCESS, TASKS, TOKENS, cli_json, seed, seeded_sqlite
 
+from tracetap import cli
 from tracetap.analysis import stats
-from tracetap.proxy import cli
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from analysis_seed import cli_json, seed, seeded_sqlite
 
+from tracetap import cli
 from tracetap.analysis.design import Space, cover
-from tracetap.proxy import cli
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,7 @@ def test_mock_engine_answers_completions_with_and_without_streaming(client):
 
 
 def test_two_harness_variants_feed_packets_compare_and_harnesses(tmp_path, capsys):
-    from tracetap.proxy import cli
+    from tracetap import cli
 
     data_dir = tmp_path / "variants"
     out = run_demo("--data-dir", str(data_dir), "--episodes", "0", "--variants",

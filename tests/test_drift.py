@@ -9,11 +9,11 @@ import pytest
 
 from tests import harnesses as h
 from tests.test_trajectories import make_call
+from tracetap import cli
 from tracetap.exporters import export
 from tracetap.exporters.drift import explain, reply_message
 from tracetap.exporters.history import CAUSES, history_cause, turn, turn_cause
 from tracetap.exporters.trajectories import build_trajectories
-from tracetap.proxy import cli
 from tracetap.storage.scan import ScannedCall
 
 # (style, turns, extra body, stop, the cause of each split)

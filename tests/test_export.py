@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
-from tracetap import __version__, exporters
+from tracetap import __version__, cli, exporters
 from tracetap.demo.engine import EngineConfig
 from tracetap.exporters import CALLS_SCHEMA, SCHEMA_VERSION, TRAJECTORIES_SCHEMA, Progress, export
 from tracetap.exporters import schema as export_schema
@@ -36,7 +36,6 @@ from tracetap.exporters.adapters import (
     to_verl,
 )
 from tracetap.exporters.command import ProgressBar, timestamp
-from tracetap.proxy import cli
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 
@@ -591,7 +590,7 @@ def test_the_public_api_is_pinned():
 def test_the_command_line_starts_without_pyarrow():
     """`tracetap serve --help` (and the CLI's start) do not pay for pyarrow's import; a
     serving process loads it once at start for its block codec (storage/blocks.py)."""
-    code = ("import sys\nfrom tracetap.proxy import cli\n"
+    code = ("import sys\nfrom tracetap import cli\n"
             "try:\n    cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'pyarrow' not in sys.modules, 'pyarrow imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

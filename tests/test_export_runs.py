@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
+from tracetap import cli
 from tracetap.exporters import ExportError, export
-from tracetap.proxy import cli
 from tracetap.proxy.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine

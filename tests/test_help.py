@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tracetap.proxy.cli import build_parser
+from tracetap.cli import build_parser
 from tracetap.storage.config import variable
 
 # Read after parsing, by settings_from_args (repeatable, or required), not as a default.

@@ -1,5 +1,6 @@
-"""Nothing imports upward: every module's imports (lazy ones too) against the package table
-of docs/architecture.md, read from the page itself so the page and the code agree."""
+"""Nothing imports upward and nothing imports in a cycle: every module's imports (lazy ones
+too) against the package table of docs/architecture.md, read from the page itself so the
+page and the code agree, and the run-time import graph of every module."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("storage", "exporters", "proxy", "viewer", "demo", "migrations", "analysis")
-# The page's one exception, in the paragraph under the table.
-EXCEPTIONS = {"proxy/cli.py": {"analysis", "demo"}}
+# The top folder: the version (anyone may read it) and the composed command line.
+TOP = "tracetap"
+LAYERS = (*PACKAGES, TOP)
 
 
 def allowed_by_the_page() -> dict[str, set[str]]:
@@ -18,53 +20,169 @@ def allowed_by_the_page() -> dict[str, set[str]]:
     rows = re.findall(r"^\| `(\w+)/` \|[^|]*\|([^|]*)\|$", page, flags=re.M)
     allowed = {}
     for package, may_import in rows:
-        named = {n for n in re.findall(r"`(\w+)`", may_import) if n in PACKAGES}
-        allowed[package] = set(PACKAGES) if "everything" in may_import else named
+        named = {n for n in re.findall(r"`(\w+)`", may_import) if n in LAYERS}
+        allowed[package] = set(LAYERS) - {package} if "everything" in may_import else named
     return allowed
 
 
-def imported_names(path: Path) -> list[str]:
-    """Every module name `path` imports, lazy imports included, as written."""
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _import_nodes(tree: ast.AST, run_time_only: bool):
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if run_time_only and _type_checking(node):
+            todo += node.orelse  # the `if TYPE_CHECKING:` body is never run
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo += ast.iter_child_nodes(node)
+
+
+def imported_names(path: Path, run_time_only: bool = False) -> list[str]:
+    """Every module name `path` imports, lazy imports included, as written (as
+    `package.name` for `from package import name`, which may be a module or not)."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), run_time_only):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             assert node.level == 0, f"{path}: relative import"
-            if node.module == "tracetap":  # from tracetap import exporters, __version__
-                names += [f"tracetap.{alias.name}" for alias in node.names]
-            else:
-                names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
     return names
 
 
+def layer_of(name: str) -> str | None:
+    """The package (or the top) a `tracetap.…` name lives in; None for the root's
+    `__version__`, which is no package, and for any other library."""
+    parts = name.split(".")
+    if parts[0] != "tracetap" or len(parts) < 2:
+        return None
+    if parts[1] in PACKAGES:
+        return parts[1]
+    return TOP if (ROOT / TOP / f"{parts[1]}.py").exists() else None
+
+
 def first_party_imports(path: Path) -> set[str]:
-    """The tracetap packages `path` imports (the root's `__version__` is no package)."""
-    return {name.split(".")[1] for name in imported_names(path)
-            if name.startswith("tracetap.")} & set(PACKAGES)
+    """The tracetap packages (and the top) `path` imports."""
+    return {layer_of(name) for name in imported_names(path)} - {None}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the tree by its installed name."""
+    found = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join(parts if layer == TOP else (TOP, *parts))] = path
+    return found
+
+
+def run_time_graph() -> dict[str, set[str]]:
+    """module -> the modules it imports when run (lazily too), type-only imports aside."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        edges = set()
+        for imported in imported_names(path, run_time_only=True):
+            # `from a.b import c`: the module a.b.c if there is one, else a.b itself
+            while imported and imported not in known:
+                imported = imported.rpartition(".")[0]
+            edges.add(imported)
+        graph[name] = edges - {"", name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            part = []
+            while not part or part[-1] != node:
+                part.append(stack.pop())
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 def test_the_page_has_a_row_for_every_package():
     allowed = allowed_by_the_page()
-    assert set(allowed) == set(PACKAGES)
+    assert set(allowed) == set(LAYERS)
     assert allowed["storage"] == set()
     assert allowed["exporters"] == {"storage"}
+    assert allowed[TOP] == set(PACKAGES)
+    # The check allows no module more than its package's row; the page says so too.
+    assert "No exceptions: the command line is composed at the top" in _table_section()
+
+
+def _table_section() -> str:
     page = (ROOT / "docs" / "architecture.md").read_text()
-    for module, extra in EXCEPTIONS.items():
-        assert f"`{module}` also imports {', '.join(f'`{p}`' for p in sorted(extra))}" in (
-            " ".join(page.split())
-        )
+    return page.split("## Packages", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_table_has_no_cycle_so_every_import_points_down():
+    """No package may import one that may import it back: the top composes, nothing
+    imports the top, and the proxy no longer reaches into demo/ or analysis/."""
+    assert cycles(allowed_by_the_page()) == []
+    assert not any(TOP in others for package, others in allowed_by_the_page().items()
+                   if package != TOP)
 
 
 def test_no_module_imports_a_package_the_table_does_not_allow():
     allowed = allowed_by_the_page()
     wrong = []
-    for package in PACKAGES:
+    for package in LAYERS:
         for path in sorted((ROOT / package).rglob("*.py")):
             name = str(path.relative_to(ROOT))
-            ok = allowed[package] | {package} | EXCEPTIONS.get(name, set())
+            ok = allowed[package] | {package}
             wrong += [f"{name} imports {p}" for p in sorted(first_party_imports(path) - ok)]
     assert wrong == []
+
+
+def test_no_module_imports_itself_back_at_run_time():
+    assert cycles(run_time_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_lazy_imports_only(tmp_path):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from tracetap.proxy.capture import ModelCall\n"
+                      "def f():\n    from tracetap.proxy import workers\n")
+    run_time = imported_names(module, run_time_only=True)
+    assert "tracetap.proxy.workers" in run_time
+    assert "tracetap.proxy.capture.ModelCall" not in run_time
+    assert "tracetap.proxy.capture.ModelCall" in imported_names(module)
+
+
+def test_the_top_is_told_apart_from_the_version():
+    assert layer_of("tracetap.cli") == TOP
+    assert layer_of("tracetap.__version__") is None
+    assert layer_of("tracetap.proxy.workers") == "proxy"
 
 
 def test_the_check_sees_lazy_imports(tmp_path):

@@ -73,7 +73,7 @@ def test_the_version_has_one_source():
     assert project["project"]["dynamic"] == ["version"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {
         "attr": "tracetap.__version__"}
-    assert project["project"]["scripts"]["tracetap"] == "tracetap.proxy.cli:main"
+    assert project["project"]["scripts"]["tracetap"] == "tracetap.cli:main"
 
 
 def see_dependencies(python: Path) -> None:
@@ -109,7 +109,7 @@ def test_a_users_own_storage_folder_shadows_nothing(wheel, tmp_path):
     for name in ("storage", "proxy"):
         (work / name).mkdir(parents=True)
         (work / name / "__init__.py").write_text("raise ImportError('the user\\'s own')\n")
-    code = ("import tracetap, tracetap.proxy.cli, tracetap.storage.writer, "
+    code = ("import tracetap, tracetap.cli, tracetap.storage.writer, "
             "tracetap.exporters.pipeline, tracetap.viewer.render; "
             "print(tracetap.__version__, tracetap.storage.writer.__file__)")
     imported = subprocess.run([str(python), "-c", code], cwd=work, capture_output=True,

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from analysis_seed import seed, seeded_sqlite
 
+from tracetap import cli
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE
-from tracetap.proxy import cli
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -252,7 +252,7 @@ def test_an_outage_is_not_a_refusal():
 
 
 def test_the_cli_lists_and_shows_what_is_kept_even_bytes_that_do_not_decode(tmp_path, capsys):
-    from tracetap.proxy.cli import main
+    from tracetap.cli import main
     from tracetap.storage.quarantine import count, entry, raw_entry
 
     assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from conftest import Forwarder, free_port, stored_calls
+from tracetap.cli import main
 from tracetap.migrations import upgrade
-from tracetap.proxy.cli import main
 from tracetap.storage.quarantine import read_all
 from tracetap.storage.storable import MARK
 

@@ -73,9 +73,9 @@ def test_db_upgrade_migrates_the_database_in_the_data_dir_it_is_given(tmp_path, 
 def test_the_command_reference_is_up_to_date():
     from pathlib import Path
 
-    from tracetap.proxy.cli import build_parser
-    from tracetap.proxy.reference import render
+    from tracetap.cli import build_parser
+    from tracetap.reference import render
 
     written = (Path(__file__).parent.parent / "docs" / "reference.md").read_text()
     assert written == render(build_parser()), (
-        "docs/reference.md is stale: python -m tracetap.proxy.reference > docs/reference.md")
+        "docs/reference.md is stale: python -m tracetap.reference > docs/reference.md")

@@ -20,10 +20,10 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import Proxy, free_port
+from tracetap import cli
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.exporters import export
-from tracetap.proxy import cli
 from tracetap.proxy.resolve import REMEDIES
 from tracetap.proxy.settings import Settings
 from tracetap.storage.records import IDS_MISSING

@@ -1,5 +1,5 @@
 """`python -m tracetap`: the same command line as the `tracetap` script."""
 
-from tracetap.proxy.cli import main
+from tracetap.cli import main
 
 raise SystemExit(main())

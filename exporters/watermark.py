@@ -1,0 +1,40 @@
+"""The incremental export's watermark (exporters/pipeline.py): the finished_at below which
+every episode has been exported, trailing the newest exported episode by SETTLE_SECONDS,
+and the episodes exported inside that window, remembered so they are never written twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+SETTLE_SECONDS = 60.0
+
+
+class Recent:
+    """The watermark's overlap, kept small: exported episodes within SETTLE of the newest."""
+
+    def __init__(self, watermark: float | None, recent: dict[str, float]):
+        self.floor = watermark
+        self.newest = max(recent.values(), default=watermark)
+        self.items = dict(recent)
+        self.heap = [(f, i) for i, f in recent.items()]
+        heapq.heapify(self.heap)
+
+    def add(self, episode_id: str, finished_at: float) -> None:
+        self.items[episode_id] = finished_at
+        heapq.heappush(self.heap, (finished_at, episode_id))
+        if self.newest is None or finished_at > self.newest:
+            self.newest = finished_at
+        cutoff = self.newest - SETTLE_SECONDS
+        while self.heap and self.heap[0][0] < cutoff:
+            f, i = heapq.heappop(self.heap)
+            if self.items.get(i) == f:
+                del self.items[i]
+
+    def result(self) -> tuple[float | None, dict[str, float]]:
+        if self.newest is None:
+            return self.floor, {}
+        watermark = self.newest - SETTLE_SECONDS
+        if self.floor is not None:
+            watermark = max(watermark, self.floor)
+        return watermark, {i: f for i, f in self.items.items() if f >= watermark}
