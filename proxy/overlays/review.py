@@ -8,6 +8,10 @@ first tool call relayed live instead (``overlays.live``); the client then gets t
 accepted turn's tool calls after it. Each attempt is its own call record; a vetoed one
 has status "vetoed" and is journaled before the next is asked, the delivered one before
 the client sees its end.
+
+The review changes no call's state itself: each attempt is a ``ModelCall``, driven through
+its API (``hold``, ``veto``, ``failed``, ``resample``, ``release``), so reading and
+capturing the reply, journaling and the budget are the call's own code, as for any call.
 """
 
 from __future__ import annotations
