@@ -220,7 +220,8 @@ class ModelCall:
         relay = self.relay
         if relay is None:
             relay = self.relay = Relay(self)
-        self.timings.first_byte()
+        if self.timings.t_first_byte is None:
+            self.timings.first_byte()
         return relay.chunk(data)
 
     def stream_end(self) -> bytes:

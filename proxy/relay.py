@@ -85,8 +85,8 @@ class Relay:
 
     def chunk(self, data: bytes) -> Iterable[bytes]:
         """One upstream read: the pieces to write to the client now, in order."""
-        if self.rewrite:
-            return self._rewritten(data)
+        if self.rewrite:  # one piece per read; journaled before it is returned if it ends
+            return self._events(self.parser.feed(data))
         return self._as_received(data)
 
     def end(self) -> bytes:
@@ -119,12 +119,10 @@ class Relay:
             self.call.end_reached()
         yield data[cut:]
 
-    def _rewritten(self, data: bytes) -> list[bytes]:
-        """Events rewritten to drop what the proxy added (or translated): one piece per
-        read. A read that ends the stream is journaled before any of it is returned."""
-        return self._events(self.parser.feed(data))
-
     def _events(self, events: Iterable[Event]) -> list[bytes]:
+        """Events rewritten to drop what the proxy added (or translated), or held: the
+        pieces to give out now (one, or none). When the end is seen on a stream that is
+        not held, the call is journaled before anything is returned."""
         hold, out = self.hold, []
         for event in events:
             if hold is None:
@@ -155,7 +153,7 @@ class Relay:
                 return b"".join(translator.finish())
             if data == b"[DONE]":
                 return event.raw
-        else:
+        elif call.timings.perf_first_content is None:
             call.timings.first_content()
         capture, injected = call.capture, call.request.injected
         stripped = event  # what strip_event reads: without the ids the proxy asked for
