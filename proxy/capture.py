@@ -84,7 +84,7 @@ class ModelCall:
         self.request = CallRequest()
         self.capture = route.api.capture(self.request.injected)
         self.overlay: OverlayLog | None = None  # when an overlay runs
-        self.retry_of: ModelCall | None = None  # the call this attempt re-samples
+        self.first_attempt: ModelCall | None = None  # set on a re-sample: the harness's call
         self.status = "ok"
         self.http_status = 0
         self.error: str | None = None
@@ -282,7 +282,7 @@ class ModelCall:
         client's stream began or on a re-sample (else the handler's ``fail`` records it)."""
         self.status = "upstream_error" if error.code == "upstream_error" else "overlay_failed"
         self.error = error.message
-        if self.retry_of is not None:  # a re-sample's record is complete now
+        if self.first_attempt is not None:  # a re-sample's record is complete now
             self.http_status = error.status
             self._attempt_over()
 
@@ -291,8 +291,8 @@ class ModelCall:
         episode and budget reservation (its tokens are spent from it, not reserved
         again), stamped with the same policy version."""
         attempt = ModelCall(self.services, self.route, uuid7())
-        first = self.retry_of or self
-        attempt.retry_of = first
+        first = self.first_attempt or self
+        attempt.first_attempt = first
         attempt.tag(first.episode_id)
         attempt.policy_version = first.policy_version
         attempt.reservation = first.reservation
@@ -330,7 +330,7 @@ class ModelCall:
         first attempt's are settled by ``finish``, which releases its reservation only
         when the call ends: its re-samples spend from it until then)."""
         self.journal()
-        if self.retry_of is not None:
+        if self.first_attempt is not None:
             self._spend()
 
     def journal(self) -> None:
@@ -349,7 +349,7 @@ class ModelCall:
         self._spent = True
         prompt_tokens, completion_tokens = self.capture.tokens()
         used = (prompt_tokens or 0) + (completion_tokens or 0)
-        if self.retry_of is None:
+        if self.first_attempt is None:
             self.services.budgets.settle(self.reservation, used)
         else:
             self.services.budgets.spend(self.reservation, used)

@@ -11,6 +11,11 @@ one place each event is. Three ways out, one code path:
 - held for an overlay's ``after_model`` (``hold``): rewritten, but kept back, all of it or
   (``Hold.held``) from the first tool call on, until the overlay has judged the reply.
 
+Seams: a feature that acts per upstream read (stopping or continuing a stream when the
+weights change) belongs in ``Relay.chunk``; one that notes something per event or token
+(which policy version produced it) in ``Relay.event``, beside ``capture.add``; what it
+stores goes into the record in one place, ``proxy.call_record.call_record``.
+
 Where the client is about to get the bytes that end the stream, the relay asks the call
 to journal first (``ModelCall.end_reached``); a held stream's end goes out through
 ``ModelCall.release`` instead, after the overlay's verdict is on the record.
