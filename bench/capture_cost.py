@@ -63,6 +63,7 @@ def _state() -> SimpleNamespace:
         repair=Repair(False),
         routing=Routing("auto", native={}),
         prompt_prefixes=PromptPrefixes(),
+        routed_experts=False,
         submit=lambda record: None,
     )  # journaling is a step of its own
 

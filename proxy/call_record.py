@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def call_record(call: ModelCall) -> CallRecord:
     """The record storage keeps of ``call``, at its end: the reassembled response in the
     client's API, the engine's ids, the timings. Notes capture's errors on the call."""
-    state = call.state
+    services = call.services
+    request = call.request
     capture = call.capture
     choices = capture.choices()
     call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
@@ -27,9 +28,9 @@ def call_record(call: ModelCall) -> CallRecord:
     if capture.errors and call.error is None:
         call.error = "; ".join(capture.errors)
     if call.stream and capture.response_id is not None:
-        reassembled = capture.reassembled(with_logprobs=not call.injected.logprobs)
+        reassembled = capture.reassembled(with_logprobs=not request.injected.logprobs)
         if call.translation is not None:
-            reassembled = call.translation.from_chat(reassembled, call.client_payload)
+            reassembled = call.translation.from_chat(reassembled, request.client_payload)
         response = encode(reassembled)
     else:
         response = call.client_body
@@ -39,46 +40,43 @@ def call_record(call: ModelCall) -> CallRecord:
     prompt_ids = None if prompt_packed is not None else capture.prompt_ids
     prompt_source = None
     if prompt_ids is None and prompt_packed is None and call.endpoint == COMPLETIONS:
-        prompt_ids = _token_prompt(call.payload.get("prompt"))
+        prompt_ids = _token_prompt(request.payload.get("prompt"))
         prompt_source = None if prompt_ids is None else "request"
     model = capture.model or call.model
-    upstream_latency = None
-    if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
-        upstream_latency = call.perf_upstream_end - call.perf_upstream_start
     return CallRecord(
         call_id=call.call_id,
         episode_id=call.episode_id,
-        seq=state.arrivals.next(call.episode_id) if call.seq is None else call.seq,
-        instance=state.instance,
+        seq=services.arrivals.next(call.episode_id) if call.seq is None else call.seq,
+        instance=services.instance,
         endpoint=call.endpoint,
         model=model,
         policy_version=call.policy_version,
         stream=call.stream,
         upstream=call.upstream_url,
-        request=call.request_text,
+        request=request.text,
         response=None if response is None else response.decode("utf-8", "replace"),
         status=call.status,
         http_status=call.http_status,
         error=call.error,
-        t_start=call.t_start,
-        t_first_byte=call.t_first_byte,
+        t_start=call.timings.t_start,
+        t_first_byte=call.timings.t_first_byte,
         t_end=time.time(),
-        upstream_latency=upstream_latency,
+        upstream_latency=call.timings.upstream_latency,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         prompt_ids=prompt_ids,
         prompt_ids_packed=prompt_packed,
         prompt_source=prompt_source,
         upstream_request=None
-        if call.upstream_request is None
-        else call.upstream_request.decode("utf-8", "replace"),
+        if request.upstream_request is None
+        else request.upstream_request.decode("utf-8", "replace"),
         overlay=None if call.overlay is None else encode(call.overlay).decode(),
-        translation_dropped=call.dropped.encoded(),
+        translation_dropped=request.dropped.encoded(),
         lineage=call.lineage[0],
         parent_lineage=call.lineage[1],
         # The client's view: a harness whose calls are translated only some of the time
         # (--translate auto) hashes the same start either way.
-        conversation=conversation(call.client_payload or call.payload),
+        conversation=conversation(request.client_payload or request.payload),
         choices=choices,
     )
 

@@ -1,12 +1,23 @@
 """One model call, from the client's request to the stored record.
 
-``ModelCall`` owns the call's lifecycle and the rules of capture, so handlers only move
-bytes. In the order a handler calls it:
+``ModelCall`` is the one driver of a call's life: nothing else changes its state. It
+holds the call's parts, each with one job, and only it calls their changing methods:
 
-- start: ``ModelCall(state, route, call_id)``, ``tag(episode_id)`` (arrival order, the
-  episode's budget), ``parse_request(body)`` (the body to send upstream; ``reroute`` for
-  ``--translate auto``), ``await admit()`` (the pause gate; stamps the policy version),
-  ``sending()``;
+- ``request`` (``proxy.call_request.CallRequest``): the request as the client sent it
+  and as it goes upstream (validation, translation, repair, the API's additions);
+- ``relay`` (``proxy.relay.Relay``): an event stream's reads parsed, captured,
+  rewritten, held; ``capture`` (the API's reassembly) what was read;
+- ``timings`` (``proxy.call_timings.Timings``): its moments, and every span read from
+  them (the upstream's latency, the proxy's overhead);
+- ``services`` (``proxy.call_services.CallServices``): the few parts of the running
+  proxy a call uses, not the whole ``ProxyState``.
+
+Its lifecycle, in the order a handler calls it:
+
+- start: ``ModelCall(services, route, call_id)``, ``tag(episode_id)`` (arrival order),
+  ``parse_request(body)`` (the body to send upstream; ``reroute`` for ``--translate
+  auto``), ``await reserve(keyed, size)`` (the episode's budget), ``await admit()`` (the
+  pause gate; stamps the policy version), ``sending()``;
 - relay: ``replied(upstream_url, http_status)``, then either ``reply_body(body)`` for a
   whole reply, or ``relay_chunk(data)`` per read of an event stream and ``stream_end()``;
   each returns the bytes the client gets;
@@ -14,110 +25,124 @@ bytes. In the order a handler calls it:
   early, ``fail(error, status)`` (refused before relaying: the client's error reply) or
   ``abort(status, error)`` (cut mid-relay) first.
 
-Others read, and never set: ``episode_id``, ``stream``, ``model``, ``payload`` (the
-request as sent upstream), ``status``, ``http_status``, ``capture`` (the reassembly);
-``proxy.call_record.call_record`` builds the stored record, ``Metrics.observe_call`` the metrics.
+An overlay that reviews the reply (``proxy.overlays.review``) drives the same call
+through its API: ``under_overlay(log)``, ``model_view(messages, harness)`` (the model's
+view of the request), ``await hold(reply, live)`` (the reply read and captured, held
+back from the client), ``veto(reason)``, ``failed(error)``, ``resample()`` (the next
+attempt: a new ModelCall on the same budget reservation) and ``release(out)`` (the held
+or replaced end goes to the client).
 
-Two rules live here and nowhere else: the record is journaled exactly once
-(``journal``), and a stream's record is journaled before the client is given the
-stream's end (``relay_chunk``), so a call that completed for the client is on disk even
-if the process dies next. What differs between wire APIs lives in ``api`` (the API
-spoken to the upstream) and ``translation`` (set when the client speaks another API
-than the upstream: its request and replies are converted to and from chat).
+Three rules live here and nowhere else: the record is journaled exactly once
+(``journal``); it is journaled before the client is given the bytes that end the reply
+(``end_reached``, which the relay and ``release`` call), so a call that completed for the
+client is on disk even if the process dies next; and each attempt's tokens are spent
+from the episode's budget exactly once (``_spend``; the first attempt's reservation is
+settled with it). ``proxy.call_record.call_record`` builds the stored record,
+``Metrics.observe_call`` the metrics; both only read. What differs between wire APIs
+lives in ``api`` (the API spoken to the upstream) and ``translation`` (set when the client
+speaks another API than the upstream: its request and replies are converted to and from
+chat).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
-from tracetap.proxy import experts
-from tracetap.proxy.apis.chat_reply import read_chunk_bytes
-from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.budgets import Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
-from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.inject import CHAT, Injected
-from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
+from tracetap.proxy.call_request import CallRequest
+from tracetap.proxy.call_timings import Timings
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.ids import uuid7
+from tracetap.proxy.relay import Hold, HoldAll, Relay, broken_error
 from tracetap.proxy.routing import Route
-from tracetap.proxy.sse import Event, SSEParser
-from tracetap.proxy.state import ProxyState
+from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.proxy.versions import CallVersions
 from tracetap.proxy.wire import decode_object, encode
 
+if TYPE_CHECKING:
+    from tracetap.proxy.call_services import CallServices
+    from tracetap.proxy.overlays.hooks import OverlayLog
+
 
 class ModelCall:
-    def __init__(self, state: ProxyState, route: Route, call_id: str):
-        self.state = state
+    def __init__(self, services: CallServices, route: Route, call_id: str):
+        self.services = services
         self.route = route
-        self.api = api = route.api
+        self.api = route.api
         self.translation = route.translation  # a translate module, or None when native
         self.endpoint = route.endpoint
         self.label = route.label  # the metrics route label
         self.call_id = call_id
-        self.t_start = time.time()
-        self.perf_start = time.perf_counter()
+        self.timings = Timings()
         self.episode_id: str | None = None
         self.seq: int | None = None
-        self.request_body: bytes | None = None  # as the client sent it
-        self.payload: dict[str, Any] = {}
-        self.injected = Injected()
-        self.capture = api.capture(self.injected)
-        self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
-        self.dropped = Dropped()  # what translation left out of the client's request
-        self.upstream_request: bytes | None = None  # the engine's view, when not the client's
-        self.repaired = False  # the model's own turns put back (proxy.repair)
-        self.overlay = None  # proxy.overlays.hooks.OverlayLog, when an overlay runs
-        self.lineage: tuple[str | None, str | None] = (None, None)  # proxy.lineage.names
-        self.stream_translator = None
-        self.stream = False
+        self.request = CallRequest()
+        self.capture = route.api.capture(self.request.injected)
+        self.overlay: OverlayLog | None = None  # when an overlay runs
+        self.first_attempt: ModelCall | None = None  # set on a re-sample: the harness's call
         self.status = "ok"
         self.http_status = 0
         self.error: str | None = None
         self.policy_version: str | None = None
-        # issue 27 hook: the version of each token (proxy.versions)
-        self.versions = CallVersions(state)
-        self.experts = None  # issue 27 hook: MoE routing, with --routed-experts (proxy.experts)
+        self.versions = CallVersions(services)  # the version of each token (proxy.versions)
+        self.lineage: tuple[str | None, str | None] = (None, None)  # proxy.lineage.names
         self.upstream_url: str | None = None
-        self.t_first_byte: float | None = None
-        self.perf_upstream_start: float | None = None
-        self.perf_upstream_end: float | None = None
-        self.perf_first_content: float | None = None
-        self.client_body: bytes | None = None
-        self._admitted = False
+        self.client_body: bytes | None = None  # a whole reply as the client got it
         self.reservation: Reservation | None = None  # what the episode's budget holds for it
-        self._parser: SSEParser | None = None  # set by a stream's first read
-        self._rewrite = False  # its events are rewritten (else relayed as they come)
-        self.done = False  # the upstream sent its end-of-stream marker
+        self.relay: Relay | None = None  # set by a stream's first read (or a hold)
+        self._admitted = False
         self._journaled = False
+        self._spent = False
 
     # -- start ----------------------------------------------------------------------
     def tag(self, episode_id: str | None) -> None:
         """The call belongs to ``episode_id``: its arrival order."""
         self.episode_id = episode_id
-        self.seq = self.state.arrivals.next(episode_id)  # arrival order, not completion
+        self.seq = self.services.arrivals.next(episode_id)  # arrival order, not completion
 
     async def reserve(self, keyed: bool, body_bytes: int) -> None:
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded); the
         request must be parsed (its completion cap decides how many)."""
-        size = reservation_size(self.client_payload or self.payload, body_bytes)
-        self.reservation = await self.state.budgets.reserve(self.episode_id, size, keyed=keyed)
+        request = self.request
+        size = reservation_size(request.client_payload or request.payload, body_bytes)
+        self.reservation = await self.services.budgets.reserve(self.episode_id, size,
+                                                               keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""
-        await self.state.gate.admit()
+        await self.services.gate.admit()
         self._admitted = True
         # Stamped after any pause: a call released by a resume runs on the new weights.
-        self.policy_version = self.state.controls.policy_version
-        self.versions.admit()  # issue 27 hook: token versions are judged from here
+        self.policy_version = self.services.controls.policy_version
+        self.versions.admit()  # token versions are judged from here
+
+    async def rejoin(self) -> bool:
+        """After a weight sync cut the call (proxy.continuation): wait for the resume,
+        then run on the new version; False when the pause outlasted its timeout."""
+        if not await self.services.gate.hold():
+            return False
+        self.policy_version = self.services.controls.policy_version
+        self.versions.admit()
+        return True
 
     # -- request side -----------------------------------------------------------
+    def parse_request(self, body: bytes) -> bytes:
+        """Validate the client's JSON and return the body to send upstream."""
+        request = self.request = CallRequest(body)
+        payload = request.decode()
+        route = self.services.routing.for_request(self.route, payload)
+        if route is not self.route:  # --translate auto: native would lose logprobs
+            self._use(route)
+        upstream = request.prepare(payload, self.route, self.services, self.episode_id)
+        self.capture = self.api.capture(request.injected)
+        return upstream
+
     def reroute(self, route: Route, body: bytes) -> bytes:
         """Speak another API to the upstream (the first answered 404): the client's
         request is prepared again from its original bytes."""
@@ -129,67 +154,40 @@ class ModelCall:
         self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
         self.label = route.label
 
-    def parse_request(self, body: bytes) -> bytes:
-        """Validate the client's JSON and return the body to send upstream."""
-        self.request_body = body  # kept as bytes: the handler holds them anyway
-        try:
-            payload = decode_object(body)
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
-        except msgspec.ValidationError as exc:
-            raise bad_request("request body must be a JSON object", "invalid_json") from exc
-        except RecursionError as exc:  # msgspec's own depth limit
-            raise bad_request("request body nests JSON too deeply", "invalid_json") from exc
-        self.stream = payload.get("stream") is True
-        route = self.state.routing.for_request(self.route, payload)
-        if route is not self.route:  # --translate auto: native would lose logprobs
-            self._use(route)
-        rewritten = self.state.model_map.apply(payload)
-        if self.translation is not None:
-            self.client_payload = payload
-            self.dropped = Dropped()  # a reroute translates the request anew
-            try:
-                payload = self.translation.to_chat(payload, dropped=self.dropped,
-                                                   flavor=self.state.flavor)
-            except self.translation.Untranslatable as exc:
-                raise bad_request(
-                    f"cannot translate this request to chat completions: {exc.message}",
-                    "untranslatable",
-                ) from exc
-            rewritten = True
-            if self.stream:
-                self.stream_translator = self.translation.StreamTranslator(self.client_payload)
-        self.repaired = self.state.repair.apply(self.episode_id, self.api.endpoint, payload)
-        self.payload = payload
-        self.injected = self.api.prepare(payload, self.state.flavor)
-        self.capture = self.api.capture(self.injected)
-        self.experts = experts.ask(self)  # issue 27 hook: before the body is encoded
-        if self.injected.any or rewritten or self.repaired:
-            body = encode(payload)
-        if self.translation is not None or self.repaired:
-            self.upstream_request = body  # stored beside the client's request
-        return body
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    @property
+    def model(self) -> str | None:
+        return self.request.model
+
+    @property
+    def experts(self):
+        """The MoE routing asked for (proxy.experts, --routed-experts), or None."""
+        return self.request.experts
+
+    def arrived(self, data: bytes) -> None:
+        """A captured event's tokens arrived now: their policy version, their routing."""
+        self.versions.observe(_counts(self.capture))
+        if self.request.experts is not None:
+            self.request.experts.add(data)
 
     @property
     def relaying(self) -> bool:
         """Whether the client's stream has begun (its reply can no longer change)."""
-        return self._parser is not None
-
-    @property
-    def request_text(self) -> str | None:
-        """The client's request as text, decoded when read (the record), so a call in
-        flight holds its prompt once as bytes rather than as bytes and text."""
-        body = self.request_body
-        return None if body is None else body.decode("utf-8", "replace")
+        return self.relay is not None and self.relay.hold is None
 
     @property
     def rewrites_stream(self) -> bool:
         """Whether stream events must be parsed and rewritten (else relayed as they come)."""
-        return self.injected.any or self.translation is not None or not self.api.ends_with_done
+        return (self.request.injected.any or self.translation is not None
+                or not self.api.ends_with_done)
 
     @property
-    def model(self) -> str | None:
-        return _str(self.payload.get("model"))
+    def done(self) -> bool:
+        """The upstream's stream has reached its end marker."""
+        return self.relay is not None and self.relay.done
 
     def fail(self, error: ProxyError, status: str) -> web.Response:
         """Refused before anything was relayed: the client's error reply."""
@@ -200,7 +198,7 @@ class ModelCall:
 
     # -- relay ----------------------------------------------------------------------
     def sending(self) -> None:
-        self.perf_upstream_start = time.perf_counter()
+        self.timings.sending()
 
     def replied(self, upstream_url: str, http_status: int) -> None:
         """The upstream answered (its headers are in)."""
@@ -209,13 +207,12 @@ class ModelCall:
 
     def overhead(self) -> float:
         """Seconds of the call so far that were not the upstream's."""
-        upstream = (self.perf_upstream_end or 0.0) - (self.perf_upstream_start or 0.0)
-        return (time.perf_counter() - self.perf_start) - upstream
+        return self.timings.overhead()
 
     def reply_body(self, body: bytes) -> bytes:
         """A whole reply: capture it, and return what the client should receive."""
-        self.upstream_done()
-        self.t_first_byte = time.time()
+        self.timings.upstream_done()
+        self.timings.first_byte()
         if self.http_status != 200:
             if self.translation is not None:
                 body = self.translation.error_from_chat(self.http_status, body)
@@ -223,15 +220,17 @@ class ModelCall:
             return body
         self.capture.add(body)
         if self.experts is not None:
-            self.experts.add(body)  # issue 27 hook
+            self.experts.add(body)
+        request = self.request
         if self.translation is not None:
             try:
-                body = encode(self.translation.from_chat(decode_object(body), self.client_payload))
+                body = encode(self.translation.from_chat(decode_object(body),
+                                                         request.client_payload))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.error = "upstream reply is not JSON: relayed as it came"
-        elif self.injected.any:
+        elif request.injected.any:
             try:
-                body = self.api.strip_body(body, self.injected)
+                body = self.api.strip_body(body, request.injected)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass  # not the JSON we expected: the client gets it as it came
         self.client_body = body
@@ -243,150 +242,146 @@ class ModelCall:
         The record is journaled before the piece that ends the stream is given out, so
         the client never holds the end of a stream that is not on disk. A stream relayed
         as it came is captured after each piece is written (the pieces come from a
-        generator); a rewritten one is captured as it is rewritten."""
-        if self._parser is None:
-            self.t_first_byte = time.time()
-            self._parser = SSEParser()
-            self._rewrite = self.rewrites_stream
-        if self._rewrite:
-            return self._rewritten(data)
-        return self._as_received(data)
+        generator); a rewritten one is captured as it is rewritten (``proxy.relay``)."""
+        relay = self.relay
+        if relay is None:
+            relay = self.relay = Relay(self)
+        if self.timings.t_first_byte is None:
+            self.timings.first_byte()
+        return relay.chunk(data)
 
     def stream_end(self) -> bytes:
         """The upstream closed the stream: what is left for the client (an unterminated
         last event, rewritten), possibly nothing."""
-        self.upstream_done()
-        tail = None if self._parser is None else self._parser.flush()
-        if tail is None:
-            return b""
-        out = self.on_event(tail)
-        return out if self._rewrite else b""
+        self.timings.upstream_done()
+        return b"" if self.relay is None else self.relay.end()
 
     def abort(self, status: str, error: str) -> None:
         """The relay was cut (upstream broke, client went away). A stream already
         journaled as complete keeps its record as it is."""
-        self.upstream_done()
+        self.timings.upstream_done()
         if not self._journaled:
             self.status, self.error = status, error
 
-    def _as_received(self, data: bytes) -> Iterator[bytes]:
-        """Nothing to remove: the upstream's bytes go out as they came, then capture
-        reads them (off the client's time)."""
-        parser = self._parser
-        if b"[DONE]" not in parser.tail(6) + data:
-            yield data
-            for event in parser.feed(data):
-                self.on_event(event)
-            return
-        # This read ends the stream.
-        cut = max(data.find(b"data: [DONE]"), 0)
-        if cut:
-            yield data[:cut]
-        for event in parser.feed(data):
-            self.on_event(event)
-        if self.done:
-            self.journal()
-        yield data[cut:]
+    # -- an overlay's review (proxy.overlays.review) ------------------------------------
+    def under_overlay(self, log: OverlayLog) -> None:
+        """The call runs under an overlay: its log is stored with the record."""
+        self.overlay = log
 
-    def _rewritten(self, data: bytes) -> list[bytes]:
-        """Events rewritten to drop what the proxy added (or translated): one piece per
-        read. A read that ends the stream is journaled before any of it is returned."""
-        out = []
-        for event in self._parser.feed(data):
-            out.append(self.on_event(event))
-            if self.done and not self._journaled:
-                self.journal()  # as the end is seen: later events are not the call's
-        return [b"".join(out)] if any(out) else []
+    def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
+        """The upstream body with the overlay's context in place of the harness's
+        ``messages``; the model's view is stored beside the harness's when they differ."""
+        return self.request.model_view(messages, harness)
 
-    def on_event(self, event: Event) -> bytes:
-        """One SSE event: capture it; return the bytes the client should get for it."""
-        data = event.data
-        translator = self.stream_translator
-        if data is None:
-            return event.raw if translator is None else b""
-        if self.api.is_end(data):
-            self.done = True
-            self.upstream_done()
-            if translator is not None:
-                return b"".join(translator.finish())
-            if data == b"[DONE]":
-                return event.raw
-        elif self.perf_first_content is None:
-            self.perf_first_content = time.perf_counter()
-        cut = None
-        if len(data) > _CUT_ABOVE and KEY in data and getattr(self.capture, "endpoint", "") == CHAT:
-            # The prompt's ids (vLLM's first chunk): kept as bytes, decoded at the end.
-            cut = cut_prompt_ids(data)
-        stripped = event  # what strip_event reads: without the ids the proxy asked for
-        if cut is not None:
-            data, prompt_ids = cut
-            self.capture.add_prompt_ids(
-                prompt_ids, functools.partial(self.state.prompt_prefixes.decode_packed,
-                                          self.episode_id))
-            if self.injected.token_ids:
-                stripped = Event(event.raw, data)
-        self.capture.add(data)
-        self.versions.observe(_counts(self.capture))  # issue 27 hook: tokens arrived now
-        if self.experts is not None:
-            self.experts.add(data)  # issue 27 hook
-        if self.capture.ended and not self.done:  # a terminal event that carries data
-            self.done = True
-            self.upstream_done()
-        if translator is not None:
-            # The translator reads the whole chat chunk (usage too) and writes only the
-            # client's API, so nothing the proxy asked for can reach the client.
-            try:
-                return b"".join(
-                    translator.feed(read_chunk_bytes(data, logprobs=translator.wants_logprobs))
-                )
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return b""  # capture noted the bad chunk; the client's stream stays valid
-        if not self.injected.any:
-            return event.raw
+    async def hold(self, reply: Reply, live: Hold | None = None) -> bytes:
+        """Read the whole reply through the relay and capture it, holding back from the
+        client all of it (or, with ``live``, what ``live`` holds: the rest goes out through
+        ``live.write`` as it comes); returns the held bytes. The end is not journaled:
+        ``release`` gives it out once the overlay has judged it. An upstream that breaks
+        is recorded on the call and raised as a 502 ProxyError."""
         try:
-            return self.api.strip_event(stripped, self.injected)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return event.raw  # relayed as is; capture noted the bad chunk
+            if not (self.stream and reply.content_type == "text/event-stream"):
+                return self.reply_body(await reply.read())
+            hold = HoldAll() if live is None else live
+            self.relay = Relay(self, hold)
+            async for data in reply.iter_chunks():
+                for piece in self.relay_chunk(data):
+                    await hold.write(piece)  # only what ``live`` lets through
+            self.stream_end()
+            return bytes(self.relay.held)
+        except UpstreamBroken as exc:
+            self.timings.upstream_done()
+            self.status, self.error = "upstream_error", str(exc)
+            raise broken_error(exc) from exc
+        finally:
+            reply.close()
 
-    def upstream_done(self) -> None:
-        if self.perf_upstream_end is None:
-            self.perf_upstream_end = time.perf_counter()
+    def veto(self, reason: str) -> None:
+        """The overlay vetoed this attempt's reply: recorded as such, and journaled (a
+        re-sample's tokens spent) before the next attempt is asked."""
+        self.status = "vetoed"
+        self.error = reason[:1000]
+        self._attempt_over()
 
-    def first_byte(self) -> None:
-        if self.t_first_byte is None:
-            self.t_first_byte = time.time()
+    def failed(self, error: ProxyError) -> None:
+        """The upstream broke or the overlay failed closed during the review, after the
+        client's stream began or on a re-sample (else the handler's ``fail`` records it)."""
+        self.status = "upstream_error" if error.code == "upstream_error" else "overlay_failed"
+        self.error = error.message
+        if self.first_attempt is not None:  # a re-sample's record is complete now
+            self.http_status = error.status
+            self._attempt_over()
+
+    def resample(self) -> ModelCall:
+        """The next attempt: a new call record of the client's same request, in the same
+        episode and budget reservation (its tokens are spent from it, not reserved
+        again), stamped with the same policy version."""
+        attempt = ModelCall(self.services, self.route, uuid7())
+        first = self.first_attempt or self
+        attempt.first_attempt = first
+        attempt.tag(first.episode_id)
+        attempt.policy_version = first.policy_version
+        attempt.reservation = first.reservation
+        attempt.parse_request(first.request.body or b"")
+        return attempt
+
+    def release(self, out: bytes) -> bytes:
+        """The held (or replaced) reply goes to the client: journaled first."""
+        self.end_reached()
+        self._attempt_over()
+        return out
 
     # -- finish ---------------------------------------------------------------------
+    def end_reached(self) -> None:
+        """The bytes that end the client's reply go out next: the record is journaled
+        first (the relay calls this as it sees a stream's end; ``release`` for a held
+        reply; a whole reply is journaled by ``finish``, before aiohttp writes it)."""
+        self.journal()
+
     def finish(self) -> None:
         """The call is over, however it ended: release the pause gate, journal the
         record (if the stream's end has not already), settle the episode's budget, and
         leave the metrics for after the reply is on its way."""
-        state = self.state
+        services = self.services
         if self._admitted:
             self._admitted = False
-            state.gate.release()
+            services.gate.release()
         self.journal()
-        prompt_tokens, completion_tokens = self.capture.tokens()
-        state.budgets.settle(self.reservation, (prompt_tokens or 0) + (completion_tokens or 0))
+        self._spend()
         asyncio.get_running_loop().call_soon(
-            state.metrics.observe_call, self, time.perf_counter() - self.perf_start)
+            services.metrics.observe_call, self, self.timings.elapsed())
+
+    def _attempt_over(self) -> None:
+        """This attempt's record is final: journaled, and a re-sample's tokens spent (the
+        first attempt's are settled by ``finish``, which releases its reservation only
+        when the call ends: its re-samples spend from it until then)."""
+        self.journal()
+        if self.first_attempt is not None:
+            self._spend()
 
     def journal(self) -> None:
         """Journal the record, exactly once."""
         if not self._journaled:
             self._journaled = True
-            self.state.submit(call_record(self))
-            self.state.repair.remember(self)
+            self.services.submit(call_record(self))
+            self.services.repair.remember(self)
 
-# Below this a chunk's prompt ids are few enough to decode with the rest of it.
-_CUT_ABOVE = 4096
+    def _spend(self) -> None:
+        """This attempt's tokens, from the episode's budget, exactly once. The first
+        attempt settles its reservation with them (the rest is released); a re-sample
+        spends from the same reservation, which its first attempt holds until it ends."""
+        if self._spent:
+            return
+        self._spent = True
+        prompt_tokens, completion_tokens = self.capture.tokens()
+        used = (prompt_tokens or 0) + (completion_tokens or 0)
+        if self.first_attempt is None:
+            self.services.budgets.settle(self.reservation, used)
+        else:
+            self.services.budgets.spend(self.reservation, used)
 
 
 def _counts(capture: Any) -> dict[int, int] | None:
     """Tokens per choice so far, where the reassembly can say (chat and completions)."""
     counts = getattr(capture, "token_counts", None)
     return None if counts is None else counts()
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None

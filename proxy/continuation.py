@@ -80,14 +80,14 @@ def continuable(call: ModelCall) -> bool:
     capture = call.capture
     if not isinstance(capture, Capture) or capture.endpoint != CHAT:
         return False
-    if call.payload.get("tools") or (call.payload.get("n") or 1) != 1:
+    if call.request.payload.get("tools") or (call.request.payload.get("n") or 1) != 1:
         return False
     return capture.continuable()
 
 
 async def stream(call: ModelCall, reply: Reply, send: Send) -> AsyncIterator[bytes]:
     """The upstream's stream for ``call``, continued after a weight sync if it is cut."""
-    gate = call.state.gate
+    gate = call.services.gate
     cut = Cut(call, reply, stream=True)
     gate.cuts.add(cut)
     try:
@@ -112,7 +112,7 @@ async def stream(call: ModelCall, reply: Reply, send: Send) -> AsyncIterator[byt
 async def whole(call: ModelCall, reply: Reply, send: Callable[[], Awaitable[Reply]]) -> Reply:
     """A reply not streamed: when a weight sync cuts it, the request is sent again after
     the resume (its cut attempt stored apart); returns the reply to read."""
-    gate = call.state.gate
+    gate = call.services.gate
     while True:
         cut = Cut(call, reply, stream=False)
         gate.cuts.add(cut)
@@ -139,7 +139,7 @@ async def cuttable(call: ModelCall, send: Callable[[], Awaitable[Any]]) -> Any:
     once; ``stream`` continues it)."""
     if call.stream:
         return await send()
-    gate = call.state.gate
+    gate = call.services.gate
     while True:
         task = asyncio.ensure_future(send())
         fired = []
@@ -162,11 +162,9 @@ async def cuttable(call: ModelCall, send: Callable[[], Awaitable[Any]]) -> Any:
 async def _again(call: ModelCall) -> None:
     """The cut attempt is stored apart; wait for the resume, then start over on the new
     version."""
-    call.state.submit(_attempt(call))
-    if not await call.state.gate.hold():
+    call.services.submit(_attempt(call))
+    if not await call.rejoin():
         raise UpstreamBroken("cut for a weight sync that outlasted --pause-timeout")
-    call.policy_version = call.state.controls.policy_version
-    call.versions.admit()
 
 
 class _Read(Reply):
@@ -182,14 +180,14 @@ class _Read(Reply):
 
 def _attempt(call: ModelCall) -> CallRecord:
     """The cut attempt, stored as its own record: never part of the answer."""
-    state = call.state
+    services = call.services
     return CallRecord(
-        call_id=uuid7(), episode_id=call.episode_id, seq=state.arrivals.next(call.episode_id),
-        instance=state.instance, endpoint=call.endpoint, model=call.model,
+        call_id=uuid7(), episode_id=call.episode_id, seq=services.arrivals.next(call.episode_id),
+        instance=services.instance, endpoint=call.endpoint, model=call.model,
         policy_version=call.policy_version, stream=call.stream, upstream=call.upstream_url,
-        request=call.request_text, status=RETRIED, http_status=0,
+        request=call.request.text, status=RETRIED, http_status=0,
         error=f"cut for a weight sync and sent again as call {call.call_id}",
-        t_start=call.t_start, t_end=time.time())
+        t_start=call.timings.t_start, t_end=time.time())
 
 
 async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
@@ -213,7 +211,7 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
 
 
 def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
-    payload = call.payload
+    payload = call.request.payload
     ids = choice.completion_ids or []
     body = {k: payload[k] for k in (*_SAMPLING, *[k for k in payload if k.startswith("mock_")])
             if k in payload}
@@ -222,9 +220,9 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     cap = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if cap is not None:
         body["max_tokens"] = max(cap - len(ids), 1)
-    if call.injected.experts:
+    if call.request.injected.experts:
         body["return_routed_experts"] = True
-    if call.injected.logprobs or payload.get("logprobs"):
+    if call.request.injected.logprobs or payload.get("logprobs"):
         body["logprobs"] = max(payload.get("top_logprobs") or 0, 1)
     return body
 

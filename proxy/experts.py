@@ -24,7 +24,7 @@ from tracetap.storage.experts import BadRouting, pack
 from tracetap.storage.records import ChoiceRecord
 
 if TYPE_CHECKING:
-    from tracetap.proxy.capture import ModelCall
+    from tracetap.proxy.call_request import CallRequest
 
 FIELD = "return_routed_experts"
 
@@ -72,13 +72,11 @@ class CallExperts:
                 self.errors.append(f"routed_experts not stored: {exc}")
 
 
-def ask(call: ModelCall) -> CallExperts | None:
-    """Ask for the routing when the proxy is configured to (call after api.prepare)."""
-    settings = getattr(call.state, "settings", None)
-    if not getattr(settings, "routed_experts", False):
+def ask(request: CallRequest, endpoint: str, enabled: bool) -> CallExperts | None:
+    """Ask for the routing when the proxy is configured to (--routed-experts; call after
+    the API's prepare, before the body is encoded)."""
+    if not enabled or endpoint not in (CHAT, COMPLETIONS):
         return None
-    if call.api.endpoint not in (CHAT, COMPLETIONS):
-        return None
-    call.payload.setdefault(FIELD, True)
-    call.injected.experts = True
+    request.payload.setdefault(FIELD, True)
+    request.injected.experts = True
     return CallExperts()

@@ -7,8 +7,7 @@ import time
 
 from aiohttp import web
 
-from tracetap.proxy import lineage
-from tracetap.proxy import continuation
+from tracetap.proxy import continuation, lineage
 from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded
 from tracetap.proxy.capture import ModelCall
@@ -22,6 +21,7 @@ from tracetap.proxy.headers import (
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.review import review
+from tracetap.proxy.relay import broken_error
 from tracetap.proxy.routing import Route
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
@@ -117,7 +117,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                     attempt, lambda: _send(request, attempt, route, path, headers, b))
 
             if overlay is not None and overlay.reviews_reply(call):
-                return await review(overlay, request, call, route, send, upstream_body)
+                return await review(overlay, request, call, send, upstream_body)
             target, reply = await send(call, upstream_body)
             fallback = state.routing.fallback(route) if reply.status == 404 else None
             if fallback is not None:
@@ -128,7 +128,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
                 if overlay is not None:  # chat-shaped now: the hooks run as when translated
                     upstream_body = await overlay.prepare(call, upstream_body)
                     if overlay.reviews_reply(call):
-                        return await review(overlay, request, call, route, send, upstream_body)
+                        return await review(overlay, request, call, send, upstream_body)
                 target, reply = await send(call, upstream_body)
             call.replied(target.base_url, reply.status)
             if call.stream and reply.content_type == "text/event-stream":
@@ -139,7 +139,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
             async def again():  # issue 27 hook: a body cut by a weight sync is sent again
                 return (await send(call, upstream_body))[1]
 
-            return await _relay_body(reply, call, again)
+            return await _relay_body(reply, call, state.settings.overhead_header, again)
         except BudgetExceeded as error:
             metrics.child(metrics.budget_exceeded, error.limit).inc()
             return call.fail(error, "budget_exceeded")
@@ -176,15 +176,14 @@ async def _send(
     )
 
 
-async def _relay_body(reply: Reply, call: ModelCall, again=None) -> web.StreamResponse:
+async def _relay_body(reply: Reply, call: ModelCall, overhead_header: bool,
+                      again=None) -> web.StreamResponse:
     try:
         if again is not None:
             reply = await continuation.whole(call, reply, again)  # issue 27 hook
         body = await reply.read()
     except UpstreamBroken as exc:
-        raise ProxyError(
-            502, f"upstream failed mid-reply: {exc}", "upstream_error", "upstream_error"
-        ) from exc
+        raise broken_error(exc) from exc
     finally:
         reply.close()
     response = web.Response(
@@ -192,7 +191,7 @@ async def _relay_body(reply: Reply, call: ModelCall, again=None) -> web.StreamRe
         body=call.reply_body(body),
         headers=response_headers(reply.headers.items()),
     )
-    if call.state.settings.overhead_header:
+    if overhead_header:
         response.headers[OVERHEAD_HEADER] = f"{call.overhead() * 1000:.3f}"
     return response
 

@@ -210,13 +210,15 @@ class Metrics(WriterObserver):
         gone = call.status == "client_disconnected" or not call.http_status
         child(metrics.requests, route, "499" if gone else str(call.http_status)).inc()
         child(metrics.duration, route, stream).observe(elapsed)
-        if call.perf_upstream_start is not None and call.perf_upstream_end is not None:
-            upstream = call.perf_upstream_end - call.perf_upstream_start
+        timings = call.timings
+        upstream = timings.upstream_latency
+        if upstream is not None:
             child(metrics.upstream, route).observe(upstream)
-            child(metrics.overhead, route, stream).observe(max(0.0, elapsed - upstream))
-        if call.stream and call.perf_first_content is not None:
-            child(metrics.ttft, route).observe(call.perf_first_content - call.perf_start)
-        for field, n in call.dropped.counts.items():
+            child(metrics.overhead, route, stream).observe(max(0.0, timings.overhead(elapsed)))
+        ttft = timings.ttft
+        if call.stream and ttft is not None:
+            child(metrics.ttft, route).observe(ttft)
+        for field, n in call.request.dropped.counts.items():
             child(metrics.translation_dropped, route, field).inc(n)
         capture = call.capture
         if capture.logprobs_missing:

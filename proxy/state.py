@@ -64,6 +64,11 @@ class ProxyState:
     draining: bool = False
 
     @property
+    def routed_experts(self) -> bool:
+        """--routed-experts: ask the engine for each token's MoE routing (proxy.experts)."""
+        return self.settings.routed_experts
+
+    @property
     def flavor(self) -> str:
         """The upstream's kind now (detection may find it after the start)."""
         return self.upstream_kind.name

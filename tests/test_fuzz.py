@@ -21,7 +21,8 @@ from tracetap.proxy.routing import Routing
 from tracetap.proxy.sse import SSEParser
 
 _STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False),
-                         routing=Routing("auto", native={}), prompt_prefixes=PromptPrefixes())
+                         routing=Routing("auto", native={}), prompt_prefixes=PromptPrefixes(),
+                         routed_experts=False)
 _CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

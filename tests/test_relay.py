@@ -310,8 +310,8 @@ def test_the_record_is_submitted_before_the_write_that_carries_done(
         proxy_to_spaced, asks, monkeypatch):
     """The order itself, spied on in the proxy's process: the writer's ``submit`` comes
     before the write that gives the client ``data: [DONE]``. Kills the journal call moved
-    to just after that write, on either relay path (``ModelCall._as_received`` after its
-    last ``yield``, ``ModelCall._rewritten`` leaving it to ``finish``): reading the record
+    to just after that write, on either relay path (``Relay._as_received`` after its
+    last ``yield``, ``Relay._events`` leaving it to ``finish``): reading the record
     after the client has read [DONE] cannot tell, since the late journal has happened too
     by then."""
     order: list[str] = []
@@ -343,7 +343,7 @@ def test_events_in_the_read_that_carries_done_reach_the_client_byte_for_byte(
     """The upstream writes the last content chunk, the usage chunk and [DONE] at once, and
     the client asked for everything itself (the stream is relayed as it came): the bytes
     before the cut at ``data: [DONE]`` must go out too. Kills dropping ``data[:cut]`` in
-    ``ModelCall._as_received``; the read boundary is checked in the proxy, so the test
+    ``Relay._as_received``; the read boundary is checked in the proxy, so the test
     cannot pass with the three events arriving apart."""
     reads: list[bytes] = []
     relay_chunk = ModelCall.relay_chunk

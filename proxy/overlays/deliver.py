@@ -45,7 +45,7 @@ def rewritten_chat(chat: dict[str, Any], rewrite: Rewrite) -> dict[str, Any]:
 def client_body(call: ModelCall, chat: dict[str, Any]) -> bytes:
     """A whole chat reply as the client's API spells it."""
     if call.translation is not None:
-        return encode(call.translation.from_chat(chat, call.client_payload))
+        return encode(call.translation.from_chat(chat, call.request.client_payload))
     return encode(chat)
 
 
@@ -53,7 +53,7 @@ def client_stream(call: ModelCall, chat: dict[str, Any]) -> bytes:
     """A whole chat reply as the client's stream: chunks, then the end the API uses."""
     translator = None
     if call.translation is not None:
-        translator = call.translation.StreamTranslator(call.client_payload)
+        translator = call.translation.StreamTranslator(call.request.client_payload)
     return _stream(call, _chunks(chat), translator)
 
 
@@ -68,7 +68,7 @@ def _stream(call: ModelCall, chunks: list[dict[str, Any]], translator: Any) -> b
     if translator is not None:
         out = [piece for chunk in chunks for piece in translator.feed(chunk)]
         return b"".join([*out, *translator.finish()])
-    if call.injected.usage:  # the client did not ask for the usage chunk
+    if call.request.injected.usage:  # the client did not ask for the usage chunk
         chunks = [c for c in chunks if c["choices"]]
     return b"".join([*(encode_event(encode(c)) for c in chunks), b"data: [DONE]\n\n"])
 

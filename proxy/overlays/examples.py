@@ -93,6 +93,15 @@ def schema_error(value: Any, schema: Any, where: str = "arguments") -> str | Non
     """The first way ``value`` breaks ``schema`` (a common subset), or None."""
     if not isinstance(schema, dict):
         return None
+    for check in (_value_error, _type_error, _bounds_error, _items_error, _object_error):
+        problem = check(value, schema, where)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _value_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+    """const, enum, anyOf / oneOf."""
     if "const" in schema and value != schema["const"]:
         return f"{where} must be {schema['const']!r}"
     if "enum" in schema and value not in schema["enum"]:
@@ -102,34 +111,53 @@ def schema_error(value: Any, schema: Any, where: str = "arguments") -> str | Non
             schema_error(value, option, where) for option in schema[key]
         ):
             return f"{where} matches none of its allowed shapes"
+    return None
+
+
+def _type_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
     if kinds and not any(_is(value, k) for k in kinds):
         return f"{where} must be of type {' or '.join(kinds)}, got {json.dumps(value)}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            return f"{where} must be at least {schema['minimum']}"
-        if "maximum" in schema and value > schema["maximum"]:
-            return f"{where} must be at most {schema['maximum']}"
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            return f"{where} needs at least {schema['minItems']} items"
-        for i, item in enumerate(value):
-            if (problem := schema_error(item, schema.get("items"), f"{where}[{i}]")) is not None:
-                return problem
-    if isinstance(value, dict):
-        properties = schema.get("properties") or {}
-        for name in schema.get("required") or ():
-            if name not in value:
-                return f"{where} lacks the required {name!r}"
-        if schema.get("additionalProperties") is False:
-            extra = sorted(set(value) - set(properties))
-            if extra:
-                return f"{where} has unknown properties {extra}"
-        for name, item in value.items():
-            problem = schema_error(item, properties.get(name), f"{where}.{name}")
-            if problem is not None:
-                return problem
+    return None
+
+
+def _bounds_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if "minimum" in schema and value < schema["minimum"]:
+        return f"{where} must be at least {schema['minimum']}"
+    if "maximum" in schema and value > schema["maximum"]:
+        return f"{where} must be at most {schema['maximum']}"
+    return None
+
+
+def _items_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+    if not isinstance(value, list):
+        return None
+    if len(value) < schema.get("minItems", 0):
+        return f"{where} needs at least {schema['minItems']} items"
+    for i, item in enumerate(value):
+        if (problem := schema_error(item, schema.get("items"), f"{where}[{i}]")) is not None:
+            return problem
+    return None
+
+
+def _object_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    properties = schema.get("properties") or {}
+    for name in schema.get("required") or ():
+        if name not in value:
+            return f"{where} lacks the required {name!r}"
+    if schema.get("additionalProperties") is False:
+        extra = sorted(set(value) - set(properties))
+        if extra:
+            return f"{where} has unknown properties {extra}"
+    for name, item in value.items():
+        problem = schema_error(item, properties.get(name), f"{where}.{name}")
+        if problem is not None:
+            return problem
     return None
 
 

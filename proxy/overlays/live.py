@@ -5,59 +5,69 @@ Text and reasoning before the first tool-call delta reach the client as they com
 that delta on (and the stream's end marker, so the call is journaled before the client
 sees its end) the client's bytes are held for the hook. The client stream's translator is
 kept as it was before the first tool call, so a replaced ending (a re-sample's tool calls,
-a rewrite) continues the same well-formed stream in the client's API.
+a rewrite) continues the same well-formed stream in the client's API. The stream is read,
+captured and rewritten by the call's own relay (``ModelCall.hold``, ``proxy.relay``):
+this only says which events wait, and writes the others.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.headers import response_headers
-from tracetap.proxy.sse import Event, SSEParser
-from tracetap.proxy.upstream import Reply, UpstreamBroken
+from tracetap.proxy.sse import Event
+from tracetap.proxy.upstream import Reply
 from tracetap.proxy.wire import Message, decode_chat_text
-
-if TYPE_CHECKING:
-    from tracetap.proxy.capture import ModelCall
 
 
 class LiveStream:
-    """The client's stream of one reviewed call: what went out live, and what is held."""
+    """The client's stream of one reviewed call: what went out live, and what is held.
+    It is the ``proxy.relay.Hold`` that ``ModelCall.hold`` reads the first attempt with:
+    the call's relay asks it which events wait, and gives it the rest to write."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
+        self.reply: Reply | None = None  # the upstream's reply whose text goes out live
         self.response: web.StreamResponse | None = None  # prepared at the first live byte
         self.sent_text = ""  # the content the client already has
         self.tool_calls = False  # a tool-call delta came: the rest is held
         self.translator: Any = None  # the client's translator before the first tool call
 
-    async def relay(self, call: ModelCall, reply: Reply) -> bytes:
-        """Consume the whole reply (captured); returns the held bytes, not yet sent."""
-        return await read_stream(call, reply, lambda event: self._event(call, reply, event))
+    def of(self, reply: Reply) -> LiveStream:
+        """Relay ``reply``'s text live (its status and headers start the client's stream)."""
+        self.reply = reply
+        return self
 
-    async def _event(self, call: ModelCall, reply: Reply, event: Event) -> bytes:
+    @property
+    def started(self) -> bool:
+        """Whether the client's stream has begun (it cannot become an error reply)."""
+        return self.response is not None
+
+    # -- proxy.relay.Hold ---------------------------------------------------------------
+    def held(self, event: Event, translator: Any) -> bool:
         if not self.tool_calls and _tool_call_delta(event.data):
             self.tool_calls = True
-            self.translator = copy.deepcopy(call.stream_translator)
-        out = call.on_event(event)
-        if self.tool_calls or call.done:
-            return out
-        self.sent_text += _content(event.data)
-        if out:
-            if self.response is None:
-                self.response = web.StreamResponse(
-                    status=reply.status, headers=response_headers(reply.headers.items())
-                )
-                await self.response.prepare(self.request)
-            await self.response.write(out)
-        return b""
+            self.translator = copy.deepcopy(translator)
+        return self.tool_calls
 
+    def sent(self, event: Event) -> None:
+        self.sent_text += _content(event.data)
+
+    async def write(self, piece: bytes) -> None:
+        if self.response is None:
+            reply = self.reply
+            assert reply is not None
+            self.response = web.StreamResponse(
+                status=reply.status, headers=response_headers(reply.headers.items())
+            )
+            await self.response.prepare(self.request)
+        await self.response.write(piece)
+
+    # -- the end ------------------------------------------------------------------------
     async def finish(self, out: bytes) -> web.StreamResponse:
         """The held (or replaced) ending, after the call was journaled."""
         assert self.response is not None
@@ -75,37 +85,6 @@ class LiveStream:
         if self.request.transport is not None:
             self.request.transport.abort()
         return self.response
-
-
-async def read_stream(
-    call: ModelCall, reply: Reply, each: Callable[[Event], Awaitable[bytes]]
-) -> bytes:
-    """Every event of a streamed reply through ``each``; returns what it held back. An
-    upstream that breaks is a 502 ProxyError (the caller knows whether the client
-    already has part of the stream)."""
-    parser, held = SSEParser(), bytearray()
-    try:
-        async for data in reply.iter_chunks():
-            call.first_byte()
-            for event in parser.feed(data):
-                held += await each(event)
-        tail = parser.flush()
-        if tail is not None:
-            held += await each(tail)
-        call.upstream_done()
-        return bytes(held)
-    except UpstreamBroken as exc:
-        raise broken(call, exc) from exc
-    finally:
-        reply.close()
-
-
-def broken(call: ModelCall, exc: UpstreamBroken) -> ProxyError:
-    """The upstream failed mid-reply: recorded on the call, and the error to raise."""
-    call.upstream_done()
-    call.status, call.error = "upstream_error", str(exc)
-    return ProxyError(502, f"upstream failed mid-reply: {exc}", "upstream_error",
-                      "upstream_error")
 
 
 def _deltas(data: bytes | None) -> list[Message]:

@@ -26,7 +26,6 @@ from tracetap.proxy.overlays.hooks import (
     OverlayEvent,
     OverlayLog,
 )
-from tracetap.proxy.wire import encode
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall
@@ -110,7 +109,7 @@ class Overlays:
         events: list[OverlayEvent] = []
         episode = await self._episode(name, info or EpisodeInfo(id=call.episode_id), events)
         session = Session(self, episode, events)
-        call.overlay = session.log
+        call.under_overlay(session.log)
         return session
 
     async def _info(self, episode_id: str) -> EpisodeInfo | None:
@@ -224,7 +223,7 @@ class Session:
 
     def chat_shaped(self, call: ModelCall) -> bool:
         """Chat completions, or an API translated to chat: what the hooks read."""
-        return call.api.endpoint == CHAT and isinstance(call.payload.get("messages"), list)
+        return call.api.endpoint == CHAT and isinstance(call.request.payload.get("messages"), list)
 
     @property
     def reviews(self) -> bool:
@@ -237,14 +236,15 @@ class Session:
 
     def reviews_reply(self, call: ModelCall) -> bool:
         """Whether the reply waits for ``after_model`` (one choice of a chat call)."""
-        return self.reviews and self.chat_shaped(call) and call.payload.get("n") in (None, 1)
+        one_choice = call.request.payload.get("n") in (None, 1)
+        return self.reviews and self.chat_shaped(call) and one_choice
 
     async def prepare(self, call: ModelCall, body: bytes) -> bytes:
         """The request side: observations, then pre-decision; returns the upstream body."""
         if not self.chat_shaped(call):
             self.event("before_model", "not_covered", f"{call.endpoint} is not chat-shaped")
             return body
-        harness: list[dict[str, Any]] = call.payload["messages"]
+        harness: list[dict[str, Any]] = call.request.payload["messages"]
         self.harness = harness
         context = self.episode.context
         observations = _observations(harness)
@@ -256,7 +256,7 @@ class Session:
         request = ModelRequest(
             model=call.model,
             messages=copy.deepcopy(context.apply(harness)),
-            tools=copy.deepcopy(call.payload.get("tools")),
+            tools=copy.deepcopy(call.request.payload.get("tools")),
         )
         found = await self.hook("before_model", request, self.episode.state, returns=(Inject,))
         self._add(found, "before_model", harness)
@@ -264,12 +264,7 @@ class Session:
 
     def model_body(self, call: ModelCall, harness: list[dict[str, Any]]) -> bytes:
         """The upstream body with the episode's additions; the harness's own if none fit."""
-        messages = self.episode.context.apply(harness)
-        call.payload["messages"] = messages
-        body = encode(call.payload)
-        if messages is not harness:
-            call.upstream_request = body  # the model's view, stored beside the harness's
-        return body
+        return call.model_view(self.episode.context.apply(harness), harness)
 
     def _add(self, found: Inject | None, hook: str, harness: list[dict[str, Any]]) -> None:
         if found is None:

@@ -1,0 +1,109 @@
+"""One model call's request: as the client sent it, and as it goes to the upstream.
+
+``CallRequest`` is the request side of a call: ``decode`` (validation), then ``prepare``
+(the model map, translation to chat with its drops counted, history repair and the
+API's additions for logprobs / ids / usage) once ``ModelCall`` has chosen the route
+(``--translate auto``). Only ``ModelCall`` calls its methods; everything else reads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tracetap.proxy import experts
+from tracetap.proxy.apis.dropped import Dropped
+from tracetap.proxy.errors import bad_request
+from tracetap.proxy.inject import Injected
+from tracetap.proxy.wire import decode_object, encode
+
+if TYPE_CHECKING:
+    from tracetap.proxy.call_services import CallServices
+    from tracetap.proxy.routing import Route
+
+
+class CallRequest:
+    __slots__ = (
+        "body",
+        "client_payload",
+        "dropped",
+        "injected",
+        "payload",
+        "repaired",
+        "stream",
+        "upstream_request",
+    )
+
+    def __init__(self, body: bytes | None = None) -> None:
+        self.body = body  # as the client sent it (kept as bytes: the handler holds them)
+        self.payload: dict[str, Any] = {}  # as sent upstream
+        self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
+        self.dropped = Dropped()  # what translation left out of the client's request
+        self.upstream_request: bytes | None = None  # the engine's view, when not the client's
+        self.repaired = False  # the model's own turns put back (proxy.repair)
+        self.injected = Injected()  # what the API's prepare added for capture
+        self.experts: experts.CallExperts | None = None  # the MoE routing asked for
+        self.stream = False
+
+    @property
+    def text(self) -> str | None:
+        """The client's request as text, decoded when read (the record), so a call in
+        flight holds its prompt once as bytes rather than as bytes and text."""
+        body = self.body
+        return None if body is None else body.decode("utf-8", "replace")
+
+    @property
+    def model(self) -> str | None:
+        model = self.payload.get("model")
+        return model if isinstance(model, str) else None
+
+    def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
+        """The upstream body with ``messages`` in place of the harness's (an overlay's
+        additions); stored beside the client's request when they differ."""
+        self.payload["messages"] = messages
+        body = encode(self.payload)
+        if messages is not harness:
+            self.upstream_request = body
+        return body
+
+    def decode(self) -> dict[str, Any]:
+        """The client's JSON object (raises a 400 ProxyError)."""
+        try:
+            payload = decode_object(self.body)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
+        except msgspec.ValidationError as exc:
+            raise bad_request("request body must be a JSON object", "invalid_json") from exc
+        except RecursionError as exc:  # msgspec's own depth limit
+            raise bad_request("request body nests JSON too deeply", "invalid_json") from exc
+        self.stream = payload.get("stream") is True
+        return payload
+
+    def prepare(self, payload: dict[str, Any], route: Route, services: CallServices,
+                episode_id: str | None) -> bytes:
+        """The body to send upstream on ``route`` (raises a 400 ProxyError when the
+        request cannot be translated)."""
+        body = self.body
+        rewritten = services.model_map.apply(payload)
+        translation = route.translation
+        if translation is not None:
+            self.client_payload = payload
+            try:
+                payload = translation.to_chat(payload, dropped=self.dropped,
+                                              flavor=services.flavor)
+            except translation.Untranslatable as exc:
+                raise bad_request(
+                    f"cannot translate this request to chat completions: {exc.message}",
+                    "untranslatable",
+                ) from exc
+            rewritten = True
+        self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
+        self.payload = payload
+        self.injected = route.api.prepare(payload, services.flavor)
+        self.experts = experts.ask(self, route.api.endpoint, services.routed_experts)
+        if self.injected.any or rewritten or self.repaired:
+            body = encode(payload)
+        if translation is not None or self.repaired:
+            self.upstream_request = body  # stored beside the client's request
+        return body

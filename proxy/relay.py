@@ -1,0 +1,198 @@
+"""An event stream's way from the upstream to the client, for one call.
+
+``Relay.chunk`` is the one place each upstream read of a stream is handled (parsed into
+SSE events, captured, rewritten for the client, held or given out); ``Relay.event`` the
+one place each event is. Three ways out, one code path:
+
+- relayed as it came (the client asked for everything tracetap would add): the read goes
+  out, then capture reads it, off the client's time;
+- rewritten (what tracetap added is stripped, or the reply translated to the client's
+  API): captured and rewritten event by event;
+- held for an overlay's ``after_model`` (``hold``): rewritten, but kept back, all of it or
+  (``Hold.held``) from the first tool call on, until the overlay has judged the reply.
+
+Seams: a feature that acts per upstream read (stopping or continuing a stream when the
+weights change) belongs in ``Relay.chunk``; one that notes something per event or token
+(which policy version produced it) in ``Relay.event``, beside ``capture.add``; what it
+stores goes into the record in one place, ``proxy.call_record.call_record``.
+
+Where the client is about to get the bytes that end the stream, the relay asks the call
+to journal first (``ModelCall.end_reached``); a held stream's end goes out through
+``ModelCall.release`` instead, after the overlay's verdict is on the record.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.inject import CHAT
+from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
+from tracetap.proxy.sse import Event, SSEParser
+from tracetap.proxy.upstream import UpstreamBroken
+
+if TYPE_CHECKING:
+    from tracetap.proxy.capture import ModelCall
+
+# Below this a chunk's prompt ids are few enough to decode with the rest of it.
+_CUT_ABOVE = 4096
+
+
+class Hold(Protocol):
+    """Which events of a held stream wait for the overlay; the rest go out live."""
+
+    def held(self, event: Event, translator: Any) -> bool:
+        """Whether ``event`` is held (read before it is captured; ``translator`` is the
+        client stream's, as it is before the event)."""
+
+    def sent(self, event: Event) -> None:
+        """``event`` was given to the client as it came."""
+
+    async def write(self, piece: bytes) -> None:
+        """Give ``piece`` (events not held) to the client."""
+
+
+class HoldAll:
+    """Everything waits (``after_model`` sees the whole reply)."""
+
+    def held(self, event: Event, translator: Any) -> bool:
+        return True
+
+    def sent(self, event: Event) -> None:  # pragma: no cover - nothing is sent
+        pass
+
+    async def write(self, piece: bytes) -> None:  # pragma: no cover - nothing is sent
+        pass
+
+
+class Relay:
+    """One call's event stream: its parser, its client-side translator, what is held."""
+
+    __slots__ = ("call", "done", "held", "hold", "parser", "rewrite", "translator")
+
+    def __init__(self, call: ModelCall, hold: Hold | None = None) -> None:
+        self.call = call
+        self.parser = SSEParser()
+        self.hold = hold
+        self.rewrite = hold is not None or call.rewrites_stream  # else relayed as it came
+        self.held = bytearray()  # a held stream's bytes for the client, not yet given
+        translation = call.translation
+        self.translator = (  # the client's API written from chat chunks
+            translation.StreamTranslator(call.request.client_payload)
+            if translation is not None and call.request.stream else None
+        )
+        self.done = False  # the upstream sent its end-of-stream marker
+
+    def chunk(self, data: bytes) -> Iterable[bytes]:
+        """One upstream read: the pieces to write to the client now, in order."""
+        if self.rewrite:  # one piece per read; journaled before it is returned if it ends
+            return self._events(self.parser.feed(data))
+        return self._as_received(data)
+
+    def end(self) -> bytes:
+        """The upstream closed the stream: what is left for the client (an unterminated
+        last event, rewritten), possibly nothing."""
+        tail = self.parser.flush()
+        if tail is None:
+            return b""
+        if not self.rewrite:
+            self.event(tail)  # its bytes went out as they came
+            return b""
+        return b"".join(self._events((tail,)))
+
+    def _as_received(self, data: bytes) -> Iterator[bytes]:
+        """Nothing to remove: the upstream's bytes go out as they came, then capture
+        reads them (off the client's time)."""
+        parser = self.parser
+        if b"[DONE]" not in parser.tail(6) + data:
+            yield data
+            for event in parser.feed(data):
+                self.event(event)
+            return
+        # This read ends the stream.
+        cut = max(data.find(b"data: [DONE]"), 0)
+        if cut:
+            yield data[:cut]
+        for event in parser.feed(data):
+            self.event(event)
+        if self.done:
+            self.call.end_reached()
+        yield data[cut:]
+
+    def _events(self, events: Iterable[Event]) -> list[bytes]:
+        """Events rewritten to drop what the proxy added (or translated), or held: the
+        pieces to give out now (one, or none). When the end is seen on a stream that is
+        not held, the call is journaled before anything is returned."""
+        hold, out = self.hold, []
+        for event in events:
+            if hold is None:
+                out.append(self.event(event))
+                if self.done:
+                    self.call.end_reached()  # as the end is seen: later events are not the call's
+                continue
+            held = hold.held(event, self.translator)
+            piece = self.event(event)
+            if held or self.done:
+                self.held += piece
+            else:
+                hold.sent(event)
+                out.append(piece)
+        return [b"".join(out)] if any(out) else []
+
+    def event(self, event: Event) -> bytes:
+        """One SSE event: capture it; return the bytes the client should get for it."""
+        call = self.call
+        data = event.data
+        translator = self.translator
+        if data is None:
+            return event.raw if translator is None else b""
+        if call.api.is_end(data):
+            self.done = True
+            call.timings.upstream_done()
+            if translator is not None:
+                return b"".join(translator.finish())
+            if data == b"[DONE]":
+                return event.raw
+        elif call.timings.perf_first_content is None:
+            call.timings.first_content()
+        capture, injected = call.capture, call.request.injected
+        stripped = event  # what strip_event reads: without the ids the proxy asked for
+        if len(data) > _CUT_ABOVE and KEY in data and getattr(capture, "endpoint", "") == CHAT:
+            cut = cut_prompt_ids(data)  # the prompt's ids (vLLM's first chunk), as bytes
+            if cut is not None:
+                data, prompt_ids = cut
+                capture.add_prompt_ids(prompt_ids, functools.partial(
+                    call.services.prompt_prefixes.decode_packed, call.episode_id))
+                if injected.token_ids:
+                    stripped = Event(event.raw, data)
+        capture.add(data)
+        call.arrived(data)
+        if capture.ended and not self.done:  # a terminal event that carries data
+            self.done = True
+            call.timings.upstream_done()
+        if translator is not None:
+            # The translator reads the whole chat chunk (usage too) and writes only the
+            # client's API, so nothing the proxy asked for can reach the client.
+            try:
+                return b"".join(
+                    translator.feed(read_chunk_bytes(data, logprobs=translator.wants_logprobs))
+                )
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return b""  # capture noted the bad chunk; the client's stream stays valid
+        if not injected.any:
+            return event.raw
+        try:
+            return call.api.strip_event(stripped, injected)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return event.raw  # relayed as is; capture noted the bad chunk
+
+
+def broken_error(exc: UpstreamBroken) -> ProxyError:
+    """The error for an upstream that failed mid-reply, before the client got any of it."""
+    return ProxyError(502, f"upstream failed mid-reply: {exc}", "upstream_error",
+                      "upstream_error")

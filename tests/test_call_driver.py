@@ -1,0 +1,88 @@
+"""ModelCall as the one driver of a call (issue 31): an overlay's review re-samples through
+the call's own API, so the budget and journal rules hold for every attempt. Each test
+spies on the proxy's own objects (the budgets, the writer, the client's writes) and
+observes the order or the count, which reading the stored records afterwards cannot."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import Proxy, free_port
+from tests.test_overlays import QUESTION, SYSTEM, chat, register
+from tracetap.migrations import upgrade
+from tracetap.proxy.settings import Settings
+from tracetap.storage import budget_ledger
+
+
+@pytest.fixture
+def proxy(loop_thread, engine, tmp_path):
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
+                        port=free_port(), episode_max_tokens=1_000_000,
+                        overlay=["vetoer=tests.overlay_fixtures:first_vetoer"])
+    p = Proxy(loop_thread, settings).start()
+    yield p
+    p.stop()
+
+
+def _tokens(call: dict) -> int:
+    return (call["prompt_tokens"] or 0) + (call["completion_tokens"] or 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_attempt_spends_its_own_tokens_once_and_the_reservation_is_settled_once(
+        proxy, stream, monkeypatch):
+    """A vetoed turn is two attempts: the re-sample spends its tokens from the first's
+    reservation (once), and the first settles its reservation with its own tokens (once,
+    when the call ends). Kills spending an attempt twice (its veto and its end), or the
+    re-sample's tokens counted under the first's settlement."""
+    budgets = proxy.state.budgets
+    seen: list[tuple[str, int]] = []
+    settle, spend = budgets.settle, budgets.spend
+    monkeypatch.setattr(budgets, "settle",
+                        lambda r, used: (seen.append(("settle", used)), settle(r, used))[1])
+    monkeypatch.setattr(budgets, "spend",
+                        lambda r, used: (seen.append(("spend", used)), spend(r, used))[1])
+    episode = f"budget-{stream}"
+    register(proxy, episode, "vetoer")
+    chat(proxy, episode, [SYSTEM, QUESTION], stream=stream)
+    first, second = proxy.calls(episode)
+    assert (first["status"], second["status"]) == ("vetoed", "ok")
+    assert _tokens(first) and _tokens(second)
+    assert sorted(seen) == [("settle", _tokens(first)), ("spend", _tokens(second))]
+    proxy.loop.run(budgets.settled())
+    spent = proxy.loop.run(budget_ledger.spent(proxy.state.engine, episode))
+    assert spent.tokens_used == _tokens(first) + _tokens(second)
+    assert spent.tokens_reserved == 0 and spent.calls == 1  # one call of the harness
+
+
+def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, monkeypatch):
+    """The reviewed stream's end goes out through ``ModelCall.release``: both attempts'
+    records are handed to the writer before the write that gives the client
+    ``data: [DONE]``. Kills the journal moved after the held reply is written."""
+    order: list[str] = []
+    writer = proxy.state.writer
+    submit = writer.submit
+
+    def spied_submit(record):
+        order.append(f"submit {record.status}")
+        return submit(record)
+
+    write = web.StreamResponse.write
+
+    async def spied_write(self, data):
+        if b"data: [DONE]" in data:  # the engine's writes (each attempt's) and the proxy's
+            server = "proxy" if self._req.url.port == proxy.settings.port else "engine"
+            order.append(f"[DONE] written by the {server}")
+        return await write(self, data)
+
+    monkeypatch.setattr(writer, "submit", spied_submit)
+    monkeypatch.setattr(web.StreamResponse, "write", spied_write)
+    register(proxy, "held-order", "vetoer")
+    content, _ = chat(proxy, "held-order", [SYSTEM, QUESTION], stream=True)
+    assert content
+    assert order == ["[DONE] written by the engine", "submit vetoed",
+                     "[DONE] written by the engine", "submit ok",
+                     "[DONE] written by the proxy"]
