@@ -27,6 +27,7 @@ class CallRequest:
     __slots__ = (
         "body",
         "client_payload",
+        "experts",
         "dropped",
         "injected",
         "payload",
