@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tracetap.proxy.inject import COMPLETIONS
-from tracetap.proxy.wire import encode
+from tracetap.proxy.apis.chat import COMPLETIONS
+from tracetap.proxy.apis.chat.wire import encode
 from tracetap.storage.records import CallRecord
 
 if TYPE_CHECKING:

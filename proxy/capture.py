@@ -37,17 +37,18 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.apis import Injected
+from tracetap.proxy.apis.chat import CHAT
+from tracetap.proxy.apis.chat.reply import read_chunk_bytes
+from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.budgets import Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.inject import CHAT, Injected
 from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.routing import Route
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.state import ProxyState
-from tracetap.proxy.wire import decode_object, encode
 
 
 class ModelCall:

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from tracetap.proxy.apis import WireApi
-from tracetap.proxy.apis.chat import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis.chat.capture import CHAT_API, COMPLETIONS_API
 from tracetap.proxy.apis.messages import translate as messages_translate
 from tracetap.proxy.apis.responses import translate as responses_translate
 

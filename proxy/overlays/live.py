@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from tracetap.proxy.apis.chat.wire import Message, decode_chat_text
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.headers import response_headers
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
-from tracetap.proxy.wire import Message, decode_chat_text
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall
@@ -109,7 +109,7 @@ def broken(call: ModelCall, exc: UpstreamBroken) -> ProxyError:
 
 
 def _deltas(data: bytes | None) -> list[Message]:
-    """The chunk's deltas, read through the chat wire Structs (``proxy.wire``)."""
+    """The chunk's deltas, read through the chat wire Structs (``proxy.apis.chat.wire``)."""
     try:
         body = decode_chat_text(data) if data else None
     except (msgspec.DecodeError, msgspec.ValidationError):

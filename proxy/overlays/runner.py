@@ -14,9 +14,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from tracetap.proxy.apis.chat import CHAT
+from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.headers import OVERLAY_HEADER
-from tracetap.proxy.inject import CHAT
 from tracetap.proxy.overlays.context import Context, leading_system
 from tracetap.proxy.overlays.hooks import (
     EpisodeInfo,
@@ -26,7 +27,6 @@ from tracetap.proxy.overlays.hooks import (
     OverlayEvent,
     OverlayLog,
 )
-from tracetap.proxy.wire import encode
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall

@@ -12,10 +12,9 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis import CaptureBase
-from tracetap.proxy.inject import Injected
+from tracetap.proxy.apis import CaptureBase, Injected
+from tracetap.proxy.apis.chat.wire import decode_event
 from tracetap.proxy.sse import Event
-from tracetap.proxy.wire import decode_event
 from tracetap.storage.records import ChoiceRecord
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",

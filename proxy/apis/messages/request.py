@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracetap.proxy.apis.chat_request import (
+from tracetap.proxy.apis.chat.request import (
     ModelMap,
     as_list,
     as_object,

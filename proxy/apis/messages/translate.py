@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
+from tracetap.proxy.apis.chat.reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
 from tracetap.proxy.apis.messages.request import to_chat
 from tracetap.proxy.apis.translate_errors import Untranslatable, read_upstream_error
 from tracetap.proxy.apis.wire_out import new_id, sse_event

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis import CaptureBase
-from tracetap.proxy.inject import Injected, count_field
+from tracetap.proxy.apis import CaptureBase, Injected
+from tracetap.proxy.apis.chat.inject import count_field
+from tracetap.proxy.apis.chat.wire import decode_event, decode_object, encode
 from tracetap.proxy.sse import Event
-from tracetap.proxy.wire import decode_event, decode_object, encode
 from tracetap.storage.records import ChoiceRecord
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import read_reply
+from tracetap.proxy.apis.chat.reply import read_reply
 from tracetap.proxy.apis.responses.objects import (
     Items,
     call_id,
