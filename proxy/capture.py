@@ -146,10 +146,7 @@ class ModelCall:
                 payload = self.translation.to_chat(payload, dropped=self.dropped,
                                                    flavor=self.state.flavor)
             except self.translation.Untranslatable as exc:
-                raise bad_request(
-                    f"cannot translate this request to chat completions: {exc.message}",
-                    "untranslatable",
-                ) from exc
+                raise self.translation.untranslatable(exc) from exc
             rewritten = True
             if self.stream:
                 self.stream_translator = self.translation.StreamTranslator(self.client_payload)
@@ -189,7 +186,7 @@ class ModelCall:
         self.status = status
         self.http_status = error.status
         self.error = error.message
-        return error.response(anthropic=self.endpoint.startswith("messages"))
+        return error.response(self.route.errors)
 
     # -- relay ----------------------------------------------------------------------
     def sending(self) -> None:
