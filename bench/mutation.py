@@ -47,13 +47,13 @@ MODULES = {
     "storage/quarantine.py": _QUARANTINE,
     "storage/quarantine_command.py": _QUARANTINE,
     "storage/retention.py": ["tests/test_prune.py", "tests/test_prune_blocks.py"],
-    "proxy/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
+    "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
     "proxy/capture.py": _RELAY,
     "proxy/handlers.py": [*_RELAY, "tests/test_faults.py"],
     # Capture and translation of the Messages and Responses APIs.
-    "proxy/apis/chat_reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
+    "proxy/apis/chat/reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
                                  "tests/test_translate_responses.py"],
     "proxy/apis/messages/request.py": _MESSAGES,
     "proxy/apis/messages/translate.py": _MESSAGES,

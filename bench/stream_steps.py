@@ -19,9 +19,10 @@ import time
 from capture_cost import CHAT, ModelCall, _request, _state
 from upstream import BODIES, STREAMS
 
-from tracetap.proxy.assemble import Capture
-from tracetap.proxy.inject import CHAT as CHAT_ENDPOINT
-from tracetap.proxy.inject import Injected, strip_body, strip_chunk
+from tracetap.proxy.apis import Injected
+from tracetap.proxy.apis.chat import CHAT as CHAT_ENDPOINT
+from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.apis.chat.inject import strip_body, strip_chunk
 from tracetap.proxy.sse import SSEParser
 
 READS = STREAMS[True, True, True][:-1]  # [DONE] left out: its read journals the call

@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import read_chunk
+from tracetap.proxy.apis.chat.reply import read_chunk
 from tracetap.proxy.apis.messages import translate as messages
 from tracetap.proxy.apis.responses import translate as responses
 

@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.errors import ProxyError, bad_request, forbidden, not_found, unauthorized
 from tracetap.proxy.finish_integrity import verdict_at_finish
@@ -100,7 +101,7 @@ def _errors(handler):
         try:
             return await handler(request)
         except ProxyError as error:
-            return error.response()
+            return error.response(OPENAI_ERRORS)  # the admin API answers in OpenAI's shape
 
     wrapped.__name__ = handler.__name__
     return wrapped

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tracetap.proxy.inject import COMPLETIONS
+from tracetap.proxy.apis.chat import COMPLETIONS
+from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.lineage import conversation
-from tracetap.proxy.wire import encode
 from tracetap.storage.records import CallRecord
 
 if TYPE_CHECKING:

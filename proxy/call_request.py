@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tracetap.proxy import experts
+from tracetap.proxy.apis import Injected
+from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.errors import bad_request
-from tracetap.proxy.inject import Injected
-from tracetap.proxy.wire import decode_object, encode
 
 if TYPE_CHECKING:
     from tracetap.proxy.call_services import CallServices
@@ -27,8 +27,8 @@ class CallRequest:
     __slots__ = (
         "body",
         "client_payload",
-        "experts",
         "dropped",
+        "experts",
         "injected",
         "payload",
         "repaired",
@@ -94,10 +94,7 @@ class CallRequest:
                 payload = translation.to_chat(payload, dropped=self.dropped,
                                               flavor=services.flavor)
             except translation.Untranslatable as exc:
-                raise bad_request(
-                    f"cannot translate this request to chat completions: {exc.message}",
-                    "untranslatable",
-                ) from exc
+                raise translation.untranslatable(exc) from exc
             rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
         self.payload = payload

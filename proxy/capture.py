@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.budgets import Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.call_request import CallRequest
@@ -63,7 +64,6 @@ from tracetap.proxy.relay import Hold, HoldAll, Relay, broken_error
 from tracetap.proxy.routing import Route
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.proxy.versions import CallVersions
-from tracetap.proxy.wire import decode_object, encode
 
 if TYPE_CHECKING:
     from tracetap.proxy.call_services import CallServices
@@ -194,7 +194,7 @@ class ModelCall:
         self.status = status
         self.http_status = error.status
         self.error = error.message
-        return error.response(anthropic=self.endpoint.startswith("messages"))
+        return error.response(self.route.errors)
 
     # -- relay ----------------------------------------------------------------------
     def sending(self) -> None:

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tracetap.proxy.assemble import Capture
+from tracetap.proxy.apis.chat import CHAT
+from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.ids import uuid7
-from tracetap.proxy.inject import CHAT
 from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord

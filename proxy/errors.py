@@ -1,13 +1,20 @@
-"""The one OpenAI-style error shape every failure the proxy itself answers uses."""
+"""The error every failure the proxy itself answers raises, in no API's shape yet.
+
+The body is written by the client's API (``proxy/apis/<api>/errors.py``: OpenAI's shape
+for chat, completions and Responses, Anthropic's for Messages), chosen once per request
+from its route (``proxy.routing.client_errors``): a ``ProxyError`` only says what went
+wrong.
+"""
 
 from __future__ import annotations
 
-import msgspec
+from typing import Protocol
+
 from aiohttp import web
 
 
 class ProxyError(Exception):
-    """An error answered to the client as ``{"error": {message, type, code}}``."""
+    """A refusal or failure answered to the client with ``status`` and an error body."""
 
     def __init__(
         self,
@@ -16,41 +23,37 @@ class ProxyError(Exception):
         type: str = "invalid_request_error",
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type
+        self.type = type  # OpenAI's error type; Anthropic's shape derives its own from status
         self.code = code
         self.headers = headers
+        self.param = param  # the offending part of the request, where one is named
 
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": self.type, "param": None, "code": self.code}
-        return msgspec.json.encode({"error": error})
-
-    def anthropic_body(self) -> bytes:
-        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
-        return msgspec.json.encode({"type": "error",
-                                    "error": {"type": kind, "message": self.message}})
-
-    def response(self, anthropic: bool = False) -> web.Response:
-        """The error in the client's API shape: OpenAI's, or Anthropic's for Messages."""
+    def response(self, errors: ErrorShape) -> web.Response:
+        """The error in the client's API shape."""
         return web.Response(
             status=self.status,
-            body=self.anthropic_body() if anthropic else self.body(),
+            body=errors.body(self),
             content_type="application/json",
             headers=self.headers,
         )
 
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 529: "overloaded_error"}
+class ErrorShape(Protocol):
+    """One client API's error body: the one place its shape is decided."""
 
+    def body(self, error: ProxyError) -> bytes:
+        """A refusal or failure of the proxy's own."""
+        ...
 
-def speaks_anthropic(path: str, headers) -> bool:
-    """Whether the client uses Anthropic's API, whose SDKs read only their error shape."""
-    return "/messages" in path or "anthropic-version" in headers
+    def from_upstream(self, status: int, body: bytes) -> bytes:
+        """An upstream's error body of any shape (a translated call's chat upstream);
+        never raises."""
+        ...
 
 
 def bad_request(message: str, code: str = "invalid_request") -> ProxyError:

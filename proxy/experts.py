@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from tracetap.proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.storage.experts import BadRouting, pack
 from tracetap.storage.records import ChoiceRecord
 

@@ -11,7 +11,7 @@ from tracetap.proxy import continuation, lineage
 from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded
 from tracetap.proxy.capture import ModelCall
-from tracetap.proxy.errors import ProxyError, speaks_anthropic
+from tracetap.proxy.errors import ErrorShape, ProxyError
 from tracetap.proxy.exposure import checked_path, refused, upstream_path
 from tracetap.proxy.headers import (
     OVERHEAD_HEADER,
@@ -22,7 +22,7 @@ from tracetap.proxy.ids import uuid7
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.review import review
 from tracetap.proxy.relay import broken_error
-from tracetap.proxy.routing import Route
+from tracetap.proxy.routing import Route, client_errors
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
 
@@ -46,8 +46,7 @@ _BASE_PATHS = ("", "/", "/v1", "/v1/")
 async def agent_request(request: web.Request) -> web.StreamResponse:
     """Every agent request: the model API is captured or relayed, all else refused."""
     state = request.app[STATE]
-    path = _api_path(request)
-    anthropic = speaks_anthropic(path, request.headers)
+    errors = client_errors(_api_path(request), request.headers)  # a route's, when it has one
     try:
         path = _api_path(request, checked_path(request.raw_path))
         route = state.routing.route(path, state.flavor) if request.method == "POST" else None
@@ -63,8 +62,8 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     except ProxyError as error:
         if error.code == "invalid_path":
             state.metrics.child(state.metrics.refused, "invalid_path").inc()
-        return error.response(anthropic)
-    return await passthrough(request, path)
+        return error.response(errors)
+    return await passthrough(request, path, errors)
 
 
 def _api_path(request: web.Request, checked: str | None = None) -> str:
@@ -225,7 +224,7 @@ async def _relay_stream(request: web.Request, reply: Reply, call: ModelCall,
     return response
 
 
-async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
+async def passthrough(request: web.Request, path: str, errors: ErrorShape) -> web.StreamResponse:
     """An exposed path that is not captured (models, tokenize, --allow-path): the body
     read under the same limit as model calls, the reply relayed untouched as it streams."""
     state = request.app[STATE]
@@ -241,7 +240,7 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
             request.headers, request.match_info.get("episode"), model_call=False)
     except ProxyError as error:  # the same checks as a model call's, so nothing is stored
         count_refusal(state.metrics, error)
-        return error.response(speaks_anthropic(path, request.headers))
+        return error.response(errors)
     code = "499"
     try:
         try:
@@ -255,7 +254,7 @@ async def passthrough(request: web.Request, path: str) -> web.StreamResponse:
             )
         except ProxyError as error:
             code = str(error.status)
-            return error.response(speaks_anthropic(path, request.headers))
+            return error.response(errors)
         response = web.StreamResponse(
             status=reply.status, headers=response_headers(reply.headers.items())
         )

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.apis.chat import CHAT
+from tracetap.proxy.apis.chat.reply import read_chunk_bytes
 from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.inject import CHAT
 from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.sse import Event, SSEParser
 from tracetap.proxy.upstream import UpstreamBroken

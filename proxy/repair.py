@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tracetap.exporters.history import Turn, equivalent, turn, turn_cause
-from tracetap.proxy.inject import CHAT
+from tracetap.proxy.apis.chat import CHAT
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall

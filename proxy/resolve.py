@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from tracetap.proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.local_tokenizer import LocalTokenizer
 from tracetap.proxy.tokenizers import EngineTokenizer, NoChatTemplate, TokenizeFailed, detect
 from tracetap.proxy.traffic import Traffic

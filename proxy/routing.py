@@ -10,19 +10,26 @@ could get output native Responses have no logprobs for (``for_request``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
 from tracetap.proxy.apis import WireApi
-from tracetap.proxy.apis.chat import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis.chat.capture import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
 from tracetap.proxy.apis.messages import translate as messages_translate
+from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
 from tracetap.proxy.apis.responses import translate as responses_translate
+from tracetap.proxy.errors import ErrorShape
 
 TRANSLATABLE = ("responses", "messages")
 CAPTURED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                   "/v1/responses": "responses", "/v1/messages": "messages"}
 _TRANSLATIONS = {"responses": responses_translate, "messages": messages_translate}
 _NATIVE_FLAVORS = {"responses": ("vllm",), "messages": ()}
+# The error shape each client API reads: Responses is an OpenAI API too.
+_ERRORS: dict[str, ErrorShape] = {"chat": OPENAI_ERRORS, "completions": OPENAI_ERRORS,
+                                  "responses": OPENAI_ERRORS, "messages": ANTHROPIC_ERRORS}
 
 
 class Route(NamedTuple):
@@ -30,6 +37,20 @@ class Route(NamedTuple):
     translation: ModuleType | None  # the client's API ⇄ chat, when translated
     endpoint: str  # stored in calls.endpoint: the client's API, ":chat" when translated
     label: str  # the metrics route label
+    errors: ErrorShape  # the client's API's error body, whatever the upstream speaks
+
+
+def client_errors(path: str, headers: Mapping[str, str]) -> ErrorShape:
+    """The error shape a request is answered in, decided once per request: a captured
+    path's own API's (the one its ``Route`` carries); for any other path Anthropic's when
+    it is under ``/v1/messages`` (``count_tokens``, batches) or the client sends
+    ``anthropic-version`` (Anthropic's SDKs read only their own shape), else OpenAI's."""
+    name = CAPTURED_PATHS.get(path.rstrip("/"))
+    if name is not None:
+        return _ERRORS[name]
+    if path.startswith("/v1/messages/") or "anthropic-version" in headers:
+        return ANTHROPIC_ERRORS
+    return OPENAI_ERRORS
 
 
 def parse_translate(value: str) -> tuple[str, ...] | None:
@@ -62,9 +83,9 @@ class Routing:
         if name is None:
             return None
         if name in TRANSLATABLE and self.translates(name, flavor):
-            return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name)
+            return _translated(name)
         api = self.native.get(name)
-        return None if api is None else Route(api, None, api.endpoint, api.route)
+        return None if api is None else Route(api, None, api.endpoint, api.route, _ERRORS[name])
 
     def fallback(self, route: Route) -> Route | None:
         """Under ``auto``, a native call the upstream answered 404: translate it, and
@@ -74,7 +95,7 @@ class Routing:
                 TRANSLATABLE):
             return None
         self._missing.add(name)
-        return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name)
+        return _translated(name)
 
     def for_request(self, route: Route, payload: dict[str, Any]) -> Route:
         """Under ``auto``, a Responses call that native capture would store without
@@ -84,13 +105,18 @@ class Routing:
         if (self.translate is not None or route.translation is not None
                 or route.api.endpoint != "responses" or not native_loses_logprobs(payload)):
             return route
-        return Route(CHAT_API, _TRANSLATIONS["responses"], "responses:chat", "responses")
+        return _translated("responses")
 
     def translates(self, name: str, flavor: str) -> bool:
         if self.translate is not None:
             return name in self.translate
         return (flavor not in _NATIVE_FLAVORS[name] or name not in self.native
                 or name in self._missing)
+
+
+def _translated(name: str) -> Route:
+    """The client's API ``name`` spoken to the upstream as chat completions."""
+    return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name, _ERRORS[name])
 
 
 def native_loses_logprobs(payload: dict[str, Any]) -> bool:

@@ -478,7 +478,7 @@ def translating_app(api, upstream: str, *, model_map=None, sent: list | None = N
         try:
             chat = api.to_chat(body, model_map=model_map)
         except api.Untranslatable as exc:
-            return web.Response(status=400, body=api.untranslatable_error(exc),
+            return web.Response(status=400, body=api.ERRORS.body(api.untranslatable(exc)),
                                 content_type="application/json")
         if sent is not None:
             sent.append(chat)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tracetap.proxy.assemble import Capture
-from tracetap.proxy.inject import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat.capture import Capture
 
 
 def _chunk(**choice) -> bytes:

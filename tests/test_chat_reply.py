@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracetap.proxy.apis.chat_reply import read_chunk, read_chunk_bytes
+from tracetap.proxy.apis.chat.reply import read_chunk, read_chunk_bytes
 
 _text = st.one_of(st.none(), st.text(max_size=8))
 _scalar = st.one_of(st.none(), st.integers(-3, 3), st.text(max_size=4), st.booleans())

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracetap.proxy.assemble import Capture
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.inject import CHAT, COMPLETIONS
 from tracetap.proxy.model_map import ModelMap
 from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair

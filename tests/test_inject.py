@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tracetap.proxy.inject import CHAT, COMPLETIONS, prepare, strip_body, strip_chunk
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
 
 
 def test_chat_stream_on_vllm_asks_for_everything():

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import Proxy, free_port, scripted_chat_app
+from tracetap import cli
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
-from tracetap import cli
 from tracetap.proxy.settings import Settings
 from tracetap.storage.engine import create_engine
 from tracetap.storage.integrity import cause_of, verdicts_of

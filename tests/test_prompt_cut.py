@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracetap.proxy.assemble import Capture
-from tracetap.proxy.inject import CHAT
+from tracetap.proxy.apis.chat import CHAT
+from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.prompt_cut import cut_prompt_ids
 
 IDS = list(range(100, 140))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests import harnesses as h
 from tests.conftest import free_port
 from tracetap.exporters import export
-from tracetap.proxy.inject import CHAT
+from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.repair import Repair
 from tracetap.proxy.settings import Settings
 

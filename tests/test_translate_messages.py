@@ -22,12 +22,13 @@ from tracetap.demo import tokenizer as tok
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.messages import translate as api
 from tracetap.proxy.apis.messages.translate import (
+    ERRORS,
     StreamTranslator,
     Untranslatable,
     error_from_chat,
     from_chat,
     to_chat,
-    untranslatable_error,
+    untranslatable,
 )
 
 EVENTS = TypeAdapter(RawMessageStreamEvent)
@@ -184,7 +185,7 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
         to_chat(request_body)
     assert caught.value.param == param
     assert words in caught.value.message
-    body = ErrorResponse.model_validate_json(untranslatable_error(caught.value))
+    body = ErrorResponse.model_validate_json(ERRORS.body(untranslatable(caught.value)))
     assert body.error.type == "invalid_request_error"
     assert caught.value.message in body.error.message
 

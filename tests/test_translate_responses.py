@@ -21,12 +21,13 @@ from tracetap.demo import tokenizer as tok
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.responses import translate as api
 from tracetap.proxy.apis.responses.translate import (
+    ERRORS,
     StreamTranslator,
     Untranslatable,
     error_from_chat,
     from_chat,
     to_chat,
-    untranslatable_error,
+    untranslatable,
 )
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -173,7 +174,7 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
         to_chat(request_body)
     assert caught.value.param == param
     assert words in caught.value.message
-    error = json.loads(untranslatable_error(caught.value))["error"]
+    error = json.loads(ERRORS.body(untranslatable(caught.value)))["error"]
     assert error["param"] == param and caught.value.message in error["message"]
     assert error["type"] == "invalid_request_error"
 

@@ -12,9 +12,28 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tracetap.proxy.inject import Injected
+import msgspec
+
 from tracetap.proxy.sse import Event
 from tracetap.storage.records import ChoiceRecord
+
+
+class Injected(msgspec.Struct, kw_only=True):
+    """What the proxy added to one request (``prepare``), so it can be taken out again."""
+
+    logprobs: bool = False
+    usage: bool = False
+    token_ids: bool = False
+    # What the client itself asked for, kept for storage decisions.
+    client_top_logprobs: int = 0
+    # Responses echo ``top_logprobs``: null again when the client did not set it.
+    top_logprobs_echo: bool = False
+    # MoE routing (--routed-experts, proxy.experts): removed from every reply.
+    experts: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.logprobs or self.usage or self.token_ids or self.experts
 
 
 class Reassembly(Protocol):

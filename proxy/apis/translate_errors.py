@@ -1,10 +1,14 @@
-"""Errors of translation: a request with no chat equivalent, and an upstream's error body."""
+"""Errors of translation: a request with no chat equivalent, and an upstream's error body.
+
+The bodies the client gets are written by its API's ``errors`` module."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import msgspec
+
+from tracetap.proxy.errors import ProxyError
 
 _MAX_MESSAGE_CHARS = 2000
 
@@ -19,6 +23,12 @@ class Untranslatable(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def refusal(self, api: str) -> ProxyError:
+        """The 400 the client gets, ``api`` naming its API in the message."""
+        return ProxyError(400, f"cannot translate this {api} request to chat completions: "
+                          f"{self.message}", "invalid_request_error", "unsupported_parameter",
+                          param=self.param)
 
 
 class UpstreamError(msgspec.Struct, frozen=True):

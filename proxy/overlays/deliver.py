@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.overlays.hooks import Rewrite
 from tracetap.proxy.sse import encode_event
-from tracetap.proxy.wire import encode
 
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall

@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tracetap.proxy.apis.chat.wire import Message, decode_chat_text
 from tracetap.proxy.headers import response_headers
 from tracetap.proxy.sse import Event
 from tracetap.proxy.upstream import Reply
-from tracetap.proxy.wire import Message, decode_chat_text
 
 
 class LiveStream:
@@ -88,7 +88,7 @@ class LiveStream:
 
 
 def _deltas(data: bytes | None) -> list[Message]:
-    """The chunk's deltas, read through the chat wire Structs (``proxy.wire``)."""
+    """The chunk's deltas, read through the chat wire Structs (``proxy.apis.chat.wire``)."""
     try:
         body = decode_chat_text(data) if data else None
     except (msgspec.DecodeError, msgspec.ValidationError):

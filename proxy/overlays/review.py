@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from tracetap.proxy.apis.chat_reply import read_reply
+from tracetap.proxy.apis.chat.reply import read_reply
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.headers import response_headers

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.errors import ProxyError, bad_request
 from tracetap.proxy.headers import OVERLAY_HEADER
-from tracetap.proxy.inject import CHAT
 from tracetap.proxy.overlays.context import Context, leading_system
 from tracetap.proxy.overlays.hooks import (
     EpisodeInfo,

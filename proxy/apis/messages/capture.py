@@ -12,10 +12,9 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis import CaptureBase
-from tracetap.proxy.inject import Injected
+from tracetap.proxy.apis import CaptureBase, Injected
+from tracetap.proxy.apis.chat.wire import decode_event
 from tracetap.proxy.sse import Event
-from tracetap.proxy.wire import decode_event
 from tracetap.storage.records import ChoiceRecord
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
@@ -58,22 +57,14 @@ class MessagesCapture(CaptureBase):
             return
         kind = event.get("type")
         if kind == "message":  # a whole, non-streamed reply
-            self._start(event)
-            for i, block in enumerate(event.get("content") or ()):
-                self._blocks[i] = dict(block)
-            self._stop = event.get("stop_reason")
+            self._whole(event)
         elif kind == "message_start" and isinstance(event.get("message"), dict):
             self._start(event["message"])
         elif kind == "content_block_start":
             self._blocks[event.get("index", len(self._blocks))] = dict(
                 event.get("content_block") or {})
         elif kind == "content_block_delta":
-            block = self._blocks.setdefault(event.get("index", 0), {"type": "text", "text": ""})
-            delta = event.get("delta") or {}
-            for key, field in (("text", "text"), ("partial_json", "input_json"),
-                               ("thinking", "thinking")):
-                if key in delta:
-                    block[field] = (block.get(field) or "") + delta[key]
+            self._delta(event)
         elif kind == "message_delta":
             self._stop = (event.get("delta") or {}).get("stop_reason") or self._stop
             self._usage.update(event.get("usage") or {})
@@ -84,6 +75,20 @@ class MessagesCapture(CaptureBase):
                 self.errors.append(f"upstream stream error: {event.get('error')}")
         elif kind not in ("content_block_stop", "ping"):
             self.unknown_events += 1  # relayed as it came; counted
+
+    def _whole(self, message: dict[str, Any]) -> None:
+        self._start(message)
+        for i, block in enumerate(message.get("content") or ()):
+            self._blocks[i] = dict(block)
+        self._stop = message.get("stop_reason")
+
+    def _delta(self, event: dict[str, Any]) -> None:
+        block = self._blocks.setdefault(event.get("index", 0), {"type": "text", "text": ""})
+        delta = event.get("delta") or {}
+        for key, field in (("text", "text"), ("partial_json", "input_json"),
+                           ("thinking", "thinking")):
+            if key in delta:
+                block[field] = (block.get(field) or "") + delta[key]
 
     def _start(self, message: dict[str, Any]) -> None:
         self._message = message

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracetap.proxy.apis.chat_request import (
+from tracetap.proxy.apis.chat.request import (
     ModelMap,
     as_list,
     as_object,
@@ -53,7 +53,24 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
     model = mapped_model(req, model_map)
     if model is not None:
         chat["model"] = model
-    t = _Turns(drops)
+    turns = _Turns(drops)
+    _messages(req, chat, turns)
+    _tools(req, chat, turns, drops)
+    _sampling(req, chat)
+    _output_config(req, chat, drops)
+    if req.get("output_format") is not None:
+        chat["response_format"] = _output_format(req["output_format"], "output_format")
+    chat.update(reasoning_options(effort=_effort(req), thinking=_thinking(req, drops),
+                                  flavor=flavor, dropped=drops))
+    if optional_bool(req, "stream"):
+        chat["stream"] = True
+        # message_delta reports usage; a chat stream does only when asked.
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _messages(req: dict[str, Any], chat: dict[str, Any], t: _Turns) -> None:
+    """``system`` and the turns, in order; a final assistant turn is a prefill."""
     messages: list[dict[str, Any]] = []
     if req.get("system") is not None:
         messages.append({"role": "system", "content": t.system(req["system"], "system")})
@@ -67,6 +84,9 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
         # llama.cpp continues a final assistant message by itself).
         chat["add_generation_prompt"] = False
         chat["continue_final_message"] = True
+
+
+def _tools(req: dict[str, Any], chat: dict[str, Any], t: _Turns, drops: Dropped) -> None:
     names: set[str] = set()
     if req.get("tools") is not None:
         tools = [t.tool(x, f"tools[{i}]") for i, x in enumerate(as_list(req["tools"], "tools"))]
@@ -79,6 +99,9 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
                      names, drops)
         if "tools" not in chat:  # engines refuse a tool_choice without tools
             chat.pop("tool_choice", None)
+
+
+def _sampling(req: dict[str, Any], chat: dict[str, Any]) -> None:
     if optional_int(req, "max_tokens") is not None:
         chat["max_tokens"] = req["max_tokens"]
     for key in ("temperature", "top_p"):
@@ -89,16 +112,6 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
     if req.get("stop_sequences") is not None:
         stops = as_list(req["stop_sequences"], "stop_sequences")
         chat["stop"] = [as_str(s, f"stop_sequences[{i}]") for i, s in enumerate(stops)]
-    _output_config(req, chat, drops)
-    if req.get("output_format") is not None:
-        chat["response_format"] = _output_format(req["output_format"], "output_format")
-    chat.update(reasoning_options(effort=_effort(req), thinking=_thinking(req, drops),
-                                  flavor=flavor, dropped=drops))
-    if optional_bool(req, "stream"):
-        chat["stream"] = True
-        # message_delta reports usage; a chat stream does only when asked.
-        chat["stream_options"] = {"include_usage": True}
-    return chat
 
 
 class _Turns:

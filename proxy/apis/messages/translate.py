@@ -13,20 +13,20 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
+from tracetap.proxy.apis.chat.reply import Chunk, ToolDelta, Usage, read_chunk, read_reply
+from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
 from tracetap.proxy.apis.messages.request import to_chat
-from tracetap.proxy.apis.translate_errors import Untranslatable, read_upstream_error
+from tracetap.proxy.apis.translate_errors import Untranslatable
 from tracetap.proxy.apis.wire_out import new_id, sse_event
+from tracetap.proxy.errors import ProxyError
 
-__all__ = ["StreamTranslator", "Untranslatable", "error_from_chat", "from_chat", "to_chat",
-           "untranslatable_error"]
+__all__ = ["ERRORS", "StreamTranslator", "Untranslatable", "error_from_chat", "from_chat",
+           "to_chat", "untranslatable"]
+
+ERRORS = ANTHROPIC_ERRORS  # the client's error shape
 
 _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
            "function_call": "tool_use", "content_filter": "refusal"}
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 402: "billing_error", 403: "permission_error", 404: "not_found_error",
-                 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
-                 529: "overloaded_error"}
 
 
 # ---- reply -------------------------------------------------------------------------------
@@ -263,16 +263,9 @@ class StreamTranslator:
 
 def error_from_chat(status: int, body: bytes) -> bytes:
     """An upstream chat error body (any shape) → an Anthropic error body; never raises."""
-    error = read_upstream_error(status, body)
-    kind = _STATUS_TYPES.get(status) or ("api_error" if status >= 500 or status < 400
-                                         else "invalid_request_error")
-    return msgspec.json.encode({"type": "error", "error": {"type": kind,
-                                                           "message": error.message}})
+    return ERRORS.from_upstream(status, body)
 
 
-def untranslatable_error(exc: Untranslatable) -> bytes:
-    """The 400 body for a request that cannot be translated."""
-    return msgspec.json.encode({"type": "error", "error": {
-        "type": "invalid_request_error",
-        "message": f"cannot translate this Messages request to chat completions: {exc.message}",
-    }})
+def untranslatable(exc: Untranslatable) -> ProxyError:
+    """The 400 for a request that cannot be translated (its body: ``ERRORS.body``)."""
+    return exc.refusal("Messages")

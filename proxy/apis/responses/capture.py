@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis import CaptureBase
-from tracetap.proxy.inject import Injected, count_field
+from tracetap.proxy.apis import CaptureBase, Injected
+from tracetap.proxy.apis.chat.inject import count_field
+from tracetap.proxy.apis.chat.wire import decode_event, decode_object, encode
 from tracetap.proxy.sse import Event
-from tracetap.proxy.wire import decode_event, decode_object, encode
 from tracetap.storage.records import ChoiceRecord
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -159,27 +159,11 @@ class ResponsesCapture(CaptureBase):
         return usage.get("input_tokens"), usage.get("output_tokens")
 
     def choices(self) -> list[ChoiceRecord]:
-        final = self.final
-        text, logprobs, calls = self._text, self._logprobs, bool(self._calls)
-        finish = None
-        ids = None
-        if final is not None:
-            text, logprobs, calls = [], [], False
-            for item in final.get("output") or ():
-                if item.get("type") == "message":
-                    for part in item.get("content") or ():
-                        if part.get("type") == "output_text":
-                            text.append(part.get("text") or "")
-                            logprobs.extend(part.get("logprobs") or ())
-                elif item.get("type") == "function_call":
-                    calls = True
-            ids = _raw_tokens(final.get("output_messages"))
-            status = final.get("status")
-            finish = ("length" if status == "incomplete" else "tool_calls" if calls
-                      else "stop" if status == "completed" else status)
-        values = [e.get("logprob") for e in logprobs if isinstance(e, dict)]
-        if not values or any(v is None for v in values) or (ids and len(ids) != len(values)):
-            values = None
+        if self.final is not None:  # the authority, when it came
+            text, logprobs, ids, finish = _read_final(self.final)
+        else:
+            text, logprobs, ids, finish = self._text, self._logprobs, None, None
+        values = _logprob_values(logprobs, ids)
         self.logprobs_missing = 1 if values is None and (ids or text) else 0
         self.choice_count = 1
         tops = None
@@ -198,6 +182,35 @@ class ResponsesCapture(CaptureBase):
             return self.final
         response = msgspec.json.decode(encode(self.final))  # a copy: capture keeps its own
         return _strip_response(response, Injected(logprobs=True, token_ids=True))
+
+
+def _read_final(final: dict[str, Any]) -> tuple[list[str], list[Any], list[int] | None,
+                                                str | None]:
+    """The final response's output text, its logprob entries, the output ids and the
+    finish reason in chat's words."""
+    text: list[str] = []
+    logprobs: list[Any] = []
+    calls = False
+    for item in final.get("output") or ():
+        if item.get("type") == "message":
+            for part in item.get("content") or ():
+                if part.get("type") == "output_text":
+                    text.append(part.get("text") or "")
+                    logprobs.extend(part.get("logprobs") or ())
+        elif item.get("type") == "function_call":
+            calls = True
+    status = final.get("status")
+    finish = ("length" if status == "incomplete" else "tool_calls" if calls
+              else "stop" if status == "completed" else status)
+    return text, logprobs, _raw_tokens(final.get("output_messages")), finish
+
+
+def _logprob_values(logprobs: list[Any], ids: list[int] | None) -> list[float] | None:
+    """The logprobs, when every entry has one and they match the ids one for one."""
+    values = [e.get("logprob") for e in logprobs if isinstance(e, dict)]
+    if not values or any(v is None for v in values) or (ids and len(ids) != len(values)):
+        return None
+    return values
 
 
 def _raw_tokens(messages: Any) -> list[int] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracetap.proxy.apis.chat_request import (
+from tracetap.proxy.apis.chat.request import (
     as_list,
     as_object,
     as_str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracetap.proxy.apis.chat_reply import Usage
+from tracetap.proxy.apis.chat.reply import Usage
 from tracetap.proxy.apis.responses.request import EFFORTS, TOOL_CHOICES
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracetap.proxy.apis.chat_request import (
+from tracetap.proxy.apis.chat.request import (
     ModelMap,
     as_list,
     as_object,
@@ -67,6 +67,19 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
         messages.append({"role": "system", "content": as_str(instructions, "instructions")})
     messages.extend(input_messages(req.get("input"), drops))
     chat["messages"] = messages
+    _tools(req, chat, drops)
+    _sampling(req, chat)
+    _reasoning_options(req, chat, drops, flavor)
+    _text_options(req, chat, drops)
+    _logprob_options(req, chat, drops)
+    if optional_bool(req, "stream"):
+        chat["stream"] = True
+        # Responses always report usage; a chat stream does only when asked.
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _tools(req: dict[str, Any], chat: dict[str, Any], drops: Dropped) -> None:
     names: set[str] = set()
     if req.get("tools") is not None:
         tools = [_tool(t, f"tools[{i}]", drops)
@@ -81,6 +94,9 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
             drops.add("tool_choice")  # hosted, allowed_tools, or a dropped tool: engine picks
         elif "tools" in chat:  # engines refuse a tool_choice without tools
             chat["tool_choice"] = choice
+
+
+def _sampling(req: dict[str, Any], chat: dict[str, Any]) -> None:
     if optional_int(req, "max_output_tokens") is not None:
         chat["max_tokens"] = req["max_output_tokens"]
     for key in ("temperature", "top_p"):
@@ -90,14 +106,6 @@ def to_chat(request: dict, *, model_map: ModelMap | None = None,
         chat["parallel_tool_calls"] = req["parallel_tool_calls"]
     if isinstance(req.get("user"), str):
         chat["user"] = req["user"]
-    _reasoning_options(req, chat, drops, flavor)
-    _text_options(req, chat, drops)
-    _logprob_options(req, chat, drops)
-    if optional_bool(req, "stream"):
-        chat["stream"] = True
-        # Responses always report usage; a chat stream does only when asked.
-        chat["stream_options"] = {"include_usage": True}
-    return chat
 
 
 def _tool(value: Any, param: str, dropped: Dropped) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.apis.chat_reply import Chunk, ToolDelta, Usage, read_chunk
+from tracetap.proxy.apis.chat.reply import Chunk, ToolDelta, Usage, read_chunk
 from tracetap.proxy.apis.responses.objects import (
     Items,
     call_id,

@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
-from tracetap.proxy.apis.chat_reply import read_reply
+from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
+from tracetap.proxy.apis.chat.reply import read_reply
 from tracetap.proxy.apis.responses.objects import (
     Items,
     call_id,
@@ -27,11 +26,14 @@ from tracetap.proxy.apis.responses.objects import (
 )
 from tracetap.proxy.apis.responses.request import to_chat, wants_logprobs
 from tracetap.proxy.apis.responses.stream import StreamTranslator
-from tracetap.proxy.apis.translate_errors import Untranslatable, read_upstream_error
+from tracetap.proxy.apis.translate_errors import Untranslatable
 from tracetap.proxy.apis.wire_out import new_id
+from tracetap.proxy.errors import ProxyError
 
-__all__ = ["StreamTranslator", "Untranslatable", "error_from_chat", "from_chat", "to_chat",
-           "untranslatable_error", "wants_logprobs"]
+__all__ = ["ERRORS", "StreamTranslator", "Untranslatable", "error_from_chat", "from_chat",
+           "to_chat", "untranslatable", "wants_logprobs"]
+
+ERRORS = OPENAI_ERRORS  # the client's error shape: Responses is an OpenAI API
 
 def from_chat(chat: dict, request: dict, *, response_id: str | None = None) -> dict:
     """A whole chat-completions reply → a Responses ``response`` object."""
@@ -62,15 +64,9 @@ def from_chat(chat: dict, request: dict, *, response_id: str | None = None) -> d
 
 def error_from_chat(status: int, body: bytes) -> bytes:
     """An upstream chat error body (any shape) → an OpenAI error body; never raises."""
-    error = read_upstream_error(status, body)
-    kind = error.type or ("server_error" if status >= 500 else "invalid_request_error")
-    return msgspec.json.encode({"error": {"message": error.message, "type": kind,
-                                          "param": error.param, "code": error.code}})
+    return ERRORS.from_upstream(status, body)
 
 
-def untranslatable_error(exc: Untranslatable) -> bytes:
-    """The 400 body for a request that cannot be translated."""
-    return msgspec.json.encode({"error": {
-        "message": f"cannot translate this Responses request to chat completions: "
-                   f"{exc.message}",
-        "type": "invalid_request_error", "param": exc.param, "code": "unsupported_parameter"}})
+def untranslatable(exc: Untranslatable) -> ProxyError:
+    """The 400 for a request that cannot be translated (its body: ``ERRORS.body``)."""
+    return exc.refusal("Responses")

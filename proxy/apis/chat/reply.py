@@ -1,6 +1,6 @@
 """A chat-completions reply or stream chunk, read tolerantly into what translation needs.
 
-The chat wire shape is decoded by ``proxy.wire``'s Structs (the one set capture and
+The chat wire shape is decoded by ``wire``'s Structs (the one set capture and
 overlays read too). The upstream is not trusted to be well-formed: a reply or chunk with
 an odd-typed field is read again field by field, where such a field reads as absent,
 never as an exception. Only the first choice counts (translation never asks for
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy import wire
+from tracetap.proxy.apis.chat import wire
 
 
 class Usage(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,7 +1,7 @@
 """The parts of OpenAI-compatible responses the proxy reads, as msgspec view Structs.
 
-The one owner of the chat wire shape: capture (``assemble``), translation
-(``apis/chat_reply``) and overlays read chat replies and chunks through these Structs and
+The one owner of the chat wire shape: capture (``capture``), translation
+(``reply``) and overlays read chat replies and chunks through these Structs and
 decoders, so an engine's spelling (``reasoning`` or ``reasoning_content``) is read the
 same everywhere. Only the fields the proxy reads are declared; everything else is ignored
 on decode and forwarded untouched in the original bytes.

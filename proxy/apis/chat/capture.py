@@ -1,4 +1,5 @@
-"""Upstream replies (one body, or stream chunks) → what storage keeps of each choice.
+"""Chat completions and legacy completions captured: the two ``WireApi`` objects, and
+upstream replies (one body, or stream chunks) → what storage keeps of each choice.
 
 Token ids, in order of trust: engine ids (``token_ids``), ids carried by logprob
 entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
@@ -11,13 +12,49 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.inject import CHAT
+from tracetap.proxy.apis import Injected
+from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
+from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
+from tracetap.proxy.apis.chat.wire import (
+    ChatChoice,
+    CompletionChoice,
+    Usage,
+    decode_chat,
+    decode_completion,
+)
 from tracetap.proxy.prompt_cut import decode_ids
-from tracetap.proxy.wire import ChatChoice, CompletionChoice, Usage, decode_chat, decode_completion
+from tracetap.proxy.sse import Event, encode_event
 from tracetap.storage.codec import unpack_ids
 from tracetap.storage.records import ChoiceRecord
 
 _TOKEN_ID_PREFIX = "token_id:"
+DONE = b"[DONE]"
+
+
+class OpenAIApi:
+    ends_with_done = True  # so a stream needing no rewrite can be relayed as raw bytes
+
+    def __init__(self, endpoint: str, route: str, path: str):
+        self.endpoint = endpoint
+        self.route = route
+        self.path = path
+
+    def prepare(self, payload: dict[str, Any], flavor: str) -> Injected:
+        return prepare(payload, self.endpoint, flavor)
+
+    def strip_body(self, body: bytes, injected: Injected) -> bytes:
+        return strip_body(body, injected)
+
+    def strip_event(self, event: Event, injected: Injected) -> bytes:
+        assert event.data is not None
+        chunk = strip_chunk(event.data, injected)
+        return b"" if chunk is None else encode_event(chunk)
+
+    def is_end(self, data: bytes) -> bool:
+        return data == DONE
+
+    def capture(self, injected: Injected) -> Capture:
+        return Capture(self.endpoint, keep_top_logprobs=injected.client_top_logprobs > 0)
 
 
 class _Choice:
@@ -288,3 +325,7 @@ def _logprobs_view(acc: _Choice, chat: bool) -> dict[str, Any]:
     if chat:
         return {"content": [{"token": t, "logprob": lp} for t, lp in zip(acc.tokens, acc.logprobs)]}
     return {"tokens": acc.tokens, "token_logprobs": acc.logprobs}
+
+
+CHAT_API = OpenAIApi(CHAT, "chat_completions", "/v1/chat/completions")
+COMPLETIONS_API = OpenAIApi(COMPLETIONS, "completions", "/v1/completions")

@@ -10,29 +10,11 @@ from typing import Any
 
 import msgspec
 
+from tracetap.proxy.apis import Injected
+from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.errors import bad_request
 
-CHAT = "chat.completions"
-COMPLETIONS = "completions"
 TOKEN_ID_FLAVORS = ("vllm", "sglang")
-
-
-class Injected(msgspec.Struct, kw_only=True):
-    """What the proxy added to one request."""
-
-    logprobs: bool = False
-    usage: bool = False
-    token_ids: bool = False
-    # What the client itself asked for, kept for storage decisions.
-    client_top_logprobs: int = 0
-    # Responses echo ``top_logprobs``: null again when the client did not set it.
-    top_logprobs_echo: bool = False
-    # MoE routing (--routed-experts, proxy.experts): removed from every reply.
-    experts: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self.logprobs or self.usage or self.token_ids or self.experts
 
 
 def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
