@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers.loop import LoopThread, free_port
+from helpers.servers import Proxy
 
-from tests.conftest import LoopThread, Proxy, free_port
 from tests.harness_matrix import runs
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
