@@ -1,0 +1,73 @@
+"""A translated whole reply and a translated error have the shape the client's own API
+gives them: ids with the API's prefixes, tool calls with an id and a name even when the
+upstream left them out, and error bodies with every field the SDKs read.
+
+The stream translators are defended in test_translate_responses.py and
+test_translate_messages.py; this file holds what those check only in passing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.chat_upstreams import chat_reply
+
+from tracetap.proxy.apis.responses import translate as responses
+from tracetap.proxy.apis.translate_errors import Untranslatable
+
+UPSTREAM_ERROR = b'{"error":{"message":"bad","type":"BadRequestError","param":"x","code":400}}'
+
+
+def _nameless_call_reply() -> dict:
+    """A chat reply whose one tool call came without an id or a name (a lax server)."""
+    reply = chat_reply(calls=[("call-up", "lookup", '{"q": "x"}')], finish="tool_calls")
+    function_call = reply["choices"][0]["message"]["tool_calls"][0]
+    function_call["id"] = None
+    function_call["function"]["name"] = None
+    return reply
+
+
+# ---- Responses ----------------------------------------------------------------------------
+
+
+def test_a_translated_response_has_a_response_id():
+    response = responses.from_chat(chat_reply("hello"), {"model": "m", "input": "hi"})
+    assert response["id"].startswith("resp_") and len(response["id"]) > len("resp_")
+    assert response["object"] == "response"
+    # The caller's own id wins (the proxy's call id, so the stored call and the reply agree).
+    given = responses.from_chat(chat_reply("hello"), {"input": "hi"}, response_id="resp_mine")
+    assert given["id"] == "resp_mine"
+
+
+def test_a_tool_call_without_id_or_name_gets_an_id_of_its_item_and_an_empty_name():
+    response = responses.from_chat(_nameless_call_reply(), {"input": "hi"})
+    (call,) = [item for item in response["output"] if item["type"] == "function_call"]
+    assert call["id"].startswith("fc_")
+    assert call["call_id"] == "call_" + call["id"].removeprefix("fc_")
+    assert call["name"] == ""
+    assert call["arguments"] == '{"q": "x"}'
+
+
+@pytest.mark.parametrize("request_body", [None, [], "input"])
+def test_a_request_that_is_not_an_object_still_gets_a_response(request_body):
+    """The reply is translated whatever the request was (it was forwarded upstream as
+    given); nothing of the request is echoed."""
+    response = responses.from_chat(chat_reply("hello"), request_body)
+    assert response["object"] == "response" and response["model"] == ""
+    assert response["output"][0]["content"][0]["text"] == "hello"
+
+
+def test_an_upstream_error_keeps_its_param():
+    error = json.loads(responses.error_from_chat(400, UPSTREAM_ERROR))["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == "x"
+
+
+def test_an_untranslatable_request_is_an_unsupported_parameter_error():
+    error = json.loads(responses.untranslatable_error(
+        Untranslatable("logprobs are not translated", "top_logprobs")))["error"]
+    assert error == {"message": "cannot translate this Responses request to chat completions: "
+                                "logprobs are not translated",
+                     "type": "invalid_request_error", "param": "top_logprobs",
+                     "code": "unsupported_parameter"}
