@@ -13,6 +13,7 @@ import json
 import pytest
 from helpers.chat_upstreams import chat_reply
 
+from tracetap.proxy.apis.messages import translate as messages
 from tracetap.proxy.apis.responses import translate as responses
 from tracetap.proxy.apis.translate_errors import Untranslatable
 
@@ -71,3 +72,37 @@ def test_an_untranslatable_request_is_an_unsupported_parameter_error():
                                 "logprobs are not translated",
                      "type": "invalid_request_error", "param": "top_logprobs",
                      "code": "unsupported_parameter"}
+
+
+# ---- Messages -----------------------------------------------------------------------------
+
+
+def test_a_translated_message_has_a_message_id():
+    message = messages.from_chat(chat_reply("hello"), {"model": "m", "max_tokens": 8})
+    assert message["id"].startswith("msg_") and len(message["id"]) > len("msg_")
+    assert message["type"] == "message" and message["model"] == "m"
+
+
+def test_the_engines_reasoning_is_a_thinking_block_without_a_signature():
+    """The engine's reasoning is plain text: no signature is made up for it (a client
+    sends the block back as it got it, and it is read back as text)."""
+    message = messages.from_chat(chat_reply("answer", reasoning="let me think"),
+                                 {"max_tokens": 8})
+    assert message["content"][0] == {"type": "thinking", "thinking": "let me think",
+                                     "signature": ""}
+    assert message["content"][1] == {"type": "text", "text": "answer"}
+
+
+def test_a_tool_use_without_id_or_name_gets_an_id_of_the_message_and_an_empty_name():
+    message = messages.from_chat(_nameless_call_reply(), {"max_tokens": 8})
+    (use,) = [block for block in message["content"] if block["type"] == "tool_use"]
+    assert use["id"] == "toolu_" + message["id"].removeprefix("msg_") + "_0"
+    assert use["name"] == "" and use["input"] == {"q": "x"}
+    assert message["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("request_body", [None, [], "input"])
+def test_a_messages_request_that_is_not_an_object_still_gets_a_message(request_body):
+    message = messages.from_chat(chat_reply("hello"), request_body)
+    assert message["type"] == "message" and message["model"] == ""
+    assert message["content"] == [{"type": "text", "text": "hello"}]
