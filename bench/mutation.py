@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutants")
     parser.add_argument("--target", type=float, default=0.9, help="killed share to reach")
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report the last run's results in --workdir against "
+                             "docs/testing.md as it is now (after listing equivalents)")
     args = parser.parse_args(argv)
     unknown = set(args.modules) - set(MODULES)
     if unknown:
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for module in args.modules or list(MODULES):
         started = time.monotonic()
-        results = run_module(module, args.workdir, args.max_children)
+        results = (read_results(args.workdir / _slug(module)) if args.report_only
+                   else run_module(module, args.workdir, args.max_children))
         seconds = time.monotonic() - started
         survivors = {name: status for name, status in results.items() if status not in KILLED}
         killed = len(results) - len(survivors)
@@ -165,6 +169,11 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
     if done.returncode != 0:
         raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}); see {log}:\n"
                          + log.read_text(errors="replace")[-3000:])
+    return read_results(scratch)
+
+
+def read_results(scratch: Path) -> dict[str, str]:
+    """Mutant name -> mutmut's status, from a scratch copy mutmut has run in."""
     listing = subprocess.run(["mutmut", "results", "--all", "true"], cwd=scratch,
                              capture_output=True, text=True, check=True).stdout
     return dict(re.findall(r"^\s+(\S+): (.+)$", listing, re.MULTILINE))
