@@ -41,6 +41,7 @@ _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
 # Native capture is reached only through the proxy: the SDK tests of both APIs.
 _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
+_ENDINGS = "tests/test_translated_stream_endings.py"
 _TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
@@ -60,12 +61,13 @@ MODULES = {
     "proxy/apis/chat_reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
                                  "tests/test_translate_responses.py"],
     "proxy/apis/messages/request.py": _MESSAGES,
-    "proxy/apis/messages/translate.py": ["tests/test_translate_messages.py", _REPLIES],
+    "proxy/apis/messages/translate.py": ["tests/test_translate_messages.py", _REPLIES,
+                                         _ENDINGS],
     "proxy/apis/messages/capture.py": _CAPTURE_APIS,
     "proxy/apis/responses/request.py": _RESPONSES,
     "proxy/apis/responses/history.py": _RESPONSES,
     "proxy/apis/responses/objects.py": _RESPONSES,
-    "proxy/apis/responses/stream.py": ["tests/test_translate_responses.py"],
+    "proxy/apis/responses/stream.py": ["tests/test_translate_responses.py", _ENDINGS],
     "proxy/apis/responses/translate.py": ["tests/test_translate_responses.py", _REPLIES],
     "proxy/apis/responses/capture.py": _CAPTURE_APIS,
     # Token ids recovered from the engine's tokenizer, or refused.

@@ -1,0 +1,62 @@
+"""How a translated stream ends, for both APIs: a chat stream with nothing before
+``[DONE]`` still gives a whole, well-formed event stream (its start included); the end is
+said once; and nothing follows it, not even an error for a connection lost afterwards.
+
+The translators' events in general are defended in test_translate_responses.py and
+test_translate_messages.py (Hypothesis streams, the SDKs' own stream accumulators).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tracetap.proxy.apis.messages import translate as messages
+from tracetap.proxy.apis.responses import translate as responses
+
+REQUESTS = {messages: {"model": "m", "max_tokens": 8, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]},
+            responses: {"model": "m", "input": "hi", "stream": True}}
+
+
+def _names(events: list[bytes]) -> list[str]:
+    return [e.split(b"\n", 1)[0].removeprefix(b"event: ").decode() for e in events]
+
+
+def _payload(event: bytes) -> dict:
+    return json.loads(event.split(b"\ndata: ", 1)[1])
+
+
+def test_an_empty_messages_stream_still_starts_and_stops_the_message():
+    events = messages.StreamTranslator(REQUESTS[messages]).finish()
+    assert _names(events) == ["message_start", "message_delta", "message_stop"]
+    assert _payload(events[0])["message"]["content"] == []
+
+
+def test_an_empty_responses_stream_still_creates_and_completes_the_response():
+    events = responses.StreamTranslator(REQUESTS[responses]).finish()
+    names = _names(events)
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[-1] == "response.completed"
+    # An empty message, so that a client always has an output item to read.
+    assert [item["type"] for item in _payload(events[-1])["response"]["output"]] == ["message"]
+
+
+@pytest.mark.parametrize("api", [messages, responses], ids=["messages", "responses"])
+def test_the_end_is_said_once_and_nothing_follows_it(api):
+    translator = api.StreamTranslator(REQUESTS[api])
+    assert translator.finish()
+    assert translator.finish() == []
+    assert translator.error_event("connection lost") == b""
+    assert translator.feed({"id": "c", "object": "chat.completion.chunk", "created": 1,
+                            "model": "m", "choices": [{"index": 0, "delta": {"content": "x"},
+                                                       "finish_reason": None}]}) == []
+
+
+@pytest.mark.parametrize("api", [messages, responses], ids=["messages", "responses"])
+def test_after_an_error_the_stream_does_not_also_end_normally(api):
+    translator = api.StreamTranslator(REQUESTS[api])
+    assert translator.error_event("upstream stream ended early")
+    assert translator.finish() == []
+    assert translator.error_event("again") == b""
