@@ -42,6 +42,7 @@ _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
 _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
 _ENDINGS = "tests/test_translated_stream_endings.py"
+_FAST_PATH = "tests/test_translated_stream_fast_path.py"
 _TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
@@ -62,12 +63,13 @@ MODULES = {
                                  "tests/test_translate_responses.py"],
     "proxy/apis/messages/request.py": _MESSAGES,
     "proxy/apis/messages/translate.py": ["tests/test_translate_messages.py", _REPLIES,
-                                         _ENDINGS],
+                                         _ENDINGS, _FAST_PATH],
     "proxy/apis/messages/capture.py": _CAPTURE_APIS,
     "proxy/apis/responses/request.py": _RESPONSES,
     "proxy/apis/responses/history.py": _RESPONSES,
     "proxy/apis/responses/objects.py": _RESPONSES,
-    "proxy/apis/responses/stream.py": ["tests/test_translate_responses.py", _ENDINGS],
+    "proxy/apis/responses/stream.py": ["tests/test_translate_responses.py", _ENDINGS,
+                                       _FAST_PATH],
     "proxy/apis/responses/translate.py": ["tests/test_translate_responses.py", _REPLIES],
     "proxy/apis/responses/capture.py": _CAPTURE_APIS,
     # Token ids recovered from the engine's tokenizer, or refused.

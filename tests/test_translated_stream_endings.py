@@ -60,3 +60,10 @@ def test_after_an_error_the_stream_does_not_also_end_normally(api):
     assert translator.error_event("upstream stream ended early")
     assert translator.finish() == []
     assert translator.error_event("again") == b""
+
+
+@pytest.mark.parametrize("api", [messages, responses], ids=["messages", "responses"])
+@pytest.mark.parametrize("request_body", [None, [], "hi"])
+def test_a_request_that_is_not_an_object_still_gets_a_whole_stream(api, request_body):
+    events = api.StreamTranslator(request_body).finish()
+    assert _names(events)[-1] in ("message_stop", "response.completed")
