@@ -41,7 +41,7 @@ _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
 # Native capture is reached only through the proxy: the SDK tests of both APIs.
 _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
-_ENDINGS = "tests/test_translated_stream_endings.py"
+_ENDINGS = "tests/test_translated_stream_start_and_end.py"
 _FAST_PATH = "tests/test_translated_stream_fast_path.py"
 _TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {

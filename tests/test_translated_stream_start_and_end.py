@@ -1,4 +1,5 @@
-"""How a translated stream ends, for both APIs: a chat stream with nothing before
+"""How a translated stream starts and ends, for both APIs: the start comes first even
+when the first chunk already carries reasoning or usage; a chat stream with nothing before
 ``[DONE]`` still gives a whole, well-formed event stream (its start included); the end is
 said once; and nothing follows it, not even an error for a connection lost afterwards.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.chat_upstreams import CHAT_USAGE, stream_chunks
 
 from tracetap.proxy.apis.messages import translate as messages
 from tracetap.proxy.apis.responses import translate as responses
@@ -31,7 +33,10 @@ def _payload(event: bytes) -> dict:
 def test_an_empty_messages_stream_still_starts_and_stops_the_message():
     events = messages.StreamTranslator(REQUESTS[messages]).finish()
     assert _names(events) == ["message_start", "message_delta", "message_stop"]
-    assert _payload(events[0])["message"]["content"] == []
+    message = _payload(events[0])["message"]
+    assert message["content"] == [] and message["id"].startswith("msg_")
+    # No usage reported: nothing is made up.
+    assert message["usage"] == {"input_tokens": 0, "output_tokens": 0}
 
 
 def test_an_empty_responses_stream_still_creates_and_completes_the_response():
@@ -67,3 +72,26 @@ def test_after_an_error_the_stream_does_not_also_end_normally(api):
 def test_a_request_that_is_not_an_object_still_gets_a_whole_stream(api, request_body):
     events = api.StreamTranslator(request_body).finish()
     assert _names(events)[-1] in ("message_stop", "response.completed")
+
+
+def test_a_first_chunk_with_reasoning_comes_after_the_message_start():
+    first = stream_chunks(text="ok", pieces=1)[0]
+    first["choices"][0]["delta"]["reasoning_content"] = "Let me see."  # role and reasoning
+    translator = messages.StreamTranslator(REQUESTS[messages])
+    events = translator.feed(first)
+    assert _names(events) == ["message_start", "content_block_start", "content_block_delta"]
+    assert _payload(events[2])["delta"] == {"type": "thinking_delta", "thinking": "Let me see."}
+
+
+UNCACHED = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+
+
+@pytest.mark.parametrize(("usage", "input_tokens"), [(CHAT_USAGE, 11 - 4), (UNCACHED, 11)],
+                         ids=["cached", "uncached"])
+def test_usage_in_the_first_chunk_is_in_the_message_start(usage, input_tokens):
+    """Servers that report usage in every chunk (vLLM's continuous usage stats): the
+    message_start already has the uncached input tokens, and no output yet."""
+    first = {**stream_chunks(text="ok", pieces=1)[0], "usage": usage}
+    (start,) = messages.StreamTranslator(REQUESTS[messages]).feed(first)
+    assert _payload(start)["message"]["usage"] == {"input_tokens": input_tokens,
+                                                   "output_tokens": 0}
