@@ -106,3 +106,49 @@ def test_a_messages_request_that_is_not_an_object_still_gets_a_message(request_b
     message = messages.from_chat(chat_reply("hello"), request_body)
     assert message["type"] == "message" and message["model"] == ""
     assert message["content"] == [{"type": "text", "text": "hello"}]
+
+
+MESSAGE_KEYS = {"id", "type", "role", "model", "content", "stop_reason", "stop_sequence",
+                "usage"}
+
+
+@pytest.mark.parametrize(("usage", "expected"), [
+    (None, {"input_tokens": 0, "output_tokens": 0}),
+    ({"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+     {"input_tokens": 11, "output_tokens": 7}),
+    ({"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+      "prompt_tokens_details": {"cached_tokens": 4}},
+     {"input_tokens": 7, "output_tokens": 7, "cache_read_input_tokens": 4}),
+], ids=["none", "uncached", "cached"])
+def test_a_messages_reply_counts_usage_as_anthropic_does(usage, expected):
+    """No usage reported is zero, not made up; cache reads are counted apart."""
+    message = messages.from_chat(chat_reply("hello", usage=usage), {"max_tokens": 8})
+    assert message["usage"] == expected
+    assert set(message) == MESSAGE_KEYS
+
+
+@pytest.mark.parametrize(("finish", "calls", "stop_reason"), [
+    ("length", [("c1", "lookup", '{"q": ')], "max_tokens"),  # a tool call cut short
+    ("tool_calls", [("c1", "lookup", "{}")], "tool_use"),
+    (None, [], "end_turn"),
+    ("something_new", [], "end_turn"),
+    ("content_filter", [], "refusal"),
+])
+def test_a_messages_reply_says_why_it_stopped(finish, calls, stop_reason):
+    message = messages.from_chat(chat_reply("x", calls=calls, finish=finish), {"max_tokens": 8})
+    assert (message["stop_reason"], message["stop_sequence"]) == (stop_reason, None)
+
+
+def test_only_a_stop_ending_reads_as_a_stop_sequence():
+    """vLLM names the matched stop string in stop_reason; a reply cut by length that
+    names one anyway is still max_tokens."""
+    request = {"max_tokens": 8, "stop_sequences": ["END"]}
+    stopped = messages.from_chat(chat_reply("x", finish="stop", stop_reason="END"), request)
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
+    cut = messages.from_chat(chat_reply("x", finish="length", stop_reason="END"), request)
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("max_tokens", None)
+
+
+@pytest.mark.parametrize("model", [5, None, ["m"]])
+def test_a_model_that_is_not_a_string_is_not_echoed(model):
+    assert messages.from_chat(chat_reply("x"), {"model": model, "max_tokens": 8})["model"] == ""

@@ -74,13 +74,15 @@ def test_a_request_that_is_not_an_object_still_gets_a_whole_stream(api, request_
     assert _names(events)[-1] in ("message_stop", "response.completed")
 
 
-def test_a_first_chunk_with_reasoning_comes_after_the_message_start():
+@pytest.mark.parametrize(("field", "delta"), [
+    ("reasoning_content", {"type": "thinking_delta", "thinking": "Let me see."}),
+    ("content", {"type": "text_delta", "text": "Let me see."})], ids=["reasoning", "text"])
+def test_a_first_chunk_with_text_comes_after_the_message_start(field, delta):
     first = stream_chunks(text="ok", pieces=1)[0]
-    first["choices"][0]["delta"]["reasoning_content"] = "Let me see."  # role and reasoning
-    translator = messages.StreamTranslator(REQUESTS[messages])
-    events = translator.feed(first)
+    first["choices"][0]["delta"][field] = "Let me see."  # the role and text in one chunk
+    events = messages.StreamTranslator(REQUESTS[messages]).feed(first)
     assert _names(events) == ["message_start", "content_block_start", "content_block_delta"]
-    assert _payload(events[2])["delta"] == {"type": "thinking_delta", "thinking": "Let me see."}
+    assert _payload(events[2])["delta"] == delta
 
 
 UNCACHED = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
