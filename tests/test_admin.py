@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import openai
 import pytest
-
-from conftest import Proxy, free_port
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

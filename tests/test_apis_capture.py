@@ -17,8 +17,11 @@ import msgspec
 import openai
 import pytest
 from aiohttp import web
+from helpers.chat_upstreams import scripted_chat_app
+from helpers.http import fetch
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from conftest import Proxy, free_port, scripted_chat_app
 from tracetap.demo.engine import EngineConfig, EngineServer, make_engine_app
 from tracetap.proxy.settings import Settings
 
@@ -341,12 +344,9 @@ def test_unknown_and_malformed_events_are_relayed_as_sent_and_counted(make_proxy
 
 
 def http_post_stream(url: str, body: dict) -> bytes:
-    import urllib.request
-
-    request = urllib.request.Request(url, data=msgspec.json.encode(body), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        return reply.read()
+    status, raw = fetch("POST", url, msgspec.json.encode(body))
+    assert status == 200, raw
+    return raw
 
 
 @pytest.fixture

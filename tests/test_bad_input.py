@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
+from helpers.http import post
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from conftest import Proxy, free_port
 from tracetap.proxy.settings import Settings
-
-
-def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        with err:  # its connection closes now, not at some later garbage collection
-            return err.code, json.loads(err.read())
 
 
 def _assert_openai_error(body: dict, code: str) -> None:
@@ -33,7 +22,7 @@ def _assert_openai_error(body: dict, code: str) -> None:
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
 def test_malformed_json_is_a_400_and_recorded(proxy, body):
-    status, error = _post(proxy.episode_url("badjson") + "/chat/completions", body)
+    status, error = post(proxy.episode_url("badjson") + "/chat/completions", body)
     assert status == 400
     _assert_openai_error(error, "invalid_json")
     [call] = proxy.calls("badjson")
@@ -43,10 +32,10 @@ def test_malformed_json_is_a_400_and_recorded(proxy, body):
 
 def test_invalid_episode_id_is_a_400(proxy):
     bad = "x" * 129
-    status, error = _post(f"{proxy.url}/episodes/{bad}/v1/chat/completions", b"{}")
+    status, error = post(f"{proxy.url}/episodes/{bad}/v1/chat/completions", b"{}")
     assert status == 400
     _assert_openai_error(error, "invalid_episode_id")
-    status, error = _post(proxy.url + "/v1/chat/completions", b"{}",
+    status, error = post(proxy.url + "/v1/chat/completions", b"{}",
                           {"X-Tracetap-Episode": "spaces are not allowed"})
     assert status == 400
     _assert_openai_error(error, "invalid_episode_id")
@@ -60,7 +49,7 @@ def test_body_over_the_limit_is_a_413(loop_thread, engine, db_url, tmp_path):
     proxy = Proxy(loop_thread, settings).start()
     try:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4096}]})
-        status, error = _post(proxy.episode_url("big") + "/chat/completions", body.encode())
+        status, error = post(proxy.episode_url("big") + "/chat/completions", body.encode())
         assert status == 413
         _assert_openai_error(error, "request_too_large")
         [call] = proxy.calls("big")

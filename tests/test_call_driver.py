@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from tests.conftest import Proxy, free_port
+from helpers.loop import free_port
+from helpers.servers import Proxy
 from tests.test_overlays import QUESTION, SYSTEM, chat, register
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import openai
 import pytest
+from helpers.http import get, post
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 VOLATILE = ("id", "created")
@@ -19,7 +19,7 @@ def _clean(obj) -> dict:
     return data
 
 
-def _call(client, endpoint: str, stream: bool, logprobs: bool):
+def _create(client, endpoint: str, stream: bool, logprobs: bool):
     if endpoint == "chat":
         extra = {"logprobs": True, "top_logprobs": 2} if logprobs else {}
         result = client.chat.completions.create(
@@ -40,7 +40,7 @@ def test_client_sees_exactly_what_the_upstream_returns(proxy, engine, endpoint, 
     direct = openai.OpenAI(base_url=engine.url, api_key="x")
     proxied = openai.OpenAI(base_url=proxy.episode_url("transparency"), api_key="x")
     with direct, proxied:
-        assert _call(proxied, endpoint, stream, logprobs) == _call(direct, endpoint, stream,
+        assert _create(proxied, endpoint, stream, logprobs) == _create(direct, endpoint, stream,
                                                                    logprobs)
 
 
@@ -69,7 +69,7 @@ def test_stored_tokens_and_logprobs_equal_the_upstreams(proxy, engine, endpoint,
     episode = f"exact-{endpoint}-{stream}"
     client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x")
     with client:
-        _call(client, endpoint, stream, logprobs=False)
+        _create(client, endpoint, stream, logprobs=False)
     prompt_ids, completion_ids, logprobs = _raw_upstream(engine, endpoint, stream)
     [call] = proxy.calls(episode)
     [choice] = call["choices"]
@@ -177,17 +177,9 @@ def test_exposed_paths_are_relayed_untouched_and_others_refused(proxy, engine):
     with client:
         models = client.models.list()
     assert [m.id for m in models.data] == ["mock-model"]
-    import urllib.error
-    import urllib.request
-
-    tokenize = urllib.request.Request(proxy.url + "/tokenize", method="POST",
-                                      data=b'{"prompt": "hi"}',
-                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(tokenize) as resp:
-        assert resp.status == 200 and "tokens" in json.loads(resp.read())
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(proxy.url + "/version")
-    with refused.value as error:  # closes its connection now, not at some later GC
-        assert error.code == 404
-        assert json.loads(error.read())["error"]["code"] == "not_exposed"
+    status, tokens = post(proxy.url + "/tokenize", b'{"prompt": "hi"}')
+    assert status == 200 and "tokens" in tokens
+    status, refused = get(proxy.url + "/version")
+    assert status == 404
+    assert refused["error"]["code"] == "not_exposed"
     assert proxy.calls(None) == []

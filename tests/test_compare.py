@@ -8,15 +8,10 @@ import random
 
 import numpy as np
 import pytest
-from analysis_seed import SECONDS, SUCCESS, TASKS, TOKENS, cli_json, seed, seeded_sqlite
+from helpers.seeding import SECONDS, SUCCESS, TASKS, TOKENS, cli_json, seed
 
 from tracetap import cli
 from tracetap.analysis import stats
-
-
-@pytest.fixture(scope="module")
-def seeded(tmp_path_factory) -> str:
-    return seeded_sqlite(tmp_path_factory.mktemp("compare"))
 
 
 def compare(db: str, capsys, *flags: str) -> dict:

@@ -8,15 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from analysis_seed import cli_json, seed, seeded_sqlite
+from helpers.seeding import cli_json, seed
 
 from tracetap import cli
 from tracetap.analysis.design import Space, cover
-
-
-@pytest.fixture(scope="module")
-def seeded(tmp_path_factory) -> str:
-    return seeded_sqlite(tmp_path_factory.mktemp("coverage"))
 
 
 def harnesses(db: str, capsys, *flags: str) -> dict:

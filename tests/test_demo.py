@@ -16,8 +16,9 @@ from pathlib import Path
 import openai
 import pyarrow.parquet as pq
 import pytest
+from helpers.loop import free_port
+from helpers.servers import stored_calls
 
-from conftest import free_port, stored_calls
 from tracetap.demo import tokenizer as tok
 
 CLI = [sys.executable, "-m", "tracetap"]

@@ -6,8 +6,9 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import harnesses as h
+from helpers.http import finish, register
 
-from tests import harnesses as h
 from tests.test_trajectories import make_call
 from tracetap import cli
 from tracetap.exporters import export
@@ -27,25 +28,15 @@ STYLES = {
 }
 
 
-def register(proxy, episode: str, harness: str) -> None:
-    status, body = proxy.admin("POST", "/tracetap/episodes",
-                               {"id": episode, "harness": {"name": harness}})
-    assert status == 201, body
-
-
-def finish(proxy, episode: str) -> None:
-    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
-
-
 @pytest.fixture
 def mixed_export(proxy, tmp_path):
     """One episode per harness style, plus a faithful one and a sub-agent; exported."""
     for name, (style, turns, extra, stop, _) in STYLES.items():
-        register(proxy, name, name)
+        register(proxy, name, harness={"name": name})
         h.run_episode(proxy, name, style, turns=turns, extra=extra, stop=stop,
                       tools=None if name in ("strip", "stopper") else h.TOOLS)
         finish(proxy, name)
-    register(proxy, "faithful", "faithful")
+    register(proxy, "faithful", harness={"name": "faithful"})
     h.run_episode(proxy, "faithful", h.faithful, turns=3)
     h.run_episode(proxy, "faithful", h.faithful, turns=1, tools=None,
                   system={"role": "system", "content": "You are a sub-agent."})

@@ -11,8 +11,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from helpers.http import metrics_text
+from helpers.loop import free_port
+from helpers.servers import Forwarder, stored_calls
 
-from conftest import Forwarder, free_port, stored_calls
 from tracetap.migrations import upgrade
 
 
@@ -142,8 +144,7 @@ def test_database_outage_loses_nothing_and_never_reaches_the_agent(
         _wait_until(lambda: _backlog(proxy.url) == 0, 60, "journal to drain after the outage")
         contents = _contents(stored_calls(fresh_postgres, "outage"))
         assert sorted(contents) == sorted(f"call-{i}" for i in range(200))
-        with urllib.request.urlopen(proxy.url + "/metrics") as resp:
-            metrics = resp.read().decode()
+        metrics = metrics_text(proxy.url)
         outcomes = dict(re.findall(r'^tracetap_records_total\{outcome="(\w+)"\} (\S+)$',
                                    metrics, re.MULTILINE))
         assert float(outcomes["dropped"]) == 0

@@ -13,8 +13,8 @@ import os
 
 import pyarrow as pa
 import pytest
+from helpers.objectstore import listed_rows, moto_server, stored_files
 
-from tests.objectstore import listed_rows, moto_server, stored_files
 from tests.test_export_s3 import _killed_export, episodes
 from tracetap.exporters import ExportError, export, files
 from tracetap.migrations import upgrade

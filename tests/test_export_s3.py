@@ -14,8 +14,7 @@ from pathlib import Path
 import fsspec
 import pyarrow.parquet as pq
 import pytest
-
-from tests.objectstore import (
+from helpers.objectstore import (
     KEY_ID,
     SECRET,
     MotoServer,
@@ -24,6 +23,7 @@ from tests.objectstore import (
     moto_server,
     stored_files,
 )
+
 from tests.test_export_runs import _db, calls, finish
 from tracetap.exporters import ExportError, export, objectstore
 

@@ -8,13 +8,14 @@ import json
 import re
 import socket
 import time
-import urllib.request
 
 import openai
 import pytest
 from aiohttp import web
+from helpers.http import metrics_text
+from helpers.loop import free_port
+from helpers.servers import Proxy, stored_calls
 
-from conftest import Proxy, free_port, stored_calls
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 
@@ -72,8 +73,7 @@ class Trickle:
 
 
 def _requests_by_code(proxy) -> dict[str, float]:
-    with urllib.request.urlopen(proxy.url + "/metrics") as resp:
-        metrics = resp.read().decode()
+    metrics = metrics_text(proxy.url)
     found = {}
     for labels, value in re.findall(r"^tracetap_requests_total\{(.*)\} (\S+)$", metrics,
                                     re.MULTILINE):
@@ -179,8 +179,7 @@ def test_missing_logprobs_are_counted(loop_thread, serve_app, db_url, tmp_path):
         [call] = proxy.calls("plain")
         choice = call["choices"][0]
         assert choice["token_source"] == "none" and choice["completion_logprobs"] is None
-        with urllib.request.urlopen(proxy.url + "/metrics") as resp:
-            assert "tracetap_logprobs_missing_total 1.0" in resp.read().decode()
+        assert "tracetap_logprobs_missing_total 1.0" in metrics_text(proxy.url)
     finally:
         proxy.stop()
 

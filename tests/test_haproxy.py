@@ -14,14 +14,14 @@ import shutil
 import signal
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+from helpers.http import admin_call, metrics_text
+from helpers.servers import stored_calls
 
-from conftest import admin_call, stored_calls
 from tracetap.migrations import upgrade
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -263,8 +263,7 @@ def test_a_draining_replica_is_taken_out_while_its_stream_finishes(cluster, fres
 
 def _inflight(proxy) -> float:
     """The replica's model calls in flight, held ones included (its /metrics gauge)."""
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    text = metrics_text(proxy.url, timeout=5)
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("tracetap_inflight_requests "))
 

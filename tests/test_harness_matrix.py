@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
+from helpers.loop import LoopThread, free_port
+from helpers.servers import Proxy
 
-from tests.conftest import LoopThread, Proxy, free_port
 from tests.harness_matrix import runs, steer
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import urllib.request
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
+from helpers.http import fetch, metrics_text, post
 
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.messages.request import to_chat as messages_to_chat
@@ -131,13 +131,10 @@ def test_captured_request_translates_to_an_equivalent_chat_request(name, engine)
     assert chat["stream"] is fixture["body"]["stream"] is True
     assert [m["role"] for m in chat["messages"]].count("system") >= 1
     # The engine takes it as a chat request (short answer: the prompt is what matters).
-    post = urllib.request.Request(
-        engine.url + "/chat/completions", method="POST",
-        data=json.dumps({**chat, "stream": False, "stream_options": None, "max_tokens": 4,
-                         "logprobs": True}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(post, timeout=60) as answer:
-        reply = json.load(answer)
+    status, reply = post(engine.url + "/chat/completions",
+                         {**chat, "stream": False, "stream_options": None, "max_tokens": 4,
+                          "logprobs": True}, timeout=60)
+    assert status == 200, reply
     assert reply["choices"][0]["logprobs"]["content"]
 
 
@@ -174,11 +171,6 @@ def _split(create, body: dict) -> tuple[dict, dict]:
             {k: v for k, v in body.items() if k not in known})
 
 
-def _scrape(proxy) -> str:
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as answer:
-        return answer.read().decode()
-
-
 def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(proxy):
     """The request Claude Code 2.1.197 sends first: a 400 before translation was tolerant
     (2.1.332's is replayed above; the proxy path is the same)."""
@@ -200,15 +192,15 @@ def test_claude_code_request_through_the_proxy_is_captured_with_its_drops(proxy)
     sent = json.loads(call["upstream_request"])
     assert [m["role"] for m in sent["messages"]] == ["system", "user", "system"]
     assert sent["reasoning_effort"] == body["output_config"]["effort"]
-    metrics = _scrape(proxy)
+    metrics = metrics_text(proxy.url)
     assert ('tracetap_translation_dropped_total{api="messages",field="context_management"} '
             '1.0') in metrics
     assert 'tracetap_translation_dropped_total{api="messages",field="cache_control"} 3.0' in (
         metrics)
-    page = urllib.request.Request(f"{proxy.url}/tracetap/ui/calls/{call['call_id']}",
-                                  headers={"Authorization": f"Bearer {proxy.admin_token}"})
-    with urllib.request.urlopen(page, timeout=30) as answer:
-        html = answer.read().decode()
+    status, page = fetch("GET", f"{proxy.url}/tracetap/ui/calls/{call['call_id']}",
+                         token=proxy.admin_token)
+    assert status == 200, page
+    html = page.decode()
     assert "Left out by translation" in html and "cache_control \u00d73" in html
 
 

@@ -19,8 +19,10 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from helpers.http import admin_call
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from conftest import Proxy, admin_call, free_port
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
 from tracetap.proxy import admin_token

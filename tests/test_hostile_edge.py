@@ -21,8 +21,9 @@ from pathlib import Path
 import openai
 import pytest
 from aiohttp import web
+from helpers.loop import free_port
+from helpers.servers import Proxy, ProxyProcess
 
-from conftest import Proxy, ProxyProcess, free_port
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings

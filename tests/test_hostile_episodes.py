@@ -20,9 +20,10 @@ import msgspec
 import openai
 import pytest
 import test_hostile_agent
+from helpers.loop import free_port
+from helpers.servers import Proxy
 from test_hostile_agent import MESSAGES, _raw, _refused
 
-from conftest import Proxy, free_port
 from tracetap.migrations import upgrade
 from tracetap.proxy.budgets import Budget, Budgets, reservation_size
 from tracetap.proxy.settings import Settings

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_render import render
+from helpers.k8s_render import render
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30.0"

@@ -9,9 +9,10 @@ import hashlib
 import msgspec
 import openai
 import pytest
+from helpers.loop import free_port
+from helpers.servers import Proxy
 from sqlalchemy import text
 
-from conftest import Proxy, free_port
 from tracetap.proxy import tagging
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.tagging import Tagger, hash_key, validate_episode_id

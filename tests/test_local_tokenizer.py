@@ -14,8 +14,9 @@ import sys
 import openai
 import pytest
 from aiohttp import web
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from tests.conftest import Proxy, free_port
 from tests.test_token_ids import TOOLS, chat_loop, export_rows, missing_metric
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app

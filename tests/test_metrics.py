@@ -7,7 +7,6 @@ prometheus-client's own parser, so the test checks what Prometheus would scrape.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.error
 import urllib.request
@@ -18,9 +17,11 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from helpers.http import post
+from helpers.loop import LoopThread, free_port
+from helpers.servers import Proxy
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import LoopThread, Proxy, free_port
 from tracetap.demo.engine import EngineServer
 from tracetap.migrations import upgrade
 from tracetap.proxy.metrics import OTHER, Metrics
@@ -276,17 +277,6 @@ def test_no_overhead_header_when_turned_off(own_proxy):
                  stream="false") == 1
 
 
-def _post(url: str, body: dict) -> int:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        exc.close()  # its connection closes now, not at some later garbage collection
-        return exc.code
-
-
 def test_pause_and_finished_episodes(own_proxy):
     samples = scrape(own_proxy)
     assert value(samples, "tracetap_pause_timeout_seconds") == own_proxy.settings.pause_timeout
@@ -408,11 +398,11 @@ def test_upstream_health_follows_the_upstream(loop_thread, tmp_path):
         assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 1
         body = {"model": "mock-model", "messages": MESSAGES, "max_tokens": 2}
         url = proxy.url + "/v1/chat/completions"
-        assert _post(url, body) == 502  # nothing listens there yet
+        assert post(url, body)[0] == 502  # nothing listens there yet
         assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 0
         loop_thread.run(engine.start())
         # One upstream, so no background probe: the next call that gets through is the proof.
-        assert _post(url, body) == 200
+        assert post(url, body)[0] == 200
         assert value(scrape(proxy), "tracetap_upstream_healthy", **labels) == 1
     finally:
         proxy.stop()

@@ -449,14 +449,14 @@ def test_injected_status_and_delay(client: openai.OpenAI) -> None:
         client.completions.create(model="m", prompt="x", extra_body={"mock_status": 429})
 
 
-def _chat(**extra: Any) -> dict[str, Any]:
+def chat_body(**extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hi"}]} | extra
 
 
 def test_stream_aborted_after_n_chunks_is_truncated(engine: EngineServer) -> None:
     conn = http.client.HTTPConnection(engine.host, engine.port, timeout=10)
     try:
-        body = json.dumps(_chat(stream=True, mock_fail_after_chunks=3)).encode()
+        body = json.dumps(chat_body(stream=True, mock_fail_after_chunks=3)).encode()
         conn.request("POST", "/v1/chat/completions", body=body)
         resp = conn.getresponse()
         assert resp.status == 200
@@ -470,11 +470,12 @@ def test_stream_aborted_after_n_chunks_is_truncated(engine: EngineServer) -> Non
 
 def test_non_stream_body_is_truncated(engine: EngineServer) -> None:
     with pytest.raises(http.client.IncompleteRead):
-        raw_post(engine, "/v1/chat/completions", _chat(mock_fail_after_chunks=0))
+        raw_post(engine, "/v1/chat/completions", chat_body(mock_fail_after_chunks=0))
 
 
 def test_garbage_in_stream(engine: EngineServer) -> None:
-    status, data = raw_post(engine, "/v1/chat/completions", _chat(stream=True, mock_garbage=True))
+    status, data = raw_post(engine, "/v1/chat/completions",
+                            chat_body(stream=True, mock_garbage=True))
     events = [e for e in data.split(b"\n\n") if e]
     assert status == 200 and events[-1] == b"data: [DONE]"
     assert b"data: {this is not json" in events

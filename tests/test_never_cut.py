@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 
 import openai
 from aiohttp import web
+from helpers.http import fetch
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from tests.conftest import Proxy, free_port
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.proxy.ids import uuid7
@@ -31,12 +32,8 @@ STREAMED = "y" * 60
 
 
 def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, err.read().decode()
+    status, body = fetch("GET", url, timeout=10)
+    return status, body.decode()
 
 
 def _waiting(proxy) -> float:

@@ -8,14 +8,15 @@ import json
 import subprocess
 import sys
 import threading
-import urllib.request
 
 import anthropic
 import openai
 import pyarrow.parquet as pq
 import pytest
+from helpers.http import episode_headers, metrics_text, register
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from tests.conftest import Proxy, episode_headers, free_port
 from tests.overlay_fixtures import NOTE
 from tracetap.demo.agent import TASKS, TOOLS, run_agent
 from tracetap.demo.engine import EngineConfig, EngineServer
@@ -74,12 +75,6 @@ def proxy(loop_thread, engine, db_url, tmp_path):
     p.stop()
 
 
-def register(proxy, episode: str, overlay: str | None = None, **spec) -> None:
-    body = {"id": episode, **spec, **({"overlay": overlay} if overlay else {})}
-    status, reply = proxy.admin("POST", "/tracetap/episodes", body)
-    assert status == 201, reply
-
-
 def agent(proxy, episode: str, task=TASKS[0], seed: int = 0, **client):
     async def go():
         async with openai.AsyncOpenAI(base_url=proxy.episode_url(episode), api_key="unused",
@@ -93,10 +88,10 @@ def chat(proxy, episode: str, messages, *, stream: bool, tools=None, headers=Non
     """One chat call through the sync SDK; returns (content, tool calls) as received."""
     with openai.OpenAI(base_url=proxy.episode_url(episode), api_key="unused", max_retries=0,
                        default_headers=headers) as sdk:
-        return _chat(sdk, messages, stream=stream, tools=tools, extra=extra)
+        return _one_completion(sdk, messages, stream=stream, tools=tools, extra=extra)
 
 
-def _chat(sdk, messages, *, stream: bool, tools, extra):
+def _one_completion(sdk, messages, *, stream: bool, tools, extra):
     kwargs = {"model": "mock-model", "messages": messages, "seed": 1, "extra_body": extra}
     if tools:
         kwargs["tools"] = tools
@@ -123,8 +118,7 @@ def events(calls: list[dict]) -> list[tuple[str, str]]:
 
 def overlay_events(proxy) -> dict[tuple[str, str, str], float]:
     """tracetap_overlay_events_total by (overlay, hook, action)."""
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
+    lines = metrics_text(proxy.url).splitlines()
     counts = {}
     for line in lines:
         if line.startswith("tracetap_overlay_events_total{"):
@@ -155,7 +149,7 @@ def test_the_validator_overlay_recovers_episodes_that_fail_without_it(proxy):
         register(proxy, f"plain-{t.id}-{s}", task_id=t.id, harness={"name": "scripted"})
     plain = [agent(proxy, f"plain-{t.id}-{s}", t, s) for t, s in batch]
     for t, s in batch:
-        register(proxy, f"patched-{t.id}-{s}", "validator", task_id=t.id,
+        register(proxy, f"patched-{t.id}-{s}", overlay="validator", task_id=t.id,
                  harness={"name": "scripted"})
     patched = [agent(proxy, f"patched-{t.id}-{s}", t, s) for t, s in batch]
     for name, runs in (("plain", plain), ("patched", patched)):
@@ -199,7 +193,7 @@ def test_the_validator_overlay_recovers_episodes_that_fail_without_it(proxy):
 # ---- each hook: its effect, and its record ---------------------------------------------
 
 def test_before_model_adds_context_the_harness_never_sees_and_it_stays(proxy):
-    register(proxy, "noted", "noter", task_id="t1")
+    register(proxy, "noted", overlay="noter", task_id="t1")
     first = chat(proxy, "noted", [SYSTEM, QUESTION], stream=False)
     later = [SYSTEM, QUESTION, {"role": "assistant", "content": first[0]},
              {"role": "user", "content": "And then?"}]
@@ -215,7 +209,7 @@ def test_before_model_adds_context_the_harness_never_sees_and_it_stays(proxy):
 
 
 def test_on_observation_sees_tool_results_and_adds_a_recovery_hint(proxy):
-    register(proxy, "hinted", "hint")
+    register(proxy, "hinted", overlay="hint")
     run = agent(proxy, "hinted", TASKS[3], seed=7)
     assert run.failure is None or "must be an integer" in run.failure
     calls = proxy.calls("hinted")
@@ -229,7 +223,7 @@ def test_on_observation_sees_tool_results_and_adds_a_recovery_hint(proxy):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_after_model_rewrite_reaches_the_harness_and_the_models_reply_is_kept(proxy, stream):
-    register(proxy, f"rewritten-{stream}", "rewriter")
+    register(proxy, f"rewritten-{stream}", overlay="rewriter")
     content, _ = chat(proxy, f"rewritten-{stream}", [SYSTEM, QUESTION], stream=stream,
                       logprobs=True)
     assert content == "Rewritten by the overlay."
@@ -244,7 +238,7 @@ def test_after_model_rewrite_reaches_the_harness_and_the_models_reply_is_kept(pr
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_vetoed_reply_is_sampled_again_and_stored_as_its_own_call(proxy, stream):
-    register(proxy, f"vetoed-{stream}", "vetoer")
+    register(proxy, f"vetoed-{stream}", overlay="vetoer")
     content, _ = chat(proxy, f"vetoed-{stream}", [SYSTEM, QUESTION], stream=stream)
     first, second = proxy.calls(f"vetoed-{stream}")
     assert (first["status"], second["status"]) == ("vetoed", "ok")
@@ -269,7 +263,7 @@ def test_on_episode_start_gets_the_registration_and_its_state_reaches_the_hooks(
                                  f"path={tasks}"])
     r = Proxy(loop_thread, reminder).start()
     try:
-        register(r, "reminded", "remind", task_id="t-7")
+        register(r, "reminded", overlay="remind", task_id="t-7")
         chat(r, "reminded", [SYSTEM, QUESTION], stream=False)
         (call,) = r.calls("reminded")
         given = json.loads(call["upstream_request"])["messages"]
@@ -287,7 +281,7 @@ def test_trained_tokens_are_exactly_the_model_sampled_ones(request, tmp_path, da
     completion id the engine returned for a call the harness went on with; a vetoed
     sample is only ever trained in its own row; overlay-written tokens are context."""
     proxy = request.getfixturevalue("proxy" if database == "sqlite" else "pg_proxy")
-    register(proxy, "exact", "validator")
+    register(proxy, "exact", overlay="validator")
     run = agent(proxy, "exact", TASKS[0], seed=0)
     assert run.failure is None
     calls = {c["call_id"]: c for c in proxy.calls("exact")}
@@ -318,7 +312,7 @@ def test_trained_tokens_are_exactly_the_model_sampled_ones(request, tmp_path, da
 @pytest.mark.parametrize("overlay", ["raiser", "sleeper"])
 def test_a_raising_or_slow_overlay_leaves_calls_intact_when_failing_open(proxy, overlay):
     reference = chat(proxy, "no-overlay", [SYSTEM, QUESTION], stream=False)
-    register(proxy, f"broken-{overlay}", overlay)
+    register(proxy, f"broken-{overlay}", overlay=overlay)
     for stream in (False, True):
         assert chat(proxy, f"broken-{overlay}", [SYSTEM, QUESTION], stream=stream) == reference
     calls = proxy.calls(f"broken-{overlay}")
@@ -335,7 +329,7 @@ def test_a_failing_overlay_fails_the_call_clearly_when_closed(
         loop_thread, engine, db_url, tmp_path, overlay):
     p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_fail="closed")
     try:
-        register(p, "closed", overlay)
+        register(p, "closed", overlay=overlay)
         with pytest.raises(openai.InternalServerError) as caught:
             chat(p, "closed", [SYSTEM, QUESTION], stream=True)
         assert caught.value.code == "overlay_failed"
@@ -360,8 +354,8 @@ def test_a_responses_harness_gets_well_formed_replies_in_its_own_api(
 
 
 def _responses_episodes(proxy, stream: bool) -> None:
-    register(proxy, f"responses-{stream}", "rewriter")
-    register(proxy, f"responses-veto-{stream}", "vetoer")
+    register(proxy, f"responses-{stream}", overlay="rewriter")
+    register(proxy, f"responses-veto-{stream}", overlay="vetoer")
     with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as sdk:
         texts = _responses(sdk, stream, f"responses-{stream}", f"responses-veto-{stream}")
     assert texts[0] == "Rewritten by the overlay."
@@ -384,7 +378,7 @@ def _responses(sdk, stream: bool, *episodes: str) -> list[str]:
 
 
 def test_tool_call_rewrites_reach_the_harness_as_tool_calls(proxy):
-    register(proxy, "tool-rewrite", "rewriter")
+    register(proxy, "tool-rewrite", overlay="rewriter")
     for stream in (False, True):
         from tracetap.demo.agent import TOOLS
 
@@ -431,7 +425,7 @@ def _sampled(call: dict) -> dict:
 def test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls(
         gated_proxy, tmp_path):
     gated = gated_proxy.state.overlays.loaded["gated"]
-    register(gated_proxy, "live", "gated")
+    register(gated_proxy, "live", overlay="gated")
     content, tool_calls = _live_chat(gated_proxy, "live", gated.gate)
     # The hook judged only once the client had the text: it went out before the verdict.
     assert gated.opened == [True, True]
@@ -478,7 +472,7 @@ def test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_c
 
 def test_a_reply_without_tool_calls_streams_live_and_is_not_judged(gated_proxy):
     gated = gated_proxy.state.overlays.loaded["gated"]
-    register(gated_proxy, "live-text", "gated")
+    register(gated_proxy, "live-text", overlay="gated")
     content, tool_calls = _live_chat(gated_proxy, "live-text", gated.gate, tools=None)
     assert chat(gated_proxy, "live-text", [SYSTEM, QUESTION], stream=False)[0]
     calls = gated_proxy.calls("live-text")
@@ -488,7 +482,7 @@ def test_a_reply_without_tool_calls_streams_live_and_is_not_judged(gated_proxy):
 
 
 def test_a_tool_calls_only_rewrite_replaces_the_calls_after_the_live_text(gated_proxy):
-    register(gated_proxy, "live-rewrite", "toolrewriter")
+    register(gated_proxy, "live-rewrite", overlay="toolrewriter")
     content, tool_calls = _live_chat(gated_proxy, "live-rewrite", threading.Event())
     (call,) = gated_proxy.calls("live-rewrite")
     sampled = _sampled(call)
@@ -506,7 +500,7 @@ def test_failing_closed_after_live_text_cuts_the_stream(loop_thread, engine, db_
     ends abruptly, as when an upstream breaks mid-stream, and the record says why."""
     p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_fail="closed")
     try:
-        register(p, "live-closed", "toolraiser")
+        register(p, "live-closed", overlay="toolraiser")
         received = threading.Event()
         with pytest.raises(openai.APIConnectionError):
             _live_chat(p, "live-closed", received)
@@ -549,8 +543,8 @@ def test_translated_streams_stay_well_formed_with_live_text_and_a_veto(
     proxy = _proxy(loop_thread, engine, db_url, tmp_path, translate="all", overlay_timeout=10)
     try:
         proxy.state.overlays.loaded["gated"].gate.set()
-        register(proxy, "responses-live", "gated")
-        register(proxy, "messages-live", "gated")
+        register(proxy, "responses-live", overlay="gated")
+        register(proxy, "messages-live", overlay="gated")
         sdk = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
         with sdk, sdk.responses.stream(
                 model="mock-model", instructions="Answer.", input="What is it?",
@@ -590,7 +584,7 @@ def test_the_first_call_translate_auto_falls_back_for_runs_the_hooks(
     loop_thread.run(engine.start())
     proxy = _proxy(loop_thread, engine, db_url, tmp_path, upstream_flavor="vllm")
     try:
-        register(proxy, f"fallback-{stream}", "rewriter")
+        register(proxy, f"fallback-{stream}", overlay="rewriter")
         with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as sdk:
             texts = _responses(sdk, stream, f"fallback-{stream}", f"fallback-{stream}")
         assert texts == ["Rewritten by the overlay."] * 2
@@ -648,7 +642,7 @@ def test_loading_mistakes_are_clear_at_start():
 
 
 def test_concurrent_first_calls_start_the_episode_once(proxy):
-    register(proxy, "together", "noter")
+    register(proxy, "together", overlay="noter")
 
     async def both():
         async with openai.AsyncOpenAI(base_url=proxy.episode_url("together"),

@@ -1,4 +1,4 @@
-"""``tracetap packets`` on a seeded database (tests/analysis_seed.py) of known failures."""
+"""``tracetap packets`` on a seeded database (tests/helpers/seeding.py) of known failures."""
 
 from __future__ import annotations
 
@@ -10,18 +10,13 @@ from pathlib import Path
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-from analysis_seed import seed, seeded_sqlite
+from helpers.seeding import seed
 
 from tracetap import cli
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE
 
 GOLDEN = Path(__file__).parent / "golden"
-
-
-@pytest.fixture(scope="module")
-def seeded(tmp_path_factory) -> str:
-    return seeded_sqlite(tmp_path_factory.mktemp("packets"))
 
 
 def packets(db: str, out: Path, *flags: str) -> int:

@@ -22,9 +22,11 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from helpers.http import metrics_text
+from helpers.loop import free_port
+from helpers.servers import Proxy
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Proxy, free_port
 from tracetap.migrations import upgrade
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.settings import Settings
@@ -338,8 +340,7 @@ def drive_traffic(proxy: Proxy, episode: str, *, drop: bool) -> None:
 
 
 def own_scrape(proxy: Proxy) -> set[str]:
-    with urllib.request.urlopen(proxy.url + "/metrics") as resp:
-        text = resp.read().decode()
+    text = metrics_text(proxy.url)
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 

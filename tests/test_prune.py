@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers.objectstore import moto_server
 from sqlalchemy import text
 
-from tests.objectstore import moto_server
 from tests.test_export_runs import _db, calls, finish, finished_at
 from tracetap.exporters import ExportError, export
 from tracetap.exporters.prune import prune_exported

@@ -9,13 +9,13 @@ import json
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
+from helpers.http import fetch, metrics_text, post
+from helpers.loop import free_port
+from helpers.servers import Forwarder, stored_calls
 
-from conftest import Forwarder, free_port, stored_calls
 from tracetap.cli import main
 from tracetap.migrations import upgrade
 from tracetap.storage.quarantine import read_all
@@ -52,14 +52,10 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients, c
     hostile.chat.completions.create(
         model="mock", messages=[{"role": "user", "content": "a\u0000b"}], max_tokens=4)
     # A raw NUL byte in the body (not JSON's escape): the request text holds a NUL.
-    raw = urllib.request.Request(
-        proxy.episode_url("hostile") + "/chat/completions", method="POST",
-        data=b'{"model": "mock", "max_tokens": 4, "messages": [{"role": "user", '
-             b'"content": "raw\x00nul"}]}', headers={"Content-Type": "application/json"})
-    try:
-        urllib.request.urlopen(raw, timeout=30).close()
-    except urllib.error.HTTPError as err:  # refused as invalid JSON, and stored as such
-        err.close()
+    # Refused as invalid JSON, and stored as such.
+    post(proxy.episode_url("hostile") + "/chat/completions",
+         b'{"model": "mock", "max_tokens": 4, "messages": [{"role": "user", '
+         b'"content": "raw\x00nul"}]}')
     normal = _client(clients, proxy, "normal")
     for _ in range(10):
         reply = normal.chat.completions.create(model="mock", messages=MESSAGES, max_tokens=4,
@@ -98,10 +94,10 @@ def test_hostile_requests_never_stop_capture_of_other_episodes(proxy, clients, c
     assert metrics.records_total.labels("quarantined")._value.get() == 0
 
     # The viewer's list page counts them and says where they are.
-    page = urllib.request.Request(proxy.url + "/tracetap/ui/", headers={
-        "Accept": "text/html", "Authorization": f"Bearer {proxy.admin_token}"})
-    with urllib.request.urlopen(page, timeout=30) as reply:
-        body = reply.read().decode()
+    status, page = fetch("GET", proxy.url + "/tracetap/ui/", headers={"Accept": "text/html"},
+                         token=proxy.admin_token)
+    assert status == 200, page
+    body = page.decode()
     refused_text = "0 call records refused by the database (not stored)"
     assert f"{refused_text} and {len(entries)} stored altered are kept in" in body
 
@@ -173,7 +169,7 @@ def _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, 
     [refused] = [e for e in entries if e.kind == "refused"]
     assert refused.episode_id == long_episode and "StringDataRightTruncation" in refused.reason
     outcomes = dict(re.findall(r'^tracetap_records_total\{outcome="(\w+)"\} (\S+)$',
-                               _metrics(restarted.url), re.MULTILINE))
+                               metrics_text(restarted.url), re.MULTILINE))
     assert float(outcomes["quarantined"]) == 1 and float(outcomes["altered"]) == 2
     assert float(outcomes["replayed"]) == 22  # every record but the refused one
     restarted.stop()  # before the forwarder goes: it exits with an empty journal
@@ -191,13 +187,8 @@ def _journal_one(data_dir, episode_id: str) -> None:
     journal.close()
 
 
-def _metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
-        return reply.read().decode()
-
-
 def _metric(url: str, name: str) -> float:
-    found = re.search(rf"^{name} (\S+)$", _metrics(url), re.MULTILINE)
+    found = re.search(rf"^{name} (\S+)$", metrics_text(url), re.MULTILINE)
     return float(found.group(1)) if found else -1.0
 
 

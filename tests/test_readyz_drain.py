@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
+from helpers.http import get
 
 
 def _readyz(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url + "/readyz", timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return get(url + "/readyz", timeout=10)
 
 
 def test_readyz_says_not_ready_once_shutdown_begins(proxy):

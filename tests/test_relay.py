@@ -15,8 +15,9 @@ import msgspec
 import openai
 import pytest
 from aiohttp import web
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from conftest import Proxy, free_port
 from tracetap.migrations import upgrade
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.settings import Settings

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.request
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import harnesses as h
+from helpers.http import finish, metrics_text, register
+from helpers.loop import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import harnesses as h
-from tests.conftest import free_port
 from tracetap.exporters import export
 from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.repair import Repair
@@ -22,15 +22,6 @@ from tracetap.proxy.settings import Settings
 REPAIRED = {"langchain": h.reserialized, "strip": h.stripped, "smolagents": h.text_parts}
 EXPLAINED = {"dropper": (h.dropped, "assistant_turn_dropped"),
              "summariser": (h.summarised, "history_compacted")}
-
-
-def register(proxy, episode: str, **spec) -> None:
-    status, body = proxy.admin("POST", "/tracetap/episodes", {"id": episode, **spec})
-    assert status == 201, body
-
-
-def finish(proxy, episode: str) -> None:
-    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
 
 
 def trajectories(proxy, tmp_path, *episodes: str) -> dict[str, list[dict]]:
@@ -43,8 +34,7 @@ def trajectories(proxy, tmp_path, *episodes: str) -> dict[str, list[dict]]:
 
 
 def repairs_metric(proxy) -> dict[str, float]:
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
+    lines = metrics_text(proxy.url).splitlines()
     return {line.split('cause="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
             for line in lines if line.startswith("tracetap_history_repairs_total{")}
 
@@ -122,7 +112,7 @@ def test_repair_is_off_unless_asked_and_on_for_every_episode_with_the_flag(
 
 @pytest.fixture
 def make_repairing_proxy(loop_thread, engine, db_url, tmp_path):
-    from tests.conftest import Proxy
+    from helpers.servers import Proxy
 
     started = []
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import openai
 import pyarrow.dataset as ds
+from helpers.servers import stored_calls
 
-from conftest import stored_calls
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 from aiohttp import web
+from helpers.http import request_json
+from helpers.loop import free_port
+from helpers.servers import Forwarder, Proxy, stored_calls
 
-from conftest import Forwarder, Proxy, free_port, stored_calls
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
@@ -21,20 +21,6 @@ from tracetap.proxy.settings import Settings
 SECRET = "sk-upstream-SECRET-3f9a1c"
 CONTENT = "what the lighthouse keeper said, 41c7"  # findable in any dump
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def _request(method, url, body=None, token=None):
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data, headers,
-                                                           method=method)) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        with err:  # its connection closes now, not at some later garbage collection
-            return err.code, json.loads(err.read())
 
 
 @pytest.fixture
@@ -48,18 +34,18 @@ def guarded(loop_thread, engine, db_url, tmp_path):
 
 def test_admin_api_needs_the_admin_token(guarded):
     url = guarded.url + "/tracetap/episodes"
-    assert _request("POST", url, {"id": "a"})[0] == 401
-    assert _request("POST", url, {"id": "a"}, token="wrong")[0] == 401
-    assert _request("GET", url)[0] == 401
-    assert _request("PUT", guarded.url + "/tracetap/policy", {"version": "v"})[0] == 401
-    assert _request("POST", url, {"id": "a"}, token="admin-T")[0] == 201
-    assert _request("GET", url, token="admin-T")[0] == 200
+    assert request_json("POST", url, {"id": "a"})[0] == 401
+    assert request_json("POST", url, {"id": "a"}, token="wrong")[0] == 401
+    assert request_json("GET", url)[0] == 401
+    assert request_json("PUT", guarded.url + "/tracetap/policy", {"version": "v"})[0] == 401
+    assert request_json("POST", url, {"id": "a"}, token="admin-T")[0] == 201
+    assert request_json("GET", url, token="admin-T")[0] == 200
 
 
 def test_an_episode_key_tags_only_its_own_episode(guarded):
     admin = "admin-T"
-    _, a = _request("POST", guarded.url + "/tracetap/episodes", {"id": "ep-a"}, token=admin)
-    _request("POST", guarded.url + "/tracetap/episodes", {"id": "ep-b"}, token=admin)
+    _, a = request_json("POST", guarded.url + "/tracetap/episodes", {"id": "ep-a"}, token=admin)
+    request_json("POST", guarded.url + "/tracetap/episodes", {"id": "ep-b"}, token=admin)
     key_a = a["api_key"]
 
     client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key_a, max_retries=0)
@@ -72,18 +58,18 @@ def test_an_episode_key_tags_only_its_own_episode(guarded):
             with pytest.raises(openai.PermissionDeniedError):
                 other.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     # The key cannot read or administer anything, even its own episode.
-    assert _request("GET", guarded.url + "/tracetap/episodes", token=key_a)[0] == 403
-    assert _request("GET", guarded.url + "/tracetap/episodes/ep-a", token=key_a)[0] == 403
-    assert _request("POST", guarded.url + "/tracetap/episodes", {}, token=key_a)[0] == 403
-    assert _request("POST", guarded.url + "/tracetap/episodes/ep-b/finish", {"reward": 1},
+    assert request_json("GET", guarded.url + "/tracetap/episodes", token=key_a)[0] == 403
+    assert request_json("GET", guarded.url + "/tracetap/episodes/ep-a", token=key_a)[0] == 403
+    assert request_json("POST", guarded.url + "/tracetap/episodes", {}, token=key_a)[0] == 403
+    assert request_json("POST", guarded.url + "/tracetap/episodes/ep-b/finish", {"reward": 1},
                     token=key_a)[0] == 403
     # Nor grade itself: rewards come from the operator's grader, with the admin token.
-    assert _request("POST", guarded.url + "/tracetap/episodes/ep-a/finish", {"reward": 1},
+    assert request_json("POST", guarded.url + "/tracetap/episodes/ep-a/finish", {"reward": 1},
                     token=key_a)[0] == 403
     assert len(guarded.calls("ep-a")) == 1
     assert guarded.calls("ep-b") == []  # refused calls are recorded untagged, not in B
     assert [c["http_status"] for c in guarded.calls(None)] == [403, 403]
-    assert _request("GET", guarded.url + "/tracetap/episodes/ep-b", token=admin)[1][
+    assert request_json("GET", guarded.url + "/tracetap/episodes/ep-b", token=admin)[1][
         "finished_at"] is None
 
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from aiohttp import web
+from helpers.http import post
+from helpers.loop import free_port
+from helpers.servers import Proxy, stored_calls
 
-from conftest import Proxy, free_port, stored_calls
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
@@ -117,14 +116,10 @@ def test_the_flags_on_the_command_line_and_sigint_drains_then_exits_zero(
     upstream = serve_app(_recording_engine(seen)) + "/v1"
     proxy = run_proxy(upstream, fresh_postgres, "--require-episode", "--forward-client-auth",
                       "--drain-timeout", "20")
-    request = urllib.request.Request(proxy.url + "/v1/chat/completions", json.dumps(
-        {"model": "mock-model", "messages": MESSAGES}).encode(), method="POST",
-        headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request)
-    with refused.value as error:  # closes its connection now, not at some later GC
-        assert error.code == 400
-        assert json.loads(error.read())["error"]["code"] == "episode_required"
+    status, refused = post(proxy.url + "/v1/chat/completions",
+                           {"model": "mock-model", "messages": MESSAGES})
+    assert status == 400
+    assert refused["error"]["code"] == "episode_required"
 
     started = threading.Barrier(3)
 

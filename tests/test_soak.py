@@ -15,8 +15,10 @@ import urllib.request
 
 import openai
 import pytest
+from helpers.http import metrics_text
+from helpers.loop import free_port
+from helpers.servers import stored_calls
 
-from conftest import free_port, stored_calls
 from tracetap.migrations import upgrade
 
 SECONDS = float(os.environ.get("TRACETAP_SOAK_SECONDS", "60"))
@@ -85,8 +87,7 @@ def test_soak_64_streaming_clients(engine_process, fresh_postgres, run_proxy):
             rss["end"] = proxy.rss_bytes()
 
     asyncio.run(run())
-    with urllib.request.urlopen(proxy.url + "/metrics") as resp:
-        metrics = resp.read().decode()
+    metrics = metrics_text(proxy.url)
     proxy.stop()
     stored = sum(len(stored_calls(fresh_postgres, f"soak-{e}")) for e in range(EPISODES))
     growth = (rss["end"] - rss["warm"]) / 2**20

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import free_port
+from helpers.loop import free_port
 
 
 def _serve(tmp_path, *args: str) -> subprocess.CompletedProcess:

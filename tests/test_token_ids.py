@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import urllib.request
 
 import openai
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
+from helpers.http import metrics_text, post
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from tests.conftest import Proxy, free_port
 from tracetap import cli
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
@@ -88,17 +89,13 @@ def engine_ids(engine_url: str, request: dict) -> tuple[list[int], list[int]]:
     """What the engine itself tokenizes for ``request`` (the mock's own vLLM answer)."""
     body = {**request, "return_token_ids": True, "stream": False}
     body.pop("stream_options", None)
-    post = urllib.request.Request(engine_url + "/chat/completions", method="POST",
-                                  data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(post, timeout=30) as reply:
-        data = json.load(reply)
+    status, data = post(engine_url + "/chat/completions", body)
+    assert status == 200, data
     return data["prompt_token_ids"], data["choices"][0]["token_ids"]
 
 
 def missing_metric(proxy) -> dict[str, float]:
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    text = metrics_text(proxy.url)
     out = {}
     for line in text.splitlines():
         if line.startswith("tracetap_token_ids_missing_total{"):

@@ -11,13 +11,13 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
+from helpers.chat_upstreams import CHAT_USAGE as USAGE
+from helpers.chat_upstreams import chat_reply, scripted_chat_app, stream_chunks, translating_app
+from helpers.translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
-from translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 
-from conftest import CHAT_USAGE as USAGE
-from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
 from tracetap.demo import tokenizer as tok
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.messages import translate as api

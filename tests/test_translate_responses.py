@@ -8,15 +8,15 @@ import json
 import msgspec
 import openai
 import pytest
+from helpers.chat_upstreams import CHAT_USAGE as USAGE
+from helpers.chat_upstreams import chat_reply, scripted_chat_app, stream_chunks, translating_app
+from helpers.translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from translation import decode_named_events, engine_chat, finish_on_last_chunk, harness_turn
 
-from conftest import CHAT_USAGE as USAGE
-from conftest import chat_reply, scripted_chat_app, stream_chunks, translating_app
 from tracetap.demo import tokenizer as tok
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.apis.responses import translate as api

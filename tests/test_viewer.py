@@ -15,9 +15,9 @@ import urllib.request
 from array import array
 
 import pytest
+from helpers.loop import free_port
 from sqlalchemy import update
 
-from conftest import free_port
 from tracetap.migrations import upgrade
 from tracetap.storage import browse, changes, queries
 from tracetap.storage.engine import create_engine
@@ -32,7 +32,7 @@ UI = "/tracetap/ui"
 T0 = 1_700_000_000.0
 
 
-def _call(call_id: str, episode: str, t: float, prompt: list[int], completion: list[int],
+def _call_record(call_id: str, episode: str, t: float, prompt: list[int], completion: list[int],
           *, status: str = "ok", http: int = 200, tokens_used: int = 10) -> CallRecord:
     choice = ChoiceRecord(index=0, finish_reason="stop", text="x", completion_ids=completion,
                           completion_logprobs=[-0.01 * (i + 1) for i in range(len(completion))],
@@ -60,13 +60,13 @@ async def _populate(engine) -> None:
                                      harness_config=None, metadata=None)
     records = []
     for n, (episode_id, *_rest, offset) in enumerate(specs):
-        records.append(_call(f"c{n}-0", episode_id, T0 + offset, [1, 2], [3, 4]))
-    records.append(_call("c-bad", "broken", T0 + 5.5, [1], [], status="ok", http=500))
-    records.append(_call("c-spent", "spent", T0 + 6.5, [1], [], status="budget_exceeded",
+        records.append(_call_record(f"c{n}-0", episode_id, T0 + offset, [1, 2], [3, 4]))
+    records.append(_call_record("c-bad", "broken", T0 + 5.5, [1], [], status="ok", http=500))
+    records.append(_call_record("c-spent", "spent", T0 + 6.5, [1], [], status="budget_exceeded",
                          http=403))
     # a passthrough (count_tokens) is no failure
-    records.append(_call("c-pass", "solo", T0 + 4.5, [], [], status="passthrough"))
-    records.append(_call("c-untagged", None, T0, [], [], http=500))  # failed, in no episode
+    records.append(_call_record("c-pass", "solo", T0 + 4.5, [], [], status="passthrough"))
+    records.append(_call_record("c-untagged", None, T0, [], [], http=500))  # failed, in no episode
     await insert_calls(engine, records)
     async with engine.begin() as conn:  # created_at is now(): place episodes in time
         for episode_id, *_rest, offset in specs:
@@ -152,9 +152,9 @@ def test_split_rows_locate_the_diverging_tokens(tmp_path):
     url = f"sqlite:///{tmp_path / 't.db'}"
     upgrade(url)
     system, question = [1, 2, 3, 4], [5, 6]
-    first = _call("a", "ep", T0, system + question, [7, 8, 9])
-    second = _call("b", "ep", T0 + 1, [*system, *question, 7, 8, 9, 10, 11], [12, 13])
-    rewritten = _call("c", "ep", T0 + 2, [*system, 99, 98], [14])
+    first = _call_record("a", "ep", T0, system + question, [7, 8, 9])
+    second = _call_record("b", "ep", T0 + 1, [*system, *question, 7, 8, 9, 10, 11], [12, 13])
+    rewritten = _call_record("c", "ep", T0 + 2, [*system, 99, 98], [14])
 
     async def run():
         engine = create_engine(url)
@@ -292,8 +292,8 @@ def test_the_proxy_serves_the_viewer_only_to_its_admin_token(proxy):
 
 def test_with_an_admin_listener_the_agent_port_has_no_viewer(loop_thread, engine, tmp_path):
     from aiohttp import web
+    from helpers.servers import Proxy
 
-    from conftest import Proxy
     from tracetap.proxy.settings import Settings
 
     admin_port = free_port()
@@ -396,13 +396,13 @@ def test_row_cache_reuses_rows_until_the_episode_changes(tmp_path):
 
     async def run():
         engine = create_engine(url)
-        await insert_calls(engine, [_call("a", "ep", T0, [1, 2], [3]),
-                                    _call("x", "other", T0, [1, 2, 3, 4], [5])])
+        await insert_calls(engine, [_call_record("a", "ep", T0, [1, 2], [3]),
+                                    _call_record("x", "other", T0, [1, 2, 3, 4], [5])])
         cache = RowCache(max_tokens=8)
         async with Reader(url, with_bodies=False) as reader:
             first = await cache.rows(reader, "ep")
             assert await cache.rows(reader, "ep") is first  # unchanged: the same rows
-            await insert_calls(engine, [_call("b", "ep", T0 + 1, [1, 2, 3, 9], [7])])
+            await insert_calls(engine, [_call_record("b", "ep", T0 + 1, [1, 2, 3, 9], [7])])
             second = await cache.rows(reader, "ep")
             assert second is not first and second[0].ids.tolist() == [1, 2, 3, 9, 7]
             await cache.rows(reader, "other")  # 5 + 5 tokens > 8: "ep" is evicted

@@ -17,8 +17,9 @@ import anthropic
 import openai
 import pyarrow.parquet as pq
 import pytest
+from helpers.loop import LoopThread, free_port
+from helpers.servers import Proxy
 
-from conftest import LoopThread, Proxy, free_port
 from tracetap.demo.agent import run_agent
 from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
 from tracetap.demo.engine import EngineConfig, EngineServer
@@ -321,7 +322,7 @@ def test_episode_and_call_pages_show_calls_timings_and_bodies(page, site):
     expect(page.locator("table.calls .badge.failed")).to_have_text("HTTP 500")
 
 
-def _chat(site: Site, episode_id: str) -> None:
+def _one_chat_call(site: Site, episode_id: str) -> None:
     client = openai.OpenAI(base_url=site.proxy.episode_url(episode_id), api_key="x",
                            max_retries=0)
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
@@ -344,12 +345,12 @@ def test_responses_and_messages_episodes_read_as_conversations(page, site, varia
 
 
 def test_live_page_shows_new_calls_within_a_second_and_pauses(page, site):
-    _chat(site, "live-0")  # stored just before the page opens: listed once, not twice
+    _one_chat_call(site, "live-0")  # stored just before the page opens: listed once, not twice
     site.proxy.flush()
     page.goto(site.url + "/live")
     expect(page.locator("#live-state")).to_have_text("live")
     expect(page.locator("#live-calls")).to_contain_text("live-0")
-    _chat(site, "live-1")
+    _one_chat_call(site, "live-1")
     expect(page.locator("#live-calls")).to_contain_text("live-1")
     expect(page.locator("#live-episodes")).to_contain_text("live-1")
     links = page.locator("#live-calls a[href*='/calls/']").evaluate_all(
@@ -357,7 +358,7 @@ def test_live_page_shows_new_calls_within_a_second_and_pauses(page, site):
     assert len(links) == len(set(links))
     page.click("#live-pause")
     expect(page.locator("#live-pause")).to_have_attribute("aria-pressed", "true")
-    _chat(site, "live-2")
+    _one_chat_call(site, "live-2")
     expect(page.locator("#live-held")).to_contain_text("new, held")
     expect(page.locator("#live-calls")).not_to_contain_text("live-2")
     page.click("#live-pause")

@@ -15,16 +15,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from helpers.servers import stored_calls
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import stored_calls
 from tracetap.migrations import upgrade
 from tracetap.proxy.app import WORKER_HEADER
 
 TRIES = 60  # calls it may take the kernel to hand connections to both workers
 
 
-def _call(proxy, content: str, *, stream: bool = False, **extra) -> tuple[str | None, object]:
+def _agent_call(proxy, content: str, *, stream: bool = False, **extra) -> tuple[str | None, object]:
     """One agent call on a new connection: (the worker that answered, the reply or the
     APIStatusError); (None, the error) when no worker answered (one was just killed)."""
     client = openai.OpenAI(base_url=proxy.episode_url("w"), api_key="x", max_retries=0, timeout=60)
@@ -53,7 +53,7 @@ def _until_both(proxy, prefix: str, keep=lambda reply: True) -> dict[str, list]:
         for batch in range(0, TRIES, 8):
             contents = [f"{prefix}-{i}" for i in range(batch, batch + 8)]
             for content, (worker, reply) in zip(
-                contents, pool.map(lambda c: _call(proxy, c), contents), strict=True
+                contents, pool.map(lambda c: _agent_call(proxy, c), contents), strict=True
             ):
                 if worker is not None:
                     seen.setdefault(worker, []).append((content, reply))
@@ -208,7 +208,7 @@ def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
     victim: list[str] = []
 
     def agent(i: int) -> None:
-        worker, reply = _call(proxy, f"call-{i}", stream=i % 2 == 0)
+        worker, reply = _agent_call(proxy, f"call-{i}", stream=i % 2 == 0)
         if worker is None or isinstance(reply, openai.APIError):
             return  # the worker died under this call: it did not complete for the client
         completed[f"call-{i}"] = worker

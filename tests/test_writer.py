@@ -11,9 +11,10 @@ import time
 import msgspec
 import pytest
 from asyncpg.exceptions import IntegrityConstraintViolationError
+from helpers.loop import free_port
+from helpers.servers import Forwarder
 from sqlalchemy.exc import DBAPIError
 
-from conftest import Forwarder, free_port
 from tracetap.migrations import upgrade
 from tracetap.proxy.ids import uuid7
 from tracetap.storage import queries

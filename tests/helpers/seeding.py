@@ -5,6 +5,9 @@ repeats is SUCCESS[harness][task]; harness A costs 110 tokens and 1 s per call, 
 tokens and 2 s. Factors: context and retries follow the harness (so two of their level
 pairs never run), prompt follows the repeat. A-t4-0 has an upstream error, B-t6-1 a
 context-length 400; B's second repeats carry the overlay "o1" in their metadata.
+
+Also a pytest plugin (loaded by tests/conftest.py): the fixture ``seeded`` is the seed in
+a SQLite database of its own, one per test module.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+
+import pytest
 
 from tracetap import cli
 from tracetap.migrations import upgrade
@@ -177,6 +182,11 @@ def seeded_sqlite(directory: Path) -> str:
     upgrade(url)
     asyncio.run(seed(url))
     return url
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> str:
+    return seeded_sqlite(tmp_path_factory.mktemp("seeded"))
 
 
 def cli_json(capsys, *argv: str) -> dict:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from helpers.http import get
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
-from conftest import Proxy, free_port
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.settings import Settings, UpstreamSpec, parse_upstreams
@@ -18,16 +19,7 @@ from tracetap.proxy.settings import Settings, UpstreamSpec, parse_upstreams
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def _get(url: str) -> dict:
-    try:
-        with urllib.request.urlopen(url) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        with err:  # its connection closes now, not at some later garbage collection
-            return json.loads(err.read())
-
-
-def _post(proxy, path: str, body: dict) -> dict:
+def _admin_post(proxy, path: str, body: dict) -> dict:
     status, reply = proxy.admin("POST", path, body)
     assert status == 200, reply
     return reply
@@ -97,7 +89,7 @@ def test_three_upstreams_affinity_failover_and_return(loop_thread, db_url, tmp_p
         revived = EngineServer(EngineConfig(), port=port)
         loop_thread.run(revived.start())
         engines[0] = revived
-        ready = _get(proxy.url + "/readyz")  # runs a health check
+        ready = get(proxy.url + "/readyz")[1]  # runs a health check
         assert all(u["healthy"] for u in ready["upstreams"])
         for episode in episodes:
             turn(episode)
@@ -109,7 +101,7 @@ def test_three_upstreams_affinity_failover_and_return(loop_thread, db_url, tmp_p
 
 
 def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
-    _post(proxy, "/tracetap/resume", {"policy_version": "v1"})
+    _admin_post(proxy, "/tracetap/resume", {"policy_version": "v1"})
 
     def stream(tag: str, first: threading.Event | None = None) -> str:
         client = openai.OpenAI(base_url=proxy.episode_url("pause"), api_key="x", max_retries=0)
@@ -130,9 +122,9 @@ def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
         before = [pool.submit(stream, f"before-{i}", firsts[i]) for i in range(4)]
         for event in firsts:
             assert event.wait(10)
-        paused = pool.submit(_post, proxy, "/tracetap/pause", {"timeout": 30})
+        paused = pool.submit(_admin_post, proxy, "/tracetap/pause", {"timeout": 30})
         deadline = time.monotonic() + 10
-        while not _get(proxy.url + "/readyz")["paused"]:
+        while not get(proxy.url + "/readyz")[1]["paused"]:
             assert time.monotonic() < deadline
             time.sleep(0.02)  # polling until the pause is in effect
         during = [pool.submit(stream, f"during-{i}") for i in range(4)]
@@ -140,7 +132,7 @@ def test_pause_holds_new_calls_and_resume_stamps_the_new_policy(proxy):
         assert result["drained"] and result["inflight"] == 0
         assert [f.result(10) for f in before] == ["stop"] * 4  # finished while paused
         assert not any(f.done() for f in during)  # held until the resume
-        _post(proxy, "/tracetap/resume", {"policy_version": "v2"})
+        _admin_post(proxy, "/tracetap/resume", {"policy_version": "v2"})
         assert [f.result(30) for f in before + during] == ["stop"] * 8
     calls = proxy.calls("pause")
     versions = {json.loads(c["request"])["messages"][0]["content"]: c["policy_version"]
@@ -156,7 +148,7 @@ def test_a_call_held_too_long_gets_a_503_with_retry_after(loop_thread, engine, d
                         data_dir=str(tmp_path / "d"), pause_timeout=0.2)
     proxy = Proxy(loop_thread, settings).start()
     try:
-        _post(proxy, "/tracetap/pause", {})
+        _admin_post(proxy, "/tracetap/pause", {})
         client = openai.OpenAI(base_url=proxy.episode_url("held"), api_key="x", max_retries=0)
         with client:
             try:

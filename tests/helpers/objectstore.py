@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from conftest import free_port
+from helpers.loop import free_port
 
 KEY_ID, SECRET = "AKIDTRACETAPTEST", "tracetap-test-secret-0b5e"  # moto accepts any
 

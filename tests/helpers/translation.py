@@ -4,8 +4,9 @@ SSE stream, asking the mock engine directly, and the turn a chat harness would a
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Callable
+
+from helpers.http import post
 
 
 def decode_named_events(raw: list[bytes], validate: Callable[[dict], object]) -> list[dict]:
@@ -24,11 +25,9 @@ def decode_named_events(raw: list[bytes], validate: Callable[[dict], object]) ->
 
 def engine_chat(engine_url: str, body: dict) -> dict:
     """A chat completion straight from the engine, as a chat harness would get it."""
-    post = urllib.request.Request(engine_url + "/chat/completions", method="POST",
-                                  data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(post, timeout=30) as answer:
-        return json.load(answer)
+    status, reply = post(engine_url + "/chat/completions", body)
+    assert status == 200, reply
+    return reply
 
 
 def harness_turn(message: dict) -> dict:
@@ -38,7 +37,7 @@ def harness_turn(message: dict) -> dict:
 
 
 def finish_on_last_chunk(chunks: list[dict]) -> list[dict]:
-    """``chunks`` (``conftest.stream_chunks``) as vLLM streams a ``length`` or stop-string
+    """``chunks`` (``chat_upstreams.stream_chunks``) as vLLM streams a ``length`` or stop-string
     ending: the finish_reason (and stop_reason) on the last chunk that carries a delta,
     with its text, instead of an empty chunk of its own."""
     out = [dict(c, choices=[dict(choice) for choice in c["choices"]]) for c in chunks]

@@ -1,0 +1,102 @@
+"""The test databases (a pytest plugin, loaded by tests/conftest.py): the real Postgres on
+127.0.0.1:5432 (``TRACETAP_TEST_PG`` to change it), a fresh database per test, and
+``db_url``, which runs a test on SQLite and on Postgres. Postgres tests skip only when it
+is unreachable and CI is not set; in CI they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tracetap.migrations import upgrade
+
+PG_ADMIN = os.environ.get("TRACETAP_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_available() -> bool:
+    async def probe():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN), timeout=3)
+        await conn.close()
+
+    try:
+        asyncio.run(probe())
+        return True
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+        return False
+
+
+def _asyncpg_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+def create_postgres_database() -> str:
+    """A new, empty database on the test server; returns its URL."""
+    name = f"tracetap_test_{uuid.uuid4().hex[:12]}"
+
+    async def create():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN))
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+
+
+def drop_postgres_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+
+    async def drop():
+        conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN))
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
+@pytest.fixture(scope="session")
+def postgres_ok() -> bool:
+    ok = _postgres_available()
+    if not ok and os.environ.get("CI"):
+        pytest.fail(f"Postgres is required in CI and is not reachable at {PG_ADMIN}")
+    return ok
+
+
+@pytest.fixture
+def postgres(postgres_ok) -> None:
+    """Skips the test when no Postgres is reachable (postgres_ok fails it in CI)."""
+    if not postgres_ok:
+        pytest.skip("no Postgres reachable (allowed only outside CI)")
+
+
+@pytest.fixture
+def fresh_postgres(postgres) -> Iterator[str]:
+    url = create_postgres_database()
+    try:
+        yield url
+    finally:
+        drop_postgres_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path: Path) -> Iterator[str]:
+    """An empty, migrated database of each kind."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+        upgrade(url)
+        yield url
+    else:
+        url = request.getfixturevalue("fresh_postgres")
+        upgrade(url)
+        yield url
+

@@ -1,0 +1,97 @@
+"""One way for the tests to speak HTTP: JSON requests that return (status, body) instead
+of raising, the admin API (which remembers each registered episode's base URL, since a
+registered episode takes calls only with its key), and episodes registered and finished.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+# Base URLs registration handed out, by (agent URL, episode id). Cleared after each test
+# (servers._forget_base_urls): ports are reused by later tests.
+BASE_URLS: dict[tuple[str, str], str] = {}
+
+
+def fetch(method: str, url: str, body: Any = None, *, headers: dict | None = None,
+          token: str | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+    """One request; (status, the body's bytes). ``body`` is sent as is when it is bytes,
+    else encoded as JSON. An error status is returned, not raised, and its connection
+    closed at once (not at a later garbage collection, which would warn)."""
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, err.read()
+
+
+def request_json(method: str, url: str, body: Any = None, *, headers: dict | None = None,
+                 token: str | None = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """``fetch``, with the body decoded as JSON (left as bytes when it is not JSON)."""
+    status, raw = fetch(method, url, body, headers=headers, token=token, timeout=timeout)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def post(url: str, body: Any, headers: dict | None = None, *,
+         timeout: float = 30.0) -> tuple[int, Any]:
+    return request_json("POST", url, body, headers=headers, timeout=timeout)
+
+
+def get(url: str, *, timeout: float = 30.0) -> tuple[int, Any]:
+    return request_json("GET", url, timeout=timeout)
+
+
+def metrics_text(url: str, timeout: float = 10.0) -> str:
+    """The proxy's ``/metrics`` page at base URL ``url``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as reply:
+        return reply.read().decode()
+
+
+def admin_call(url: str, method: str, path: str, body=None,
+               token: str | None = None) -> tuple[int, dict]:
+    """One admin API request; returns (status, decoded JSON body) without raising."""
+    status, reply = request_json(method, url + path, body, token=token)
+    if method == "POST" and path == "/tracetap/episodes" and status == 201:
+        prefix, _, _ = reply["base_url"].partition("/episodes/")
+        BASE_URLS[(prefix, reply["id"])] = reply["base_url"]
+    return status, reply
+
+
+def episode_url(agent_url: str, episode_id: str) -> str:
+    """The base URL an agent of this episode uses: the registered one, else the plain
+    path-tagged one."""
+    return BASE_URLS.get((agent_url, episode_id), f"{agent_url}/episodes/{episode_id}/v1")
+
+
+def episode_headers(agent_url: str, episode_id: str) -> dict[str, str]:
+    """Headers that tag a call with an episode: its id, and its key when registered."""
+    headers = {"X-Tracetap-Episode": episode_id}
+    base_url = BASE_URLS.get((agent_url, episode_id))
+    if base_url is not None:
+        secret = base_url.rsplit("/", 2)[-2].partition("~")[2]
+        headers["Authorization"] = f"Bearer tt-{secret}"
+    return headers
+
+
+def register(proxy, episode: str, **spec) -> None:
+    """Register ``episode`` with ``spec`` (group, task_id, harness, overlay...) on a
+    proxy (in-process or subprocess); it must be created."""
+    status, reply = proxy.admin("POST", "/tracetap/episodes", {"id": episode, **spec})
+    assert status == 201, reply
+
+
+def finish(proxy, episode: str, reward: float = 1.0) -> None:
+    status, reply = proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
+                                {"reward": reward})
+    assert status == 200, reply
