@@ -16,9 +16,9 @@ import openai
 import pytest
 from aiohttp import web
 from anthropic.types import ErrorResponse
-
 from helpers.loop import free_port
 from helpers.servers import Proxy
+
 from tracetap.migrations import upgrade
 from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
 from tracetap.proxy.apis.messages import translate as messages_translate

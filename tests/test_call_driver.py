@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 from aiohttp import web
-
 from helpers.loop import free_port
 from helpers.servers import Proxy
+
 from tests.test_overlays import QUESTION, SYSTEM, chat, register
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings

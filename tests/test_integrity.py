@@ -10,10 +10,10 @@ import urllib.request
 import openai
 import pyarrow.parquet as pq
 import pytest
-
 from helpers.chat_upstreams import scripted_chat_app
 from helpers.loop import free_port
 from helpers.servers import Proxy
+
 from tracetap import cli
 from tracetap.exporters import export
 from tracetap.migrations import upgrade

@@ -13,7 +13,7 @@ from tracetap.migrations import upgrade
 from tracetap.storage.rows import call_row, choice_rows, episode_rows
 
 
-def test_a_0008_database_upgrades_and_exports_one_lineage_per_episode(bare_url, tmp_path):
+def test_a_0008_database_upgrades_and_exports_one_lineage_per_episode(bare_url, tmp_path):  # noqa: F811
     records = conversation("old", 3, seed=5)
     records[-1].status, records[-1].http_status = "upstream_timeout", 504
     upgrade(bare_url, "0008")

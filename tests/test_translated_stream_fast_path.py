@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from helpers.chat_upstreams import CHAT_USAGE, stream_chunks
 
-from tracetap.proxy.apis.chat_reply import read_chunk_bytes
+from tracetap.proxy.apis.chat.reply import read_chunk_bytes
 from tracetap.proxy.apis.messages import translate as messages
 from tracetap.proxy.apis.responses import translate as responses
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
+
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
