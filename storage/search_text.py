@@ -80,7 +80,10 @@ def text_of(request: str | None, choice_texts: Iterable[str | None], error: str 
     parts.extend(t for t in choice_texts if t)
     if error:
         parts.append(error)
-    return "\n".join(parts)[:MAX_CHARS]
+    text = "\n".join(parts)[:MAX_CHARS]
+    # Only words are searched: a NUL or a lone surrogate (JSON can escape both), which a
+    # Postgres text column refuses, must not make the database refuse the whole record.
+    return text.replace("\x00", " ").encode("utf-8", "replace").decode("utf-8")
 
 
 def _request_parts(request: _Request, parts: list[str]) -> None:

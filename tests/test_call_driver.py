@@ -47,7 +47,7 @@ def test_each_attempt_spends_its_own_tokens_once_and_the_reservation_is_settled_
     monkeypatch.setattr(budgets, "spend",
                         lambda r, used: (seen.append(("spend", used)), spend(r, used))[1])
     episode = f"budget-{stream}"
-    register(proxy, episode, "vetoer")
+    register(proxy, episode, overlay="vetoer")
     chat(proxy, episode, [SYSTEM, QUESTION], stream=stream)
     first, second = proxy.calls(episode)
     assert (first["status"], second["status"]) == ("vetoed", "ok")
@@ -81,7 +81,7 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
 
     monkeypatch.setattr(writer, "submit", spied_submit)
     monkeypatch.setattr(web.StreamResponse, "write", spied_write)
-    register(proxy, "held-order", "vetoer")
+    register(proxy, "held-order", overlay="vetoer")
     content, _ = chat(proxy, "held-order", [SYSTEM, QUESTION], stream=True)
     assert content
     assert order == ["[DONE] written by the engine", "submit vetoed",

@@ -73,10 +73,13 @@ HARNESSES = {
                                       "@anthropic-ai/claude-code",
                                       splits=frozenset({"template_drift"})),
     # Its Agent tool left in (the engine is steered to start a real sub-agent): each
-    # sub-agent's turns are a lineage of their own under the one that started it.
+    # sub-agent's turns are a lineage of their own under the one that started it. When
+    # a sub-agent's result comes back, Claude Code may resend the conversation with
+    # earlier tool results shortened (seen in the full suite: history_compacted).
     "claude-code-agents": Harness(runs.claude_code_agents, "@anthropic-ai/claude-code",
                                   serve=(("steer_agents", True),),
-                                  splits=frozenset({"template_drift"}), sub_agents=True),
+                                  splits=frozenset({"template_drift", "history_compacted"}),
+                                  sub_agents=True),
     # Under --translate auto its tool-offering Responses calls go to the engine as chat
     # (a bare tool-call turn keeps its logprobs); --translate all translates every call.
     "codex": Harness(runs.codex, "@openai/codex"),
