@@ -101,9 +101,12 @@ class ModelCall:
         self._spent = False
 
     # -- start ----------------------------------------------------------------------
-    def tag(self, episode_id: str | None) -> None:
-        """The call belongs to ``episode_id``: its arrival order."""
+    def tag(self, episode_id: str | None,
+            lineage: tuple[str | None, str | None] = (None, None)) -> None:
+        """The call belongs to ``episode_id`` (and, inside it, to the conversation the
+        lineage headers name, proxy.lineage): its arrival order."""
         self.episode_id = episode_id
+        self.lineage = lineage
         self.seq = self.services.arrivals.next(episode_id)  # arrival order, not completion
 
     async def reserve(self, keyed: bool, body_bytes: int) -> None:

@@ -91,8 +91,7 @@ async def model_call(request: web.Request, route: Route, path: str) -> web.Strea
         try:
             tagged = await state.tagger.resolve(request.headers,
                                                 request.match_info.get("episode"))
-            call.tag(tagged.episode_id)
-            call.lineage = lineage.names(request.headers)
+            call.tag(tagged.episode_id, lineage.names(request.headers))
             body = await read_body(request, state.settings.max_body,
                                    state.settings.body_timeout)
             upstream_body = call.parse_request(body)

@@ -52,8 +52,8 @@ class Harness:
     # engine without native Responses (SGLang, llama.cpp) gets.
     serve: tuple[tuple[str, object], ...] = ()
     # The causes its rows may split by (docs/harnesses.md says why); a release that
-    # resends its history another way shows a new one.
-    splits: frozenset[str] = frozenset()
+    # resends its history another way shows a new one. None: not checked (below).
+    splits: frozenset[str] | None = frozenset()
     # The conversations its episode holds (exporters.lineages): a title call, a final
     # answer asked for in a conversation of its own.
     lineages: int = 1
@@ -73,12 +73,14 @@ HARNESSES = {
                                       "@anthropic-ai/claude-code",
                                       splits=frozenset({"template_drift"})),
     # Its Agent tool left in (the engine is steered to start a real sub-agent): each
-    # sub-agent's turns are a lineage of their own under the one that started it. When
-    # a sub-agent's result comes back, Claude Code may resend the conversation with
-    # earlier tool results shortened (seen in the full suite: history_compacted).
+    # sub-agent's turns are a lineage of their own under the one that started it. Its
+    # splits are not checked: how many sub-agents start, and with which prompts, varies
+    # from run to run, and two sub-agents of one type (the same system prompt) started one
+    # after the other read as one rewritten conversation (docs/export.md, lineages), split
+    # by whatever differs (seen: branch, retry, assistant_turn_dropped, history_compacted).
+    # The plain claude-code entries check its splits.
     "claude-code-agents": Harness(runs.claude_code_agents, "@anthropic-ai/claude-code",
-                                  serve=(("steer_agents", True),),
-                                  splits=frozenset({"template_drift", "history_compacted"}),
+                                  serve=(("steer_agents", True),), splits=None,
                                   sub_agents=True),
     # Under --translate auto its tool-offering Responses calls go to the engine as chat
     # (a bare tool-call turn keeps its logprobs); --translate all translates every call.
@@ -237,7 +239,7 @@ def test_harness_through_tracetap(name, launched, proxies, tmp_path):
     rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
     assert_trajectories(rows, calls)
     causes = {r["drift_cause"] or r["split_reason"] for r in rows if r["split_reason"]}
-    assert causes <= harness.splits, causes
+    assert harness.splits is None or causes <= harness.splits, causes
     assert_lineages(rows, harness)
 
 
