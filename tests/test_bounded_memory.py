@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+
+import openai
+import pytest
+
 from tracetap.proxy.arrivals import Arrivals
 
 
@@ -14,3 +20,34 @@ def test_arrival_counters_keep_the_most_recent_episodes_only():
     assert not arrivals.served("b")
     assert arrivals.next("b") == 0  # forgotten, so it starts again
     assert arrivals.next(None) == 0  # untagged calls count like an episode of their own
+
+
+def _live_calls() -> int:
+    from tracetap.proxy.capture import ModelCall
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, ModelCall))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the call's life, not storage
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_finished_call_is_freed_at_once_not_by_the_cyclic_collector(proxy, stream):
+    """A call holds its context-sized buffers (the request, its payload, the first chunk
+    with the prompt's ids); serve raises the cyclic collector's threshold to 50,000
+    allocations, so a call kept alive by a reference cycle (the relay pointing back at
+    its call) stays in memory for many turns: at 60k context that doubled the RSS and
+    faulted 400 fresh pages a turn. With the cyclic collector off, no call outlives its
+    request."""
+    client = openai.OpenAI(base_url=proxy.episode_url("freed"), api_key="x")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            reply = client.chat.completions.create(
+                model="mock", messages=[{"role": "user", "content": "hi"}], stream=stream)
+            if stream:
+                assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        assert len(proxy.calls("freed")) == 3
+        proxy.loop.run(asyncio.sleep(0.05))  # the metrics' call_soon has run
+        assert _live_calls() == 0
+    finally:
+        gc.enable()
