@@ -1,4 +1,4 @@
-"""A bounded soak: 64 concurrent streaming agents for a minute (TRACETAP_SOAK_SECONDS).
+"""A bounded soak: 64 concurrent streaming agents for 30 seconds (TRACETAP_SOAK_SECONDS).
 
 Zero errors, zero lost records, and the proxy's RSS at the end within 50 MiB of its RSS
 after warm-up. Slow, but part of CI.
@@ -21,7 +21,7 @@ from helpers.servers import stored_calls
 
 from tracetap.migrations import upgrade
 
-SECONDS = float(os.environ.get("TRACETAP_SOAK_SECONDS", "60"))
+SECONDS = float(os.environ.get("TRACETAP_SOAK_SECONDS", "30"))
 CLIENTS = 64
 EPISODES = 16
 

@@ -221,7 +221,11 @@ def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(agent, range(48)))
     assert killed.is_set()
-    # The supervisor starts worker 1 again; it replays its journal, and serves.
+    # The supervisor starts worker 1 again; it replays its journal, and serves. Until it
+    # listens the kernel hands every connection to worker 0 (on a loaded machine its
+    # start takes longer than _until_both's calls), so wait for it to say it serves.
+    _wait_until(lambda: "worker 1 serves again" in proxy.log.read_text(), 60,
+                "the supervisor to restart worker 1")
     revived = _until_both(proxy, "revived", lambda r: not isinstance(r, openai.APIError))
     assert any(_index(w) == "1" and w != victim[0] for w in revived)
 
