@@ -8,10 +8,12 @@ Sessions of ``turns`` turns each add a ``tool``-token tool result and stream ``o
 with logprobs and token ids from a vLLM-shaped engine (bench/agentic_engine.py, its own
 process, its cost flat in context), the context growing to ``system + turns * (tool +
 out)``. Arms run one after another, the order rotating each round, each tracetap arm on a
-fresh database: ``direct`` (no proxy, the ceiling), ``sqlite``, ``pg`` and ``pg-workers``
-(Postgres with ``serve --workers N``). In each arm the load generator (its own process,
-bench/agentic_load.py) runs two warm-up turns, one session alone (the proxy's CPU per
-turn read from /proc after its writer settles) and then ``sessions`` sessions at once.
+fresh database: ``direct`` (no proxy, the ceiling), ``relay`` (bench/relay.py, a bare
+aiohttp relay that forwards bytes and captures nothing: the ceiling of any Python proxy on
+this machine), ``sqlite``, ``pg`` and ``pg-workers`` (Postgres with ``serve --workers
+N``). In each arm the load generator (its own process, bench/agentic_load.py) runs two
+warm-up turns, one session alone (the proxy's CPU per turn read from /proc after its
+writer settles) and then ``sessions`` sessions at once.
 
 Printed per arm, medians over rounds: throughput kept (completion tokens/s vs direct),
 proxy CPU per turn by context bucket (one session alone), added TTFT by bucket (alone and
@@ -42,7 +44,7 @@ from proxy_bench import free_port, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-ARMS = ("direct", "sqlite", "pg", "pg-workers")
+ARMS = ("direct", "relay", "sqlite", "pg", "pg-workers")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
@@ -105,7 +107,13 @@ def run_arm(args: argparse.Namespace, arm: str, engine_origin: str, engine_pid: 
     proc, db, origin = None, None, engine_origin
     log = work / f"{arm}-{n}.log"
     try:
-        if arm != "direct":
+        if arm == "relay":  # the ceiling of any proxy on this machine: bytes, nothing else
+            port = free_port()
+            origin = f"http://127.0.0.1:{port}"
+            proc = spawn([str(BENCH / "relay.py"), "--port", str(port), "--upstream",
+                          engine_origin], log)
+            wait_ready(origin + "/v1/models", proc, log)
+        elif arm != "direct":
             db, empty = empty_database(arm, work / f"{arm}-{n}")
             port = free_port()
             origin = f"http://127.0.0.1:{port}"
@@ -115,14 +123,14 @@ def run_arm(args: argparse.Namespace, arm: str, engine_origin: str, engine_pid: 
                           "--data-dir", str(work / f"{arm}-{n}"), *workers], log)
             wait_ready(origin + "/healthz", proc, log)
         pids = [proc.pid] if proc is not None else []
-        prefix = "agentic" if proc is not None else ""
+        prefix = "agentic" if db is not None else ""
         load(args, origin, [warm], "single", [], prefix, turns=min(2, args.turns))
         alone = load(args, origin, [single], "single", pids, prefix)
         engine0 = cpu_ns([engine_pid])
         together = load(args, origin, sessions, "concurrent", pids, prefix)
         together["engine_cpu"] = (cpu_ns([engine_pid]) - engine0) / 1e9
         run = ArmRun(arm, alone, together)
-        if proc is not None:
+        if db is not None:
             calls = (args.sessions + 1) * args.turns + min(2, args.turns)
             drain(origin, calls)
             stop(proc)
@@ -156,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                              "50 tokens/s engine, below saturation)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="each arm runs once a round, the order rotating")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["direct", "sqlite", "pg"])
+    parser.add_argument("--arms", nargs="+", choices=ARMS,
+                        default=["direct", "relay", "sqlite", "pg"])
     parser.add_argument("--workers", type=int, default=2, help="serve --workers of pg-workers")
     parser.add_argument("--client", choices=("plain", "rl"), default="plain",
                         help="plain: the agent asks for nothing (tracetap injects logprobs, "

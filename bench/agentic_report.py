@@ -111,6 +111,11 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
             rss = [v for v in map(_rss_per_million, rs) if v is not None]
             fig["rss_mib_per_mtok"] = median(rss) if rss else None
             stores = [r for r in rs if r.store]
+            if not stores:  # the bare relay stores nothing
+                fig["pass"] = ok
+                figures["checks_pass"] &= ok
+                figures["arms"][arm] = fig
+                continue
             fig["bytes_per_unique_token"] = median(r.store["bytes"] / r.unique_tokens
                                                    for r in stores)
             fig["stored_ids_per_unique_token"] = median(r.store["stored_ids"] / r.unique_tokens
@@ -161,5 +166,6 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
         print(row)
     for arm in arms:
         print(f"[{'PASS' if f[arm]['pass'] else 'FAIL'}] {arm}: every turn complete"
-              + ("" if arm == "direct" else ", every call in the database, replies as direct"))
+              + ("" if arm in ("direct", "relay")
+                 else ", every call in the database, replies as direct"))
     return figures

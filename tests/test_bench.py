@@ -156,6 +156,11 @@ def test_agentic_bench_keeps_every_call_and_relays_what_direct_gets(postgres, tm
         assert same == compared == 3 * 3
         assert result["arms"][arm]["stored_ids_per_unique_token"] > 0
         assert set(result["arms"][arm]["cpu_ms_alone"]) == {"<10k"}
+    # The bare relay's arm: its own CPU and TTFT, the replies byte-identical, nothing stored.
+    relay = result["arms"]["relay"]
+    assert relay["pass"] and relay["identical"] == "9/9"
+    assert set(relay["cpu_ms_alone"]) == {"<10k"}
+    assert "bytes_per_unique_token" not in relay
 
 
 def test_replicas_bench_measures_every_size_and_the_database_load(postgres):
