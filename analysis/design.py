@@ -1,23 +1,30 @@
-"""A harness-factor space (factors.yaml / .json) and a greedy pairwise covering design.
+"""A harness-factor space (factors.yaml / .json) and a pairwise covering design.
 
 The space maps each factor to its levels: ``{"context": ["full", "window"], "retries":
 [0, 3]}`` (YAML or JSON; levels are scalars, compared as text like analysis.episodes).
 
-``cover`` proposes N configurations, one at a time, greedily (AETG-style, deterministic):
-each new configuration starts from a factor-level pair covered least so far, then fixes
-the other factors in a shuffled order (a fixed seed), each at the level that completes
-most least-covered pairs (ties: the smallest sum of squared counts, then the least used
-level); of up to 64 starts, the configuration completing most least-covered pairs wins.
-Every pair is covered once before any twice when N allows; past that the counts stay
-even (tests/test_coverage.py: within each factor pair they differ by at most their mean,
-each factor's levels by at most one).
+``cover`` proposes N configurations. Where a known construction fits the space
+(analysis.arrays: k factors of L levels each, with L a prime power and k <= L + 1, or L =
+2) and covers every pair in fewer configurations than greedy, its rows come first: the
+optimum, each pair once (binary: at least once), each level equally often. Otherwise,
+and past those rows, configurations are chosen one at a time, greedily (AETG-style,
+deterministic): each new configuration starts from a factor-level pair covered least so
+far, then fixes the other factors in a shuffled order (a fixed seed), each at the level
+that completes most least-covered pairs (ties: the smallest sum of squared counts, then
+the least used level); of up to 64 starts, the configuration completing most
+least-covered pairs wins. Every pair is covered once before any twice when N allows;
+past that the counts stay even (tests/test_coverage.py: within each factor pair they
+differ by at most their mean). Greedy favours pairs over levels: a factor's levels can
+differ by two (3^7, 5^5 continued; forcing them within one cost 3^4 five more
+configurations to cover every pair, 2^3 two more).
 
 How close to the optimum: no design covers every pair with fewer configurations than the
-product of the two largest level counts (``Design.lower_bound``). The greedy design
-reaches that bound for 2^3, 3^4, 4·3·2, 5·4·3·3·2·2 and 6·4·4·3·2·2; it needs 11 for
-3^3 (optimum 9), 31 for 5^5 (optimum 25), 8 for 2^10 (optimum 6), 16 for 3^7 (optimum
-12 to 15) and 19 for 3^13 (optimum 15). ``Design.covered_after`` reports the figure for
-the space at hand.
+product of the two largest level counts (``Design.lower_bound``). Constructions reach it
+for 3^3 and 3^4 (9), 4^5 (16), 5^5 (25), 7^8 (49), and for two-level factors the fewest
+rows any design needs (6 for 2^10, 8 for 2^35; Kleitman and Spencer). Greedy reaches the
+bound for 2^3, 4·3·2, 5·4·3·3·2·2 and 6·4·4·3·2·2; it needs 16 for 3^7 (optimum 12 to
+15) and 19 for 3^13 (optimum 15). ``Design.covered_after`` reports the figure for the
+space at hand.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 
 import msgspec
 
+from tracetap.analysis.arrays import binary_covering, orthogonal_array
 from tracetap.analysis.episodes import AnalysisError
 from tracetap.exporters.factors import level
 
@@ -111,8 +119,36 @@ def _space(path: Path, raw) -> Space:
 
 
 def cover(space: Space, n: int) -> Design:
+    """N configurations covering the space's level pairs as early and as evenly as
+    possible: a known construction (analysis.arrays) where it covers every pair in fewer
+    configurations than greedy does, then greedy from its counts; otherwise greedy."""
     if n < 1:
         raise AnalysisError("--select must be at least 1")
+    greedy = _greedy(space, n, [])
+    built = constructed(space)
+    if built is not None and len(built) <= n and (
+            greedy.covered_after is None or greedy.covered_after > len(built)):
+        return _greedy(space, n, built)
+    return greedy
+
+
+def constructed(space: Space) -> list[dict[str, str]] | None:
+    """An optimal covering design for a space of k factors of L levels each, when one is
+    known: the orthogonal array for L a prime power and k <= L + 1, the binary covering
+    array for L = 2 (analysis.arrays); None otherwise."""
+    names = list(space.factors)
+    sizes = {len(levels) for levels in space.factors.values()}
+    if len(names) < 2 or len(sizes) != 1:
+        return None
+    (size,) = sizes
+    rows = binary_covering(len(names)) if size == 2 else orthogonal_array(size, len(names))
+    if rows is None:
+        return None
+    return [{f: space.factors[f][v] for f, v in zip(names, row, strict=True)} for row in rows]
+
+
+def _greedy(space: Space, n: int, first: list[dict[str, str]]) -> Design:
+    """``first``, then greedy configurations up to ``n`` in all."""
     names = list(space.factors)
     pairs = space.pairs()
     counts = dict.fromkeys(pairs, 0)
@@ -122,15 +158,10 @@ def cover(space: Space, n: int) -> Design:
     configs: list[dict[str, str]] = []
     covered_after = None
     for number in range(1, n + 1):
-        low = min(counts.values(), default=0)
-        starts = [p for p in pairs if counts[p] == low][:_STARTS] or [None]
-        best, best_score = None, None
-        for start in starts:
-            rest = rng.sample(names, len(names))
-            config = _complete(space, order, rest, counts, used, low, start)
-            score = _score(config, counts, low)
-            if best_score is None or score > best_score:
-                best, best_score = config, score
+        if number <= len(first):
+            best = first[number - 1]
+        else:
+            best = _next(space, names, pairs, order, rng, counts, used)
         configs.append(best)
         for f, g in itertools.combinations(names, 2):
             counts[(f, best[f], g, best[g])] += 1
@@ -150,6 +181,21 @@ def cover(space: Space, n: int) -> Design:
         pair_min=min(counts.values(), default=0),
         pair_max=max(counts.values(), default=0),
     )
+
+
+def _next(space: Space, names: list[str], pairs: list, order: dict[str, int],
+          rng: random.Random, counts: dict, used: dict) -> dict[str, str]:
+    """The greedy configuration that completes most least-covered pairs."""
+    low = min(counts.values(), default=0)
+    starts = [p for p in pairs if counts[p] == low][:_STARTS] or [None]
+    best, best_score = None, None
+    for start in starts:
+        rest = rng.sample(names, len(names))
+        config = _complete(space, order, rest, counts, used, low, start)
+        score = _score(config, counts, low)
+        if best_score is None or score > best_score:
+            best, best_score = config, score
+    return best
 
 
 def _complete(

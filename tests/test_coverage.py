@@ -11,7 +11,8 @@ import pytest
 from helpers.seeding import cli_json, seed
 
 from tracetap import cli
-from tracetap.analysis.design import Space, cover
+from tracetap.analysis.arrays import orthogonal_array
+from tracetap.analysis.design import Space, constructed, cover
 
 
 def harnesses(db: str, capsys, *flags: str) -> dict:
@@ -83,9 +84,52 @@ def test_the_design_covers_every_pair_and_spreads_them_evenly(sizes):
             for b in space.factors[g]
         ]
         assert max(counts) - min(counts) <= len(design.configs) / len(counts), (f, g, counts)
-    levels = [sum(c["f0"] == v for c in design.configs) for v in space.factors["f0"]]
-    assert max(levels) - min(levels) <= 1
+    # Each factor's levels: within two of each other (greedy favours pairs; the docs).
+    for f, levels in space.factors.items():
+        used = [sum(c[f] == v for c in design.configs) for v in levels]
+        assert max(used) - min(used) <= 2, (f, used)
     assert cover(space, 4 * design_bound(sizes)) == design  # deterministic
+
+
+# (levels, factors) -> the fewest configurations any design covering every pair needs:
+# q² for an orthogonal array (each pair of two q-level factors needs its own row), and
+# for two-level factors the known covering array numbers (Kleitman and Spencer 1973).
+OPTIMUM = {(3, 3): 9, (3, 4): 9, (4, 5): 16, (5, 5): 25, (7, 8): 49, (8, 9): 64, (9, 4): 81,
+           (2, 4): 5, (2, 10): 6, (2, 11): 7, (2, 15): 7, (2, 16): 8, (2, 35): 8, (2, 36): 9}
+
+
+@pytest.mark.parametrize(("levels", "factors"), sorted(OPTIMUM))
+def test_known_constructions_cover_every_pair_in_the_fewest_configurations(levels, factors):
+    space = Space({f"f{i}": [f"l{j}" for j in range(levels)] for i in range(factors)})
+    design = cover(space, OPTIMUM[levels, factors])
+    assert design.uncovered == 0 and design.covered_after == OPTIMUM[levels, factors]
+    pairs = {(f, c[f], g, c[g]) for c in design.configs
+             for f, g in itertools.combinations(c, 2)}
+    assert len(pairs) == design.pairs == factors * (factors - 1) // 2 * levels**2
+    for f, names in space.factors.items():  # each level equally often (binary: within one)
+        used = [sum(c[f] == v for c in design.configs) for v in names]
+        assert max(used) - min(used) <= (1 if levels == 2 else 0), (f, used)
+    if levels > 2:  # an orthogonal array: each pair exactly once
+        assert design.pair_min == design.pair_max == 1
+
+
+@pytest.mark.parametrize("q", [2, 3, 4, 5, 7, 8, 9, 16, 25, 27])
+def test_orthogonal_arrays_over_every_prime_power_field(q):
+    rows = orthogonal_array(q, q + 1)
+    assert len(rows) == q * q
+    for i, j in itertools.combinations(range(q + 1), 2):
+        assert sorted((r[i], r[j]) for r in rows) == sorted(itertools.product(range(q), repeat=2))
+
+
+@pytest.mark.parametrize(("q", "k"), [(6, 3), (10, 3), (12, 2), (4, 6), (3, 1)])
+def test_no_orthogonal_array_where_none_is_built(q, k):
+    assert orthogonal_array(q, k) is None
+
+
+def test_spaces_no_construction_fits_are_greedy():
+    space = Space({"a": ["x", "y", "z"], "b": ["x", "y"], "c": ["x", "y"]})  # mixed levels
+    assert constructed(space) is None
+    assert cover(space, 6).covered_after == 6
 
 
 def design_bound(sizes) -> int:
