@@ -47,7 +47,6 @@ from tracetap.storage.tables import Call, CallText, Episode
 PG_DOCUMENT = "call_text.doc"
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
-_SNIPPET_READ = 20_000  # characters of a matching call read for its snippet
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
 
 
@@ -206,7 +205,7 @@ async def snippets(engine: AsyncEngine, terms: Terms,
     matches = Counter(episode_id for episode_id, _ in rows)
     marks = _marks(terms)
     return {episode_id: Snippet(call_id=call_id, matches=matches[episode_id],
-                                **_around(found.get(call_id, "")[:_SNIPPET_READ], marks))
+                                **_around(found.get(call_id, ""), marks))
             for episode_id, call_id in first.items()}
 
 
