@@ -218,16 +218,20 @@ def test_a_posting_without_its_row_finds_nothing_and_ids_are_not_reused(tmp_path
     assert kiwi == [] and fig == ["b"]
 
 
-def test_a_journal_replayed_adds_no_second_posting(tmp_path):
+def test_a_journal_replayed_then_pruned_leaves_no_posting(tmp_path):
     url = f"sqlite:///{tmp_path / 'replay.db'}"
     upgrade(url)
     records = _conversation("e", "FileNotFoundError: conftest.py")
 
     async def work(engine):
         await insert_calls(engine, records)
-        await insert_calls(engine, records)
-        return await _postings(engine, "zebracorn")
-    assert len(_run(url, work)) == 1
+        await insert_calls(engine, records)  # replayed: the rows exist, no postings added
+        once = await _postings(engine, "zebracorn")
+        async with engine.begin() as conn:  # one 'delete' per row takes every posting
+            await retention._delete(conn, ["e"], [r.call_id for r in records])
+        return once, await _postings(engine, "zebracorn"), await _postings(engine, "pytest")
+    once, after, other = _run(url, work)
+    assert len(once) == 1 and after == [] and other == []
 
 
 def test_the_index_turned_off_writes_no_rows(db_url):
