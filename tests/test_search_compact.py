@@ -245,7 +245,7 @@ def test_the_index_turned_off_writes_no_rows(db_url):
     assert _run(db_url, work) == (0, [])
 
 
-def test_the_setting_reaches_the_writer_and_the_viewer(monkeypatch):
+def test_the_setting_is_read_from_the_flag_and_the_variable(monkeypatch):
     from tracetap.cli import build_parser
     from tracetap.proxy.settings import settings_from_args
 
@@ -258,6 +258,31 @@ def test_the_setting_reaches_the_writer_and_the_viewer(monkeypatch):
     monkeypatch.setenv("TRACETAP_SEARCH_INDEX", "0")
     assert settings_from_args(build_parser().parse_args(serve)).search_index is False
     assert build_parser().parse_args(["ui"]).search_index is False
+
+
+def test_the_writer_turned_off_indexes_nothing(tmp_path):
+    from tracetap.storage.journal import Journal
+    from tracetap.storage.writer import Writer
+
+    url = f"sqlite:///{tmp_path / 'writer.db'}"
+    upgrade(url)
+
+    async def work(engine):
+        counts = []
+        for on in (False, True):
+            journal = Journal(tmp_path / f"journal-{on}", max_bytes=1 << 20)
+            writer = Writer(engine, journal, search_index=on)
+            writer.start()
+            for record in _conversation(f"e-{on}", "No space left"):
+                writer.submit(record)
+            while writer.pending:
+                await asyncio.sleep(0.01)
+            await writer.close()
+            async with engine.connect() as conn:
+                counts.append((await conn.execute(
+                    select(func.count()).select_from(CallText))).scalar())
+        return counts
+    assert _run(url, work) == [0, 2]
 
 
 def test_the_search_page_says_the_index_is_off_and_finds_ids(tmp_path):
