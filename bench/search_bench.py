@@ -7,9 +7,10 @@ Postgres, through HTTP as a browser asks for it.
 1. A fresh Postgres database (bench/pgtemp.py), migrated; episodes and calls by COPY
    (bench/ui_bench.py's fill), then each episode gets a harness config
    (``{"context": full|summarised, "retries": 0-3}``), metadata (``{"batch": a|b|c}``) and
-   its calls a policy version (v0-v9); each call a ``call_text`` row of 40 words drawn
-   from a Zipf vocabulary of 5,000 (so one word is in most calls, others in a few), 1% of
-   them with a rare error line; then each row's document (its words), as the writer
+   its calls a policy version (v0-v9); each call a user message of 40 words drawn from a
+   Zipf vocabulary of 5,000 (so one word is in most calls, others in a few), 1% of them
+   with a rare error line, in its stored request (the snippets recompute the text from
+   it), and a ``call_text`` row with the text's document (its words), as the writer
    writes it. The GIN index is maintained as rows arrive, as in use.
 2. Serves the viewer alone and times each query --rounds times after one warm-up:
    p50, p95 and max in milliseconds. The load average is printed with the figures.
@@ -98,12 +99,19 @@ async def fill_search(url: str, episodes: int) -> None:
             if n % 100 == 7:
                 body += "\nConnectionResetError: [Errno 104] Connection reset by peer"
             rows.append((call_id, episode_id, body))
+        await conn.execute("CREATE TEMPORARY TABLE bench_text "
+                           "(call_id text PRIMARY KEY, episode_id text, body text)")
         for start in range(0, len(rows), 50_000):
-            await conn.copy_records_to_table("call_text", records=rows[start:start + 50_000],
-                                             columns=["call_id", "episode_id", "body"])
-        # The document the writer gives each row (storage.search.words); these bodies are
-        # plain lower-case words, which to_tsvector('simple') splits the same way.
-        await conn.execute("UPDATE call_text SET doc = to_tsvector('simple', body)")
+            await conn.copy_records_to_table("bench_text", records=rows[start:start + 50_000])
+        await conn.execute(
+            "UPDATE calls SET request = json_build_object('model', 'm', 'messages', "
+            "json_build_array(json_build_object('role', 'user', 'content', t.body)))::text "
+            "FROM bench_text t WHERE calls.call_id = t.call_id")
+        # The document the writer gives each row (storage.search_index.words); these
+        # texts are plain lower-case words, which to_tsvector('simple') splits the same way.
+        await conn.execute("INSERT INTO call_text (call_id, episode_id, doc) "
+                           "SELECT call_id, episode_id, to_tsvector('simple', body) "
+                           "FROM bench_text ORDER BY call_id")
         await conn.execute("ANALYZE")
     finally:
         await conn.close()

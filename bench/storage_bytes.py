@@ -3,6 +3,7 @@
     python bench/storage_bytes.py                          # SQLite and Postgres, ~1 min
     python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0007
     python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
+    python bench/storage_bytes.py --search-index off       # without the viewer's search index
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
 ``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
@@ -19,6 +20,9 @@ added (SQLite: the file after a WAL checkpoint; Postgres: ``pg_total_relation_si
 every table, TOAST and indexes included), bytes per unique token, and the token ids
 stored (prompt blocks once each, or inline prompt ids, plus completion ids) per unique
 token. Unique tokens: the system prompt once, plus every tool result and completion.
+Of those bytes, the viewer's search index (``call_text`` with its indexes, and SQLite's
+FTS5 tables: storage.search_index) is printed apart; ``--search-index off`` writes the
+calls as ``--no-search-index`` does (no index rows).
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ async def _inline(engine, batch: list[CallRecord]) -> None:
                            [row for r in batch for row in choice_rows(r)])
 
 
-async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float:
+async def store(url: str, batches: list[list[CallRecord]], layout: str,
+                search_index: bool = True) -> float:
     engine = create_engine(url)
     cache = BlockCache()
     started = time.perf_counter()
@@ -132,32 +137,39 @@ async def store(url: str, batches: list[list[CallRecord]], layout: str) -> float
             if layout == "inline":
                 await _inline(engine, batch)
             else:
-                await insert_calls(engine, batch, cache)
+                await insert_calls(engine, batch, cache, search_index=search_index)
     finally:
         await engine.dispose()
     return time.perf_counter() - started
 
 
+# The search index's share: call_text (its rows, unique and episode indexes, TOAST) and
+# SQLite's FTS5 shadow tables (call_text_fts_data, _idx, _config).
+_SQLITE_INDEX_SIZE = ("SELECT coalesce(sum(pgsize), 0) FROM dbstat WHERE name LIKE 'call_text%' "
+                      "OR name LIKE 'ix_call_text%' OR name LIKE 'sqlite_autoindex_call_text%'")
+_PG_INDEX_SIZE = "SELECT pg_total_relation_size('call_text')"
 _PG_SIZE = ("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = 'public' AND c.relkind = 'r'")
-def size(url: str) -> tuple[int, int]:
-    """(bytes, stored token ids) of the database at ``url``."""
+def size(url: str) -> tuple[int, int, int]:
+    """(bytes, stored token ids, bytes of the search index) of the database at ``url``."""
     ids = asyncio.run(_stored(url))
     if url.startswith("sqlite"):
         path = Path(url.removeprefix("sqlite:///"))
         with sqlite3.connect(path) as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        return path.stat().st_size, ids
+            index = conn.execute(_SQLITE_INDEX_SIZE).fetchone()[0]
+        return path.stat().st_size, ids, index
 
     async def pg():
         conn = await asyncpg.connect(url)
         try:
-            return int(await conn.fetchval(_PG_SIZE))
+            return int(await conn.fetchval(_PG_SIZE)), int(await conn.fetchval(_PG_INDEX_SIZE))
         finally:
             await conn.close()
 
-    return asyncio.run(pg()), ids
+    total, index = asyncio.run(pg())
+    return total, ids, index
 
 
 async def _stored(url: str) -> int:
@@ -169,12 +181,13 @@ async def _stored(url: str) -> int:
 
 
 def measure(db: str, batches, args, folder: Path) -> dict:
-    url = f"sqlite:///{folder / f'{db}-{args.layout}.db'}" if db == "sqlite" else create_database()
+    name = f"{db}-{args.layout}-{args.search_index}.db"
+    url = f"sqlite:///{folder / name}" if db == "sqlite" else create_database()
     try:
         upgrade(url)
-        empty, _ = size(url)
-        seconds = asyncio.run(store(url, batches, args.layout))
-        full, ids = size(url)
+        empty, _, empty_index = size(url)
+        seconds = asyncio.run(store(url, batches, args.layout, args.search_index == "on"))
+        full, ids, index = size(url)
     finally:
         if db == "postgres":
             drop_database(url)
@@ -183,6 +196,8 @@ def measure(db: str, batches, args, folder: Path) -> dict:
             "unique_tokens": unique, "bytes": full - empty,
             "bytes_per_unique_token": round((full - empty) / unique, 2),
             "stored_ids_per_unique_token": round(ids / unique, 3),
+            "search_index": args.search_index, "search_index_bytes": index - empty_index,
+            "search_index_bytes_per_unique_token": round((index - empty_index) / unique, 2),
             "write_seconds": round(seconds, 2)}
 
 
@@ -222,6 +237,8 @@ def main() -> None:
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
                         help="blocks: as stored now; inline: as before revision 0007")
+    parser.add_argument("--search-index", choices=("on", "off"), default="on",
+                        help="off: store the calls as --no-search-index does")
     parser.add_argument("--writer-cpu", action="store_true",
                         help="print the writer's planning CPU per call instead")
     args = parser.parse_args()

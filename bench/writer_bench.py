@@ -76,7 +76,7 @@ def make_records(count: int, episodes: int = 1000, variants: int = 64) -> list[C
 
 
 async def through_writer(url: str, records: list[CallRecord], journal_dir: Path,
-                         burst: int) -> tuple[float, int, int]:
+                         burst: int, search_index: bool = True) -> tuple[float, int, int]:
     """Submit every record (yielding to the loop every ``burst``), wait for the last commit.
     Returns (seconds, peak pending records, batches committed)."""
     engine = create_engine(url)
@@ -89,7 +89,8 @@ async def through_writer(url: str, records: list[CallRecord], journal_dir: Path,
             nonlocal batches
             batches += 1
 
-    writer = Writer(engine, Journal(journal_dir, max_bytes=64 << 30), observer=Count())
+    writer = Writer(engine, Journal(journal_dir, max_bytes=64 << 30), observer=Count(),
+                    search_index=search_index)
     writer.start()
     peak = 0
     started = time.perf_counter()
@@ -155,15 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=32,
                         help="records submitted between yields to the event loop")
     parser.add_argument("--no-search-index", action="store_true",
-                        help="skip the search rows the writer adds (storage.search, "
-                             "migration 0011): the cost before them, for comparison")
+                        help="the writer as tracetap serve --no-search-index runs it: no "
+                             "search rows (storage.search_index), for comparison")
     args = parser.parse_args(argv)
-    if args.no_search_index:
-        import tracetap.storage.rows as rows
-
-        async def nothing(*_args) -> None:
-            return None
-        rows.index_calls = nothing
     records = make_records(args.records)
     size = len(msgspec.msgpack.encode(records[0]))
     print(f"{os.cpu_count()} cores; {args.records} records, {size} bytes each in the journal")
@@ -180,14 +175,16 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = time.process_time()
                 if r % 2 == 0:
                     w, peak, batches = uvloop.run(
-                        through_writer(writer_url, records, Path(tmp), args.burst))
+                        through_writer(writer_url, records, Path(tmp), args.burst,
+                                       not args.no_search_index))
                     cpu = time.process_time() - cpu
                     total, copy_only = uvloop.run(through_copy(copy_url, records))
                 else:
                     total, copy_only = uvloop.run(through_copy(copy_url, records))
                     cpu = time.process_time()
                     w, peak, batches = uvloop.run(
-                        through_writer(writer_url, records, Path(tmp), args.burst))
+                        through_writer(writer_url, records, Path(tmp), args.burst,
+                                       not args.no_search_index))
                     cpu = time.process_time() - cpu
             for url in (writer_url, copy_url):
                 assert uvloop.run(count_rows(url)) == (args.records, args.records), url

@@ -85,6 +85,7 @@ class Settings(msgspec.Struct, kw_only=True):
     workers: int = 1
     tokenizer: str | None = None
     routed_experts: bool = False  # issue 27: ask for MoE routing, store it (proxy.experts)
+    search_index: bool = True  # index calls for the viewer's search (storage.search_index)
 
     def local_tokenizer(self):
         """The tokenizer --tokenizer names (proxy.local_tokenizer), loaded; None without."""
@@ -242,8 +243,8 @@ def _documented(parser: argparse.ArgumentParser, defaults: Settings):
             action, getattr(defaults, kw.get("dest", name), None))
         if shown == ["http://unset"]:
             shown = None
-        kw["help"] = config.described(kw.get("help", ""), var=config.variable(flag),
-                                      default=shown)
+        var = kw.pop("var", None) or config.variable(flag)  # --no-X may be read as X=0
+        kw["help"] = config.described(kw.get("help", ""), var=var, default=shown)
         return parser.add_argument(flag, **kw)
 
     return add
@@ -358,6 +359,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="ask the engine for the MoE experts it routed each completion token to "
            "(return_routed_experts; vLLM: serve with --enable-return-routed-experts), keep "
            "them from the agent, store and export them for router replay (docs/export.md)")
+    a("--no-search-index", dest="search_index", action="store_false",
+      var=config.SEARCH_INDEX_VARIABLE, default=config.search_index(),
+      help="do not index calls for the viewer's full-text search (the search page then "
+           "finds episodes by id), for a smaller database and a faster writer "
+           "(docs/scaling.md, Storage per token); the variable turns it off with 0")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -21,7 +21,8 @@ def mount_viewer(app: web.Application, settings: Settings) -> None:
     config = ViewerConfig(database_url=settings.database_url, agent_url=settings.base_url,
                           detokenize_url=settings.upstreams[0].url,
                           engine_api_key=settings.upstream_api_key,
-                          data_dir=str(settings.data_dir))
+                          data_dir=str(settings.data_dir),
+                          search_index=settings.search_index)
     gate = Access(token=lambda request: request.config_dict[STATE].admin_token,
                   served_here=lambda request: serves_admin(request, settings))
     app.add_subapp(PREFIX, build_viewer(config, gate))

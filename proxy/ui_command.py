@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--detokenize", metavar="URL", default=None,
       help="an engine base URL (vLLM, SGLang, llama.cpp) whose /detokenize gives token text; "
            "without it tokens are shown by id")
+    a("--no-search-index", dest="search_index", action="store_false",
+      default=config.search_index(),
+      help=config.described("the proxy ran with --no-search-index: the search page finds "
+                            "episodes by id and says so", var=config.SEARCH_INDEX_VARIABLE,
+                            default="on"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         token, path = ensure_admin_token(args.data_dir)
         note = f"the admin token in {path} (tracetap admin-token --data-dir {args.data_dir})"
     viewer_config = ViewerConfig(database_url=url, detokenize_url=args.detokenize,
-                                 data_dir=str(args.data_dir))
+                                 data_dir=str(args.data_dir), search_index=args.search_index)
     app = build_viewer(viewer_config, Access(lambda _request: token), mounted=False)
     print(f"tracetap ui: http://{args.host}:{args.port}{PREFIX}/ reading {redact_url(url)}; "
           f"log in with {note}", flush=True)

@@ -32,6 +32,15 @@ def env_flag(option: str, default: bool = False) -> bool:
     return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
+SEARCH_INDEX_VARIABLE = variable("search_index")  # --no-search-index: 0 turns it off
+
+
+def search_index() -> bool:
+    """Whether the viewer's full-text search index is kept (TRACETAP_SEARCH_INDEX, on
+    unless 0/false/no/off): the writer indexes calls, the search page searches text."""
+    return env_flag("search_index", True)
+
+
 def env_list(option: str) -> list[str]:
     """A repeatable option's variable: a comma-separated list."""
     return [p.strip() for p in (env(option) or "").split(",") if p.strip()]

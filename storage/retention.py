@@ -27,7 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.blockstore import begin_sweeping, mark_swept
-from tracetap.storage.tables import Call, CallText, Choice, Episode
+from tracetap.storage.search_index import forget
+from tracetap.storage.tables import Call, Choice, Episode
 
 # Exported calls per episode, per finished_at it was exported with.
 Proven = dict[str, dict[float | None, set[str]]]
@@ -159,8 +160,10 @@ def _hashes(row) -> Iterable[bytes]:
 
 async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) -> None:
     for chunk in _chunks(calls):
+        # The search index first: SQLite's postings go by the text recomputed from the
+        # call and its choices (storage.search_index).
+        await forget(conn, chunk)
         await conn.execute(delete(Choice).where(Choice.call_id.in_(chunk)))
-        await conn.execute(delete(CallText).where(CallText.call_id.in_(chunk)))
         await conn.execute(delete(Call).where(Call.call_id.in_(chunk)))
     for chunk in _chunks(episodes):
         # A call stored meanwhile (SQLite has no row lock) keeps its episode.

@@ -15,7 +15,7 @@ from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.dedup import BlockCache, packed_prompt, plan
 from tracetap.storage.policy_spans import encode_spans
 from tracetap.storage.records import CallRecord, has_prompt_ids
-from tracetap.storage.search import index_calls
+from tracetap.storage.search_index import index_calls
 from tracetap.storage.tables import Block, Call, Choice, Episode
 
 _json = msgspec.json.encode
@@ -160,10 +160,11 @@ _SQLITE_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
 async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
-                       cache: BlockCache | None = None) -> None:
+                       cache: BlockCache | None = None, *, search_index: bool = True) -> None:
     """Insert calls, their choices, any new episodes and the blocks their prompt ids and
     bodies reference (storage.dedup) in one transaction. ``cache``: the writer's memory
-    of each conversation's last call, updated only once the transaction committed."""
+    of each conversation's last call, updated only once the transaction committed;
+    ``search_index``: index the calls for the viewer's search (storage.search_index)."""
     cache = cache or BlockCache()
     dialect = engine.dialect.name
     async with engine.connect() as conn:
@@ -174,7 +175,8 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
                 for (sql, names), rows in zip(_PG_INSERTS, _batches(records, planned)):
                     if rows:
                         await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
-                await index_calls(raw, dialect, records)  # the viewer's search (0011)
+                if search_index:  # the viewer's search (0011, 0012)
+                    await index_calls(raw, dialect, records)
             cache.commit(planned)
             return
         try:
@@ -182,7 +184,8 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
             for table, rows in zip(_TABLES, _batches(records, planned)):
                 for sql, params in _sqlite_inserts(table.__table__, rows):
                     await raw.execute(sql, params)
-            await index_calls(raw, dialect, records)  # the viewer's search (0011)
+            if search_index:  # the viewer's search (0011, 0012)
+                await index_calls(raw, dialect, records)
             await raw.commit()
         except BaseException:
             await raw.rollback()

@@ -1,70 +1,53 @@
-"""Full-text search over what calls said: the writer's index rows, and the viewer's query.
+"""Full-text search over what calls said: the viewer's query, and its snippets.
 
-The writer adds one ``call_text`` row per call of an episode in its batch's transaction
-(``index_calls``, from storage.rows): the text storage.search_text picks, so replaying a
-journal indexes once (the row is keyed by call id) and a refused batch indexes nothing.
-Postgres indexes it with a GIN index of its words (``doc``, a tsvector; no stemming:
-tool output, code and error names are matched as written, case-insensitively); SQLite
-with an FTS5 table (``unicode61``). Both read the same query syntax: words (all must
-occur, each in any call of the episode), ``"quoted phrases"`` (in one call) and
-``-excluded`` words (in none of its calls).
+The index (storage.search_index, migration 0012) holds each call's words, not its text:
+on Postgres a GIN index of a tsvector of them (``doc``; no stemming: tool output, code
+and error names are matched as written, case-insensitively), on SQLite a contentless
+FTS5 table (``unicode61``, ``detail=none``). Both read the same query syntax: words (all
+must occur, each in any call of the episode), ``"quoted phrases"`` (all of the phrase's
+words in one call: neither index keeps where a word is, so the words' order and
+adjacency are not checked) and ``-excluded`` words (in none of its calls). Every search
+goes through ``call_text``: a call pruned is found by nothing, whatever postings remain.
+
+A snippet is made from the call's text recomputed from what it stored
+(storage.search_recompute), for the first matching call of each episode on the page; it
+marks the phrase where the text holds it as written, else the first of its words.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import msgspec
-from sqlalchemy import String, Text, any_, bindparam, cast, exists, func, select, text
+from sqlalchemy import (
+    String,
+    Text,
+    any_,
+    bindparam,
+    cast,
+    exists,
+    func,
+    literal_column,
+    select,
+    text,
+)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracetap.storage.records import CallRecord
-from tracetap.storage.search_text import call_text
+from tracetap.storage.search_index import WORD as _WORD
+from tracetap.storage.search_recompute import texts_of
 from tracetap.storage.tables import Call, CallText, Episode
 
-_PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, body, doc) "
-              "VALUES ($1, $2, $3, array_to_tsvector($4::text[])) "
-              "ON CONFLICT (call_id) DO NOTHING")
-_SQLITE_INSERT = ("INSERT INTO call_text (call_id, episode_id, body) VALUES (?, ?, ?) "
-                  "ON CONFLICT (call_id) DO NOTHING")
-# Postgres's document of a call's text (migration 0011): its distinct words, lower case,
-# as the writer found them (``words``: letters and digits, as SQLite's unicode61 splits),
-# made a tsvector by array_to_tsvector. Postgres's own parser (to_tsvector) cost a
-# millisecond and more per call in the database and halved the writer's throughput
-# (bench/writer_bench.py); it also reads ``conftest.py`` as one word. Without positions a
-# phrase is its words in the document, then the phrase in the text (``_phrase``).
+# Postgres's document of a call's text (migrations 0011, 0012): its distinct words, lower
+# case, as the writer found them (storage.search_index.words: letters and digits, as
+# SQLite's unicode61 splits), made a tsvector by array_to_tsvector. Postgres's own parser
+# (to_tsvector) cost a millisecond and more per call in the database and halved the
+# writer's throughput (bench/writer_bench.py); it also reads ``conftest.py`` as one word.
 PG_DOCUMENT = "call_text.doc"
-MAX_WORD = 200  # characters: a longer "word" (base64, a hash) is not looked up by anyone
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
-_SNIPPET_READ = 20_000  # characters of a matching call read for its snippet
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
-_WORD = re.compile(r"[^\W_]+")
-
-
-def rows_for(records: list[CallRecord]) -> list[tuple[str, str | None, str]]:
-    """(call_id, episode_id, text) for the records of an episode that have text."""
-    out = []
-    for record in records:
-        if record.episode_id is None:
-            continue  # the search finds episodes: an untagged call has none to show
-        body = call_text(record)
-        if body:
-            out.append((record.call_id, record.episode_id, body))
-    return out
-
-
-async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
-    """Insert the records' search rows on the writer's raw connection, inside its
-    transaction (asyncpg or aiosqlite)."""
-    rows = rows_for(records)
-    if not rows:
-        return
-    if dialect == "postgresql":
-        await raw.executemany(_PG_INSERT, [(*row, words(row[2])) for row in rows])
-    else:
-        await raw.executemany(_SQLITE_INSERT, rows)
 
 
 class Terms(msgspec.Struct, frozen=True):
@@ -90,48 +73,28 @@ def parse_terms(query: str) -> Terms | None:
     return Terms(tuple(wanted), tuple(unwanted)) if wanted else None
 
 
-def words(text: str) -> list[str]:
-    """The distinct words of a text, lower case: what Postgres indexes of it. Split at
-    whitespace and deduplicated first (C speed), so the regex sees each chunk once."""
-    out: set[str] = set()
-    for chunk in set(text.lower().split()):
-        if chunk.isalnum():
-            out.add(chunk)
-        else:
-            out.update(_WORD.findall(chunk))
-    return [w for w in out if len(w) <= MAX_WORD]
-
-
 def _pg_query(term: str) -> str:
     """One term as a tsquery literal: all of its words (quoted, so any is a plain word)."""
     return " & ".join("'" + w + "'" for w in _WORD.findall(term.lower())) or "''"
 
 
-def _phrase(term: str):
-    """A phrase's words in this order, in the text (the document has no positions)."""
-    found = _WORD.findall(term.lower())
-    if len(found) < 2:
-        return None
-    pattern = r"\m" + "[^[:alnum:]]+".join(found) + r"\M"  # \W is not allowed in [ ]
-    return CallText.body.op("~*")(bindparam("phrase", pattern, unique=True))
-
-
 def _fts_query(term: str) -> str:
-    """One term in FTS5's syntax: a quoted string (quotes doubled)."""
-    return '"' + term.replace('"', '""') + '"'
+    """One term in FTS5's syntax: all of its words, each quoted (a plain word whatever it
+    spells; a quoted string of several tokens is a phrase, which detail=none refuses)."""
+    return "(" + " AND ".join('"' + w + '"' for w in _WORD.findall(term)) + ")"
 
 
 def matching_calls(dialect: str, term: str | list[str]):
-    """SELECT of call_text rows whose body holds ``term`` (or any of a list)."""
+    """SELECT of call_text rows whose call holds ``term`` (or any of a list): all of
+    the term's words."""
     terms = [term] if isinstance(term, str) else term
     if dialect == "postgresql":
-        query = select(CallText).where(text(f"{PG_DOCUMENT} @@ CAST(:search_q AS tsquery)")
-                                       .bindparams(_unique(" | ".join(
-                                           f"({_pg_query(t)})" for t in terms))))
-        phrases = [p for t in terms if (p := _phrase(t)) is not None]
-        if len(terms) == 1 and phrases:
-            query = query.where(phrases[0])
-        return query
+        # A literal, not a parameter: a statement prepared with one is planned generically
+        # after five runs, for any word, and that plan read every call's document (a seq
+        # scan, 30-50 ms at 60,000 calls) where the index finds a rare word in 2. Safe:
+        # the literal holds only words (letters and digits), quotes (doubled), & and |.
+        query = " | ".join(f"({_pg_query(t)})" for t in terms).replace("'", "''")
+        return select(CallText).where(text(f"{PG_DOCUMENT} @@ CAST('{query}' AS tsquery)"))
     fts = text("SELECT rowid FROM call_text_fts WHERE call_text_fts MATCH :search_q"
                ).bindparams(_unique(" OR ".join(_fts_query(t) for t in terms)))
     return select(CallText).where(CallText.id.in_(fts))
@@ -189,8 +152,9 @@ async def resolved_conditions(engine: AsyncEngine, terms: Terms) -> list:
             if dialect == "postgresql" and await _estimate(conn, term) > FEW:
                 out.append(_having(dialect, term))  # common: reading its calls costs more
                 continue
+            # The limit a literal too (matching_calls: no parameter, so no generic plan).
             found = (await conn.execute(matching_calls(dialect, term).with_only_columns(
-                CallText.episode_id).limit(FEW + 1))).scalars().all()
+                CallText.episode_id).limit(literal_column(str(FEW + 1))))).scalars().all()
             out.append(_among(dialect, sorted(set(found))) if len(found) <= FEW
                        else _having(dialect, term))
     return [*out, *(_lacking(dialect, t) for t in terms.unwanted)]
@@ -225,31 +189,50 @@ class Snippet(msgspec.Struct, kw_only=True):
 async def snippets(engine: AsyncEngine, terms: Terms,
                    episode_ids: list[str]) -> dict[str, Snippet]:
     """For each episode, its first matching call, the words around the first match and
-    how many of its calls match."""
+    how many of its calls match. The text is recomputed for those first calls only (at
+    most a page of them)."""
     if not episode_ids:
         return {}
     query = matching_calls(engine.dialect.name, list(terms.wanted)).with_only_columns(
-        CallText.episode_id, CallText.call_id, func.substr(CallText.body, 1, _SNIPPET_READ)
+        CallText.episode_id, CallText.call_id
     ).where(CallText.episode_id.in_(episode_ids)).order_by(CallText.id)
     async with engine.connect() as conn:
         rows = (await conn.execute(query)).all()
-    out: dict[str, Snippet] = {}
-    for episode_id, call_id, body in rows:
-        if episode_id in out:
-            out[episode_id].matches += 1
-            continue
-        out[episode_id] = Snippet(call_id=call_id, matches=1, **_around(body, terms.words))
-    return out
+        first: dict[str, str] = {}
+        for episode_id, call_id in rows:
+            first.setdefault(episode_id, call_id)
+        found = await conn.run_sync(texts_of, list(first.values()))
+    matches = Counter(episode_id for episode_id, _ in rows)
+    marks = _marks(terms)
+    return {episode_id: Snippet(call_id=call_id, matches=matches[episode_id],
+                                **_around(found.get(call_id, ""), marks))
+            for episode_id, call_id in first.items()}
 
 
-def _around(body: str, words: list[str]) -> dict[str, str]:
-    lower = body.lower()
-    hits = [(at, w) for w in words if (at := lower.find(w)) >= 0]
-    if not hits:
+def _marks(terms: Terms) -> list[re.Pattern]:
+    """What a snippet marks, in order of preference: a phrase's words as written (in this
+    order, apart only by what is not a word), then any wanted word; whole words, any case."""
+    def whole(pattern: str) -> re.Pattern:
+        return re.compile(r"(?<![^\W_])(?:" + pattern + r")(?![^\W_])", re.IGNORECASE)
+
+    phrases = [found for t in terms.wanted if len(found := _WORD.findall(t)) > 1]
+    # The longest first, where one word starts another.
+    every = sorted(set(terms.words), key=len, reverse=True)
+    return [*(whole(r"[\W_]+".join(map(re.escape, p))) for p in phrases),
+            whole("|".join(map(re.escape, every)))]
+
+
+def _around(body: str, marks: list[re.Pattern]) -> dict[str, str]:
+    hit = None
+    for pattern in marks[:-1]:  # phrases: the earliest of those the text holds
+        m = pattern.search(body)
+        if m and (hit is None or m.start() < hit.start()):
+            hit = m
+    hit = hit or marks[-1].search(body)
+    if hit is None:
         return {"before": "", "match": "", "after": body[:SNIPPET]}
-    at, word = min(hits)
+    at, end = hit.span()
     start = max(0, at - SNIPPET // 2)
-    end = at + len(word)
     return {"before": ("…" if start else "") + body[start:at], "match": body[at:end],
             "after": body[end:end + SNIPPET // 2] + ("…" if end + SNIPPET // 2 < len(body)
                                                       else "")}

@@ -154,19 +154,20 @@ class Block(Base):
 
 
 class CallText(Base):
-    """What the viewer's search finds a call by (storage.search_text: the turn it added,
-    its answer, its error). Full-text indexed (0011): on Postgres a GIN index of the
-    generated tsvector column ``doc`` (storage.search.PG_DOCUMENT; not modelled, SQLite
-    has none), on SQLite the FTS5 table ``call_text_fts`` that triggers keep in step
-    (``id`` is its rowid, so it must never change)."""
+    """A call the viewer's search can find (storage.search_index: the words of the turn
+    it added, its answer, its error; not the text, since 0012). Full-text indexed: on
+    Postgres a GIN index of the tsvector column ``doc`` (storage.search.PG_DOCUMENT; not
+    modelled, SQLite has none), on SQLite the contentless FTS5 table ``call_text_fts``
+    the writer fills beside it (``id`` is its rowid: AUTOINCREMENT, never reused, so a
+    posting outlives no row it could be mistaken for)."""
 
     __tablename__ = "call_text"
+    __table_args__ = {"sqlite_autoincrement": True}
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), Identity(),
                                     primary_key=True)
     call_id: Mapped[str] = mapped_column(String(36), unique=True)
     episode_id: Mapped[str | None] = mapped_column(String(128), index=True)
-    body: Mapped[str] = mapped_column(Text)
 
 
 class Control(Base):

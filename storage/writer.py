@@ -63,6 +63,7 @@ class Writer:
         prepare: Callable[..., Awaitable[list[CallRecord] | None]] | None = None,
         quarantine: Quarantine | None = None,
         hold_retry: float = 0.5,
+        search_index: bool = True,
     ):
         self.engine = engine
         self.journal = journal
@@ -92,7 +93,9 @@ class Writer:
         self._held: set[str] = set()  # call ids of records prepare handed back, until written
         # Each conversation's last stored call: the next one stores only its new blocks.
         self.blocks = BlockCache()
-        self._insert = functools.partial(insert_calls, cache=self.blocks)
+        # search_index: whether calls are indexed for the viewer's search (--no-search-index)
+        self._insert = functools.partial(insert_calls, cache=self.blocks,
+                                         search_index=search_index)
 
     encode = staticmethod(_encode)  # the journal's record format
 

@@ -38,6 +38,7 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine_api_key: str | None = None
     poll_interval: float = 0.25  # seconds between the live page's database reads
     data_dir: str | None = None  # where the dead-letter files are (storage.quarantine)
+    search_index: bool = True  # False: the proxy indexes no text (--no-search-index)
 
 
 def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) -> web.Application:

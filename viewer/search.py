@@ -18,7 +18,7 @@ from aiohttp import web
 from tracetap.storage import browse, search
 from tracetap.storage.tables import Call, Episode
 from tracetap.viewer import params
-from tracetap.viewer.keys import SOURCE
+from tracetap.viewer.keys import CONFIG, SOURCE
 from tracetap.viewer.render import page
 
 COUNT_CAP = 1000  # matches counted exactly up to this many
@@ -75,20 +75,27 @@ def _link(query: Mapping[str, str], **changes) -> str:
     return "?" + urlencode(kept) if kept else "?"
 
 
+def _filtered(query: Mapping[str, str], where: Where) -> bool:
+    """Whether the page was asked for anything besides text."""
+    return bool(where.model or where.policy or where.json) \
+        or any(query.get(k) for k in ("harness", "task", "outcome", "status", "finished"))
+
+
 async def page_handler(request: web.Request) -> web.Response:
     query = request.query
     text = query.get("q", "").strip()
     if len(text) > params.TEXT_LIMIT:
         raise params.BadParameter(f"q is longer than {params.TEXT_LIMIT} characters")
-    # The episodes page's filters, but ``q`` here is the text, not part of an id.
-    episodes = params.episode_query({k: v for k, v in query.items() if k != "q"})
+    # The episodes page's filters, but ``q`` here is the text, not part of an id; unless
+    # no text is indexed (--no-search-index): then it is part of an id, as there.
+    indexed = request.app[CONFIG].search_index
+    episodes = params.episode_query({k: v for k, v in query.items() if k != "q" or not indexed})
     where = parse_where(query)
-    terms = search.parse_terms(text) if text else None
+    terms = search.parse_terms(text) if text and indexed else None
+    ignored = bool(text) and terms is None and indexed  # punctuation alone: nothing to find
     engine = await request.app[SOURCE].engine()
-    asked = terms is not None or bool(where.model or where.policy or where.json) \
-        or any(query.get(k) for k in ("harness", "task", "outcome", "status", "finished"))
     found = snippets = None
-    if asked:
+    if terms is not None or _filtered(query, where) or (bool(text) and not indexed):
         text_part = None if terms is None else await search.resolved_conditions(engine, terms)
         found = await browse.episode_page(
             engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
@@ -96,7 +103,7 @@ async def page_handler(request: web.Request) -> web.Response:
         if terms is not None:
             snippets = await search.snippets(engine, terms, [r.id for r in found.rows])
     return page(request, "search.html", view="search", found=found, snippets=snippets or {},
-                text=text, ignored=bool(text) and terms is None,
+                text=text, ignored=ignored, indexed=indexed,
                 filters={k: query.get(k, "") for k in FIELDS}, cap=COUNT_CAP,
                 statuses=browse.STATUSES, sorts=list(browse.SORTS), sizes=params.PAGE_SIZES,
                 link=lambda **changes: _link(query, **changes))

@@ -7,24 +7,23 @@ Create Date: 2027-02-01 00:00:00.000000
 
 Existing calls keep everything: the backfill reads each call's request, choice texts and
 error (inline, or from its blocks since 0007), picks the text storage.search_text picks
-for new calls, and inserts it, a page of calls at a time. On Postgres the text's document
-(``doc``, its words as a tsvector, storage.search.words) is indexed with GIN after the
-backfill, in one pass.
+for new calls (storage.search_recompute), and inserts it, a page of calls at a time. On
+Postgres the text's document (``doc``, its words as a tsvector,
+storage.search_index.words) is indexed with GIN after the backfill, in one pass.
+Revision 0012 keeps the words only.
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-from tracetap.storage.blocks import join_text, unpack_block, unpack_refs
-from tracetap.storage.search import words
-from tracetap.storage.search_text import failure, text_of
+from tracetap.storage.search_index import words
+from tracetap.storage.search_recompute import every_call
 
 revision = "0011"
 down_revision = "0010"
 branch_labels = None
 depends_on = None
 
-PAGE = 500
 _FTS = [
     "CREATE VIRTUAL TABLE call_text_fts USING fts5(body, content='call_text', "
     "content_rowid='id', tokenize='unicode61')",
@@ -73,45 +72,12 @@ def downgrade() -> None:
     op.drop_table("call_text")
 
 
-_CALLS = sa.table("calls", *(sa.column(c) for c in (
-    "call_id", "episode_id", "request", "request_refs", "error", "http_status", "response",
-    "response_refs")))
-_CHOICES = sa.table("choices", *(sa.column(c) for c in (
-    "call_id", "choice_index", "text", "text_refs")))
 _CALL_TEXT = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id", "body")))
 
 
 def _backfill(bind) -> None:
-    after = ""
-    while True:
-        page = bind.execute(
-            sa.select(_CALLS).where(_CALLS.c.call_id > after, _CALLS.c.episode_id.is_not(None))
-            .order_by(_CALLS.c.call_id).limit(PAGE)).all()
-        if not page:
-            return
-        after = page[-1].call_id
-        _insert(bind, _texts(bind, page))
-
-
-def _texts(bind, page: list) -> list[dict]:
-    """The call_text rows of a page of calls (those with any text)."""
-    texts: dict[str, list] = {}
-    for c in bind.execute(sa.select(_CHOICES).where(
-            _CHOICES.c.call_id.in_([r.call_id for r in page]))
-            .order_by(_CHOICES.c.call_id, _CHOICES.c.choice_index)):
-        texts.setdefault(c.call_id, []).append((c.text, c.text_refs))
-    blocks = _blocks(bind, [r.request_refs for r in page]
-                     + [r.response_refs for r in page if r.http_status != 200]
-                     + [refs for v in texts.values() for _, refs in v])
-    rows = []
-    for r in page:
-        response = None if r.http_status == 200 else _value(r.response, r.response_refs, blocks)
-        body = text_of(_value(r.request, r.request_refs, blocks),
-                       [_value(t, refs, blocks) for t, refs in texts.get(r.call_id, ())],
-                       failure(r.error, r.http_status, response))
-        if body:
-            rows.append({"call_id": r.call_id, "episode_id": r.episode_id, "body": body})
-    return rows
+    for page in every_call(bind):
+        _insert(bind, [{"call_id": c, "episode_id": e, "body": body} for c, e, body in page])
 
 
 def _insert(bind, rows: list[dict]) -> None:
@@ -122,23 +88,3 @@ def _insert(bind, rows: list[dict]) -> None:
                      [{**r, "words": words(r["body"])} for r in rows])
     elif rows:
         bind.execute(_CALL_TEXT.insert(), rows)
-
-
-def _blocks(bind, refs: list) -> dict[bytes, bytes]:
-    wanted = sorted({h for r in refs if r is not None for h, _ in unpack_refs(bytes(r))})
-    blocks = sa.table("blocks", sa.column("hash"), sa.column("data"))
-    out = {}
-    for start in range(0, len(wanted), PAGE):
-        for h, data in bind.execute(sa.select(blocks.c.hash, blocks.c.data).where(
-                blocks.c.hash.in_(wanted[start:start + PAGE]))):
-            out[bytes(h)] = unpack_block(bytes(data))
-    return out
-
-
-def _value(inline, refs, blocks: dict[bytes, bytes]):
-    if refs is None:
-        return inline
-    try:
-        return join_text(blocks[h] for h, _ in unpack_refs(bytes(refs)))
-    except KeyError:  # a block missing: the call cannot be read whole, nor indexed
-        return inline
