@@ -49,6 +49,13 @@ def add_packets_arguments(parser: argparse.ArgumentParser) -> None:
         "config.NAME, ...); writes DIR/batches.jsonl",
     )
     a("--where", metavar="SELECTOR", help="only episodes matching SELECTOR")
+    a(
+        "--per-batch",
+        type=int,
+        metavar="N",
+        help="at most N packets per batch (per --batch; of all without it), the first by "
+        "task and episode: the sparse setting, a few failures at a time (default: all)",
+    )
     parser.set_defaults(run=_packets)
 
 
@@ -135,6 +142,7 @@ def _packets(args: argparse.Namespace) -> int:
             max_chars=args.max_chars,
             batch=args.batch,
             where=_selector(args.where),
+            per_batch=args.per_batch,
         )
         if options.batch:
             from tracetap.analysis.select import check_key
@@ -147,6 +155,9 @@ def _packets(args: argparse.Namespace) -> int:
             f"{len(result.packets)} failure packets of {result.episodes} episodes ({why}) "
             f"-> {', '.join(str(f) for f in files)}"
         )
+        if len(result.packets) < result.failed:
+            print(f"--per-batch {args.per_batch}: {result.failed - len(result.packets)} more "
+                  "failed episodes left out")
         if result.infra:
             print(f"no packet for {result.infra} episodes with integrity infra (an upstream "
                   "failure, a refusal, a lost record: not the harness's doing)")

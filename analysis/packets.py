@@ -6,7 +6,8 @@ shape is ``analysis/packet.schema.json``; docs/harness-engineering.md explains i
 
 Why an episode failed (``failure``): ``unsuccessful`` (not a success, analysis.select),
 ``call_error`` (one of its calls failed: an upstream error, a cut stream, a 4xx/5xx
-reply), ``context_length`` (a failed call whose error or reply says the context was too
+reply; an attempt an overlay vetoed is not one, the model answered and was asked again),
+``context_length`` (a failed call whose error or reply says the context was too
 long). ``--failure`` chooses which of them select an episode.
 """
 
@@ -45,6 +46,7 @@ class Options(msgspec.Struct, kw_only=True, frozen=True):
     max_chars: int = 2000  # per text: system prompt, message, arguments, observation, error
     batch: str | None = None  # a selector key grouping packets into task batches
     where: Selector | None = None
+    per_batch: int | None = None  # at most this many packets per batch (the first by task)
 
 
 # A packet as packet.schema.json describes it; written with sorted keys (fields included).
@@ -92,6 +94,7 @@ class PacketSet(msgspec.Struct, kw_only=True):
     packets: list[Packet]
     batches: list[dict[str, Any]] | None = None
     infra: int = 0  # failed episodes given no packet: their integrity is infra
+    failed: int = 0  # failed episodes with a packet before --per-batch left some out
 
 
 def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
@@ -100,6 +103,8 @@ def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         raise AnalysisError(f"--failure must be among {', '.join(FAILURES)}")
     if options.steps < 1 or options.max_chars < 1:
         raise AnalysisError("--steps and --max-chars must be at least 1")
+    if options.per_batch is not None and options.per_batch < 1:
+        raise AnalysisError("--per-batch must be at least 1")
     return run(_build(db, filt, options))
 
 
@@ -113,10 +118,25 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         for e, reasons in found.chosen
     ]
     packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
+    failed = len(packets)
+    if options.per_batch is not None:
+        packets = _capped(packets, options.per_batch)
     counts = {r: sum(r in p.outcome.failure for p in packets) for r in options.failures}
     batches = _batches(episodes, packets, options) if options.batch else None
     return PacketSet(episodes=len(episodes), reasons=counts, packets=packets, batches=batches,
-                     infra=found.infra)
+                     infra=found.infra, failed=failed)
+
+
+def _capped(packets: list[Packet], limit: int) -> list[Packet]:
+    """The first ``limit`` packets of each batch (of all, without --batch), in the packets'
+    order: a sparse set of failures, as an engineer model is given a few at a time."""
+    kept: dict[str | None, int] = defaultdict(int)
+    out = []
+    for p in packets:
+        if kept[p.batch] < limit:
+            kept[p.batch] += 1
+            out.append(p)
+    return out
 
 
 async def _selected(reader, filt: EpisodeFilter, where: Selector | None) -> list[Episode]:
@@ -141,13 +161,14 @@ class _Failed(msgspec.Struct):
 
 async def _failed(reader, episodes: list[Episode], options: Options) -> _Failed:
     """The failed episodes among ``episodes``, with what their packets are built from."""
+    # failed_calls counts vetoed attempts too (storage.tables.FAILED_SQL): _reasons tells.
     suspects = [e for e in episodes if not options.success(e) or e.summary.failed_calls]
     suspects, infra = clean(suspects)  # an infra failure is not the harness's
     calls = await call_summaries(reader, [e.id for e in suspects])
     by_episode: dict[str, list[CallSummary]] = defaultdict(list)
     for call in calls:
         by_episode[call.episode_id].append(call)
-    failed_ids = [c.call_id for c in calls if c.failed]
+    failed_ids = [c.call_id for c in calls if _errored(c)]
     failed_bodies = (
         await reader.bodies(failed_ids) if ("context_length" in options.failures) else {}
     )
@@ -168,7 +189,7 @@ def _reasons(
     reasons = []
     if "unsuccessful" in options.failures and not options.success(e):
         reasons.append("unsuccessful")
-    failed = [c for c in calls if c.failed]
+    failed = [c for c in calls if _errored(c)]
     if "call_error" in options.failures and failed:
         reasons.append("call_error")
     if "context_length" in options.failures and any(
@@ -178,6 +199,11 @@ def _reasons(
     ):
         reasons.append("context_length")
     return reasons
+
+
+def _errored(call: CallSummary) -> bool:
+    """A call that failed; an overlay's vetoed attempt did not (docs/overlays.md)."""
+    return call.failed and call.status != "vetoed"
 
 
 def _packet(
@@ -223,7 +249,7 @@ def _packet(
                     error=conversation.cut(c.error, budget),
                 )
                 for c in calls
-                if c.failed
+                if _errored(c)
             ],
         ),
         calls=[c.call_id for c in calls],

@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pyarrow.parquet as pq
 import pytest
-from helpers.http import episode_headers, metrics_text, register
+from helpers.http import episode_headers, finish, metrics_text, register
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
@@ -655,3 +655,22 @@ def test_concurrent_first_calls_start_the_episode_once(proxy):
     # One start, one note: the four calls share the state (calls counted 1..4).
     assert events(calls).count(("before_model", "inject")) == 1
     assert sum(1 for c in calls if c["upstream_request"] and NOTE in c["upstream_request"]) == 4
+
+
+def test_a_vetoed_attempt_is_not_a_failed_call_in_the_packets(proxy):
+    """The vetoer's first attempt is stored with status vetoed (an answer the overlay sent
+    back, not an error): a solved episode gets no packet, an unsolved one fails as
+    unsuccessful only, with no call errors."""
+    from tracetap.analysis.packets import Options, build
+    from tracetap.storage.scan import EpisodeFilter
+
+    for episode, reward in (("veto-solved", 1.0), ("veto-unsolved", 0.0)):
+        register(proxy, episode, overlay="vetoer", task_id=episode)
+        chat(proxy, episode, [SYSTEM, QUESTION], stream=False)
+        proxy.flush()
+        assert [c["status"] for c in proxy.calls(episode)] == ["vetoed", "ok"]
+        finish(proxy, episode, reward)
+    result = build(proxy.settings.db, EpisodeFilter(), Options())
+    [packet] = result.packets
+    assert packet.episode_id == "veto-unsolved"
+    assert packet.outcome.failure == ["unsuccessful"] and packet.outcome.call_errors == []

@@ -148,9 +148,26 @@ def test_failure_kinds_steps_and_where_narrow_the_packets(seeded, tmp_path):
     ]
 
 
+def test_per_batch_keeps_the_first_failures_of_each_batch(seeded, tmp_path, capsys):
+    assert packets(seeded, tmp_path, "--batch", "harness") == 0
+    every = lines(tmp_path / "packets.jsonl")
+    capsys.readouterr()
+    assert packets(seeded, tmp_path, "--batch", "harness", "--per-batch", "2") == 0
+    kept = lines(tmp_path / "packets.jsonl")
+    by_batch: dict[str, list[str]] = {}
+    for p in every:
+        by_batch.setdefault(p["batch"], []).append(p["episode_id"])
+    assert [p["episode_id"] for p in kept] == [e for ids in by_batch.values() for e in ids[:2]]
+    assert len(kept) < len(every) and all(len(ids) >= 2 for ids in by_batch.values())
+    batches = lines(tmp_path / "batches.jsonl")
+    assert [b["packets"] for b in batches] == [ids[:2] for ids in by_batch.values()]
+    assert f"{len(every) - len(kept)} more failed episodes left out" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (("--per-batch", "0"), "--per-batch must be at least 1"),
         (("--where", "harness=Z"), "the selection matches no episode (--where 'harness=Z')"),
         (("--where", "harnes=A"), "unknown key 'harnes'"),
         (("--where", "harness"), "'harness' is not KEY=VALUE"),
