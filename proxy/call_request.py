@@ -105,12 +105,12 @@ class CallRequest:
             rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
         self.payload = payload
+        model = payload.get("model")
+        self.model = model if isinstance(model, str) else None
         self.injected = route.api.prepare(payload, services.flavor)
         self.experts = experts.ask(self, route.api.endpoint, services.routed_experts)
         if self.injected.any or rewritten or self.repaired:
             body = encode(payload)
         if translation is not None or self.repaired:
             self.upstream_request = body  # stored beside the client's request
-        model = payload.get("model")
-        self.model = model if isinstance(model, str) else None
         return body
