@@ -38,14 +38,15 @@ def one_turn(state, body: bytes, stream: list[bytes], clock) -> list[float]:
     call.episode_id = "steps"
     call.parse_request(body)
     call.replied("http://bench", 200)
+    relay = call.start_relay()
     times.append(clock())
-    list(call.relay_chunk(stream[0]))
+    list(relay.chunk(stream[0]))
     times.append(clock())
     for data in stream[1:-1]:
-        list(call.relay_chunk(data))
+        list(relay.chunk(data))
     times.append(clock())
-    list(call.relay_chunk(stream[-1]))  # [DONE]: the record is built (ids decoded), not stored
-    call.stream_end()
+    list(relay.chunk(stream[-1]))  # [DONE]: the record is built (ids decoded), not stored
+    relay.end()
     times.append(clock())
     return [b - a for a, b in itertools.pairwise(times)]
 

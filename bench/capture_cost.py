@@ -84,9 +84,10 @@ def _replied(stream: bool) -> ModelCall:
     call.sending()
     call.replied("http://bench", 200)
     if stream:
-        for _ in call.relay_chunk(b"".join(STREAMS[True, True, True])):
+        relay = call.start_relay()
+        for _ in relay.chunk(b"".join(STREAMS[True, True, True])):
             pass
-        call.stream_end()
+        relay.end()
     else:
         call.reply_body(BODIES[True, True])
     return call
@@ -114,8 +115,9 @@ def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
         call.parse_request(body)
         call.replied("http://bench", 200)
         if stream:
+            relay = call.start_relay()
             for data in events:
-                for _ in call.relay_chunk(data):
+                for _ in relay.chunk(data):
                     pass
         else:
             call.reply_body(BODIES[True, True])

@@ -7,7 +7,8 @@ move by a third from run to run. This times the per-event steps of the bench ups
 64-token stream (the client asks for nothing: logprobs, token ids and usage injected and
 stripped) and keeps each step's minimum over ``--rounds`` rounds, which approximates a
 core of its own: SSE parsing of the 65 reads, capture, strip, and the whole relay path
-as ``ModelCall.relay_chunk`` runs it (parsing, capture, strip and the client's bytes).
+as ``ModelCall.run`` hands it to the call's ``Relay``: ``Relay.chunk`` per read (parsing,
+capture, strip and the client's bytes).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def _relay(state, request: bytes) -> None:
     call = ModelCall(state, CHAT, "x")
     call.parse_request(request)
     call.replied("http://bench", 200)
+    relay = call.start_relay()
     for data in READS:
-        for _ in call.relay_chunk(data):
+        for _ in relay.chunk(data):
             pass
 
 
@@ -62,7 +64,7 @@ def main() -> int:
         "SSE parse (65 reads)": _parse,
         "capture (65 events)": _capture,
         "strip (65 events)": lambda: [strip_chunk(d, INJECTED) for d in DATAS],
-        "relay path: ModelCall, relay_chunk per read": lambda: _relay(state, request),
+        "relay path: ModelCall, Relay.chunk per read": lambda: _relay(state, request),
         "body: capture": lambda: Capture(CHAT_ENDPOINT).add(BODY),
         "body: strip": lambda: strip_body(BODY, INJECTED),
     }

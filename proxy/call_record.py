@@ -22,12 +22,12 @@ def call_record(call: ModelCall) -> CallRecord:
     capture = call.capture
     choices = capture.choices()
     call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
-    if call.experts is not None:  # issue 27 hook: MoE routing per completion token
-        call.experts.stamp(choices)
-        capture.errors.extend(call.experts.errors)
+    if request.experts is not None:  # issue 27 hook: MoE routing per completion token
+        request.experts.stamp(choices)
+        capture.errors.extend(request.experts.errors)
     if capture.errors and call.error is None:
         call.error = "; ".join(capture.errors)
-    if call.stream and capture.response_id is not None:
+    if request.stream and capture.response_id is not None:
         reassembled = capture.reassembled(with_logprobs=not request.injected.logprobs)
         if call.translation is not None:
             reassembled = call.translation.from_chat(reassembled, request.client_payload)
@@ -42,7 +42,7 @@ def call_record(call: ModelCall) -> CallRecord:
     if prompt_ids is None and prompt_packed is None and call.endpoint == COMPLETIONS:
         prompt_ids = _token_prompt(request.payload.get("prompt"))
         prompt_source = None if prompt_ids is None else "request"
-    model = capture.model or call.model
+    model = capture.model or request.model
     return CallRecord(
         call_id=call.call_id,
         episode_id=call.episode_id,
@@ -51,7 +51,7 @@ def call_record(call: ModelCall) -> CallRecord:
         endpoint=call.endpoint,
         model=model,
         policy_version=call.policy_version,
-        stream=call.stream,
+        stream=request.stream,
         upstream=call.upstream_url,
         request=request.text,
         response=None if response is None else response.decode("utf-8", "replace"),

@@ -30,6 +30,7 @@ class CallRequest:
         "dropped",
         "experts",
         "injected",
+        "model",
         "payload",
         "repaired",
         "stream",
@@ -46,6 +47,7 @@ class CallRequest:
         self.injected = Injected()  # what the API's prepare added for capture
         self.experts: experts.CallExperts | None = None  # the MoE routing asked for
         self.stream = False
+        self.model: str | None = None  # the model asked of the upstream (a string), if any
 
     @property
     def text(self) -> str | None:
@@ -53,11 +55,6 @@ class CallRequest:
         flight holds its prompt once as bytes rather than as bytes and text."""
         body = self.body
         return None if body is None else body.decode("utf-8", "replace")
-
-    @property
-    def model(self) -> str | None:
-        model = self.payload.get("model")
-        return model if isinstance(model, str) else None
 
     def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
         """The upstream body with ``messages`` in place of the harness's (an overlay's
@@ -67,6 +64,16 @@ class CallRequest:
         if messages is not harness:
             self.upstream_request = body
         return body
+
+    def parse(self, body: bytes, route: Route, services: CallServices,
+              episode_id: str | None) -> tuple[Route, bytes]:
+        """The client's body read and made ready for the upstream: the route it goes on
+        (``--translate auto`` may translate this request: ``Routing.for_request``) and
+        the body to send (raises a 400 ProxyError)."""
+        self.body = body
+        payload = self.decode()
+        route = services.routing.for_request(route, payload)
+        return route, self.prepare(payload, route, services, episode_id)
 
     def decode(self) -> dict[str, Any]:
         """The client's JSON object (raises a 400 ProxyError)."""
@@ -98,6 +105,8 @@ class CallRequest:
             rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
         self.payload = payload
+        model = payload.get("model")
+        self.model = model if isinstance(model, str) else None
         self.injected = route.api.prepare(payload, services.flavor)
         self.experts = experts.ask(self, route.api.endpoint, services.routed_experts)
         if self.injected.any or rewritten or self.repaired:

@@ -1,36 +1,21 @@
 """One model call, from the client's request to the stored record.
 
-``ModelCall`` is the one driver of a call's life: nothing else changes its state. It
-holds the call's parts, each with one job, and only it calls their changing methods:
+``ModelCall`` is the one driver of a call's life: the handler hands it the request once
+(``ModelCall.run``), and nothing else changes its state. Its parts, each with one job:
+``request`` (``proxy.call_request``: the request as the client sent it and as it goes
+upstream), ``relay`` (``proxy.relay``: a stream's reads parsed, captured, rewritten,
+held), ``capture`` (the API's reassembly), ``timings`` (``proxy.call_timings``), and
+``services`` (``proxy.call_services``: the parts of the proxy a call uses; the driver
+alone is given the front besides: tagger, body limits, overlays, pool).
 
-- ``request`` (``proxy.call_request.CallRequest``): the request as the client sent it
-  and as it goes upstream (validation, translation, repair, the API's additions);
-- ``relay`` (``proxy.relay.Relay``): an event stream's reads parsed, captured,
-  rewritten, held; ``capture`` (the API's reassembly) what was read;
-- ``timings`` (``proxy.call_timings.Timings``): its moments, and every span read from
-  them (the upstream's latency, the proxy's overhead);
-- ``services`` (``proxy.call_services.CallServices``): the few parts of the running
-  proxy a call uses, not the whole ``ProxyState``.
-
-Its lifecycle, in the order a handler calls it:
-
-- start: ``ModelCall(services, route, call_id)``, ``tag(episode_id)`` (arrival order),
-  ``parse_request(body)`` (the body to send upstream; ``reroute`` for ``--translate
-  auto``), ``await reserve(keyed, size)`` (the episode's budget), ``await admit()`` (the
-  pause gate; stamps the policy version), ``sending()``;
-- relay: ``replied(upstream_url, http_status)``, then either ``reply_body(body)`` for a
-  whole reply, or ``relay_chunk(data)`` per read of an event stream and ``stream_end()``;
-  each returns the bytes the client gets;
-- finish: ``finish()`` in the handler's ``finally``, always; or, when the call ends
-  early, ``fail(error, status)`` (refused before relaying: the client's error reply) or
-  ``abort(status, error)`` (cut mid-relay) first.
-
-An overlay that reviews the reply (``proxy.overlays.review``) drives the same call
-through its API: ``under_overlay(log)``, ``model_view(messages, harness)`` (the model's
-view of the request), ``await hold(reply, live)`` (the reply read and captured, held
-back from the client), ``veto(reason)``, ``failed(error)``, ``resample()`` (the next
-attempt: a new ModelCall on the same budget reservation) and ``release(out)`` (the held
-or replaced end goes to the client).
+``run`` takes the steps in order: ``tag`` (arrival order), ``parse_request`` (the body to
+send upstream; ``reroute`` after ``--translate auto``'s 404), ``reserve`` (the episode's
+budget), the overlay's session, ``admit`` (the pause gate; the policy version), the send
+(with proxy.continuation's weight-sync wrappers), ``replied``, the relay (``reply_body``
+for a whole reply, or the stream handed to ``Relay.pump`` once), and ``finish`` always,
+after ``fail`` (refused before relaying) or ``abort`` (cut mid-relay) when the call ends
+early. A reviewing overlay (``proxy.overlays.review``) drives the attempts through
+``CallReview``'s methods (``proxy.call_review``), which are ModelCall's own.
 
 Three rules live here and nowhere else: the record is journaled exactly once
 (``journal``); it is journaled before the client is given the bytes that end the reply
@@ -38,39 +23,43 @@ Three rules live here and nowhere else: the record is journaled exactly once
 client is on disk even if the process dies next; and each attempt's tokens are spent
 from the episode's budget exactly once (``_spend``; the first attempt's reservation is
 settled with it). ``proxy.call_record.call_record`` builds the stored record,
-``Metrics.observe_call`` the metrics; both only read. What differs between wire APIs
-lives in ``api`` (the API spoken to the upstream) and ``translation`` (set when the client
-speaks another API than the upstream: its request and replies are converted to and from
-chat).
+``Metrics.observe_call`` the metrics. What differs between wire APIs lives in ``api``
+(the API spoken to the upstream) and ``translation`` (set when the client speaks another
+API than the upstream: its request and replies are converted to and from chat).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
-import msgspec
 from aiohttp import web
 
-from tracetap.proxy.apis.chat.wire import decode_object, encode
-from tracetap.proxy.budgets import Reservation, reservation_size
+from tracetap.proxy import continuation, lineage
+from tracetap.proxy.bodies import read_body
+from tracetap.proxy.budgets import BudgetExceeded, Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.call_request import CallRequest
+from tracetap.proxy.call_review import CallReview
 from tracetap.proxy.call_timings import Timings
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.errors import STORED_STATUS, ProxyError
+from tracetap.proxy.exposure import upstream_path
+from tracetap.proxy.headers import OVERHEAD_HEADER, response_headers, upstream_request_headers
 from tracetap.proxy.ids import uuid7
-from tracetap.proxy.relay import Hold, HoldAll, Relay, broken_error
+from tracetap.proxy.overlays.review import review
+from tracetap.proxy.relay import Hold, Relay, broken_error, whole_reply
 from tracetap.proxy.routing import Route
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.proxy.versions import CallVersions
 
 if TYPE_CHECKING:
-    from tracetap.proxy.call_services import CallServices
+    from tracetap.proxy.call_services import CallFront, CallServices
     from tracetap.proxy.overlays.hooks import OverlayLog
 
 
-class ModelCall:
+class ModelCall(CallReview):
     def __init__(self, services: CallServices, route: Route, call_id: str):
         self.services = services
         self.route = route
@@ -95,10 +84,134 @@ class ModelCall:
         self.upstream_url: str | None = None
         self.client_body: bytes | None = None  # a whole reply as the client got it
         self.reservation: Reservation | None = None  # what the episode's budget holds for it
-        self.relay: Relay | None = None  # set by a stream's first read (or a hold)
+        self.relay: Relay | None = None  # set as a stream's relay starts (or a hold's)
         self._admitted = False
         self._journaled = False
         self._spent = False
+
+    # -- the driver -------------------------------------------------------------------
+    @classmethod
+    async def run(cls, front: CallFront, route: Route, request: web.Request,
+                  path: str) -> web.StreamResponse:
+        """A captured request's whole life, entered once by the handler (``front`` is the
+        running proxy, ``ProxyState``): tag → parse → reserve → overlay session → admit →
+        send → relay → finish. Never a bare 500: a refusal is the client's error reply, a
+        bug an internal error, or, once the client's stream has begun, the stream cut."""
+        return await cls(front, route, uuid7())._run(front, request, path)
+
+    async def _run(self, front: CallFront, request: web.Request,
+                   path: str) -> web.StreamResponse:
+        metrics = self.services.metrics
+        metrics.inflight.inc()
+        try:
+            try:
+                return await self._drive(request, path, front)
+            except BudgetExceeded as error:
+                metrics.child(metrics.budget_exceeded, error.limit).inc()
+                return self.fail(error, "budget_exceeded")
+            except ProxyError as error:
+                metrics.count_refusal(error.code)
+                return self.fail(error, STORED_STATUS.get(error.code, "bad_request"))
+            except Exception as exc:  # a bug, or input nothing above foresaw
+                error = front.failures.internal(exc, self.call_id)
+                if self.relaying:  # the client's stream has begun: it cannot become an error
+                    self.abort("error", error.message)
+                    raise
+                return self.fail(error, "error")
+        finally:
+            metrics.inflight.dec()
+            self.finish()
+
+    async def _drive(self, request: web.Request, path: str,
+                     front: CallFront) -> web.StreamResponse:
+        settings = front.settings
+        tagged = await front.tagger.resolve(request.headers, request.match_info.get("episode"))
+        self.tag(tagged.episode_id, lineage.names(request.headers))
+        body = await read_body(request, settings.max_body, settings.body_timeout)
+        upstream_body = self.parse_request(body)  # --translate auto may change the route
+        await self.reserve(tagged.keyed, len(body))
+        overlay = await front.overlays.session(self, request.headers)  # docs/overlays.md
+        if overlay is not None:
+            upstream_body = await overlay.prepare(self, upstream_body)
+        await self.admit()
+        headers = upstream_request_headers(
+            request.headers, api_key=settings.upstream_api_key,
+            forward_client_auth=settings.forward_client_auth, identity=True)
+        query = request.rel_url.raw_query_string
+        self.sending()
+
+        def send(attempt: ModelCall, b: bytes):  # the attempt's route as it is when called
+            target = path if attempt.translation is None else attempt.api.path
+            # issue 27 hook: a body awaited when a weight sync cuts it is sent again
+            return continuation.cuttable(attempt, functools.partial(
+                front.pool.send, "POST", upstream_path(target, query), headers, b,
+                episode_id=attempt.episode_id, model=attempt.request.model))
+
+        if overlay is not None and overlay.reviews_reply(self):
+            return await review(overlay, request, self, send, upstream_body)
+        target, reply = await send(self, upstream_body)
+        fallback = front.routing.fallback(self.route) if reply.status == 404 else None
+        if fallback is not None:
+            # --translate auto: the upstream lacks this API, so speak chat to it.
+            reply.close()
+            upstream_body = self.reroute(fallback, body)
+            if overlay is not None:  # chat-shaped now: the hooks run as when translated
+                upstream_body = await overlay.prepare(self, upstream_body)
+                if overlay.reviews_reply(self):
+                    return await review(overlay, request, self, send, upstream_body)
+            target, reply = await send(self, upstream_body)
+        self.replied(target.base_url, reply.status)
+        if self.stream and reply.content_type == "text/event-stream":
+            # issue 27 hook: a weight sync in abort mode continues the stream
+            reads = continuation.stream(self, reply, front.pool, headers)
+            return await self._relay_stream(request, reply, reads)
+
+        async def again():  # issue 27 hook: a body cut by a weight sync is sent again
+            return (await send(self, upstream_body))[1]
+
+        return await self._relay_body(reply, settings.overhead_header, again)
+
+    async def _relay_stream(self, request: web.Request, reply: Reply,
+                            reads: AsyncIterator[bytes]) -> web.StreamResponse:
+        """The event stream to the client as it comes, through the relay (one hand-over);
+        a cut on either side ends the call as cut."""
+        response = web.StreamResponse(status=reply.status,
+                                      headers=response_headers(reply.headers.items()))
+        try:
+            await response.prepare(request)
+            tail = await self.start_relay().pump(reads, response.write)
+            if tail:
+                await response.write(tail)
+            await response.write_eof()
+        except UpstreamBroken as exc:
+            self.abort("upstream_error", str(exc))
+            # End the client's stream the way the upstream ended ours: abruptly.
+            if request.transport is not None:
+                request.transport.abort()
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            self.abort("client_disconnected", "client went away mid-stream")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            reply.close()
+        return response
+
+    async def _relay_body(self, reply: Reply, overhead_header: bool,
+                          again: Callable[[], Awaitable[Reply]]) -> web.Response:
+        """A whole reply, read (sent again if a weight sync cut it), captured, and
+        rewritten for the client."""
+        try:
+            reply = await continuation.whole(self, reply, again)  # issue 27 hook
+            body = await reply.read()
+        except UpstreamBroken as exc:
+            raise broken_error(exc) from exc
+        finally:
+            reply.close()
+        response = web.Response(status=reply.status, body=self.reply_body(body),
+                                headers=response_headers(reply.headers.items()))
+        if overhead_header:
+            response.headers[OVERHEAD_HEADER] = f"{self.timings.overhead() * 1000:.3f}"
+        return response
 
     # -- start ----------------------------------------------------------------------
     def tag(self, episode_id: str | None,
@@ -137,19 +250,17 @@ class ModelCall:
     # -- request side -----------------------------------------------------------
     def parse_request(self, body: bytes) -> bytes:
         """Validate the client's JSON and return the body to send upstream."""
-        request = self.request = CallRequest(body)
-        payload = request.decode()
-        route = self.services.routing.for_request(self.route, payload)
+        route, upstream = self.request.parse(body, self.route, self.services, self.episode_id)
         if route is not self.route:  # --translate auto: native would lose logprobs
             self._use(route)
-        upstream = request.prepare(payload, self.route, self.services, self.episode_id)
-        self.capture = self.api.capture(request.injected)
+        self.capture = self.api.capture(self.request.injected)
         return upstream
 
     def reroute(self, route: Route, body: bytes) -> bytes:
         """Speak another API to the upstream (the first answered 404): the client's
         request is prepared again from its original bytes."""
         self._use(route)
+        self.request = CallRequest()
         return self.parse_request(body)
 
     def _use(self, route: Route) -> None:
@@ -164,17 +275,6 @@ class ModelCall:
     @property
     def model(self) -> str | None:
         return self.request.model
-
-    @property
-    def experts(self):
-        """The MoE routing asked for (proxy.experts, --routed-experts), or None."""
-        return self.request.experts
-
-    def arrived(self, data: bytes) -> None:
-        """A captured event's tokens arrived now: their policy version, their routing."""
-        self.versions.observe(_counts(self.capture))
-        if self.request.experts is not None:
-            self.request.experts.add(data)
 
     @property
     def relaying(self) -> bool:
@@ -208,10 +308,6 @@ class ModelCall:
         self.upstream_url = upstream_url
         self.http_status = http_status
 
-    def overhead(self) -> float:
-        """Seconds of the call so far that were not the upstream's."""
-        return self.timings.overhead()
-
     def reply_body(self, body: bytes) -> bytes:
         """A whole reply: capture it, and return what the client should receive."""
         self.timings.upstream_done()
@@ -219,45 +315,18 @@ class ModelCall:
         if self.http_status != 200:
             if self.translation is not None:
                 body = self.translation.error_from_chat(self.http_status, body)
-            self.client_body = body
-            return body
-        self.capture.add(body)
-        if self.experts is not None:
-            self.experts.add(body)
-        request = self.request
-        if self.translation is not None:
-            try:
-                body = encode(self.translation.from_chat(decode_object(body),
-                                                         request.client_payload))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.error = "upstream reply is not JSON: relayed as it came"
-        elif request.injected.any:
-            try:
-                body = self.api.strip_body(body, request.injected)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                pass  # not the JSON we expected: the client gets it as it came
+        else:
+            body, error = whole_reply(self, body)
+            if error is not None:
+                self.error = error
         self.client_body = body
         return body
 
-    def relay_chunk(self, data: bytes) -> Iterable[bytes]:
-        """One read of an event stream: the pieces to write to the client, in order.
-
-        The record is journaled before the piece that ends the stream is given out, so
-        the client never holds the end of a stream that is not on disk. A stream relayed
-        as it came is captured after each piece is written (the pieces come from a
-        generator); a rewritten one is captured as it is rewritten (``proxy.relay``)."""
-        relay = self.relay
-        if relay is None:
-            relay = self.relay = Relay(self)
-        if self.timings.t_first_byte is None:
-            self.timings.first_byte()
-        return relay.chunk(data)
-
-    def stream_end(self) -> bytes:
-        """The upstream closed the stream: what is left for the client (an unterminated
-        last event, rewritten), possibly nothing."""
-        self.timings.upstream_done()
-        return b"" if self.relay is None else self.relay.end()
+    def start_relay(self, hold: Hold | None = None) -> Relay:
+        """The relay of an event stream (or of one held for an overlay's review): it is
+        handed the whole stream once (``Relay.pump``)."""
+        relay = self.relay = Relay(self, self.rewrites_stream, hold)
+        return relay
 
     def abort(self, status: str, error: str) -> None:
         """The relay was cut (upstream broke, client went away). A stream already
@@ -265,74 +334,6 @@ class ModelCall:
         self.timings.upstream_done()
         if not self._journaled:
             self.status, self.error = status, error
-
-    # -- an overlay's review (proxy.overlays.review) ------------------------------------
-    def under_overlay(self, log: OverlayLog) -> None:
-        """The call runs under an overlay: its log is stored with the record."""
-        self.overlay = log
-
-    def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
-        """The upstream body with the overlay's context in place of the harness's
-        ``messages``; the model's view is stored beside the harness's when they differ."""
-        return self.request.model_view(messages, harness)
-
-    async def hold(self, reply: Reply, live: Hold | None = None) -> bytes:
-        """Read the whole reply through the relay and capture it, holding back from the
-        client all of it (or, with ``live``, what ``live`` holds: the rest goes out through
-        ``live.write`` as it comes); returns the held bytes. The end is not journaled:
-        ``release`` gives it out once the overlay has judged it. An upstream that breaks
-        is recorded on the call and raised as a 502 ProxyError."""
-        try:
-            if not (self.stream and reply.content_type == "text/event-stream"):
-                return self.reply_body(await reply.read())
-            hold = HoldAll() if live is None else live
-            self.relay = Relay(self, hold)
-            async for data in reply.iter_chunks():
-                for piece in self.relay_chunk(data):
-                    await hold.write(piece)  # only what ``live`` lets through
-            self.stream_end()
-            return bytes(self.relay.held)
-        except UpstreamBroken as exc:
-            self.timings.upstream_done()
-            self.status, self.error = "upstream_error", str(exc)
-            raise broken_error(exc) from exc
-        finally:
-            reply.close()
-
-    def veto(self, reason: str) -> None:
-        """The overlay vetoed this attempt's reply: recorded as such, and journaled (a
-        re-sample's tokens spent) before the next attempt is asked."""
-        self.status = "vetoed"
-        self.error = reason[:1000]
-        self._attempt_over()
-
-    def failed(self, error: ProxyError) -> None:
-        """The upstream broke or the overlay failed closed during the review, after the
-        client's stream began or on a re-sample (else the handler's ``fail`` records it)."""
-        self.status = "upstream_error" if error.code == "upstream_error" else "overlay_failed"
-        self.error = error.message
-        if self.first_attempt is not None:  # a re-sample's record is complete now
-            self.http_status = error.status
-            self._attempt_over()
-
-    def resample(self) -> ModelCall:
-        """The next attempt: a new call record of the client's same request, in the same
-        episode and budget reservation (its tokens are spent from it, not reserved
-        again), stamped with the same policy version."""
-        attempt = ModelCall(self.services, self.route, uuid7())
-        first = self.first_attempt or self
-        attempt.first_attempt = first
-        attempt.tag(first.episode_id)
-        attempt.policy_version = first.policy_version
-        attempt.reservation = first.reservation
-        attempt.parse_request(first.request.body or b"")
-        return attempt
-
-    def release(self, out: bytes) -> bytes:
-        """The held (or replaced) reply goes to the client: journaled first."""
-        self.end_reached()
-        self._attempt_over()
-        return out
 
     # -- finish ---------------------------------------------------------------------
     def end_reached(self) -> None:
@@ -389,8 +390,3 @@ class ModelCall:
         else:
             self.services.budgets.spend(self.reservation, used)
 
-
-def _counts(capture: Any) -> dict[int, int] | None:
-    """Tokens per choice so far, where the reassembly can say (chat and completions)."""
-    counts = getattr(capture, "token_counts", None)
-    return None if counts is None else counts()

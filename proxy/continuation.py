@@ -66,11 +66,11 @@ class Cut:
         self.reply.close()  # the engine aborts a request whose connection closed
 
 
-def sender(state: Any, call: ModelCall, headers: dict[str, str]) -> Send:
+def sender(pool: Any, call: ModelCall, headers: dict[str, str]) -> Send:
     """Sends a continuation to the upstream that served ``call`` (its episode's)."""
     async def send(path: str, body: bytes) -> Reply:
-        _, reply = await state.pool.send("POST", path, headers, body,
-                                         episode_id=call.episode_id, model=call.model)
+        _, reply = await pool.send("POST", path, headers, body,
+                                   episode_id=call.episode_id, model=call.request.model)
         return reply
     return send
 
@@ -85,8 +85,10 @@ def continuable(call: ModelCall) -> bool:
     return capture.continuable()
 
 
-async def stream(call: ModelCall, reply: Reply, send: Send) -> AsyncIterator[bytes]:
-    """The upstream's stream for ``call``, continued after a weight sync if it is cut."""
+async def stream(call: ModelCall, reply: Reply, pool: Any,
+                 headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The upstream's stream for ``call``, continued after a weight sync if it is cut (the
+    continuation sent through ``pool`` with ``headers``, to the episode's upstream)."""
     gate = call.services.gate
     cut = Cut(call, reply, stream=True)
     gate.cuts.add(cut)
@@ -103,7 +105,7 @@ async def stream(call: ModelCall, reply: Reply, send: Send) -> AsyncIterator[byt
         if not await gate.hold():
             raise UpstreamBroken("cut for a weight sync that outlasted --pause-timeout")
         call.versions.restart()
-        async for data in _continued(call, send):
+        async for data in _continued(call, sender(pool, call, headers)):
             yield data
     finally:
         gate.cuts.discard(cut)
@@ -137,7 +139,7 @@ async def cuttable(call: ModelCall, send: Callable[[], Awaitable[Any]]) -> Any:
     cancels the request (which closes its connection), and it is sent again after the
     resume, the cut attempt stored apart. A stream is sent as it is (its headers come at
     once; ``stream`` continues it)."""
-    if call.stream:
+    if call.request.stream:
         return await send()
     gate = call.services.gate
     while True:

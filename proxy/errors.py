@@ -12,6 +12,18 @@ from typing import Protocol
 
 from aiohttp import web
 
+# A refused call's stored status (``calls.status``), by the error's code; any other
+# code is stored as "bad_request".
+STORED_STATUS = {
+    "upstream_timeout": "upstream_timeout",
+    "upstream_unreachable": "upstream_unreachable",
+    "upstream_error": "upstream_error",
+    "paused": "paused",
+    "overlay_failed": "overlay_failed",
+    "episode_budget_exceeded": "budget_exceeded",
+    "episode_budget_reserved": "budget_exceeded",
+}
+
 
 class ProxyError(Exception):
     """A refusal or failure answered to the client with ``status`` and an error body."""

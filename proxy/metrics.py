@@ -38,6 +38,8 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 DB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 OTHER = "other"
+# Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
+_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key"})
 
 
 class Metrics(WriterObserver):
@@ -183,6 +185,12 @@ class Metrics(WriterObserver):
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def count_refusal(self, code: str) -> None:
+        """An agent's attempt on someone else's episode, by the refusal's error code
+        (the agent is untrusted: those are counted); other codes are not refusals."""
+        if code in _COUNTED_REFUSALS:
+            self.child(self.refused, code).inc()
 
     def repaired(self, cause: str) -> None:
         self.child(self.history_repairs, cause).inc()

@@ -16,21 +16,26 @@ weights change) belongs in ``Relay.chunk``; one that notes something per event o
 (which policy version produced it) in ``Relay.event``, beside ``capture.add``; what it
 stores goes into the record in one place, ``proxy.call_record.call_record``.
 
-Where the client is about to get the bytes that end the stream, the relay asks the call
-to journal first (``ModelCall.end_reached``); a held stream's end goes out through
-``ModelCall.release`` instead, after the overlay's verdict is on the record.
+The relay is given the call's parts it works on (the reassembly, the timings, the
+version spans, the experts' routing) and never calls back into the call per read or per
+event: the call's driver (``ModelCall.run``) hands it the whole stream once
+(``Relay.pump``). Only where the client is about to get the bytes that end the stream
+does the relay ask the call to journal first (``ModelCall.end_reached``, once); a held
+stream's end goes out through ``ModelCall.release`` instead, after the overlay's verdict
+is on the record.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.reply import read_chunk_bytes
+from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.sse import Event, SSEParser
@@ -73,14 +78,22 @@ class HoldAll:
 class Relay:
     """One call's event stream: its parser, its client-side translator, what is held."""
 
-    __slots__ = ("call", "done", "held", "hold", "parser", "rewrite", "translator")
+    __slots__ = ("api", "call", "capture", "done", "experts", "held", "hold", "injected",
+                 "parser", "rewrite", "timings", "token_counts", "translator", "versions")
 
-    def __init__(self, call: ModelCall, hold: Hold | None = None) -> None:
+    def __init__(self, call: ModelCall, rewrite: bool, hold: Hold | None = None) -> None:
         self.call = call
         self.parser = SSEParser()
         self.hold = hold
-        self.rewrite = hold is not None or call.rewrites_stream  # else relayed as it came
+        self.rewrite = rewrite or hold is not None  # else relayed as it came
         self.held = bytearray()  # a held stream's bytes for the client, not yet given
+        # The call's parts an event touches, read once (the request is parsed by now).
+        self.api, self.capture, self.timings = call.api, call.capture, call.timings
+        self.injected = call.request.injected
+        self.versions = call.versions  # the policy version of each token (proxy.versions)
+        self.experts = call.request.experts  # the MoE routing asked for, or None
+        # Tokens per choice so far, where the reassembly can say (chat and completions).
+        self.token_counts = getattr(self.capture, "token_counts", _no_counts)
         translation = call.translation
         self.translator = (  # the client's API written from chat chunks
             translation.StreamTranslator(call.request.client_payload)
@@ -88,8 +101,21 @@ class Relay:
         )
         self.done = False  # the upstream sent its end-of-stream marker
 
+    async def pump(self, reads: AsyncIterable[bytes],
+                   write: Callable[[bytes], Awaitable[object]]) -> bytes:
+        """Every read of the upstream's stream, its pieces given to ``write`` (the
+        client's response, or a hold's) as they come; returns what is left once the
+        upstream closed it (``end``)."""
+        chunk = self.chunk
+        async for data in reads:
+            for piece in chunk(data):
+                await write(piece)
+        return self.end()
+
     def chunk(self, data: bytes) -> Iterable[bytes]:
         """One upstream read: the pieces to write to the client now, in order."""
+        if self.timings.t_first_byte is None:
+            self.timings.first_byte()
         if self.rewrite:  # one piece per read; journaled before it is returned if it ends
             return self._events(self.parser.feed(data))
         return self._as_received(data)
@@ -97,6 +123,7 @@ class Relay:
     def end(self) -> bytes:
         """The upstream closed the stream: what is left for the client (an unterminated
         last event, rewritten), possibly nothing."""
+        self.timings.upstream_done()
         tail = self.parser.flush()
         if tail is None:
             return b""
@@ -146,35 +173,38 @@ class Relay:
 
     def event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
-        call = self.call
         data = event.data
         translator = self.translator
         if data is None:
             return event.raw if translator is None else b""
-        if call.api.is_end(data):
+        if self.api.is_end(data):
             self.done = True
-            call.timings.upstream_done()
+            self.timings.upstream_done()
             if translator is not None:
                 return b"".join(translator.finish())
             if data == b"[DONE]":
                 return event.raw
-        elif call.timings.perf_first_content is None:
-            call.timings.first_content()
-        capture, injected = call.capture, call.request.injected
+        elif self.timings.perf_first_content is None:
+            self.timings.first_content()
+        capture, injected = self.capture, self.injected
         stripped = event  # what strip_event reads: without the ids the proxy asked for
         if len(data) > _CUT_ABOVE and KEY in data and getattr(capture, "endpoint", "") == CHAT:
             cut = cut_prompt_ids(data)  # the prompt's ids (vLLM's first chunk), as bytes
             if cut is not None:
                 data, prompt_ids = cut
+                call = self.call
                 capture.add_prompt_ids(prompt_ids, functools.partial(
                     call.services.prompt_prefixes.decode_packed, call.episode_id))
                 if injected.token_ids:
                     stripped = Event(event.raw, data)
         capture.add(data)
-        call.arrived(data)
+        # The tokens arrived now: their policy version, their routing.
+        self.versions.observe(self.token_counts())
+        if self.experts is not None:
+            self.experts.add(data)
         if capture.ended and not self.done:  # a terminal event that carries data
             self.done = True
-            call.timings.upstream_done()
+            self.timings.upstream_done()
         if translator is not None:
             # The translator reads the whole chat chunk (usage too) and writes only the
             # client's API, so nothing the proxy asked for can reach the client.
@@ -187,9 +217,34 @@ class Relay:
         if not injected.any:
             return event.raw
         try:
-            return call.api.strip_event(stripped, injected)
+            return self.api.strip_event(stripped, injected)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return event.raw  # relayed as is; capture noted the bad chunk
+
+
+def _no_counts() -> None:
+    """A reassembly that cannot count its tokens per choice as they come."""
+
+
+def whole_reply(call: ModelCall, body: bytes) -> tuple[bytes, str | None]:
+    """A whole reply the upstream answered 200: captured; the bytes the client gets, and
+    a note for the record when they could not be rewritten."""
+    call.capture.add(body)
+    request = call.request
+    if request.experts is not None:
+        request.experts.add(body)
+    if call.translation is not None:
+        try:
+            return encode(call.translation.from_chat(decode_object(body),
+                                                     request.client_payload)), None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return body, "upstream reply is not JSON: relayed as it came"
+    if request.injected.any:
+        try:
+            return call.api.strip_body(body, request.injected), None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass  # not the JSON we expected: the client gets it as it came
+    return body, None
 
 
 def broken_error(exc: UpstreamBroken) -> ProxyError:

@@ -123,7 +123,7 @@ def test_stream_steps_prints_every_step():
         "SSE parse (65 reads)",
         "capture (65 events)",
         "strip (65 events)",
-        "relay path: ModelCall, relay_chunk per read",
+        "relay path: ModelCall, Relay.chunk per read",
         "body: strip",
     )
 

@@ -19,7 +19,7 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.capture import ModelCall
+from tracetap.proxy.relay import Relay
 from tracetap.proxy.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
@@ -347,13 +347,13 @@ def test_events_in_the_read_that_carries_done_reach_the_client_byte_for_byte(
     ``Relay._as_received``; the read boundary is checked in the proxy, so the test
     cannot pass with the three events arriving apart."""
     reads: list[bytes] = []
-    relay_chunk = ModelCall.relay_chunk
+    chunk = Relay.chunk
 
-    def spied_relay_chunk(self, data):
+    def spied_chunk(self, data):
         reads.append(data)
-        return relay_chunk(self, data)
+        return chunk(self, data)
 
-    monkeypatch.setattr(ModelCall, "relay_chunk", spied_relay_chunk)
+    monkeypatch.setattr(Relay, "chunk", spied_chunk)
     proxy = _proxy(loop_thread, joined, db_url, tmp_path)
     try:
         direct = _raw(joined.url, True, EVERYTHING_STREAMED)

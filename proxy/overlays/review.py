@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from tracetap.proxy.apis.chat.reply import read_reply
-from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.errors import ProxyError
 from tracetap.proxy.headers import response_headers
 from tracetap.proxy.overlays import deliver
@@ -32,6 +31,7 @@ from tracetap.proxy.overlays.live import LiveStream
 from tracetap.proxy.upstream import Reply
 
 if TYPE_CHECKING:
+    from tracetap.proxy.capture import ModelCall
     from tracetap.proxy.overlays.runner import Session
 
 Send = Callable[["ModelCall", bytes], Awaitable[tuple[Any, Reply]]]
