@@ -1,4 +1,4 @@
-"""``tracetap run``: a batch of tasks through a black-box harness, each task × config ×
+"""``tracetap run``: a batch of tasks through a black-box harness, each task x config x
 repeat registered as an episode on a running proxy (its admin API, over HTTP), run with
 its own base URL, graded and finished; a rerun resumes (docs/harness-engineering.md).
 

@@ -59,8 +59,7 @@ class AdminClient:
 
     def __init__(self, proxy_url: str, token: str, *, timeout: float = 30.0):
         self.url = proxy_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}",
-                         "Content-Type": "application/json"}
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
 
     async def close(self) -> None:
@@ -81,8 +80,7 @@ class AdminClient:
         return _state(body)
 
     async def finish(self, episode_id: str, finish: Finish) -> None:
-        status, body = await self._call("POST", f"/tracetap/episodes/{episode_id}/finish",
-                                        finish)
+        status, body = await self._call("POST", f"/tracetap/episodes/{episode_id}/finish", finish)
         if status != 200:
             raise AdminError(f"finishing {episode_id}: HTTP {status}: {_said(body)}")
 
@@ -90,8 +88,9 @@ class AdminClient:
         data = None if body is None else msgspec.json.encode(body)
         for pause in (*_RETRIES, None):
             try:
-                async with self._session.request(method, self.url + path, data=data,
-                                                 headers=self._headers) as response:
+                async with self._session.request(
+                    method, self.url + path, data=data, headers=self._headers
+                ) as response:
                     return response.status, await response.read()
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 if pause is None:

@@ -13,8 +13,14 @@ from tracetap.analysis.runner.plan import Slot
 from tracetap.analysis.runner.progress import Progress
 
 
-async def run_batch(slots: list[Slot], admin: AdminClient, commands: Commands, *,
-                    concurrency: int, progress_stream: TextIO) -> tuple[list[Result], float]:
+async def run_batch(
+    slots: list[Slot],
+    admin: AdminClient,
+    commands: Commands,
+    *,
+    concurrency: int,
+    progress_stream: TextIO,
+) -> tuple[list[Result], float]:
     """The result of every slot, in the slots' order, and the seconds it took."""
     if concurrency < 1:
         raise ValueError("--concurrency must be at least 1")

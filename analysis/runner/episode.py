@@ -1,4 +1,4 @@
-"""One slot (task × config × repeat) driven to its end: find what an earlier run left,
+"""One slot (task x config x repeat) driven to its end: find what an earlier run left,
 register the episode, run the harness at its base URL, grade it, finish it."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
-from tracetap.analysis.runner import grade, process
+from tracetap.analysis.runner import grade, outcomes, process
 from tracetap.analysis.runner.admin import AdminClient, Finish, Harness, Registered, Registration
 from tracetap.analysis.runner.plan import Slot
-from tracetap.analysis.runner.template import argv
+from tracetap.analysis.runner.template import TemplateError, argv
 
 RAN, SKIPPED = "ran", "skipped"
 
@@ -41,22 +41,28 @@ class Result(msgspec.Struct, frozen=True):
 async def run_slot(slot: Slot, admin: AdminClient, commands: Commands) -> Result:
     attempt, interrupted = 0, 0
     while (found := await admin.episode(slot.episode_id(attempt))) is not None:
-        if found.finished_at is not None and found.outcome != grade.INTERRUPTED:
+        if found.finished_at is not None and found.outcome != outcomes.INTERRUPTED:
             return Result(slot, found.id, SKIPPED, found.reward, found.outcome)
         if found.finished_at is None:  # registered by a run that died before finishing it
             await admin.finish(found.id, _interrupted(slot, attempt, "left unfinished"))
             interrupted += 1
         attempt += 1
     episode_id = slot.episode_id(attempt)
-    registered = await admin.register(Registration(
-        id=episode_id, group_id=slot.group, task_id=slot.task.id,
-        harness=Harness(commands.harness_name, slot.config),
-        metadata={"run": slot.run_id, "repeat": slot.repeat, "attempt": attempt}))
+    registered = await admin.register(
+        Registration(
+            id=episode_id,
+            group_id=slot.group,
+            task_id=slot.task.id,
+            harness=Harness(commands.harness_name, slot.config),
+            metadata={"run": slot.run_id, "repeat": slot.repeat, "attempt": attempt},
+        )
+    )
     try:
         finish = await _attempt(slot, registered, commands)
     except BaseException:  # Ctrl-C, or a harness that could not start: not its reward
-        await asyncio.shield(_finish_quietly(admin, episode_id,
-                                             _interrupted(slot, attempt, "run stopped")))
+        await asyncio.shield(
+            _finish_quietly(admin, episode_id, _interrupted(slot, attempt, "run stopped"))
+        )
         raise
     await admin.finish(episode_id, finish)
     return Result(slot, episode_id, RAN, finish.reward, finish.outcome, interrupted)
@@ -69,7 +75,7 @@ async def _attempt(slot: Slot, registered: Registered, commands: Commands) -> Fi
     harness = argv(commands.harness, values, shell=commands.shell, what="--harness")
     exited = await process.run(harness, env=env, timeout=commands.timeout, log=log)
     if exited.timed_out:
-        return Finish(reward=0.0, outcome=grade.TIMEOUT, info={"timeout_s": commands.timeout})
+        return Finish(reward=0.0, outcome=outcomes.TIMEOUT, info={"timeout_s": commands.timeout})
     if commands.grader is None:
         return grade.from_exit(exited.code)
     values["exit_code"] = exited.code
@@ -78,19 +84,26 @@ async def _attempt(slot: Slot, registered: Registered, commands: Commands) -> Fi
     graded = await process.run(grader, env=env, timeout=commands.timeout, log=log, capture=True)
     if graded.timed_out or graded.code != 0:
         why = "timed out" if graded.timed_out else f"exited {graded.code}"
-        return Finish(outcome=grade.GRADER_ERROR, info={"grader": why})
+        return Finish(outcome=outcomes.GRADER_ERROR, info={"grader": why})
     try:
         return grade.from_output(graded.stdout)
     except grade.GraderError as exc:
-        return Finish(outcome=grade.GRADER_ERROR, info={"grader": str(exc)})
+        return Finish(outcome=outcomes.GRADER_ERROR, info={"grader": str(exc)})
 
 
 def _values(slot: Slot, registered: Registered) -> dict[str, Any]:
     """What ``{...}`` in a template can name."""
-    return {"base_url": registered.base_url, "api_key": registered.api_key,
-            "episode": registered.id, "group": slot.group, "task_id": slot.task.id,
-            "task": slot.task.fields, "config": slot.config, "repeat": slot.repeat,
-            "run_id": slot.run_id}
+    return {
+        "base_url": registered.base_url,
+        "api_key": registered.api_key,
+        "episode": registered.id,
+        "group": slot.group,
+        "task_id": slot.task.id,
+        "task": slot.task.fields,
+        "config": slot.config,
+        "repeat": slot.repeat,
+        "run_id": slot.run_id,
+    }
 
 
 def _env(slot: Slot, registered: Registered) -> dict[str, str]:
@@ -99,22 +112,29 @@ def _env(slot: Slot, registered: Registered) -> dict[str, str]:
     # The harness is untrusted: none of the runner's TRACETAP_* settings (the admin token
     # among them) reach it.
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("TRACETAP_")}
-    return {**inherited, "OPENAI_BASE_URL": registered.base_url,
-            "OPENAI_API_KEY": registered.api_key, "ANTHROPIC_BASE_URL": root,
-            "ANTHROPIC_API_KEY": registered.api_key, "TRACETAP_EPISODE": registered.id,
-            "TRACETAP_TASK_ID": slot.task.id, "TRACETAP_RUN_ID": slot.run_id}
+    return {
+        **inherited,
+        "OPENAI_BASE_URL": registered.base_url,
+        "OPENAI_API_KEY": registered.api_key,
+        "ANTHROPIC_BASE_URL": root,
+        "ANTHROPIC_API_KEY": registered.api_key,
+        "TRACETAP_EPISODE": registered.id,
+        "TRACETAP_TASK_ID": slot.task.id,
+        "TRACETAP_RUN_ID": slot.run_id,
+    }
 
 
 def _interrupted(slot: Slot, attempt: int, why: str) -> Finish:
-    return Finish(outcome=grade.INTERRUPTED,
-                  info={"run": slot.run_id, "attempt": attempt, "why": why})
+    return Finish(
+        outcome=outcomes.INTERRUPTED, info={"run": slot.run_id, "attempt": attempt, "why": why}
+    )
 
 
 async def _finish_quietly(admin: AdminClient, episode_id: str, finish: Finish) -> None:
     """Best effort on the way out: a rerun finishes it anyway if this does not."""
     try:
         await asyncio.wait_for(admin.finish(episode_id, finish), 5.0)
-    except Exception:  # noqa: BLE001 (the proxy may be gone too; the rerun will see it)
+    except Exception:  # the proxy may be gone too; the rerun will see it
         pass
 
 
@@ -123,7 +143,14 @@ def check_templates(slots: list[Slot], commands: Commands) -> None:
     error now, not an episode failed halfway through the batch."""
     for slot in slots:
         values = _values(slot, Registered(slot.episode_id(0), "http://proxy/v1", "key"))
-        argv(commands.harness, values, shell=commands.shell, what="--harness")
-        if commands.grader is not None:
-            argv(commands.grader, {**values, "exit_code": 0}, shell=commands.shell,
-                 what="--grader")
+        try:
+            argv(commands.harness, values, shell=commands.shell, what="--harness")
+            if commands.grader is not None:
+                argv(
+                    commands.grader,
+                    {**values, "exit_code": 0},
+                    shell=commands.shell,
+                    what="--grader",
+                )
+        except TemplateError as exc:
+            raise TemplateError(f"task {slot.task.id!r}: {exc}") from None

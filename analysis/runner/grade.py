@@ -1,5 +1,4 @@
-"""The outcomes a run records, and a reward from a grader's output or, without one,
-from the harness's exit status."""
+"""A reward from a grader's output or, without one, from the harness's exit status."""
 
 from __future__ import annotations
 
@@ -9,14 +8,7 @@ from typing import Any
 import msgspec
 
 from tracetap.analysis.runner.admin import Finish
-
-SUCCESS = "success"  # the outcome compare counts as a success by default
-FAILURE = "failure"
-TIMEOUT = "timeout"  # the harness ran past --timeout: its own failure, reward 0
-GRADER_ERROR = "grader_error"  # the grader failed or printed no reward: no reward stored
-# An attempt the run did not see to its end (Ctrl-C, a killed runner): it says nothing of
-# the harness (an infra episode, docs/harness-engineering.md); a rerun runs the slot again.
-INTERRUPTED = "interrupted"
+from tracetap.analysis.runner.outcomes import FAILURE, SUCCESS
 
 
 class GraderError(ValueError):
@@ -47,8 +39,9 @@ def from_output(stdout: bytes) -> Finish:
     try:
         value = msgspec.json.decode(last)
     except msgspec.DecodeError:
-        raise GraderError(f"the grader's last line is not a number or JSON: {last[:200]!r}") \
-            from None
+        raise GraderError(
+            f"the grader's last line is not a number or JSON: {last[:200]!r}"
+        ) from None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         graded = _Graded(reward=float(value))
     elif isinstance(value, dict):
@@ -61,5 +54,6 @@ def from_output(stdout: bytes) -> Finish:
     values = [graded.reward, *(graded.rewards or {}).values()]
     if any(v is not None and not math.isfinite(v) for v in values):
         raise GraderError("the grader's rewards must be finite numbers")
-    return Finish(reward=graded.reward, rewards=graded.rewards, outcome=graded.outcome,
-                  info=graded.info)
+    return Finish(
+        reward=graded.reward, rewards=graded.rewards, outcome=graded.outcome, info=graded.info
+    )

@@ -22,7 +22,7 @@ class Task(msgspec.Struct, frozen=True):
 
 
 class Slot(msgspec.Struct, frozen=True):
-    """One task × config × repeat: one episode (several attempts when interrupted)."""
+    """One task x config x repeat: one episode (several attempts when interrupted)."""
 
     run_id: str
     task: Task
@@ -47,7 +47,7 @@ def safe(text: str, limit: int) -> str:
     cleaned = _ID_CHARS.sub("_", text)
     if cleaned == text and len(text) <= limit:
         return text
-    return f"{cleaned[:limit - 9]}-{digest(text)}"
+    return f"{cleaned[: limit - 9]}-{digest(text)}"
 
 
 def read_tasks(path: str | Path) -> list[Task]:
@@ -65,7 +65,7 @@ def read_tasks(path: str | Path) -> list[Task]:
             raise ValueError(f"{path}:{n}: a task is a JSON object")
         task_id = fields.get("id", fields.get("task_id"))
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-            raise ValueError(f"{path}:{n}: a task needs an \"id\" (a string or an integer)")
+            raise ValueError(f'{path}:{n}: a task needs an "id" (a string or an integer)')
         task_id = str(task_id)
         if task_id in seen:
             raise ValueError(f"{path}:{n}: task id {task_id!r} is listed twice")
@@ -117,21 +117,29 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def slots(run_id: str, tasks: list[Task], configs: list[dict[str, Any]], repeats: int,
-          group: str) -> list[Slot]:
-    """Every task × config × repeat, in that order (a task's repeats run side by side)."""
+def slots(
+    run_id: str, tasks: list[Task], configs: list[dict[str, Any]], repeats: int, group: str
+) -> list[Slot]:
+    """Every task x config x repeat, in that order (a task's repeats run side by side)."""
     if repeats < 1:
         raise ValueError("--repeats must be at least 1")
     out = []
     for task in tasks:
         for index, config in enumerate(configs):
-            values = {"run_id": run_id, "task_id": task.id, "task": task.fields,
-                      "config": config}
+            values = {"run_id": run_id, "task_id": task.id, "task": task.fields, "config": config}
             group_id = safe(fill(group, values, "--group"), 128)
             for repeat in range(repeats):
                 out.append(Slot(run_id, task, index, config, repeat, group_id))
     return out
 
 
-__all__ = ["Slot", "Task", "TemplateError", "check_run_id", "default_run_id", "read_configs",
-           "read_tasks", "slots"]
+__all__ = [
+    "Slot",
+    "Task",
+    "TemplateError",
+    "check_run_id",
+    "default_run_id",
+    "read_configs",
+    "read_tasks",
+    "slots",
+]

@@ -20,15 +20,25 @@ class Exited(msgspec.Struct, frozen=True):
     stdout: bytes = b""
 
 
-async def run(argv: list[str], *, env: Mapping[str, str], timeout: float | None,
-              log: Path | None = None, capture: bool = False) -> Exited:
+async def run(
+    argv: list[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float | None,
+    log: Path | None = None,
+    capture: bool = False,
+) -> Exited:
     """Run ``argv``; stdout is captured (``capture``), else it and stderr go to ``log``
     (appended) or nowhere. Stdin is empty: a harness never waits on the terminal."""
     with _output(log) as out:
         process = await asyncio.create_subprocess_exec(
-            *argv, env=dict(env), stdin=asyncio.subprocess.DEVNULL,
+            *argv,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE if capture else out,
-            stderr=out, start_new_session=True)  # its own group: Ctrl-C is ours to pass on
+            stderr=out,
+            start_new_session=True,
+        )  # its own group: Ctrl-C is ours to pass on
         try:
             stdout, _ = await asyncio.wait_for(process.communicate(), timeout)
         except asyncio.TimeoutError:
@@ -69,7 +79,7 @@ class _output:
         if self.path is None:
             return asyncio.subprocess.DEVNULL
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "ab")  # noqa: SIM115 (closed in __exit__)
+        self.file = open(self.path, "ab")  # closed in __exit__
         return self.file
 
     def __exit__(self, *exc_info) -> None:

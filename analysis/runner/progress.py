@@ -7,7 +7,7 @@ import time
 from typing import TextIO
 
 from tracetap.analysis.runner.episode import SKIPPED, Result
-from tracetap.analysis.runner.grade import TIMEOUT
+from tracetap.analysis.runner.outcomes import TIMEOUT
 
 EVERY = 5.0  # seconds between lines when stderr is not a terminal
 WIDTH = 30
@@ -36,9 +36,11 @@ class Progress:
 
     def line(self) -> str:
         filled = WIDTH * self.done // max(self.total, 1)
-        return (f"[{'#' * filled}{'.' * (WIDTH - filled)}] {self.done}/{self.total} "
-                f"running {self.running}, skipped {self.skipped}, timeout {self.timeouts}, "
-                f"{self.clock() - self.started:.0f} s")
+        return (
+            f"[{'#' * filled}{'.' * (WIDTH - filled)}] {self.done}/{self.total} "
+            f"running {self.running}, skipped {self.skipped}, timeout {self.timeouts}, "
+            f"{self.clock() - self.started:.0f} s"
+        )
 
     def close(self) -> None:
         if self.tty:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from tracetap.analysis.runner.episode import RAN, SKIPPED, Result
-from tracetap.analysis.runner.grade import FAILURE, GRADER_ERROR, SUCCESS, TIMEOUT
+from tracetap.analysis.runner.outcomes import FAILURE, GRADER_ERROR, SUCCESS, TIMEOUT
 
 
 class ConfigSummary(msgspec.Struct):
@@ -32,8 +32,9 @@ class Summary(msgspec.Struct):
     elapsed_s: float
 
 
-def summarise(run_id: str, configs: list[dict[str, Any]], results: list[Result],
-              elapsed: float) -> Summary:
+def summarise(
+    run_id: str, configs: list[dict[str, Any]], results: list[Result], elapsed: float
+) -> Summary:
     per = [ConfigSummary(c) for c in configs]
     sums = [0.0] * len(configs)
     for r in results:
@@ -46,20 +47,28 @@ def summarise(run_id: str, configs: list[dict[str, Any]], results: list[Result],
     for c, total in zip(per, sums):
         c.mean_reward = total / c.rewarded if c.rewarded else None
     outcomes = [r.outcome for r in results]
-    return Summary(run_id=run_id, episodes=len(results),
-                   ran=sum(r.status == RAN for r in results),
-                   skipped=sum(r.status == SKIPPED for r in results),
-                   failed=outcomes.count(FAILURE), timeout=outcomes.count(TIMEOUT),
-                   grader_error=outcomes.count(GRADER_ERROR),
-                   interrupted=sum(r.interrupted for r in results), configs=per,
-                   elapsed_s=round(elapsed, 3))
+    return Summary(
+        run_id=run_id,
+        episodes=len(results),
+        ran=sum(r.status == RAN for r in results),
+        skipped=sum(r.status == SKIPPED for r in results),
+        failed=outcomes.count(FAILURE),
+        timeout=outcomes.count(TIMEOUT),
+        grader_error=outcomes.count(GRADER_ERROR),
+        interrupted=sum(r.interrupted for r in results),
+        configs=per,
+        elapsed_s=round(elapsed, 3),
+    )
 
 
 def render(s: Summary) -> str:
-    lines = [f"run {s.run_id}: {s.episodes} episodes: {s.ran} ran, {s.skipped} skipped "
-             f"(finished before), {s.failed} failed, {s.timeout} timeout, "
-             f"{s.grader_error} grader error, {s.interrupted} interrupted attempts redone; "
-             f"{s.elapsed_s:.1f} s", ""]
+    lines = [
+        f"run id {s.run_id}: {s.episodes} episodes: {s.ran} ran, {s.skipped} skipped "
+        f"(finished before), {s.failed} failed, {s.timeout} timeout, "
+        f"{s.grader_error} grader error, {s.interrupted} interrupted attempts redone; "
+        f"{s.elapsed_s:.1f} s",
+        "",
+    ]
     rows = [("config", "episodes", "success", "mean reward")]
     for c in s.configs:
         name = ",".join(f"{k}={_text(v)}" for k, v in c.config.items()) or "(none)"
@@ -67,8 +76,9 @@ def render(s: Summary) -> str:
         rows.append((name, str(c.episodes), str(c.successes), mean))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
-        lines.append("  ".join([row[0].ljust(widths[0]),
-                                *(v.rjust(w) for v, w in zip(row[1:], widths[1:]))]))
+        lines.append(
+            "  ".join([row[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(row[1:], widths[1:]))])
+        )
     return "\n".join(lines)
 
 

@@ -14,5 +14,12 @@ task_id = out["argv"][1]
 style = out["argv"][2]
 print("grading", episode)  # a log line before the verdict
 reward = 0.25 if style == "a" else 0.75
-print(json.dumps({"reward": reward, "rewards": {"style_b": float(style == "b")},
-                  "outcome": f"graded-{task_id}-{exit_code}"}))
+print(
+    json.dumps(
+        {
+            "reward": reward,
+            "rewards": {"style_b": float(style == "b")},
+            "outcome": f"graded-{task_id}-{exit_code}",
+        }
+    )
+)

@@ -46,15 +46,25 @@ if task.get("sleep"):
     time.sleep(task["sleep"])
 client = openai.OpenAI(base_url=base_url, api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
 reply = client.chat.completions.create(
-    model="mock-model", max_tokens=4,
-    messages=[{"role": "user", "content": f"solve {task_id} in style {style}"}])
+    model="mock-model",
+    max_tokens=4,
+    messages=[{"role": "user", "content": f"solve {task_id} in style {style}"}],
+)
 peak = max(peak, len(list(running.iterdir())))
 out = where / "out"
 out.mkdir(exist_ok=True)
-(out / f"{episode}.json").write_text(json.dumps({
-    "argv": sys.argv[1:], "env_base_url": os.environ["OPENAI_BASE_URL"],
-    "env_episode": os.environ["TRACETAP_EPISODE"], "seen": seen, "peak": peak,
-    "admin_token_leaked": any(k == "TRACETAP_ADMIN_TOKEN" for k in os.environ),
-    "reply": reply.choices[0].message.content}))
+(out / f"{episode}.json").write_text(
+    json.dumps(
+        {
+            "argv": sys.argv[1:],
+            "env_base_url": os.environ["OPENAI_BASE_URL"],
+            "env_episode": os.environ["TRACETAP_EPISODE"],
+            "seen": seen,
+            "peak": peak,
+            "admin_token_leaked": any(k == "TRACETAP_ADMIN_TOKEN" for k in os.environ),
+            "reply": reply.choices[0].message.content,
+        }
+    )
+)
 (running / episode).unlink()
 sys.exit(task.get("exit", 0))
