@@ -35,7 +35,7 @@ class Result(msgspec.Struct, frozen=True):
     status: str  # RAN, or SKIPPED (finished by an earlier run)
     reward: float | None
     outcome: str | None
-    interrupted: int = 0  # earlier attempts this run finished as interrupted
+    interrupted: int = 0  # earlier attempts, interrupted, that this run ran again
 
 
 async def run_slot(slot: Slot, admin: AdminClient, commands: Commands) -> Result:
@@ -45,7 +45,7 @@ async def run_slot(slot: Slot, admin: AdminClient, commands: Commands) -> Result
             return Result(slot, found.id, SKIPPED, found.reward, found.outcome)
         if found.finished_at is None:  # registered by a run that died before finishing it
             await admin.finish(found.id, _interrupted(slot, attempt, "left unfinished"))
-            interrupted += 1
+        interrupted += 1  # finished as interrupted now, or by a run stopped with Ctrl-C
         attempt += 1
     episode_id = slot.episode_id(attempt)
     registered = await admin.register(

@@ -27,7 +27,7 @@ class Summary(msgspec.Struct):
     failed: int  # outcome failure (no grader: a non-zero exit)
     timeout: int
     grader_error: int
-    interrupted: int  # earlier attempts a rerun found unfinished and finished as interrupted
+    interrupted: int  # slots run again because an earlier run was stopped in them
     configs: list[ConfigSummary]
     elapsed_s: float
 
