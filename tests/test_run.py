@@ -4,6 +4,7 @@ HTTP to the proxy's admin API."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
@@ -17,6 +18,8 @@ import pytest
 from tracetap.analysis.episodes import load
 from tracetap.analysis.integrity import clean
 from tracetap.analysis.runner import grade, plan
+from tracetap.analysis.runner.episode import Result
+from tracetap.analysis.runner.progress import Progress
 from tracetap.analysis.runner.template import TemplateError, argv, fill
 from tracetap.cli import main
 from tracetap.storage.scan import EpisodeFilter
@@ -298,3 +301,42 @@ def test_episode_ids_are_deterministic_and_valid_for_any_task_id():
         "retries": 3,
         "t": 0.7,
     }
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _result(outcome: str, status: str = "ran") -> Result:
+    slot = plan.slots("r", [plan.Task("t", {})], [{}], 1, "{run_id}")[0]
+    return Result(slot, "e", status, 0.0, outcome)
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_prints_lines_now_and_then_otherwise():
+    now = [0.0]
+    tty = Progress(3, _Stream(True), clock=lambda: now[0])
+    for outcome in ("success", "timeout"):
+        tty.start()
+        tty.finished(_result(outcome))
+    tty.start()
+    tty.finished(_result("success", "skipped"))
+    tty.close()
+    text = tty.stream.getvalue()
+    assert text.count("\r\033[K") == 6 and text.endswith("\n") and text.count("\n") == 1
+    assert "3/3 running 0, skipped 1, timeout 1" in text
+
+    logged = Progress(3, _Stream(False), clock=lambda: now[0])
+    logged.start()  # the first line, then one per 5 s, and the last
+    logged.finished(_result("success"))
+    now[0] = 6.0
+    logged.start()
+    logged.finished(_result("success"))
+    logged.start()
+    logged.finished(_result("failure"))
+    lines = logged.stream.getvalue().splitlines()
+    assert [line.split("]")[1].split(" running")[0] for line in lines] == [" 0/3", " 1/3", " 3/3"]

@@ -65,8 +65,12 @@ class AdminClient:
     async def close(self) -> None:
         await self._session.close()
 
-    async def register(self, spec: Registration) -> Registered:
+    async def register(self, spec: Registration) -> Registered | None:
+        """The episode's base URL and key; None when the id is taken (a retried request
+        whose first try was stored: its key is lost, so the caller moves past it)."""
         status, body = await self._call("POST", "/tracetap/episodes", spec)
+        if status == 409:
+            return None
         if status != 201:
             raise AdminError(f"registering {spec.id}: HTTP {status}: {_said(body)}")
         return _registered(body)

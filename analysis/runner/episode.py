@@ -40,23 +40,20 @@ class Result(msgspec.Struct, frozen=True):
 
 async def run_slot(slot: Slot, admin: AdminClient, commands: Commands) -> Result:
     attempt, interrupted = 0, 0
-    while (found := await admin.episode(slot.episode_id(attempt))) is not None:
+    while True:
+        found = await admin.episode(slot.episode_id(attempt))
+        if found is None:
+            registered = await admin.register(_registration(slot, commands, attempt))
+            if registered is not None:
+                break
+            continue  # taken meanwhile: read it again (unfinished: it is passed over)
         if found.finished_at is not None and found.outcome != outcomes.INTERRUPTED:
             return Result(slot, found.id, SKIPPED, found.reward, found.outcome)
         if found.finished_at is None:  # registered by a run that died before finishing it
             await admin.finish(found.id, _interrupted(slot, attempt, "left unfinished"))
         interrupted += 1  # finished as interrupted now, or by a run stopped with Ctrl-C
         attempt += 1
-    episode_id = slot.episode_id(attempt)
-    registered = await admin.register(
-        Registration(
-            id=episode_id,
-            group_id=slot.group,
-            task_id=slot.task.id,
-            harness=Harness(commands.harness_name, slot.config),
-            metadata={"run": slot.run_id, "repeat": slot.repeat, "attempt": attempt},
-        )
-    )
+    episode_id = registered.id
     try:
         finish = await _attempt(slot, registered, commands)
     except BaseException:  # Ctrl-C, or a harness that could not start: not its reward
@@ -89,6 +86,16 @@ async def _attempt(slot: Slot, registered: Registered, commands: Commands) -> Fi
         return grade.from_output(graded.stdout)
     except grade.GraderError as exc:
         return Finish(outcome=outcomes.GRADER_ERROR, info={"grader": str(exc)})
+
+
+def _registration(slot: Slot, commands: Commands, attempt: int) -> Registration:
+    return Registration(
+        id=slot.episode_id(attempt),
+        group_id=slot.group,
+        task_id=slot.task.id,
+        harness=Harness(commands.harness_name, slot.config),
+        metadata={"run": slot.run_id, "repeat": slot.repeat, "attempt": attempt},
+    )
 
 
 def _values(slot: Slot, registered: Registered) -> dict[str, Any]:
