@@ -209,8 +209,14 @@ def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp
     first.send_signal(sig)
     first.communicate(timeout=30)
     assert first.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL)
+    # A killed runner leaves its harness running (it has a session of its own): let it
+    # end before the proxy it calls is stopped.
+    orphan = int((tmp_path / "started").read_text().splitlines()[2].split()[2])
     (tmp_path / "block").unlink()  # the rerun's t2 runs through (and a killed one ends)
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while _alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
     assert (summary["ran"], summary["skipped"]) == (2, 2)

@@ -26,7 +26,7 @@ running = where / "running"
 running.mkdir(exist_ok=True)
 (running / episode).touch()
 with open(where / "started", "a") as log:
-    log.write(f"{task_id} {episode}\n")
+    log.write(f"{task_id} {episode} {os.getpid()}\n")
 seen = peak = 1  # harnesses running when the barrier opened; the most seen at once
 if task.get("barrier"):
     deadline = time.monotonic() + 15
