@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--harness",
         required=True,
         metavar="TEMPLATE",
-        help="the harness command: {base_url}, {api_key}, {episode}, {task.NAME}, "
-        "{config.NAME}, {repeat}, {run_id} are filled in, each value one argument; "
+        help="the harness command: {base_url}, {api_key}, {episode}, {group}, {task_id}, "
+        "{task.NAME}, {config.NAME}, {repeat}, {run_id} are filled in, each value one "
+        "argument; "
         "OPENAI_BASE_URL and ANTHROPIC_BASE_URL are set for it too",
     )
     a(
