@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from tracetap.analysis.runner.outcomes import INTERRUPTED
 from tracetap.exporters.factors import factors_of
-from tracetap.storage.integrity import CLEAN_VERDICT, Verdict, verdicts
+from tracetap.storage.integrity import CLEAN_VERDICT, INFRA, Verdict, verdicts
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError
 from tracetap.storage.summaries import EpisodeSummary, call_summaries, episode_summaries
 
@@ -108,10 +109,18 @@ async def read(
                 metadata=meta,
                 factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
-                integrity=verdict[s.id],
+                integrity=_verdict(verdict[s.id], s.outcome),
             )
         )
     return episodes
+
+
+def _verdict(of_calls: Verdict, outcome: str | None) -> Verdict:
+    """The calls' verdict, and infra (cause ``interrupted``) for an attempt ``tracetap
+    run`` was stopped in: its end was the run's, not the harness's."""
+    if outcome != INTERRUPTED:
+        return of_calls
+    return Verdict(INFRA, {**of_calls.causes, INTERRUPTED: 1})
 
 
 def _object(text: str | None) -> dict[str, Any]:

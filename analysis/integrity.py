@@ -1,7 +1,8 @@
 """Infra episodes in harness engineering: an episode whose calls show an infrastructure
 cause (storage.integrity: an upstream failure, a refusal, a lost record...) says nothing
 about its harness, so ``tracetap packets`` writes no failure packet for it and
-``tracetap compare`` leaves it out of Δ_B; both say how many they left out."""
+``tracetap compare`` leaves it out of Δ_B; both say how many they left out. An attempt
+``tracetap run`` was stopped in (outcome ``interrupted``) is infra too (analysis.episodes)."""
 
 from __future__ import annotations
 

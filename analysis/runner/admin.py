@@ -1,0 +1,110 @@
+"""The proxy's admin API as the runner uses it: register, read and finish episodes.
+The one place ``tracetap run`` speaks HTTP, so it works against any proxy or replica."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgspec
+
+
+class AdminError(RuntimeError):
+    """The admin API refused or could not be reached (after retries)."""
+
+
+class Harness(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    config: dict[str, Any] | None = None
+
+
+class Registration(msgspec.Struct, omit_defaults=True):
+    id: str
+    group_id: str | None = None
+    task_id: str | None = None
+    harness: Harness | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class Registered(msgspec.Struct):
+    id: str
+    base_url: str
+    api_key: str
+
+
+class Finish(msgspec.Struct, omit_defaults=True):
+    reward: float | None = None
+    rewards: dict[str, float] | None = None
+    outcome: str | None = None
+    info: dict[str, Any] | None = None
+
+
+class EpisodeState(msgspec.Struct):
+    """What a rerun needs to know of an episode it may have run before."""
+
+    id: str
+    finished_at: float | None = None
+    reward: float | None = None
+    outcome: str | None = None
+
+
+_registered = msgspec.json.Decoder(Registered).decode
+_state = msgspec.json.Decoder(EpisodeState).decode
+_RETRIES = (0.5, 1.0, 2.0)  # seconds between tries when the proxy is unreachable
+
+
+class AdminClient:
+    """One pooled HTTP session to the proxy's admin API; close it with ``close``."""
+
+    def __init__(self, proxy_url: str, token: str, *, timeout: float = 30.0):
+        self.url = proxy_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def register(self, spec: Registration) -> Registered | None:
+        """The episode's base URL and key; None when the id is taken (a retried request
+        whose first try was stored: its key is lost, so the caller moves past it)."""
+        status, body = await self._call("POST", "/tracetap/episodes", spec)
+        if status == 409:
+            return None
+        if status != 201:
+            raise AdminError(f"registering {spec.id}: HTTP {status}: {_said(body)}")
+        return _registered(body)
+
+    async def episode(self, episode_id: str) -> EpisodeState | None:
+        status, body = await self._call("GET", f"/tracetap/episodes/{episode_id}")
+        if status == 404:
+            return None
+        if status != 200:
+            raise AdminError(f"reading {episode_id}: HTTP {status}: {_said(body)}")
+        return _state(body)
+
+    async def finish(self, episode_id: str, finish: Finish) -> None:
+        status, body = await self._call("POST", f"/tracetap/episodes/{episode_id}/finish", finish)
+        if status != 200:
+            raise AdminError(f"finishing {episode_id}: HTTP {status}: {_said(body)}")
+
+    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        data = None if body is None else msgspec.json.encode(body)
+        for pause in (*_RETRIES, None):
+            try:
+                async with self._session.request(
+                    method, self.url + path, data=data, headers=self._headers
+                ) as response:
+                    return response.status, await response.read()
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                if pause is None:
+                    raise AdminError(f"{method} {self.url}{path}: {exc!r}") from None
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+
+def _said(body: bytes) -> str:
+    try:
+        return msgspec.json.decode(body)["error"]["message"]
+    except Exception:  # not the admin API's error shape: show the start of the body
+        return body[:200].decode(errors="replace")
