@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# `tracetap --help` before the command line moved out of proxy/ (issue 31), in its order.
+# `tracetap --help` before the command line moved out of proxy/ (issue 31), in its order,
+# and the commands added since where they were added (`run`: issue 28, after harnesses).
 BEFORE = ["serve", "admin-token", "db", "export", "prune", "drift", "quarantine", "packets",
-          "compare", "harnesses", "ui", "demo", "mock-engine"]
+          "compare", "harnesses", "run", "ui", "demo", "mock-engine"]
 
 
 def _listed(help_text: str) -> list[str]:

@@ -202,10 +202,15 @@ def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp
         *_args(proxy, tmp_path, "--config", "style=a", "--concurrency", "1", "--json"),
     ]
     first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # a loaded machine starts three harnesses slowly
     while "t2" not in _started(tmp_path) and time.monotonic() < deadline:
+        if first.poll() is not None:
+            break
         time.sleep(0.05)
-    assert _started(tmp_path) == ["t0", "t1", "t2"]
+    if _started(tmp_path) != ["t0", "t1", "t2"]:
+        first.kill()
+        _, err = first.communicate(timeout=30)
+        raise AssertionError(f"started {_started(tmp_path)}: {err.decode()[-2000:]}")
     first.send_signal(sig)
     first.communicate(timeout=30)
     assert first.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL)
