@@ -53,7 +53,7 @@ def call_record(call: ModelCall) -> CallRecord:
         policy_version=call.policy_version,
         stream=request.stream,
         upstream=call.upstream_url,
-        request=request.text,
+        request=client_text(request.body),
         response=None if response is None else response.decode("utf-8", "replace"),
         status=call.status,
         http_status=call.http_status,
@@ -86,3 +86,9 @@ def _token_prompt(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
     return None
+
+
+def client_text(body: bytes | None) -> str | None:
+    """The client's request as a record stores it: decoded only as the record is built,
+    so a call in flight holds its prompt once, as bytes."""
+    return None if body is None else body.decode("utf-8", "replace")

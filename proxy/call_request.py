@@ -49,13 +49,6 @@ class CallRequest:
         self.stream = False
         self.model: str | None = None  # the model asked of the upstream (a string), if any
 
-    @property
-    def text(self) -> str | None:
-        """The client's request as text, decoded when read (the record), so a call in
-        flight holds its prompt once as bytes rather than as bytes and text."""
-        body = self.body
-        return None if body is None else body.decode("utf-8", "replace")
-
     def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
         """The upstream body with ``messages`` in place of the harness's (an overlay's
         additions); stored beside the client's request when they differ."""

@@ -193,7 +193,8 @@ class ModelCall(CallReview):
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            reply.close()
+            if not reply.closed:  # read to its end, it closed itself
+                reply.close()
         return response
 
     async def _relay_body(self, reply: Reply, overhead_header: bool,
@@ -206,7 +207,8 @@ class ModelCall(CallReview):
         except UpstreamBroken as exc:
             raise broken_error(exc) from exc
         finally:
-            reply.close()
+            if not reply.closed:  # read, it closed itself
+                reply.close()
         response = web.Response(status=reply.status, body=self.reply_body(body),
                                 headers=response_headers(reply.headers.items()))
         if overhead_header:

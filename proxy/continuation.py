@@ -35,6 +35,7 @@ import msgspec
 
 from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.call_record import client_text
 from tracetap.proxy.ids import uuid7
 from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
@@ -187,7 +188,7 @@ def _attempt(call: ModelCall) -> CallRecord:
         call_id=uuid7(), episode_id=call.episode_id, seq=services.arrivals.next(call.episode_id),
         instance=services.instance, endpoint=call.endpoint, model=call.model,
         policy_version=call.policy_version, stream=call.stream, upstream=call.upstream_url,
-        request=call.request.text, status=RETRIED, http_status=0,
+        request=client_text(call.request.body), status=RETRIED, http_status=0,
         error=f"cut for a weight sync and sent again as call {call.call_id}",
         t_start=call.timings.t_start, t_end=time.time())
 

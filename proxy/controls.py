@@ -52,14 +52,12 @@ class Controls:
         self.on_pause = on_pause
         self.policy_version: str | None = None
         self._applied = {POLICY: 0, PAUSED: 0}
+        # Grows with every change applied here (pause, resume, version): a call whose
+        # tokens arrived across a change knows it (proxy.versions, which reads it for
+        # every streamed token: a plain attribute, not a property).
+        self.serial = 0
         self._beat_at = 0.0
         self._failing = False
-
-    @property
-    def serial(self) -> int:
-        """Grows with every change applied here (pause, resume, version): a call whose
-        tokens arrived across a change knows it (``proxy.versions``)."""
-        return self._applied[POLICY] + self._applied[PAUSED]
 
     def _apply(self, name: str, value: str | None, serial: int) -> None:
         """Apply a stored change unless a newer one is applied already (a poll that read
@@ -67,6 +65,7 @@ class Controls:
         if serial <= self._applied[name]:
             return
         self._applied[name] = serial
+        self.serial = self._applied[POLICY] + self._applied[PAUSED]
         if name == POLICY:
             self.policy_version = value
         elif value in ("1", ABORT):

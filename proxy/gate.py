@@ -17,6 +17,9 @@ class Gate:
         self.pause_timeout = pause_timeout
         self._running = asyncio.Event()
         self._running.set()
+        # A plain attribute, kept with _running: every streamed token reads it
+        # (proxy.versions), and an attribute costs no call.
+        self.paused = False
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -24,18 +27,16 @@ class Gate:
         self.cuts: set[Callable[[], None]] = set()
 
     @property
-    def paused(self) -> bool:
-        return not self._running.is_set()
-
-    @property
     def idle(self) -> bool:
         return self._idle.is_set()
 
     def close(self) -> None:
         self._running.clear()
+        self.paused = True
 
     def open(self) -> None:
         self._running.set()
+        self.paused = False
 
     async def drained(self) -> None:
         """Returns once no model call is in flight."""

@@ -79,7 +79,8 @@ class Relay:
     """One call's event stream: its parser, its client-side translator, what is held."""
 
     __slots__ = ("api", "call", "capture", "done", "experts", "held", "hold", "injected",
-                 "parser", "rewrite", "timings", "token_counts", "translator", "versions")
+                 "parser", "rewrite", "strip", "timings", "token_counts", "translator",
+                 "versions")
 
     def __init__(self, call: ModelCall, rewrite: bool, hold: Hold | None = None) -> None:
         self.call = call
@@ -90,6 +91,7 @@ class Relay:
         # The call's parts an event touches, read once (the request is parsed by now).
         self.api, self.capture, self.timings = call.api, call.capture, call.timings
         self.injected = call.request.injected
+        self.strip = self.injected.any  # something the proxy added is in every event
         self.versions = call.versions  # the policy version of each token (proxy.versions)
         self.experts = call.request.experts  # the MoE routing asked for, or None
         # Tokens per choice so far, where the reassembly can say (chat and completions).
@@ -214,7 +216,7 @@ class Relay:
                 )
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return b""  # capture noted the bad chunk; the client's stream stays valid
-        if not injected.any:
+        if not self.strip:
             return event.raw
         try:
             return self.api.strip_event(stripped, injected)

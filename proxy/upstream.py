@@ -24,7 +24,8 @@ class UpstreamBroken(Exception):
 
 
 class Reply:
-    """An upstream response whose body the caller reads and must close."""
+    """An upstream response whose body the caller reads: reading it to the end (or to a
+    failure) closes it; a caller that stops before must close it."""
 
     def __init__(self, response: aiohttp.ClientResponse):
         self._response = response
@@ -32,12 +33,15 @@ class Reply:
         self.headers = response.headers
         self.content_type = response.content_type
         self.on_close = None  # set by the pool to count in-flight calls per target
+        self.closed = False  # a plain attribute: a caller's check costs no call
 
     async def read(self) -> bytes:
         try:
             return await self._response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise UpstreamBroken(_describe(exc)) from exc
+        finally:
+            self.close()
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Bytes as they arrive; raises UpstreamBroken if the upstream dies mid-body."""
@@ -46,10 +50,15 @@ class Reply:
                 yield data
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise UpstreamBroken(_describe(exc)) from exc
+        finally:
+            self.close()
 
     def close(self) -> None:
         # release() would drain the body; close() drops the connection, which is what
         # a cancelled stream needs (the upstream stops generating).
+        if self.closed:
+            return
+        self.closed = True
         self._response.close()
         if self.on_close is not None:
             self.on_close()

@@ -27,14 +27,11 @@ from tracetap.storage.records import ChoiceRecord
 
 class _Controls(Protocol):
     policy_version: str | None
-
-    @property
-    def serial(self) -> int: ...
+    serial: int
 
 
 class _Gate(Protocol):
-    @property
-    def paused(self) -> bool: ...
+    paused: bool
 
 
 class _State(Protocol):

@@ -24,12 +24,12 @@ from tracetap.proxy.settings import Settings
 
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x100 | 0x200  # generator, coroutine, async generator
-# Rooms of the walk that do a step's work: each at most twice (docs/architecture.md),
-# but the request's: made empty as the call starts, filled by the parse, and read by the
-# record (its text is decoded only then, so a call in flight holds its prompt once).
+# Rooms of the walk that do a step's work: each at most twice (docs/architecture.md).
+# The request is made empty as the call starts and filled by the parse (the record reads
+# its bytes); the upstream's reply is sent, then read to its end, which closes it.
 WALK_ROOMS = {"handlers": 1, "exposure": 2, "routing": 2, "capture": 2, "tagging": 1,
-              "bodies": 1, "call_request": 3, "overlays/runner": 1, "continuation": 2,
-              "pool": 2, "relay": 2, "call_record": 1, "storage/writer": 1}
+              "bodies": 1, "call_request": 2, "overlays/runner": 1, "continuation": 2,
+              "pool": 2, "upstream": 2, "relay": 2, "call_record": 1, "storage/writer": 1}
 
 
 def room_of(filename: str) -> str | None:
