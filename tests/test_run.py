@@ -192,7 +192,8 @@ def test_concurrency_runs_harnesses_side_by_side_and_no_more(proxy, tmp_path, ca
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
-def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp_path, sig):
+def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp_path, sig,
+                                                                      request):
     _tasks(tmp_path, {"t0": {}, "t1": {}, "t2": {"block": True}, "t3": {}})
     (tmp_path / "block").touch()
     args = [
@@ -201,7 +202,11 @@ def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp
         "tracetap",
         *_args(proxy, tmp_path, "--config", "style=a", "--concurrency", "1", "--json"),
     ]
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Ctrl-C as a terminal sends it: a run started from a background job (CI's, say)
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    request.addfinalizer(lambda: _reaped(first))
     deadline = time.monotonic() + 90  # a loaded machine starts three harnesses slowly
     while "t2" not in _started(tmp_path) and time.monotonic() < deadline:
         if first.poll() is not None:
@@ -242,6 +247,14 @@ def test_an_interrupted_run_resumes_without_redoing_finished_episodes(proxy, tmp
     kept, infra = clean(load(proxy.settings.db, EpisodeFilter()))
     assert infra == 1 and first_attempt["id"] not in {e.id for e in kept}
     assert len(kept) == 4
+
+
+def _reaped(process: subprocess.Popen) -> None:
+    """A runner the test left running (it failed) killed and its pipes closed, so
+    nothing of it is left for a later test to trip on."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate(timeout=30)
 
 
 def test_a_filled_value_is_one_argument_and_never_shell_syntax(tmp_path):
