@@ -172,21 +172,20 @@ async def episode_page(engine: AsyncEngine, query: EpisodeQuery, extra: tuple = 
     conditions = [*_conditions(query), *extra]
     columns = (Episode.id, Episode.group_id, Episode.task_id, Episode.harness_name,
                Episode.created_at, Episode.finished_at, Episode.reward, Episode.outcome)
+    counted = select(func.count()).select_from(Episode).where(*conditions) \
+        if count_cap is None else select(func.count()).select_from(
+            select(Episode.id).where(*conditions).limit(count_cap + 1).subquery())
     async with engine.connect() as conn:
-        counted = select(func.count()).select_from(Episode).where(*conditions) \
-            if count_cap is None else select(func.count()).select_from(
-                select(Episode.id).where(*conditions).limit(count_cap + 1).subquery())
-        total = (await conn.execute(counted)).scalar() or 0
-        # A page past the middle is read from the other end: OFFSET walks every row it
-        # skips, so the last page of 100,000 costs what the first does.
-        backwards = query.offset > total // 2 and (count_cap is None or total <= count_cap)
-        offset = max(0, total - query.offset - query.limit) if backwards else query.offset
-        limit = min(query.limit, max(total - query.offset, 0)) if backwards else query.limit
-        rows = (await conn.execute(
-            select(*columns).where(*conditions).order_by(*_order(query, backwards))
-            .limit(limit).offset(offset))).all()
-        if backwards:
-            rows.reverse()
+        if query.offset == 0:
+            # The first page first: a short one is every match, so nothing is left to
+            # count (a search with few matches walks the episodes once, not twice).
+            rows = (await conn.execute(select(*columns).where(*conditions)
+                                       .order_by(*_order(query, False)).limit(query.limit))).all()
+            total = len(rows) if len(rows) < query.limit else \
+                (await conn.execute(counted)).scalar() or 0
+        else:
+            total = (await conn.execute(counted)).scalar() or 0
+            rows = await _page(conn, query, columns, conditions, total, count_cap)
         stats = await _call_stats(conn, [r.id for r in rows])
     out = []
     for r in rows:
@@ -198,6 +197,21 @@ async def episode_page(engine: AsyncEngine, query: EpisodeQuery, extra: tuple = 
             row.budget_exceeded = bool(budget)
         out.append(row)
     return EpisodePage(rows=out, total=int(total), query=query)
+
+
+async def _page(conn, query: EpisodeQuery, columns: tuple, conditions: list, total: int,
+                count_cap: int | None) -> list:
+    """A page after the first. One past the middle is read from the other end: OFFSET
+    walks every row it skips, so the last page of 100,000 costs what the first does."""
+    backwards = query.offset > total // 2 and (count_cap is None or total <= count_cap)
+    offset = max(0, total - query.offset - query.limit) if backwards else query.offset
+    limit = min(query.limit, max(total - query.offset, 0)) if backwards else query.limit
+    rows = (await conn.execute(
+        select(*columns).where(*conditions).order_by(*_order(query, backwards))
+        .limit(limit).offset(offset))).all()
+    if backwards:
+        rows.reverse()
+    return rows
 
 
 async def _call_stats(conn, ids: list[str]) -> dict[str, tuple]:
