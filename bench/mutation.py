@@ -43,7 +43,7 @@ _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
 _ENDINGS = "tests/test_translated_stream_start_and_end.py"
 _FAST_PATH = "tests/test_translated_stream_fast_path.py"
-_TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
+_TOKEN_IDS = ["tests/test_resolve.py", "tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
     "storage/writer.py": ["tests/test_writer.py", "tests/test_journal.py"],
