@@ -476,3 +476,107 @@ def test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk(engine, ma
         calls = proxy.calls(episode)
         assert [c["choices"][0]["text"] for c in calls] == [text, text]
         assert all(c["choices"][0]["finish_reason"] == "length" for c in calls)
+
+
+# ---- native capture on its own: the events an upstream sends, and what is kept of them ----
+
+def _feed(capture, *events) -> None:
+    for event in events:
+        capture.add(event if isinstance(event, bytes) else msgspec.json.encode(event))
+
+
+def test_messages_capture_reassembles_a_stream_block_by_block():
+    from tracetap.proxy.apis.messages.capture import MessagesApi, MessagesCapture
+    from tracetap.proxy.sse import Event
+
+    api = MessagesApi()
+    assert (api.endpoint, api.route, api.path, api.ends_with_done) == (
+        "messages", "messages", "/v1/messages", False)
+    payload = {"model": "m", "messages": []}
+    injected = api.prepare(payload, "vllm")
+    assert payload == {"model": "m", "messages": []}  # nothing asked for
+    assert api.strip_body(b'{"a": 1}', injected) == b'{"a": 1}'
+    event = Event(raw=b"event: x\ndata: {}\n\n", data=b"{}")
+    assert api.strip_event(event, injected) == event.raw
+    assert not api.is_end(b'{"type": "message_stop"}')
+    capture = api.capture(injected)
+    assert type(capture) is MessagesCapture
+    _feed(capture,
+          {"type": "message_start", "message": {"id": "msg_1", "model": "claude", "usage": {
+              "input_tokens": 9, "output_tokens": 1}}},
+          {"type": "ping"},
+          {"type": "content_block_start", "index": 0, "content_block": {
+              "type": "thinking", "thinking": ""}},
+          {"type": "content_block_delta", "index": 0, "delta": {"thinking": "hm"}},
+          {"type": "content_block_delta", "index": 0, "delta": {"thinking": "m"}},
+          {"type": "content_block_stop", "index": 0},
+          {"type": "content_block_start", "index": 1, "content_block": {"type": "text",
+                                                                        "text": ""}},
+          {"type": "content_block_delta", "index": 1, "delta": {"text": "Hel"}},
+          {"type": "content_block_delta", "index": 1, "delta": {"text": "lo"}},
+          {"type": "content_block_start", "index": 2, "content_block": {
+              "type": "tool_use", "id": "t1", "name": "f", "input": {}}},
+          {"type": "content_block_delta", "index": 2, "delta": {"partial_json": '{"a"'}},
+          {"type": "content_block_delta", "index": 2, "delta": {"partial_json": ": 1}"}},
+          {"type": "content_block_delta", "index": 3, "delta": {"text": " again"}},
+          {"type": "vendor_event"},
+          {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+           "usage": {"output_tokens": 7}},
+          {"type": "message_delta", "delta": {}})
+    assert not capture.ended
+    _feed(capture, {"type": "message_stop"})
+    assert capture.ended and capture.unknown_events == 1 and capture.errors == []
+    assert (capture.response_id, capture.model, capture.tokens()) == ("msg_1", "claude", (9, 7))
+    [choice] = capture.choices()
+    assert (choice.index, choice.finish_reason, choice.text) == (0, "tool_calls", "Hello again")
+    assert (choice.completion_ids, choice.completion_logprobs, choice.top_logprobs,
+            choice.token_source) == (None, None, None, "none")
+    assert (capture.logprobs_missing, capture.choice_count) == (1, 1)
+    message = capture.reassembled(with_logprobs=False)
+    assert message == {
+        "id": "msg_1", "model": "claude", "usage": {"input_tokens": 9, "output_tokens": 7},
+        "stop_reason": "tool_use", "content": [
+            {"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "Hello"},
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+            {"type": "text", "text": " again"}]}
+
+
+@pytest.mark.parametrize(("stop", "finish"), [
+    ("end_turn", "stop"), ("stop_sequence", "stop"), ("max_tokens", "length"),
+    ("tool_use", "tool_calls"), ("refusal", "refusal"), (None, None)])
+def test_messages_capture_of_a_whole_reply_names_the_finish_in_chats_words(stop, finish):
+    from tracetap.proxy.apis.messages.capture import MessagesCapture
+
+    capture = MessagesCapture()
+    _feed(capture, {"type": "message", "id": "msg_2", "model": "c", "stop_reason": stop,
+                    "usage": {"input_tokens": 3, "output_tokens": 2},
+                    "content": [{"type": "text", "text": "a"}, {"type": "tool_use",
+                                                                "input": {}},
+                                {"type": "text", "text": "b"}]})
+    [choice] = capture.choices()
+    assert (choice.finish_reason, choice.text) == (finish, "ab")
+    assert capture.tokens() == (3, 2) and capture.response_id == "msg_2"
+    assert not capture.ended  # a whole reply is not a stream's end event
+
+
+def test_messages_capture_keeps_what_it_can_of_a_broken_stream():
+    from tracetap.proxy.apis.messages.capture import MessagesCapture
+
+    capture = MessagesCapture()
+    assert capture.choices()[0].text is None and capture.logprobs_missing == 0
+    assert capture.tokens() == (None, None)
+    capture.response_id, capture.model = "msg_x", "c"
+    assert capture.reassembled(with_logprobs=True) == {
+        "id": "msg_x", "type": "message", "role": "assistant", "model": "c", "content": [],
+        "stop_reason": None, "usage": {}}
+    _feed(capture, b"{not json",
+          {"type": "message_start", "message": "not an object"},
+          {"type": "content_block_delta", "delta": {"text": "x"}},  # no index, no start
+          {"type": "content_block_start", "content_block": None},
+          {"type": "content_block_delta", "index": 1, "delta": {"partial_json": "{broken"}},
+          *({"type": "error", "error": {"type": "overloaded_error"}} for _ in range(6)))
+    assert capture.errors[0].startswith("unparseable upstream data: ")
+    assert capture.errors[1:] == ["upstream stream error: {'type': 'overloaded_error'}"] * 4
+    assert capture.choices()[0].text == "x"
+    content = capture.reassembled(with_logprobs=False)["content"]
+    assert content == [{"type": "text", "text": "x"}, {"input": {}}]
