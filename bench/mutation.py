@@ -58,6 +58,9 @@ MODULES = {
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
     "proxy/capture.py": _RELAY,
     "proxy/handlers.py": [*_RELAY, "tests/test_faults.py"],
+    # Chat and completions captured: ids in order of trust, streams reassembled.
+    "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
+                                   "tests/test_prompt_cut.py", "tests/test_capture.py"],
     # Capture and translation of the Messages and Responses APIs.
     "proxy/apis/chat/reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
                                  "tests/test_translate_responses.py"],
