@@ -29,11 +29,16 @@ def chat(request: dict | None = None, *, strs=("o", "k", "!"), endpoint="chat.co
     """A call whose engine returned token strings but no ids."""
     body = request if request is not None else {"model": "m", "messages": MESSAGES}
     choice = ChoiceRecord(index=0, text="".join(strs), token_strs=list(strs))
-    fields.setdefault("http_status", 200)
-    return CallRecord(call_id="c", endpoint=endpoint, upstream=UPSTREAM, t_start=0.0,
+    fields = {"http_status": 200, "upstream": UPSTREAM, **fields}
+    return CallRecord(call_id="c", endpoint=endpoint, t_start=0.0,
                       request=json.dumps(body),
                       prompt_tokens=len(PROMPT) if prompt_tokens is None else prompt_tokens,
                       choices=[choice], **fields)
+
+
+def only(traffic: Traffic):
+    """The pool's ``traffic``: the calls in flight to UPSTREAM, none known for another."""
+    return lambda upstream: traffic if upstream == UPSTREAM else None
 
 
 def resolve(records: list[CallRecord], engine: TokenizeEngine, hold: bool = True, **kwargs):
@@ -81,6 +86,15 @@ def test_only_finished_calls_with_choices_that_lack_ids_are_resolved():
     assert [r.prompt_ids for r in (failed, refused, empty)] == [None] * 3
     assert text_only.ids_missing == "no_token_strings"
     assert engine.asked  # the text-only call was taken up
+    engine = TokenizeEngine("llama-cpp-python")
+    traffic = Traffic()
+
+    async def busy():  # an engine that cuts streams, busy: a record taken up would wait
+        await traffic.admit()
+        resolver = TokenResolver(engine, traffic=lambda upstream: traffic)
+        return await resolver([complete, failed, refused, empty])
+
+    assert asyncio.run(busy()) == [] and engine.asked == []
 
 
 @pytest.mark.parametrize(("engine", "record", "reason"), [
@@ -104,7 +118,7 @@ def test_a_prompt_without_ids_says_why_and_comes_first(engine, record, reason):
 
 @pytest.mark.parametrize(("strs", "engine", "reason"), [
     ((), TokenizeEngine("vllm"), "no_token_strings"),
-    (("o", "k\ufffd"), TokenizeEngine("vllm"), "unverified"),
+    (("o", "\ufffd"), TokenizeEngine("vllm"), "unverified"),  # would retokenize "alike"
     (("ok", "!"), TokenizeEngine("vllm"), "unverified"),  # "ok" is two tokens here
     (("o", "k"), TokenizeEngine("vllm", pieces={ord("k") + 10: "K"}), "unverified"),
     (("o", "k"), TokenizeEngine("vllm", fail=("/detokenize",)), "unverified"),
@@ -162,7 +176,7 @@ def test_an_engine_that_cuts_streams_is_asked_only_between_calls():
     engine = TokenizeEngine("llama-cpp-python")
 
     async def run():
-        resolver = TokenResolver(engine, traffic=lambda upstream: traffic,
+        resolver = TokenResolver(engine, traffic=only(traffic),
                                  flavor=lambda: "llama-cpp-python")
         await traffic.admit()  # a call streams
         held = await resolver([first := chat(prompt_ids=[1])])
@@ -185,7 +199,7 @@ def test_an_engine_that_never_cuts_streams_is_asked_while_calls_run():
 
     async def run():
         await traffic.admit()
-        resolver = TokenResolver(engine, traffic=lambda upstream: traffic,
+        resolver = TokenResolver(engine, traffic=only(traffic),
                                  flavor=lambda: "openai")
         await resolver.identify([UPSTREAM])  # between calls: the kind is learnt
         await traffic.admit()  # another call streams: a vLLM is asked all the same
@@ -209,7 +223,7 @@ def test_a_patient_engine_kind_is_asked_at_once_and_never_probed_at_start(flavor
 
     async def run():
         await traffic.admit()
-        resolver = TokenResolver(engine, traffic=lambda upstream: traffic, flavor=lambda: flavor)
+        resolver = TokenResolver(engine, traffic=only(traffic), flavor=lambda: flavor)
         await resolver.identify([UPSTREAM])
         probes = list(engine.asked)
         return probes, await resolver([record := chat()]), record
@@ -270,11 +284,13 @@ def test_concurrent_records_of_one_upstream_probe_it_once(caplog):
 
 
 @pytest.mark.parametrize(("family", "processes", "warned"), [
-    ("llama-cpp-python", 2, True), ("llama-cpp-python", 1, False), ("vllm", 4, False)])
+    ("llama-cpp-python", 2, True), ("llama-cpp-python", 1, False), ("vllm", 4, False),
+    ("llama-cpp-python", None, False)])  # None: the default, one process
 def test_workers_that_share_an_engine_that_cuts_streams_are_warned(family, processes, warned,
                                                                     caplog):
     async def run():
-        await TokenResolver(TokenizeEngine(family), processes=processes).tokenizer(UPSTREAM)
+        workers = {} if processes is None else {"processes": processes}
+        await TokenResolver(TokenizeEngine(family), **workers).tokenizer(UPSTREAM)
 
     with caplog.at_level(logging.WARNING, logger="tracetap.resolve"):
         asyncio.run(run())
@@ -369,3 +385,69 @@ def test_the_local_tokenizers_completion_is_verified_as_the_engines(strs, reason
     record.choices[0].text = "ok"
     _back, counted = resolve([record], TokenizeEngine("vllm"), local=Local())
     assert counted == [reason] and record.choices[0].completion_ids is None
+
+
+def test_a_completion_without_a_tokenizer_says_so():
+    record = chat(prompt_ids=[1])  # the prompt has ids: the completion's reason is counted
+    back, counted = resolve([record], TokenizeEngine("none"))
+    assert back == [] and counted == ["no_tokenizer"] and record.ids_missing == "no_tokenizer"
+
+
+def test_a_record_naming_no_upstream_asks_nothing():
+    engine = TokenizeEngine("vllm")
+    _, counted = resolve([chat(prompt_ids=[1], upstream=None)] * 2, engine)
+    assert counted == ["no_tokenizer"] * 2 and engine.asked == []
+
+
+def test_each_upstream_and_reason_is_logged_once(caplog):
+    other = "http://other:1/v1"
+    records = [chat(prompt_tokens=99), chat(prompt_tokens=98, upstream=other),
+               chat(prompt_tokens=97), chat(prompt_ids=[1], strs=("ok",))]
+    with caplog.at_level(logging.WARNING, logger="tracetap.resolve"):
+        resolve(records, TokenizeEngine("vllm"))
+    logged = sorted(r.getMessage().split(" are left out")[0] for r in caplog.records)
+    assert logged == [f"upstream {UPSTREAM}: calls stored without token ids (count_mismatch)",
+                      f"upstream {UPSTREAM}: calls stored without token ids (unverified)",
+                      f"upstream {other}: calls stored without token ids (count_mismatch)"]
+
+
+def test_every_choice_with_ids_or_strings_counts_as_content():
+    record = chat(prompt_tokens=99)
+    record.choices = [ChoiceRecord(index=0, token_strs=["a"]),
+                      ChoiceRecord(index=1, completion_ids=[5]), ChoiceRecord(index=2)]
+    _, counted = resolve([record], TokenizeEngine("vllm"))
+    assert counted == ["count_mismatch"] * 2
+    assert record.choices[0].completion_ids == ids_of("a")
+
+
+def test_the_local_tokenizer_never_replaces_the_engines_own_completion_ids():
+    record = chat(strs=("o", "k"))
+    record.choices[0].completion_ids, record.choices[0].token_source = [99, 98], "engine"
+    _, counted = resolve([record], TokenizeEngine("vllm"), local=Local())
+    assert counted == [] and record.prompt_ids == PROMPT
+    assert record.choices[0].completion_ids == [99, 98]
+    assert record.choices[0].token_source == "engine"
+
+
+def test_an_upstream_slow_to_answer_its_probes_holds_up_no_other():
+    class Slow(TokenizeEngine):
+        def __init__(self):
+            super().__init__("vllm")
+            self.release = asyncio.Event()
+
+        async def post_json(self, url, body, timeout=10.0):
+            if url.startswith("http://slow"):
+                await self.release.wait()
+            return await super().post_json(url, body, timeout)
+
+    async def run():
+        engine = Slow()
+        resolver = TokenResolver(engine)
+        slow = asyncio.ensure_future(resolver.tokenizer("http://slow:1/v1"))
+        await asyncio.sleep(0)
+        fast = await asyncio.wait_for(resolver.tokenizer(UPSTREAM), 2)
+        engine.release.set()
+        return fast, await slow
+
+    fast, slow = asyncio.run(run())
+    assert fast.kind == slow.kind == "vllm" and fast is not slow
