@@ -77,7 +77,7 @@ MODULES = {
     "proxy/apis/responses/capture.py": _CAPTURE_APIS,
     # Token ids recovered from the engine's tokenizer, or refused.
     "proxy/resolve.py": _TOKEN_IDS,
-    "proxy/tokenizers.py": _TOKEN_IDS,
+    "proxy/tokenizers.py": ["tests/test_tokenizers.py", *_TOKEN_IDS],
     "proxy/admin_token.py": ["tests/test_admin.py", *(
         "tests/test_hostile_agent.py::" + name for name in (
             "test_an_empty_admin_token_file_never_opens_the_admin_api",
