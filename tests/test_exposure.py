@@ -91,6 +91,8 @@ def test_an_allow_path_rule_is_a_method_and_a_plain_path(text, rule):
     ("/v1/a;b", "plain absolute path"),
     ("/v1/%41", "plain absolute path"),
     ("/v1/a%2*", "plain absolute path"),
+    ("/v1/x%", "plain absolute path"),
+    ("/v1/%41/*", "plain absolute path"),
     ("FETCH /x", "unknown method 'FETCH'"),
     ("POST /x extra", "use '/path', '/prefix/*' or 'METHOD /path'"),
     ("", "use '/path', '/prefix/*' or 'METHOD /path'"),
@@ -111,6 +113,7 @@ def test_a_rule_matches_its_method_and_exactly_its_path_or_below_its_prefix():
     assert prefix.matches("GET", "/v1/files/a") and prefix.matches("GET", "/v1/files/a/b")
     assert not prefix.matches("GET", "/v1/files/")  # the prefix itself names nothing below
     assert not prefix.matches("GET", "/v1/files") and not prefix.matches("GET", "/v1/filesx")
+    assert not prefix.matches("GET", "/v1/filesxyz")
     assert not prefix.matches("POST", "/v1/files/a")
     assert str(prefix) == "GET /v1/files/*"
 
@@ -132,21 +135,32 @@ def test_the_upstream_is_sent_the_path_encoded_once_and_the_query_as_it_came():
     assert upstream_path("/v1/models/x", "a=1&b=%2F;c?d") == "/v1/models/x?a=1&b=%2F;c?d"
     assert upstream_path("/v1/models/x", "q=a b#") == "/v1/models/x?q=a%20b%23"
     assert upstream_path("/v1/models/é", "") == "/v1/models/%C3%A9"
+    plain = "/v1/models/a-b.c_d~e!f$g&h'i(j)k*l+m,n=o:p@q"
+    assert upstream_path(plain, "") == plain  # what the check let through, sent as it is
 
 
 def test_the_query_is_not_checked_as_the_path_and_refusals_say_why():
     assert checked_path("/v1/models?next=../%2e%2e//x") == "/v1/models"
+    assert checked_path("/v1/models?a=1?b=2") == "/v1/models"  # the first "?" ends it
     assert checked_path("/v1/models/%41b") == "/v1/models/Ab"
-    with pytest.raises(ProxyError) as bad_bytes:
-        checked_path("/v1/%ff")
-    assert (bad_bytes.value.status, bad_bytes.value.code) == (400, "invalid_path")
-    assert "not UTF-8" in bad_bytes.value.message
-    with pytest.raises(ProxyError) as nested:
-        checked_path("/v1/%2541")
-    assert "percent-encoding inside percent-encoding" in nested.value.message
-    with pytest.raises(ProxyError) as dots:
-        checked_path("/v1/../x")
-    assert "dot segments" in dots.value.message
+    why = {
+        "/v1/%ff": "percent-encoded bytes that are not UTF-8",
+        "/v1/%25ff": "percent-encoded bytes that are not UTF-8",  # once decoded, still not
+        "/v1/%2541": "percent-encoding inside percent-encoding",
+        "/v1/../x": "dot segments, empty segments, encoded dots or slashes, and characters "
+                    "outside plain ASCII are not accepted",
+        "/v1/models/a%2eb": "dot segments, empty segments, encoded dots or slashes, and "
+                            "characters outside plain ASCII are not accepted",
+    }
+    for raw, message in why.items():
+        with pytest.raises(ProxyError) as refusal:
+            checked_path(raw)
+        error = refusal.value
+        assert (error.status, error.type, error.code) == (400, "invalid_request_error",
+                                                          "invalid_path"), raw
+        assert error.message == "invalid request path: " + message, raw
     error = refused("DELETE", "/v1/models/m")
     assert (error.status, error.code, error.type) == (404, "not_exposed", "invalid_request_error")
-    assert error.message.startswith("DELETE /v1/models/m is not exposed")
+    assert error.message == ("DELETE /v1/models/m is not exposed by this proxy: agents reach "
+                             "only the model API (the operator can allow more with "
+                             "--allow-path)")
