@@ -79,6 +79,7 @@ def test_a_reservation_counts_every_choice_and_only_integer_caps():
     assert reservation_size({}, 7) == 4096 + 7
     assert reservation_size({"max_tokens": 10, "n": 3}, 0) == 30
     assert reservation_size({"max_tokens": 10, "n": 128}, 0) == 1280
+    assert reservation_size({"max_tokens": 1, "n": 1}, 0) == 1  # the smallest cap and count
     for n in (0, -2, 129, "3", 2.0, None, True):  # not a count of choices: one
         assert reservation_size({"max_tokens": 10, "n": n}, 1) == 11, n
     for cap in (0, -5, True, 3.5):  # not a cap: the next key, then the default
@@ -118,10 +119,11 @@ def test_each_limit_refuses_with_its_own_name_and_count(db):
 
     admitted, refusals = run(db, body, clock=clock)
     assert admitted == [Reservation("calls", 5)] * 2
-    for error in refusals.values():
+    for name, error in refusals.items():
         assert (error.status, error.type, error.code) == (403, "permission_error",
                                                           "episode_budget_exceeded")
-        assert "no more model calls are accepted" in error.message
+        assert error.message.startswith(f"episode {name!r} is over its ")
+        assert error.message.endswith("); no more model calls are accepted for it")
     assert refusals["calls"].limit == "calls"
     assert "episode 'calls' is over its calls budget (2 of 2)" in refusals["calls"].message
     assert refusals["tokens"].limit == "tokens"
@@ -145,7 +147,9 @@ def test_tokens_held_by_calls_in_flight_refuse_with_retry_and_come_back_when_set
     assert (held.status, held.type, held.code) == (429, "rate_limit_error",
                                                    "episode_budget_reserved")
     assert held.headers == {"Retry-After": "1"} and held.limit == "tokens_reserved"
-    assert "0 used and 100 reserved of 100" in held.message
+    assert held.message == ("episode 'e': the rest of its tokens budget is reserved by its "
+                            "calls in flight (0 used and 100 reserved of 100); retry when "
+                            "they end")
     assert again == Reservation("e", 50)
     assert (ledger.calls, ledger.tokens_used, ledger.tokens_reserved) == (2, 30, 50)
 
@@ -244,8 +248,18 @@ def test_a_ledger_that_cannot_be_reached_refuses_with_503_and_retry(tmp_path, ca
     assert (down.status, down.type, down.code) == (503, "server_error", "budget_unavailable")
     assert down.headers == {"Retry-After": "5"}
     assert down.message.startswith("the episode's budget could not be checked: ")
-    assert "no such table" in down.message
+    assert down.message == ("the episode's budget could not be checked: no such table: "
+                            "episode_budgets")  # the driver's words, not SQLAlchemy's
     [record] = [r for r in caplog.records if "could not settle" in r.getMessage()]
     assert record.getMessage() == ("could not settle the budget of episode 'e' "
                                    "(5 reserved, 2 used)")
     assert record.exc_info is not None
+
+
+def test_a_budget_row_gone_between_two_questions_refuses_by_calls():
+    """Only a race reaches it (the row deleted between the refused reservation and the
+    question why): the call is refused, not let through."""
+    refusal = Budgets(Budget(), engine=None)._refusal("e", None)
+    assert type(refusal) is BudgetExceeded and refusal.limit == "calls"
+    assert refusal.message == ("episode 'e' is over its calls budget (its budget row is "
+                               "gone); no more model calls are accepted for it")
