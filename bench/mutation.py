@@ -43,7 +43,7 @@ _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
 _ENDINGS = "tests/test_translated_stream_start_and_end.py"
 _FAST_PATH = "tests/test_translated_stream_fast_path.py"
-_TOKEN_IDS = ["tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
+_TOKEN_IDS = ["tests/test_resolve.py", "tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
     "storage/writer.py": ["tests/test_writer.py", "tests/test_journal.py"],
@@ -58,6 +58,9 @@ MODULES = {
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
     "proxy/capture.py": _RELAY,
     "proxy/handlers.py": [*_RELAY, "tests/test_faults.py"],
+    # Chat and completions captured: ids in order of trust, streams reassembled.
+    "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
+                                   "tests/test_prompt_cut.py", "tests/test_capture.py"],
     # Capture and translation of the Messages and Responses APIs.
     "proxy/apis/chat/reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
                                  "tests/test_translate_responses.py"],
@@ -74,13 +77,14 @@ MODULES = {
     "proxy/apis/responses/capture.py": _CAPTURE_APIS,
     # Token ids recovered from the engine's tokenizer, or refused.
     "proxy/resolve.py": _TOKEN_IDS,
-    "proxy/tokenizers.py": _TOKEN_IDS,
+    "proxy/tokenizers.py": ["tests/test_tokenizers.py", *_TOKEN_IDS],
     "proxy/admin_token.py": ["tests/test_admin.py", *(
         "tests/test_hostile_agent.py::" + name for name in (
             "test_an_empty_admin_token_file_never_opens_the_admin_api",
             "test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start"))],
     "proxy/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
-    "proxy/budgets.py": ["tests/test_hostile_episodes.py", "tests/test_hostile_agent.py"],
+    "proxy/budgets.py": ["tests/test_budgets.py", "tests/test_hostile_episodes.py",
+                         "tests/test_hostile_agent.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
     "exporters/watermark.py": ["tests/test_export_runs.py"],

@@ -71,12 +71,15 @@ class EngineTokenizer:
     async def pieces(self, text: str) -> list[tuple[int, bytes | None]]:
         """``text`` tokenized with nothing added, each id with its bytes (None: unknown)."""
         ids = await self.text_ids(text)
-        missing = [t for t in dict.fromkeys(ids) if t not in self._pieces]
-        found = await asyncio.gather(*(self._piece(t) for t in missing))
+        # This text's pieces, taken before any await: the cache may start over meanwhile
+        # (here or in another record's call), and must not lose the ones already known.
+        pieces = {t: self._pieces[t] for t in dict.fromkeys(ids) if t in self._pieces}
+        missing = [t for t in dict.fromkeys(ids) if t not in pieces]
+        pieces.update(zip(missing, await asyncio.gather(*(self._piece(t) for t in missing))))
         if len(self._pieces) + len(missing) > PIECE_CACHE:
             self._pieces.clear()
-        self._pieces.update(zip(missing, found))
-        return [(t, self._pieces.get(t)) for t in ids]
+        self._pieces.update(pieces)
+        return [(t, pieces[t]) for t in ids]
 
     async def text_ids(self, text: str) -> list[int]:
         raise NotImplementedError

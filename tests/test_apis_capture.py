@@ -476,3 +476,303 @@ def test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk(engine, ma
         calls = proxy.calls(episode)
         assert [c["choices"][0]["text"] for c in calls] == [text, text]
         assert all(c["choices"][0]["finish_reason"] == "length" for c in calls)
+
+
+# ---- native capture on its own: the events an upstream sends, and what is kept of them ----
+
+def _feed(capture, *events) -> None:
+    for event in events:
+        capture.add(event if isinstance(event, bytes) else msgspec.json.encode(event))
+
+
+def test_messages_capture_reassembles_a_stream_block_by_block():
+    from tracetap.proxy.apis.messages.capture import MessagesApi, MessagesCapture
+    from tracetap.proxy.sse import Event
+
+    api = MessagesApi()
+    assert (api.endpoint, api.route, api.path, api.ends_with_done) == (
+        "messages", "messages", "/v1/messages", False)
+    payload = {"model": "m", "messages": []}
+    injected = api.prepare(payload, "vllm")
+    assert payload == {"model": "m", "messages": []}  # nothing asked for
+    assert api.strip_body(b'{"a": 1}', injected) == b'{"a": 1}'
+    event = Event(raw=b"event: x\ndata: {}\n\n", data=b"{}")
+    assert api.strip_event(event, injected) == event.raw
+    assert not api.is_end(b'{"type": "message_stop"}')
+    capture = api.capture(injected)
+    assert type(capture) is MessagesCapture
+    _feed(capture,
+          {"type": "message_start", "message": {"id": "msg_1", "model": "claude", "usage": {
+              "input_tokens": 9, "output_tokens": 1}}},
+          {"type": "ping"},
+          {"type": "content_block_start", "index": 0, "content_block": {
+              "type": "thinking", "thinking": ""}},
+          {"type": "content_block_delta", "index": 0, "delta": {"thinking": "hm"}},
+          {"type": "content_block_delta", "index": 0, "delta": {"thinking": "m"}},
+          {"type": "content_block_stop", "index": 0},
+          {"type": "content_block_start", "index": 1, "content_block": {"type": "text",
+                                                                        "text": ""}},
+          {"type": "content_block_delta", "index": 1, "delta": {"text": "Hel"}},
+          {"type": "content_block_delta", "index": 1, "delta": {"text": "lo"}},
+          {"type": "content_block_start", "index": 2, "content_block": {
+              "type": "tool_use", "id": "t1", "name": "f", "input": {}}},
+          {"type": "content_block_delta", "index": 2, "delta": {"partial_json": '{"a"'}},
+          {"type": "content_block_delta", "index": 2, "delta": {"partial_json": ": 1}"}},
+          {"type": "content_block_delta", "index": 3, "delta": {"text": " again"}},
+          {"type": "vendor_event"},
+          {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+           "usage": {"output_tokens": 7}},
+          {"type": "message_delta", "delta": {}})
+    assert not capture.ended
+    _feed(capture, {"type": "message_stop"})
+    assert capture.ended and capture.unknown_events == 1 and capture.errors == []
+    assert (capture.response_id, capture.model, capture.tokens()) == ("msg_1", "claude", (9, 7))
+    [choice] = capture.choices()
+    assert (choice.index, choice.finish_reason, choice.text) == (0, "tool_calls", "Hello again")
+    assert (choice.completion_ids, choice.completion_logprobs, choice.top_logprobs,
+            choice.token_source) == (None, None, None, "none")
+    assert (capture.logprobs_missing, capture.choice_count) == (1, 1)
+    message = capture.reassembled(with_logprobs=False)
+    assert message == {
+        "id": "msg_1", "model": "claude", "usage": {"input_tokens": 9, "output_tokens": 7},
+        "stop_reason": "tool_use", "content": [
+            {"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "Hello"},
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+            {"type": "text", "text": " again"}]}
+
+
+@pytest.mark.parametrize(("stop", "finish"), [
+    ("end_turn", "stop"), ("stop_sequence", "stop"), ("max_tokens", "length"),
+    ("tool_use", "tool_calls"), ("refusal", "refusal"), (None, None)])
+def test_messages_capture_of_a_whole_reply_names_the_finish_in_chats_words(stop, finish):
+    from tracetap.proxy.apis.messages.capture import MessagesCapture
+
+    capture = MessagesCapture()
+    _feed(capture, {"type": "message", "id": "msg_2", "model": "c", "stop_reason": stop,
+                    "usage": {"input_tokens": 3, "output_tokens": 2},
+                    "content": [{"type": "text", "text": "a"}, {"type": "tool_use",
+                                                                "input": {}},
+                                {"type": "text", "text": "b"}]})
+    [choice] = capture.choices()
+    assert (choice.finish_reason, choice.text) == (finish, "ab")
+    assert capture.tokens() == (3, 2) and capture.response_id == "msg_2"
+    assert not capture.ended  # a whole reply is not a stream's end event
+
+
+def test_messages_capture_keeps_what_it_can_of_a_broken_stream():
+    from tracetap.proxy.apis.messages.capture import MessagesCapture
+
+    capture = MessagesCapture()
+    assert capture.choices()[0].text is None and capture.logprobs_missing == 0
+    assert capture.tokens() == (None, None)
+    capture.response_id, capture.model = "msg_x", "c"
+    assert capture.reassembled(with_logprobs=True) == {
+        "id": "msg_x", "type": "message", "role": "assistant", "model": "c", "content": [],
+        "stop_reason": None, "usage": {}}
+    _feed(capture, b"{not json",
+          {"type": "message_start", "message": "not an object"},
+          {"type": "content_block_delta", "delta": {"text": "x"}},  # no index, no start
+          {"type": "content_block_start", "content_block": None},
+          {"type": "content_block_delta", "index": 1, "delta": {"partial_json": "{broken"}},
+          *({"type": "error", "error": {"type": "overloaded_error"}} for _ in range(6)))
+    assert capture.errors[0].startswith("unparseable upstream data: ")
+    assert capture.errors[1:] == ["upstream stream error: {'type': 'overloaded_error'}"] * 4
+    assert capture.choices()[0].text == "x"
+    content = capture.reassembled(with_logprobs=False)["content"]
+    assert content == [{"type": "text", "text": "x"}, {"input": {}}]
+
+
+def _response(**fields) -> dict:
+    """A vLLM Responses reply as tracetap asked for it: logprobs and raw message tokens."""
+    return {"id": "resp_9", "object": "response", "model": "m", "status": "completed",
+            "usage": {"input_tokens": 4, "output_tokens": 2},
+            "input_messages": [{"tokens": [1, 2]}, {"tokens": [3, 4]}],
+            "output_messages": [{"tokens": [7, 8]}],
+            "top_logprobs": 0,
+            "output": [{"type": "reasoning", "content": [{"type": "reasoning_text"}]},
+                       {"type": "message", "logprobs": [1], "content": [
+                           {"type": "output_text", "text": "h", "logprobs": [
+                               {"token": "h", "logprob": -0.5, "top_logprobs": [{"t": 1}]}]},
+                           {"type": "refusal", "text": "no"},
+                           {"type": "output_text", "text": "i", "logprobs": [
+                               {"token": "i", "logprob": -0.25, "top_logprobs": []}]}]}],
+            **fields}
+
+
+def test_responses_prepare_asks_for_logprobs_and_ids_only_when_the_client_did_not():
+    from tracetap.proxy.apis.responses.capture import LOGPROBS_INCLUDE, ResponsesApi
+
+    api = ResponsesApi()
+    assert (api.endpoint, api.route, api.path, api.ends_with_done) == (
+        "responses", "responses", "/v1/responses", False)
+    plain = {"input": "hi", "include": "not a list"}
+    injected = api.prepare(plain, "vllm")
+    assert plain["include"] == [LOGPROBS_INCLUDE] and plain["enable_response_messages"] is True
+    assert (injected.logprobs, injected.top_logprobs_echo, injected.token_ids,
+            injected.client_top_logprobs) == (True, True, True, 0)
+    asked = {"input": "hi", "include": ["reasoning.encrypted_content", LOGPROBS_INCLUDE],
+             "top_logprobs": 3, "enable_response_messages": True}
+    injected = api.prepare(asked, "vllm")
+    assert asked["include"] == ["reasoning.encrypted_content", LOGPROBS_INCLUDE]
+    assert (injected.logprobs, injected.token_ids, injected.client_top_logprobs) == (
+        False, False, 3)
+    other = {"input": "hi", "top_logprobs": 0, "include": ["x"]}
+    injected = api.prepare(other, "sglang")  # ids come only from vLLM
+    assert other == {"input": "hi", "top_logprobs": 0, "include": ["x", LOGPROBS_INCLUDE]}
+    assert injected.logprobs and not injected.top_logprobs_echo and not injected.token_ids
+    assert not api.is_end(b'{"type": "response.completed"}')
+    assert api.capture(injected).keep_top is False
+    assert api.capture(api.prepare({"top_logprobs": 2, "include": [LOGPROBS_INCLUDE]},
+                                   "vllm")).keep_top is True
+
+
+def test_responses_replies_lose_only_what_the_proxy_asked_for():
+    from tracetap.proxy.apis import Injected
+    from tracetap.proxy.apis.responses.capture import ResponsesApi
+    from tracetap.proxy.sse import Event
+
+    api = ResponsesApi()
+    both = Injected(logprobs=True, token_ids=True, top_logprobs_echo=True)
+    stripped = msgspec.json.decode(api.strip_body(msgspec.json.encode(_response()), both))
+    assert stripped["input_messages"] is None and stripped["output_messages"] is None
+    assert stripped["top_logprobs"] is None
+    message = stripped["output"][1]
+    assert message["logprobs"] is None
+    assert [p.get("logprobs") for p in message["content"]] == [None, None, None]
+    assert stripped["output"][0] == _response()["output"][0]
+    kept = msgspec.json.decode(api.strip_body(msgspec.json.encode(_response()),
+                                              Injected(logprobs=True)))
+    assert kept["input_messages"] == [{"tokens": [1, 2]}, {"tokens": [3, 4]}]
+    assert kept["top_logprobs"] == 0  # the client set it: echoed as it is
+    untouched = msgspec.json.decode(api.strip_body(msgspec.json.encode(_response()),
+                                                   Injected(token_ids=True)))
+    assert untouched["output"] == _response()["output"] and untouched["input_messages"] is None
+
+    def event(data: dict, head: bytes = b"event: e\n") -> Event:
+        raw = head + b"data: " + msgspec.json.encode(data) + b"\n\n"
+        return Event(raw=raw, data=msgspec.json.encode(data))
+
+    delta = event({"type": "response.output_text.delta", "delta": "h",
+                   "logprobs": [{"logprob": -1}]})
+    assert api.strip_event(delta, Injected(logprobs=False)) == delta.raw
+    out = api.strip_event(delta, Injected(logprobs=True))
+    assert out.startswith(b"event: e\ndata: ") and out.endswith(b"\n\n")
+    assert msgspec.json.decode(out[len(b"event: e\ndata: "):])["logprobs"] == []
+    empty = event({"type": "response.output_text.delta", "delta": "h", "logprobs": []})
+    assert api.strip_event(empty, Injected(logprobs=True)) == empty.raw  # byte for byte
+    other = event({"type": "response.other", "logprobs": [1]})
+    assert api.strip_event(other, Injected(logprobs=True)) == other.raw
+    done = event({"type": "response.content_part.done", "part": {
+        "type": "output_text", "logprobs": [{"logprob": -1}]}}, head=b"")
+    out = api.strip_event(done, Injected(logprobs=True))
+    assert out.startswith(b"data: ") and msgspec.json.decode(out[6:])["part"]["logprobs"] is None
+    item = event({"type": "response.output_item.done", "item": {
+        "type": "message", "content": [{"logprobs": [1]}]}})
+    assert msgspec.json.decode(api.strip_event(item, Injected(logprobs=True)).split(
+        b"data: ", 1)[1])["item"]["content"][0]["logprobs"] is None
+    clean = event({"type": "response.output_item.done", "item": {"type": "message",
+                                                                  "content": ["x"]}})
+    assert api.strip_event(clean, Injected(logprobs=True)) == clean.raw
+    final = event({"type": "response.completed", "response": _response()})
+    out = msgspec.json.decode(api.strip_event(final, Injected(token_ids=True)).split(
+        b"data: ", 1)[1])
+    assert out["response"]["output_messages"] is None
+
+
+def test_responses_capture_takes_the_final_response_as_the_authority():
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture(keep_top=True)
+    _feed(capture,
+          {"type": "response.created", "response": {"id": "resp_9", "model": "m"}},
+          {"type": "response.output_text.delta", "delta": "x", "logprobs": [{"logprob": -9}]},
+          {"type": "response.function_call_arguments.delta", "item_id": "fc", "delta": "{"},
+          {"type": "vendor.debug"}, {"type": "response.in_progress"}, {"no": "type"})
+    assert (capture.response_id, capture.model, capture.unknown_events) == ("resp_9", "m", 2)
+    assert not capture.ended and capture.tokens() == (None, None)
+    _feed(capture, {"type": "response.completed", "response": _response()})
+    assert capture.ended and capture.prompt_ids == [1, 2, 3, 4]
+    assert capture.tokens() == (4, 2)
+    [choice] = capture.choices()
+    assert (choice.text, choice.completion_ids, choice.completion_logprobs) == (
+        "hi", [7, 8], [-0.5, -0.25])
+    assert choice.top_logprobs == [[{"t": 1}], []]
+    assert (choice.finish_reason, choice.token_source) == ("stop", "engine")
+    assert (capture.logprobs_missing, capture.choice_count) == (0, 1)
+    assert capture.reassembled(with_logprobs=True) is capture.final
+    plain = capture.reassembled(with_logprobs=False)
+    assert plain["output_messages"] is None and plain["output"][1]["logprobs"] is None
+    assert capture.final["output_messages"] == [{"tokens": [7, 8]}]  # its own copy kept
+    nothing = ResponsesCapture(keep_top=True)
+    [empty] = nothing.choices()
+    assert (empty.text, empty.completion_logprobs, empty.top_logprobs) == (None, None, None)
+    assert nothing.logprobs_missing == 0  # no text, no ids: nothing is missing
+
+
+@pytest.mark.parametrize(("fields", "finish"), [
+    ({"status": "incomplete"}, "length"),
+    ({"status": "completed", "output": [{"type": "function_call"}]}, "tool_calls"),
+    ({"status": "failed"}, "failed"),
+    ({"status": "completed"}, "stop"),
+])
+def test_responses_capture_names_the_finish_in_chats_words(fields, finish):
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture()
+    _feed(capture, _response(**fields))  # a whole, non-streamed reply
+    assert capture.choices()[0].finish_reason == finish and not capture.ended
+    assert capture.response_id == "resp_9" and capture.prompt_ids == [1, 2, 3, 4]
+
+
+def test_responses_capture_without_a_final_response_keeps_the_deltas():
+    from tracetap.proxy.apis.responses.capture import TERMINAL, ResponsesCapture
+
+    assert TERMINAL == ("response.completed", "response.incomplete", "response.failed")
+    capture = ResponsesCapture(keep_top=True)
+    _feed(capture,
+          {"type": "response.output_text.delta", "delta": "a", "logprobs": [
+              {"logprob": -1.0, "top_logprobs": [1]}]},
+          {"type": "response.output_text.delta", "logprobs": None},
+          {"type": "response.output_text.delta", "delta": "b", "logprobs": [
+              {"logprob": -2.0, "top_logprobs": [2]}]},
+          b"[broken",
+          *({"type": "error", "message": "overloaded"} for _ in range(6)))
+    [choice] = capture.choices()
+    assert (choice.text, choice.completion_ids, choice.completion_logprobs) == (
+        "ab", None, [-1.0, -2.0])
+    assert choice.top_logprobs == [[1], [2]] and choice.token_source == "none"
+    assert choice.finish_reason is None and capture.logprobs_missing == 0
+    assert capture.errors[1:] == ["upstream stream error: overloaded"] * 4
+    capture.response_id, capture.model = "resp_x", "m"
+    assert capture.reassembled(with_logprobs=True) == {
+        "id": "resp_x", "object": "response", "model": "m", "status": "incomplete",
+        "output": []}
+
+
+@pytest.mark.parametrize(("messages", "ids"), [
+    (None, None), ([], None), ("x", None), ([{"tokens": [1]}, {"tokens": None}], None),
+    ([{"tokens": [1]}, "x"], None), ([{"tokens": []}, {"tokens": [5, 6]}], [5, 6])])
+def test_responses_capture_reads_vllms_raw_tokens_only_when_each_entry_has_them(messages, ids):
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture()
+    _feed(capture, _response(input_messages=messages, output_messages=messages))
+    assert capture.prompt_ids == ids
+    assert capture.choices()[0].completion_ids == ids
+
+
+@pytest.mark.parametrize(("logprobs", "values", "missing"), [
+    ([{"logprob": -1}, {"logprob": -2}], [-1, -2], 0),
+    ([{"logprob": -1}, {"token": "x"}], None, 1),  # an entry without its logprob
+    ([{"logprob": -1}], None, 1),  # fewer than the ids
+    ([], None, 1),
+])
+def test_responses_logprobs_are_kept_only_whole_and_one_per_id(logprobs, values, missing):
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture()
+    _feed(capture, _response(output=[{"type": "message", "content": [
+        {"type": "output_text", "text": "ab", "logprobs": logprobs}]}]))
+    [choice] = capture.choices()
+    assert choice.completion_logprobs == values and capture.logprobs_missing == missing
+    assert choice.top_logprobs is None  # the client did not ask for them

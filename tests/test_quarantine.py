@@ -18,7 +18,7 @@ from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal
 from tracetap.storage.quarantine import Quarantine, read_all
 from tracetap.storage.records import CallRecord, ChoiceRecord
-from tracetap.storage.refusal import is_refusal, write_batch
+from tracetap.storage.refusal import Outcome, is_refusal, write_batch
 from tracetap.storage.storable import MARK, UNSTORABLE_IDS
 from tracetap.storage.writer import Writer, WriterObserver
 
@@ -312,3 +312,261 @@ def test_the_dead_letter_file_is_bounded_and_what_it_leaves_out_is_counted(db_ur
     assert (tmp_path / "quarantine" / "journal.jsonl").stat().st_size <= bound
     assert outcomes["quarantined"] == len(kept)
     assert outcomes["dropped"] == len(poison) - len(kept)
+
+
+# ---- each step on its own: what is a refusal, what storable changes and says, the file ----
+
+def test_a_refusal_is_the_datas_fault_however_the_driver_wraps_it():
+    import sqlite3
+    import struct
+
+    from asyncpg.exceptions import (
+        CheckViolationError,
+        ProgramLimitExceededError,
+        SerializationError,
+    )
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    wrapped = DBAPIError("INSERT", {}, CheckViolationError("check"))
+    assert is_refusal(wrapped)  # 23514, under SQLAlchemy's wrapper
+    assert is_refusal(ProgramLimitExceededError("row too big"))  # 54000
+    assert not is_refusal(SerializationError("retry"))  # 40001: retrying helps
+    lost = DBAPIError("INSERT", {}, CheckViolationError("check"), connection_invalidated=True)
+    assert not is_refusal(lost)  # the connection went with it: an outage
+    assert not is_refusal(OperationalError("INSERT", {}, sqlite3.OperationalError("locked")))
+    bare = DBAPIError("INSERT", {}, None)  # nothing underneath: judged as itself
+    bare.orig = None
+    assert not is_refusal(bare)
+    for error in (ValueError(), TypeError(), struct.error(), sqlite3.DataError(),
+                  sqlite3.ProgrammingError(), UnicodeEncodeError("utf-8", "\ud800", 0, 1, "x")):
+        assert is_refusal(error), error
+
+
+def test_the_reason_is_one_bounded_line_naming_the_error():
+    from tracetap.storage.refusal import reason
+
+    assert reason(ValueError("bad\n  value\tthere ")) == "ValueError: bad value there"
+    assert len(reason(ValueError("x" * 5000))) == 1000
+
+
+def test_a_refused_record_is_split_out_of_its_batch_and_the_rest_written_once():
+    from tracetap.storage.refusal import Altered, Refused
+
+    class Engine:  # the dialect is all write_batch reads of it
+        class dialect:
+            name = "postgresql"
+
+    batches = []
+
+    async def insert(engine, records):
+        batches.append([r.call_id for r in records])
+        if any(r.seq is None or (r.model or "").startswith("\x00") for r in records):
+            raise ValueError("refused")
+
+    good = [_normal(i) for i in range(5)]
+    bad, fixable = _poison("missing_seq"), _poison("nul")
+    fixable.model = "\x00m"
+    outcome = asyncio.run(write_batch(Engine(), [*good[:2], bad, fixable, *good[2:]], insert))
+    assert [r.record for r in outcome.refused] == [bad]
+    assert outcome.refused == [Refused(bad, "ValueError: refused")]
+    assert [a.record for a in outcome.altered] == [fixable]  # stored as storable made it
+    assert outcome.altered == [Altered(fixable, ["model: NUL replaced with U+FFFD",
+                                                 "request: NUL written as \\u0000",
+                                                 "choices[0].text: NUL replaced with U+FFFD"])]
+    assert batches[0] == [r.call_id for r in [*good[:2], bad, fixable, *good[2:]]]
+    # Halves until the refused one is alone (tried once more only if storable changed it):
+    # 7 -> 3 (1, 2 -> 1, 1) and 4 (2 -> 1 -> its altered copy, 1; 2).
+    assert [len(b) for b in batches] == [7, 3, 1, 2, 1, 1, 4, 2, 1, 1, 1, 2]
+    assert batches[-4] == [fixable.call_id]  # the altered copy, under the same id
+    assert asyncio.run(write_batch(Engine(), [], insert)) == Outcome()
+    assert len(batches) == 12  # nothing to write: nothing asked
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_storable_says_what_it_changed_and_changes_only_that(dialect):
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.prompt_ids, record.prompt_tokens, record.completion_tokens = [1, 2**31], 2**31, 5
+    record.model, record.error = "m" * 300, "upstream said no"
+    record.request = '{"a": "\x00"}'
+    record.choices = [ChoiceRecord(index=0, text="fine", completion_ids=[1]),
+                      ChoiceRecord(index=1, text="t\x00", completion_ids=[-(2**31) - 1],
+                                   finish_reason="f" * 40, top_logprobs=[{"id": 2**70}],
+                                   completion_logprobs=[-1, "x"])]
+    fixed, notes = storable(record, dialect)
+    postgres = dialect == "postgresql"
+    expected = (["prompt_tokens 2147483648 out of range, not stored"] if postgres else []) + [
+        "prompt_ids: a token id outside int32, ids not stored"]
+    if postgres:
+        expected += ["model: 300 characters cut to 256", "request: NUL written as \\u0000",
+                     "choices[1].finish_reason: 40 characters cut to 32",
+                     "choices[1].text: NUL replaced with U+FFFD"]
+    expected += ["choices[1].completion_ids: a token id outside int32, ids not stored",
+                 "choices[1].top_logprobs: not encodable, not stored",
+                 "choices[1].completion_logprobs: not numbers, not stored"]
+    assert notes == expected
+    assert fixed.error == "upstream said no; " + MARK + "; ".join(expected)
+    assert fixed.prompt_ids is None and fixed.prompt_ids_packed is None
+    assert (fixed.prompt_source, fixed.ids_missing) == ("none", UNSTORABLE_IDS)
+    assert fixed.prompt_tokens == (None if postgres else 2**31) and fixed.completion_tokens == 5
+    assert fixed.model == ("m" * 256 if postgres else "m" * 300)
+    assert fixed.request == ('{"a": "\\u0000"}' if postgres else '{"a": "\x00"}')
+    assert fixed.choices[0] is record.choices[0]  # nothing to change: the same choice
+    changed = fixed.choices[1]
+    assert changed.text == ("t\ufffd" if postgres else "t\x00")
+    assert changed.finish_reason == ("f" * 32 if postgres else "f" * 40)
+    assert (changed.completion_ids, changed.token_source) == (None, "none")
+    assert changed.top_logprobs is None and changed.completion_logprobs is None
+    assert record.prompt_ids == [1, 2**31] and record.choices[1].text == "t\x00"  # a copy
+
+
+def test_storable_leaves_a_storable_record_alone_and_never_touches_an_id():
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.choices[0].completion_logprobs = [-1, -0.5]  # ints and floats are numbers
+    record.prompt_ids = []
+    assert storable(record, "postgresql") == (record, [])
+    record.episode_id, record.call_id = "e\x00" + "e" * 200, "c\x00"
+    assert storable(record, "postgresql") == (record, [])
+    surrogate = _normal(0)
+    surrogate.model = "a\ud800b\U0001f600"
+    fixed, notes = storable(surrogate, "sqlite")
+    assert fixed.model == "a\ufffdb\U0001f600"
+    assert notes == ["model: invalid characters replaced with U+FFFD"]
+    assert fixed.error == MARK + notes[0]
+    ids = _normal(0)
+    ids.prompt_ids, ids.prompt_tokens = [1, "2"], -(2**63) - 1
+    fixed, notes = storable(ids, "sqlite")
+    assert notes == [f"prompt_tokens {-(2**63) - 1} out of range, not stored",
+                     "prompt_ids: a token id outside int32, ids not stored"]
+    bounds = _normal(0)
+    bounds.prompt_ids, bounds.prompt_tokens = [-(2**31), 2**31 - 1], 2**31 - 1
+    bounds.choices[0].completion_ids = [0, 2**31 - 1]
+    assert storable(bounds, "postgresql") == (bounds, [])
+
+
+def test_storable_marks_a_choice_whose_ids_it_dropped():
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.choices[0].completion_ids = [2**40]
+    fixed, _ = storable(record, "sqlite")
+    assert fixed.ids_missing == UNSTORABLE_IDS and fixed.prompt_ids == [1, 2, 3]
+    text = _normal(0)
+    text.choices[0].text = "\ud800"
+    fixed, _ = storable(text, "sqlite")
+    assert fixed.ids_missing is None and fixed.choices[0].completion_ids == [4, 5]
+
+
+def test_the_dead_letter_file_keeps_each_record_once_owner_only_and_logs_a_line_a_batch(
+        tmp_path, caplog):
+    import os
+    import stat
+
+    from tracetap.storage.quarantine import count, read
+    from tracetap.storage.refusal import Altered, Refused
+
+    path = tmp_path / "q" / "w.jsonl"
+    quarantine = Quarantine(path)
+    refused = [_poison("missing_seq"), _poison("missing_seq")]
+    altered = _poison("nul")
+    outcome = Outcome(refused=[Refused(r, "IntegrityError: seq") for r in refused],
+                      altered=[Altered(altered, ["model: x", "request: y"])])
+    assert quarantine.keep(Outcome(), "sqlite") == (0, 0, 0) and not path.exists()
+    with caplog.at_level(logging.WARNING, logger="tracetap.quarantine"):
+        assert quarantine.keep(outcome, "postgresql") == (2, 1, 0)
+        assert quarantine.keep(outcome, "postgresql") == (0, 0, 0)  # a replay: kept already
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    entries = list(read(path))
+    assert [(e.call_id, e.kind, e.reason, e.database) for e in entries] == [
+        (refused[0].call_id, "refused", "IntegrityError: seq", "postgresql"),
+        (refused[1].call_id, "refused", "IntegrityError: seq", "postgresql"),
+        (altered.call_id, "altered", "model: x; request: y", "postgresql")]
+    assert entries[0].episode_id == "poison-missing_seq" and entries[2].call() == altered
+    assert count(tmp_path / "nowhere") == (0, 0)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("ERROR", f"QUARANTINED 2 calls the database refused (first: {refused[0].call_id} of "
+                  f"episode poison-missing_seq: IntegrityError: seq); 2 kept in {path} "
+                  "(tracetap quarantine list)"),
+        ("WARNING", f"1 calls stored altered (first: {altered.call_id} of episode "
+                    "poison-nul: model: x; request: y)"),
+        ("ERROR", f"QUARANTINED 2 calls the database refused (first: {refused[0].call_id} of "
+                  f"episode poison-missing_seq: IntegrityError: seq); 0 kept in {path} "
+                  "(tracetap quarantine list)"),
+        ("WARNING", f"1 calls stored altered (first: {altered.call_id} of episode "
+                    "poison-nul: model: x; request: y)")]
+    again = Quarantine(path)  # another process reads what is there before adding
+    assert again.add([entries[0]]) == 0 and again.add([entries[0]]) == 0
+    with open(path, "ab") as cut:
+        cut.write(b'{"call_id": "cut by a cra')
+    assert [e.call_id for e in read(path)] == [e.call_id for e in entries]
+
+
+def test_a_full_dead_letter_file_counts_what_it_leaves_out_and_says_so(tmp_path, caplog):
+    from tracetap.storage.quarantine import entry
+    from tracetap.storage.refusal import Refused
+
+    records = [_poison("missing_seq") for _ in range(3)]
+    one = len(msgspec_line(entry(records[0], "refused", "r", "sqlite")))
+    quarantine = Quarantine(tmp_path / "q.jsonl", max_bytes=2 * one + one // 2)
+    outcome = Outcome(refused=[Refused(r, "r") for r in records])
+    with caplog.at_level(logging.ERROR, logger="tracetap.quarantine"):
+        assert quarantine.keep(outcome, "sqlite") == (2, 0, 1)
+    assert quarantine.overflow == 1
+    assert (tmp_path / "q.jsonl").stat().st_size <= 2 * one + one // 2
+    assert caplog.records[-1].getMessage() == (
+        f"the dead-letter file {tmp_path / 'q.jsonl'} is full ({2 * one + one // 2} bytes): "
+        "1 refused calls are lost (counted as dropped)")
+    exact = Quarantine(tmp_path / "exact.jsonl", max_bytes=one)
+    assert exact.add([entry(records[0], "refused", "r", "sqlite")]) == 1  # fits exactly
+
+
+def msgspec_line(e) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(e) + b"\n"
+
+
+def test_journal_payloads_that_no_longer_decode_are_kept_as_their_bytes(tmp_path, caplog):
+    import msgspec
+
+    from tracetap.storage.quarantine import count, read_all
+
+    good = _normal(1)
+    payloads = [msgspec.msgpack.encode(good), b"\xc1junk", b"\xc1junk", b"\xc1other"]
+    quarantine = Quarantine.beside(tmp_path / "journal")
+    decode = msgspec.msgpack.Decoder(CallRecord).decode
+    with caplog.at_level(logging.ERROR, logger="tracetap.quarantine"):
+        records, new = quarantine.decoded(payloads, decode, "sqlite")
+        again = quarantine.decoded(payloads[:2], decode, "sqlite")
+    assert records == [good] and new == 2 and again == ([good], 0)
+    assert quarantine.path == tmp_path / "quarantine" / "journal.jsonl"
+    kept = read_all(tmp_path)
+    assert [e.record for e in kept] == [b"\xc1junk", b"\xc1other"]
+    assert all(e.call_id.startswith("undecodable-") and len(e.call_id) == 36 for e in kept)
+    assert kept[0].kind == "refused" and kept[0].database == "sqlite"
+    assert kept[0].reason.startswith("undecodable journal record: ")
+    assert count(tmp_path) == (2, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"QUARANTINED 2 journal records that do not decode; kept in {quarantine.path}"]
+    assert quarantine.decoded([], decode, "sqlite") == ([], 0)
+
+
+def test_every_workers_file_is_read_oldest_first(tmp_path):
+    from tracetap.storage.quarantine import entry, read_all
+
+    first, second, third = (_poison("missing_seq") for _ in range(3))
+    a, b = Quarantine.beside(tmp_path / "journal-b"), Quarantine.beside(tmp_path / "journal-a")
+    e1, e2, e3 = (entry(r, "refused", "r", "sqlite") for r in (first, second, third))
+    e1.quarantined_at, e2.quarantined_at, e3.quarantined_at = 1.0, 2.0, 3.0
+    a.add([e1, e3])
+    b.add([e2])
+    altered = entry(_poison("nul"), "altered", "x", "sqlite")
+    b.add([altered])
+    assert [e.call_id for e in read_all(tmp_path)][:3] == [first.call_id, second.call_id,
+                                                           third.call_id]
+    from tracetap.storage.quarantine import count
+    assert count(tmp_path) == (3, 1)
