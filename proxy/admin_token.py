@@ -26,6 +26,14 @@ def read_admin_token(data_dir: str | Path) -> str | None:
     return token or None
 
 
+def new_token() -> str:
+    """A random token that does not start with '-': one that did (1 in 64) would read as
+    an option where a command takes ``--admin-token TOKEN``."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
+
+
 def ensure_admin_token(data_dir: str | Path) -> tuple[str, Path]:
     """The stored token, or a new one written readable by this user only."""
     path = token_path(data_dir)
@@ -33,7 +41,7 @@ def ensure_admin_token(data_dir: str | Path) -> tuple[str, Path]:
     if token is not None:
         return token, path
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     # O_EXCL: two processes starting at once agree on the first token written.
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

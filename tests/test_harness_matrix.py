@@ -122,7 +122,11 @@ def proxies(tmp_path_factory) -> Iterator[dict[tuple, Proxy]]:
     """The mock engine (one bare tool call, then an answer) behind tracetap on SQLite,
     once per set of serve settings the harnesses use."""
     loop = LoopThread()
-    engine = EngineServer(EngineConfig(flavor="vllm", tool_rounds=1, tool_preface=0.0))
+    # A tool call's arguments come from the harness's schema with random values: Codex's
+    # exec_command has ten of them, which some seeds spell in more than the engine's
+    # default 256 tokens (an incomplete reply Codex gives up on). The harnesses set no cap.
+    engine = EngineServer(EngineConfig(flavor="vllm", tool_rounds=1, tool_preface=0.0,
+                                       max_tokens_default=2048))
     loop.run(engine.start())
     started = {}
     steering = web.AppRunner(steer.app(engine.url))

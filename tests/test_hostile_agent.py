@@ -378,3 +378,12 @@ def test_bad_allow_path_rules_fail_at_start(upstream, tmp_path):
             capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, rule
         assert "--allow-path" in result.stderr
+
+
+def test_a_generated_admin_token_never_reads_as_an_option(tmp_path, monkeypatch):
+    """`tracetap run --admin-token TOKEN` (and every command taking it) would take a token
+    starting with '-' for an option: the generator draws again (1 in 64 did)."""
+    draws = iter(["-starts-with-a-dash", "plain-token"])
+    monkeypatch.setattr(admin_token.secrets, "token_urlsafe", lambda n: next(draws))
+    token, path = ensure_admin_token(tmp_path)
+    assert token == "plain-token" == path.read_text().strip()
