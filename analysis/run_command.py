@@ -119,6 +119,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="writes each episode's harness and grader output "
         "to DIR/EPISODE.log (default: discarded)",
     )
+    a(
+        "--overlay",
+        metavar="NAME",
+        help="register every episode with this overlay: one the proxy loaded at start, or "
+        "a patch installed at run time (docs/overlays.md) [default: none]",
+    )
+    a(
+        "--overlay-file",
+        metavar="[NAME=]FILE",
+        help="install FILE (a patch: Python source with the hooks) through the admin API, "
+        "then register every episode with it; NAME defaults to the file's stem and the "
+        "first 8 hex digits of its sha256 (an edited file is a new patch)",
+    )
     a("--json", action="store_true", help="the summary as JSON for scripts [default off]")
 
 
@@ -150,6 +163,10 @@ async def _run(args: argparse.Namespace) -> int:
     from tracetap.analysis.runner.episode import Commands, check_templates
     from tracetap.analysis.runner.summary import render, summarise
 
+    if args.overlay and args.overlay_file:
+        raise ValueError("--overlay or --overlay-file, not both")
+    patch = plan.read_patch(args.overlay_file) if args.overlay_file else None
+    overlay = patch[0] if patch else args.overlay
     tasks = plan.read_tasks(args.tasks)
     configs = plan.read_configs(args.configs, args.config)
     run_id = (
@@ -163,6 +180,7 @@ async def _run(args: argparse.Namespace) -> int:
             args.repeats,
             args.group,
             args.shell,
+            *([overlay] if overlay else []),  # runs without one keep their ids
         )
     )
     slots = plan.slots(run_id, tasks, configs, args.repeats, args.group)
@@ -173,6 +191,7 @@ async def _run(args: argparse.Namespace) -> int:
         shell=args.shell,
         timeout=args.timeout,
         logs=Path(args.logs) if args.logs else None,
+        overlay=overlay,
     )
     check_templates(slots, commands)
     print(
@@ -182,6 +201,11 @@ async def _run(args: argparse.Namespace) -> int:
     )
     admin = AdminClient(args.proxy, _token(args))
     try:
+        if patch is not None:
+            installed = await admin.install_overlay(*patch)
+            print(f"tracetap run: overlay {patch[0]} installed (sha256 "
+                  f"{installed['sha256'][:12]}, hooks {', '.join(installed['hooks'])})",
+                  file=sys.stderr)
         results, elapsed = await run_batch(
             slots, admin, commands, concurrency=args.concurrency, progress_stream=sys.stderr
         )

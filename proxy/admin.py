@@ -120,7 +120,7 @@ async def create_episode(request: web.Request) -> web.Response:
     api_key = KEY_PREFIX + secrets.token_urlsafe(32)
     key_hash = hash_key(api_key)
     harness = spec.harness or Harness()
-    metadata = _with_overlay(state, spec)
+    metadata = await _with_overlay(state, spec)
     limits = state.budgets.limits_for(spec.budget)
     try:
         await queries.create_episode(
@@ -145,7 +145,7 @@ async def create_episode(request: web.Request) -> web.Response:
                              status=201)
 
 
-def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
+async def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
     """The metadata to store: with ``"overlay"`` when the episode opts in (so tools that
     compare runs, such as ``tracetap compare``, can select by it)."""
     given = (spec.metadata or {}).get("overlay")
@@ -154,7 +154,7 @@ def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
                           "overlay_in_metadata")
     if spec.overlay is None:
         return spec.metadata
-    state.overlays.check(spec.overlay)
+    await state.overlays.check(spec.overlay)
     return {**(spec.metadata or {}), "overlay": spec.overlay}
 
 

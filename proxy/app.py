@@ -10,7 +10,7 @@ import os
 
 from aiohttp import web
 
-from tracetap.proxy import admin, flavor, handlers
+from tracetap.proxy import admin, admin_overlays, flavor, handlers
 from tracetap.proxy.compose import compose_state
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.loader import load_overlays
@@ -47,6 +47,10 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_get("/tracetap/policy", admin.get_policy)
     r.add_post("/tracetap/pause", admin.pause)
     r.add_post("/tracetap/resume", admin.resume)
+    r.add_get("/tracetap/overlays", admin_overlays.list_overlays)
+    r.add_get("/tracetap/overlays/{name}", admin_overlays.get_overlay)
+    r.add_put("/tracetap/overlays/{name}", admin_overlays.put_overlay)
+    r.add_delete("/tracetap/overlays/{name}", admin_overlays.delete_overlay)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
     r.add_get("/readyz", admin.readyz)
@@ -83,6 +87,7 @@ async def _lifecycle(app: web.Application):
         await state.controls.refresh()
     except Exception as exc:  # the database is down: serve, and follow it once it is back
         log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
+    await state.overlays.patches.refresh()  # a restarted proxy runs the stored patches
     state.writer.start()
     background = await _background(state, worker is not None)
     try:
@@ -99,7 +104,8 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     """The tasks that run beside the calls, started (the flavor asked first, if auto)."""
     pool, settings = state.pool, state.settings
     background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
-        state.tagger.follow(functools.partial(queries.registered_since, state.engine)))]
+        state.tagger.follow(functools.partial(queries.registered_since, state.engine))),
+        asyncio.create_task(state.overlays.patches.follow())]  # patches installed elsewhere
     if is_worker:
         # Gauges mirrored from a worker's state are read from files by whichever worker is
         # scraped, so each worker keeps its own current.
@@ -123,6 +129,7 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
 
 async def _close(state: ProxyState) -> None:
     await state.controls.close()
+    await state.overlays.patches.close()  # their worker processes
     await state.budgets.settled()  # what calls held is released before the DB closes
     await state.writer.close(timeout=state.settings.drain_timeout)
     await state.pool.client.close()

@@ -25,7 +25,9 @@ from tracetap.proxy.gate import Gate
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.overlays.patches import Patches
 from tracetap.proxy.overlays.runner import Overlays
+from tracetap.proxy.overlays.workers import Limits
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair
@@ -89,7 +91,10 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         overlays=Overlays(overlays, fail=settings.overlay_fail,
                           timeout=settings.overlay_timeout,
                           max_resamples=settings.overlay_max_resamples, metrics=metrics,
-                          registered=functools.partial(queries.episode_registration, engine)),
+                          registered=functools.partial(queries.episode_registration, engine),
+                          patches=Patches(engine, Limits(settings.overlay_patch_memory,
+                                                         settings.overlay_patch_cpu),
+                                          reserved=frozenset(overlays))),
         routing=Routing(settings.translate, native={
             "responses": ResponsesApi(), "messages": MessagesApi()}),
         instance=instance,

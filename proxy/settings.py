@@ -82,6 +82,8 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_fail: str = "open"
     overlay_timeout: float = 2.0
     overlay_max_resamples: int = 2
+    overlay_patch_memory: int = 512  # MiB of address space for a runtime patch's worker
+    overlay_patch_cpu: int = 10  # CPU seconds a runtime patch's hook may use (a backstop)
     workers: int = 1
     tokenizer: str | None = None
     routed_experts: bool = False  # issue 27: ask for MoE routing, store it (proxy.experts)
@@ -164,6 +166,9 @@ class Settings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--overlay-timeout must be positive, got {self.overlay_timeout}")
         if self.overlay_max_resamples < 0:
             raise ValueError("--overlay-max-resamples must be 0 or more")
+        if self.overlay_patch_memory < 64 or self.overlay_patch_cpu < 1:
+            raise ValueError("--overlay-patch-memory is 64 MiB or more, "
+                             "--overlay-patch-cpu 1 s or more")
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
 
     def _check_reaching(self) -> None:
@@ -335,6 +340,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--overlay-max-resamples", type=int,
       default=int(_env("overlay_max_resamples", d.overlay_max_resamples)),
       help="times a vetoed reply is sampled again before the last one is delivered")
+    a("--overlay-patch-memory", type=int, metavar="MIB",
+      default=int(_env("overlay_patch_memory", d.overlay_patch_memory)),
+      help="address space (RLIMIT_AS) of each runtime patch's worker process "
+           "(PUT /tracetap/overlays/NAME; docs/overlays.md)")
+    a("--overlay-patch-cpu", type=int, metavar="SECONDS",
+      default=int(_env("overlay_patch_cpu", d.overlay_patch_cpu)),
+      help="CPU seconds (RLIMIT_CPU) a runtime patch's hook may use before its worker is "
+           "ended: a backstop behind --overlay-timeout")
     a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
       help="default per-episode budget: model calls")
     a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),

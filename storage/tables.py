@@ -201,4 +201,18 @@ class EpisodeBudget(Base):
     tokens_reserved: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class OverlayPatch(Base):
+    """A runtime overlay patch (0013): Python source an episode names as its overlay, so
+    every process on the database runs the same code for it (docs/overlays.md)."""
+
+    __tablename__ = "overlay_patches"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64))  # of the source's UTF-8 bytes
+    source: Mapped[str] = mapped_column(Text)
+    hooks: Mapped[str] = mapped_column(Text)  # JSON list: the hooks it defines
+    after_model_sees: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
 metadata = Base.metadata

@@ -25,6 +25,7 @@ class Registration(msgspec.Struct, omit_defaults=True):
     task_id: str | None = None
     harness: Harness | None = None
     metadata: dict[str, Any] | None = None
+    overlay: str | None = None  # an overlay loaded at start or installed (docs/overlays.md)
 
 
 class Registered(msgspec.Struct):
@@ -87,6 +88,14 @@ class AdminClient:
         status, body = await self._call("POST", f"/tracetap/episodes/{episode_id}/finish", finish)
         if status != 200:
             raise AdminError(f"finishing {episode_id}: HTTP {status}: {_said(body)}")
+
+    async def install_overlay(self, name: str, source: str) -> dict[str, Any]:
+        """``PUT /tracetap/overlays/NAME``: the patch, loaded and stored by the proxy (the
+        same source again is accepted as it is)."""
+        status, body = await self._call("PUT", f"/tracetap/overlays/{name}", {"source": source})
+        if status not in (200, 201):
+            raise AdminError(f"installing overlay {name}: HTTP {status}: {_said(body)}")
+        return msgspec.json.decode(body)
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = None if body is None else msgspec.json.encode(body)

@@ -27,6 +27,7 @@ class Commands(msgspec.Struct, frozen=True):
     shell: bool = False
     timeout: float | None = None
     logs: Path | None = None  # each attempt's harness and grader output, EPISODE.log
+    overlay: str | None = None  # every episode registered with it (docs/overlays.md)
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -95,6 +96,7 @@ def _registration(slot: Slot, commands: Commands, attempt: int) -> Registration:
         task_id=slot.task.id,
         harness=Harness(commands.harness_name, slot.config),
         metadata={"run": slot.run_id, "repeat": slot.repeat, "attempt": attempt},
+        overlay=commands.overlay,
     )
 
 

@@ -105,6 +105,19 @@ def parse_config(term: str) -> dict[str, Any]:
     return config
 
 
+def read_patch(value: str) -> tuple[str, str]:
+    """``--overlay-file [NAME=]FILE``: (the patch's name, its source)."""
+    name, sep, path = value.rpartition("=") if "=" in value else ("", "", value)
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--overlay-file {path}: {exc}") from None
+    if not sep:
+        stem = safe(Path(path).stem, 40).replace(":", "_")
+        name = f"{stem}-{hashlib.sha256(source.encode()).hexdigest()[:8]}"
+    return name, source
+
+
 def default_run_id(*parts: Any) -> str:
     """The run id when none is given: a hash of everything that decides what runs, so
     the same command line resumes its own run."""
@@ -140,6 +153,7 @@ __all__ = [
     "check_run_id",
     "default_run_id",
     "read_configs",
+    "read_patch",
     "read_tasks",
     "slots",
 ]

@@ -5,5 +5,8 @@ The rules (what is recorded, what is trainable, what fails how) are in docs/over
 at start, ``runner`` calls hooks under a time budget and keeps each episode's overlay
 state, ``context`` keeps what overlays added in the model's context, ``review`` buffers a
 reply for ``after_model`` and re-samples, ``deliver`` writes a rewritten reply in the
-client's API, and ``examples`` holds the three shipped overlays.
+client's API, and ``examples`` holds the three shipped overlays. Runtime patches
+(untrusted code installed through the admin API): ``patches`` keeps them (stored in the
+database), ``workers`` runs each in a process of its own, ``patch_worker`` is that
+process, ``sandbox`` confines it, ``frames`` is the wire between the two.
 """

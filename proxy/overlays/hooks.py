@@ -113,6 +113,7 @@ class OverlayLog(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Stored as JSON in calls.overlay for every call of an episode with an overlay."""
 
     name: str
+    patch: str | None = None  # a runtime patch's sha256 (the source that ran)
     events: list[OverlayEvent] = []
     attempt: int = 0  # 0: the harness's own request; k: the k-th re-sample
     retry_of: str | None = None  # the call id of the vetoed attempt this one replaces

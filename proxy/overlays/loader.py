@@ -1,5 +1,6 @@
 """``--overlay NAME=package.module:factory[,key=value...]``: the operator's code, imported
-at start. Overlays are never loaded through the API: only these flags name code."""
+at start. This is the operator's own code, run in the proxy; code from anyone else is a
+runtime patch (``overlays.patches``), installed through the API and run out of process."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ class _Review:
         session, previous = self.session, self.attempt
         attempt = self.attempt = previous.resample()
         session.log = OverlayLog(name=session.episode.name, attempt=number,
-                                 retry_of=previous.call_id)
+                                 retry_of=previous.call_id, patch=session.patch)
         attempt.under_overlay(session.log)
         body = session.model_body(attempt, attempt.request.payload["messages"])
         attempt.sending()

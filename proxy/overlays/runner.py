@@ -30,6 +30,7 @@ from tracetap.proxy.overlays.hooks import (
 if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall
     from tracetap.proxy.metrics import Metrics
+    from tracetap.proxy.overlays.patches import Patches
 
 log = logging.getLogger("tracetap.overlays")
 
@@ -60,8 +61,10 @@ class Overlays:
         max_resamples: int,
         metrics: Metrics | None,
         registered: Callable[[str], Awaitable[dict[str, Any] | None]],
+        patches: Patches | None = None,
     ) -> None:
         self.loaded = dict(loaded)
+        self.patches = patches  # installed at run time (admin API), run out of process
         self.fail_closed = fail == "closed"
         self.timeout = timeout
         self.max_resamples = max_resamples
@@ -71,10 +74,19 @@ class Overlays:
         self._episodes: OrderedDict[tuple[str, str], EpisodeOverlay] = OrderedDict()
 
     # -- registration -----------------------------------------------------------------
-    def check(self, name: str) -> None:
-        if name not in self.loaded:
-            known = ", ".join(sorted(self.loaded)) or "none (start with --overlay)"
-            raise bad_request(f"unknown overlay {name!r}; loaded: {known}", "unknown_overlay")
+    async def check(self, name: str) -> Any:
+        """The overlay of that name (loaded at start, or a patch installed at run time)."""
+        found = await self._named(name)
+        if found is None:
+            known = ", ".join(sorted(self.loaded)) or "none loaded at start (--overlay)"
+            raise bad_request(f"unknown overlay {name!r}: neither loaded at start ({known}) "
+                              "nor installed (PUT /tracetap/overlays/NAME)", "unknown_overlay")
+        return found
+
+    async def _named(self, name: str) -> Any:
+        if name in self.loaded:
+            return self.loaded[name]
+        return None if self.patches is None else await self.patches.get(name)
 
     def register(self, info: EpisodeInfo) -> None:
         """An episode registered with ``"overlay"`` in its metadata (checked already)."""
@@ -84,10 +96,10 @@ class Overlays:
     async def session(self, call: ModelCall, headers: Mapping[str, str]) -> Session | None:
         """The overlay this call runs under, started for its episode; None if none."""
         asked = headers.get(OVERLAY_HEADER)
-        if not self.loaded and asked is None:
+        if not self.loaded and asked is None and not (self.patches and self.patches.any):
             return None
         if asked is not None:
-            self.check(asked)
+            await self.check(asked)
         if call.episode_id is None:
             if asked is not None:
                 raise bad_request(
@@ -104,10 +116,12 @@ class Overlays:
                 "overlay_conflict",
             )
         name = registered or asked
-        if name is None or name not in self.loaded:
-            return None  # registered with an overlay this proxy did not load: stated at start
+        overlay = None if name is None else await self._named(name)
+        if overlay is None:
+            return None  # an overlay this proxy did not load (stated at start), or deleted
         events: list[OverlayEvent] = []
-        episode = await self._episode(name, info or EpisodeInfo(id=call.episode_id), events)
+        episode = await self._episode(
+            name, overlay, info or EpisodeInfo(id=call.episode_id), events)
         session = Session(self, episode, events)
         call.under_overlay(session.log)
         return session
@@ -131,12 +145,12 @@ class Overlays:
         return info
 
     async def _episode(
-        self, name: str, info: EpisodeInfo, events: list[OverlayEvent]
+        self, name: str, overlay: Any, info: EpisodeInfo, events: list[OverlayEvent]
     ) -> EpisodeOverlay:
         key = (info.id, name)
         episode = self._episodes.get(key)
-        if episode is None:
-            episode = EpisodeOverlay(name, self.loaded[name])
+        if episode is None or episode.overlay is not overlay:  # new, or a patch replaced
+            episode = EpisodeOverlay(name, overlay)
         self._remember(self._episodes, key, episode)
         if not episode.started:
             async with episode.lock:
@@ -212,8 +226,13 @@ class Session:
     ) -> None:
         self.overlays = overlays
         self.episode = episode
-        self.log = OverlayLog(name=episode.name, events=events)
+        self.log = OverlayLog(name=episode.name, events=events, patch=self.patch)
         self.harness: list[dict[str, Any]] = []  # the harness's messages (chat-shaped calls)
+
+    @property
+    def patch(self) -> str | None:
+        """The sha256 of the patch's source, for a patch installed at run time."""
+        return getattr(self.episode.overlay, "sha256", None)
 
     def event(self, hook: str, action: str, reason: str = "") -> None:
         self.overlays.event(self.episode.name, self.log.events, hook, action, reason)

@@ -1,0 +1,89 @@
+"""Admin API for overlays: list them, install a runtime patch, read one, delete one.
+
+``PUT /tracetap/overlays/NAME`` takes a patch's Python source (the body as text, or JSON
+``{"source": ...}``), loads it in a confined worker process and stores it; episodes then
+name it as their ``overlay``, without a restart (docs/overlays.md, docs/admin-api.md).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from tracetap.proxy.admin import _errors, _require_admin
+from tracetap.proxy.errors import ProxyError, bad_request, not_found
+from tracetap.proxy.keys import STATE
+from tracetap.proxy.overlays.patches import MAX_SOURCE, PatchRefused
+
+
+class PatchBody(msgspec.Struct, forbid_unknown_fields=True):
+    source: str
+
+
+async def _source(request: web.Request) -> str:
+    body = await request.read()
+    if len(body) > 4 * MAX_SOURCE:
+        raise bad_request(
+            f"the patch is {len(body)} bytes; at most {MAX_SOURCE} characters", "overlay_too_large"
+        )
+    if request.content_type == "application/json":
+        try:
+            return msgspec.json.decode(body, type=PatchBody).source
+        except msgspec.ValidationError as exc:
+            raise bad_request(f'a JSON body is {{"source": "..."}}: {exc}') from exc
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the patch is not UTF-8 text: {exc}") from exc
+
+
+@_errors
+async def put_overlay(request: web.Request) -> web.Response:
+    _require_admin(request)
+    patches = request.app[STATE].overlays.patches
+    source = await _source(request)
+    try:
+        described, new = await patches.install(request.match_info["name"], source)
+    except PatchRefused as refused:
+        raise ProxyError(
+            refused.status, str(refused), "invalid_request_error", refused.code
+        ) from refused
+    return web.json_response(described, status=201 if new else 200)
+
+
+@_errors
+async def list_overlays(request: web.Request) -> web.Response:
+    _require_admin(request)
+    overlays = request.app[STATE].overlays
+    started = [{"name": name, "kind": "start"} for name in sorted(overlays.loaded)]
+    return web.json_response({"overlays": started + await overlays.patches.listed()})
+
+
+@_errors
+async def get_overlay(request: web.Request) -> web.Response:
+    _require_admin(request)
+    overlays = request.app[STATE].overlays
+    name = request.match_info["name"]
+    if name in overlays.loaded:
+        return web.json_response({"name": name, "kind": "start"})
+    found = await overlays.patches.described(name)
+    if found is None:
+        raise not_found(f"no overlay {name!r}")
+    return web.json_response(found)
+
+
+@_errors
+async def delete_overlay(request: web.Request) -> web.Response:
+    _require_admin(request)
+    overlays = request.app[STATE].overlays
+    name = request.match_info["name"]
+    if name in overlays.loaded:
+        raise bad_request(
+            f"overlay {name!r} is loaded at start (--overlay): it is not deleted through the API",
+            "overlay_loaded_at_start",
+        )
+    if not await overlays.patches.remove(name):
+        raise not_found(f"no overlay {name!r}")
+    return web.json_response({"name": name, "deleted": True})
