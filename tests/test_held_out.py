@@ -25,7 +25,11 @@ def test_held_out_prompt_against_the_rest_overall_per_level_and_per_task(seeded,
     # t2, t3; B t1, t3, t4, t5.
     held, rest = h["overall"]["held_out"], h["overall"]["rest"]
     assert (held["episodes"], held["successes"], rest["episodes"], rest["successes"]) == (
-        12, 5, 12, 7)
+        12,
+        5,
+        12,
+        7,
+    )
     assert held["success_interval"] == pytest.approx(list(wilson(5, 12)))
     assert h["overall"]["difference"] == pytest.approx(5 / 12 - 7 / 12)
     levels = {(r["factor"], r["level"]): r["split"] for r in h["levels"]}
@@ -49,8 +53,10 @@ def test_held_out_prompt_against_the_rest_overall_per_level_and_per_task(seeded,
 def test_a_file_of_held_out_configs_matches_every_key_of_one_of_them(seeded, capsys, tmp_path):
     configs = tmp_path / "held.jsonl"
     configs.write_text(
-        json.dumps({"context": "window", "prompt": "short"}) + "\n"
-        + json.dumps({"context": "full", "retries": 0, "prompt": "long"}) + "\n"
+        json.dumps({"context": "window", "prompt": "short"})
+        + "\n"
+        + json.dumps({"context": "full", "retries": 0, "prompt": "long"})
+        + "\n"
     )
     h = harnesses(seeded, capsys, "--held-out-file", str(configs))["held_out"]
     # B's first repeats (window, short: 4 of 6 succeed) and A's second (2 of 6).
@@ -58,11 +64,11 @@ def test_a_file_of_held_out_configs_matches_every_key_of_one_of_them(seeded, cap
         '{"context":"window","prompt":"short"}',
         '{"context":"full","retries":"0","prompt":"long"}',
     ]
-    assert (h["overall"]["held_out"]["episodes"], h["overall"]["held_out"]["successes"]) == (
-        12, 6)
+    assert (h["overall"]["held_out"]["episodes"], h["overall"]["held_out"]["successes"]) == (12, 6)
     # A selector and a file together: an episode matching either is held out.
-    both = harnesses(seeded, capsys, "--held-out-file", str(configs),
-                     "--held-out", "task=t1")["held_out"]
+    both = harnesses(seeded, capsys, "--held-out-file", str(configs), "--held-out", "task=t1")[
+        "held_out"
+    ]
     assert both["overall"]["held_out"]["episodes"] == 12 + 2
 
 
