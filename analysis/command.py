@@ -110,6 +110,20 @@ def add_harnesses_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="propose N configurations covering the space's level pairs evenly (needs --space)",
     )
+    a(
+        "--held-out",
+        action="append",
+        default=[],
+        metavar="SELECTOR",
+        help="report success on the episodes SELECTOR matches (held-out configs, e.g. "
+        "config.context=window) against the rest: overall, per level, per task "
+        "(repeatable: any of them)",
+    )
+    a(
+        "--held-out-file",
+        metavar="FILE",
+        help="held-out configs too: JSONL (or a JSON list) of flat {factor: level} objects",
+    )
     a("--json", action="store_true", help="JSON for scripts instead of a table [default off]")
     parser.set_defaults(run=_harnesses)
 
@@ -206,9 +220,25 @@ def _harnesses(args: argparse.Namespace) -> int:
         report = coverage(episodes, success=_success(args), factors=args.factor, space=space)
         if args.select is not None:
             report.design = cover(space, args.select)
+        if args.held_out or args.held_out_file:
+            report.held_out = _held_out(args, episodes, report)
         _show(report, render, args.json)
 
     return _guarded("harnesses", go)
+
+
+def _held_out(args: argparse.Namespace, episodes, report):
+    from tracetap.analysis.held_out import Chooser, held_out, read_configs
+
+    chooser = Chooser(
+        selectors=tuple(_selector(text) for text in args.held_out),
+        configs=read_configs(args.held_out_file) if args.held_out_file else (),
+    )
+    levels: dict[str, list[str]] = {}
+    for row in report.levels:
+        levels.setdefault(row.factor, []).append(row.level)
+    return held_out(episodes, chooser, success=_success(args), factors=report.factors,
+                    levels=levels)
 
 
 def _guarded(name: str, go) -> int:

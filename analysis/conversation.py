@@ -31,8 +31,10 @@ class Step(msgspec.Struct, kw_only=True, gc=False):
     index: int
     text: str | None = None
     tool_calls: list[dict[str, Any]] = []  # {name, arguments}
-    observations: list[dict[str, Any]] = []  # {source: tool|user, name, content}
+    # {source: tool|user|system, name, content, injected}; injected: an overlay added it
+    observations: list[dict[str, Any]] = []
     call_id: str | None = None
+    overlay_events: list[dict[str, Any]] = []  # what an overlay did to this action's call
 
 
 def cut(text: str | None, budget: int) -> str | None:

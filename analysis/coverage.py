@@ -16,6 +16,8 @@ import msgspec
 
 from tracetap.analysis.design import Design, Space
 from tracetap.analysis.episodes import AnalysisError, Episode
+from tracetap.analysis.held_out import HeldOut
+from tracetap.analysis.held_out import render as render_held_out
 from tracetap.analysis.select import Success
 from tracetap.analysis.stats import mean, mean_interval, wilson
 
@@ -45,6 +47,7 @@ class Coverage(msgspec.Struct, kw_only=True):
     pairs: int  # level pairs of different factors (observed levels, and the space's)
     unseen_pairs: list[Pair]
     design: Design | None = None
+    held_out: HeldOut | None = None  # with --held-out: success there against the rest
 
 
 def coverage(
@@ -170,6 +173,8 @@ def render(c: Coverage, shown: int = 20) -> str:
         lines.append(f"  ... and {len(c.unseen_pairs) - shown} more (--json lists them all)")
     if c.design is not None:
         lines += ["", *render_design(c.design)]
+    if c.held_out is not None:
+        lines += ["", *render_held_out(c.held_out)]
     return "\n".join(lines)
 
 

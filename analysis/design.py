@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import random
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -43,7 +44,15 @@ _STARTS = 64  # least-covered pairs tried as starts per configuration
 
 
 class Space(msgspec.Struct):
-    factors: dict[str, list[str]]  # in file order
+    factors: dict[str, list[str]]  # in file order, each level as text (analysis.episodes)
+    # The levels as the file wrote them (3 stays a number), for the configs a run registers;
+    # None: the texts are the values.
+    values: dict[str, list[Any]] | None = None
+
+    def value(self, factor: str, text: str) -> Any:
+        if self.values is None:
+            return text
+        return self.values[factor][self.factors[factor].index(text)]
 
     def pairs(self) -> list[tuple[str, str, str, str]]:
         names = list(self.factors)
@@ -101,6 +110,7 @@ def _space(path: Path, raw) -> Space:
     if not isinstance(raw, dict) or not raw:
         raise AnalysisError(f"{path}: the factor space must be {shape}")
     factors: dict[str, list[str]] = {}
+    values: dict[str, list[Any]] = {}
     for name, levels in raw.items():
         if not isinstance(name, str) or not isinstance(levels, list) or not levels:
             raise AnalysisError(
@@ -115,7 +125,8 @@ def _space(path: Path, raw) -> Space:
         if len(set(texts)) != len(texts):
             raise AnalysisError(f"{path}: factor {name!r} lists a level twice: {levels!r}")
         factors[name] = texts
-    return Space(factors)
+        values[name] = list(levels)
+    return Space(factors, values)
 
 
 def cover(space: Space, n: int) -> Design:

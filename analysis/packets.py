@@ -24,11 +24,13 @@ import msgspec
 from tracetap.analysis import conversation
 from tracetap.analysis.episodes import AnalysisError, Episode, open_reader, read, run
 from tracetap.analysis.integrity import clean
+from tracetap.analysis.packet_overlay import Overlay, events_by_action, overlay_of
 from tracetap.analysis.select import Selector, Success, value_of
+from tracetap.analysis.steps import CallBodies, read_steps
 from tracetap.storage.scan import EpisodeFilter, ScannedCall
-from tracetap.storage.summaries import CallSummary, call_summaries
+from tracetap.storage.summaries import CallSummary, call_overlays, call_summaries
 
-PACKET_VERSION = "1"
+PACKET_VERSION = "2"
 FAILURES = ("unsuccessful", "call_error", "context_length")
 SCHEMA_FILE = Path(__file__).with_name("packet.schema.json")
 VIEWER = "/tracetap/ui"
@@ -79,6 +81,7 @@ class Packet(msgspec.Struct, kw_only=True, gc=False):
     task_id: str | None
     batch: str | None
     harness: Harness
+    overlay: Overlay | None
     task: conversation.Task
     steps: list[conversation.Step]
     steps_total: int
@@ -112,11 +115,7 @@ async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
     async with open_reader(db) as reader:
         episodes = await _selected(reader, filt, options.where)
         found = await _failed(reader, episodes, options)
-    packets = [
-        _packet(e, reasons, found.calls[e.id],
-                found.bodies.get(found.sources.get(e.id, "")), options)
-        for e, reasons in found.chosen
-    ]
+    packets = [_packet(e, reasons, found, options) for e, reasons in found.chosen]
     packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
     failed = len(packets)
     if options.per_batch is not None:
@@ -154,8 +153,8 @@ async def _selected(reader, filt: EpisodeFilter, where: Selector | None) -> list
 class _Failed(msgspec.Struct):
     chosen: list[tuple[Episode, list[str]]]  # failed episodes, with why
     calls: dict[str, list[CallSummary]]  # a suspect episode's calls, in order
-    sources: dict[str, str]  # a failed episode's last call, whose bodies it is told from
-    bodies: dict[str, ScannedCall]
+    bodies: dict[str, ScannedCall]  # every call of a failed episode: its steps span them
+    overlays: dict[str, str]  # calls.overlay of those calls that have one
     infra: int  # failed episodes given no packet: their integrity is infra
 
 
@@ -177,9 +176,10 @@ async def _failed(reader, episodes: list[Episode], options: Options) -> _Failed:
         reasons = _reasons(e, by_episode[e.id], failed_bodies, options)
         if reasons:
             chosen.append((e, reasons))
-    sources = {e.id: by_episode[e.id][-1].call_id for e, _ in chosen if by_episode[e.id]}
-    bodies = await reader.bodies(sorted(sources.values()))
-    return _Failed(chosen=chosen, calls=by_episode, sources=sources, bodies=bodies,
+    wanted = sorted(c.call_id for e, _ in chosen for c in by_episode[e.id])
+    bodies = await reader.bodies(wanted)
+    overlays = await call_overlays(reader, wanted)
+    return _Failed(chosen=chosen, calls=by_episode, bodies=bodies, overlays=overlays,
                    infra=infra)
 
 
@@ -206,24 +206,24 @@ def _errored(call: CallSummary) -> bool:
     return call.failed and call.status != "vetoed"
 
 
-def _packet(
-    e: Episode,
-    reasons: list[str],
-    calls: list[CallSummary],
-    source: ScannedCall | None,
-    options: Options,
-) -> Packet:
+def _packet(e: Episode, reasons: list[str], found: _Failed, options: Options) -> Packet:
     s, budget = e.summary, options.max_chars
-    task, steps = conversation.read(
-        source.request if source else None,
-        source.upstream_request if source else None,
-        source.response if source else None,
-        budget,
-    )
-    answered = [c for c in calls if not c.failed]
-    if source is not None and len(answered) == len(steps):
-        for step, call in zip(steps, answered):  # one call per action: link each
-            step.call_id = call.call_id
+    calls = found.calls[e.id]
+    read = []
+    for c in calls:
+        body = found.bodies.get(c.call_id)
+        read.append(CallBodies(
+            call_id=c.call_id, status=c.status, failed=c.failed,
+            request=body.request if body else None,
+            upstream_request=body.upstream_request if body else None,
+            response=body.response if body else None,
+        ))
+    task, steps, before = read_steps(read, budget)
+    overlay = overlay_of(e, calls, found.overlays, before, budget)
+    if overlay is not None:
+        own = events_by_action(calls, found.overlays, overlay.events)
+        for step in steps:
+            step.overlay_events = own.get(step.call_id, [])
     return Packet(
         packet_version=PACKET_VERSION,
         episode_id=s.id,
@@ -231,6 +231,7 @@ def _packet(
         task_id=s.task_id,
         batch=value_of(e, options.batch) if options.batch else None,
         harness=Harness(name=s.harness_name, config=e.config),
+        overlay=overlay,
         task=task,
         steps=steps[-options.steps :],
         steps_total=len(steps),
@@ -253,7 +254,7 @@ def _packet(
             ],
         ),
         calls=[c.call_id for c in calls],
-        source_call_id=source.call_id if source else None,
+        source_call_id=calls[-1].call_id if calls else None,
         viewer=f"{VIEWER}/episodes/{s.id}",
     )
 

@@ -76,6 +76,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a harness config (repeatable; default: one empty config)",
     )
     a(
+        "--space",
+        metavar="FILE",
+        help="assign configs from a harness-factor space (YAML or JSON factor -> levels) "
+        "instead: each task meets --configs-per-task of them, every level pair covered, "
+        "level counts balanced, on top of what the harness already ran",
+    )
+    a(
+        "--configs-per-task",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --space: configs each task runs under (default 2)",
+    )
+    a(
         "--harness-name",
         metavar="NAME",
         help="the harness name registered (default: the harness program's name)",
@@ -155,26 +169,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    import msgspec
-
     from tracetap.analysis.runner import plan
     from tracetap.analysis.runner.admin import AdminClient
-    from tracetap.analysis.runner.batch import run_batch
-    from tracetap.analysis.runner.episode import Commands, check_templates
-    from tracetap.analysis.runner.summary import render, summarise
+    from tracetap.analysis.runner.space_plan import space_identity
 
     if args.overlay and args.overlay_file:
         raise ValueError("--overlay or --overlay-file, not both")
     patch = plan.read_patch(args.overlay_file) if args.overlay_file else None
     overlay = patch[0] if patch else args.overlay
     tasks = plan.read_tasks(args.tasks)
-    configs = plan.read_configs(args.configs, args.config)
+    space = _space(args)
+    configs = [] if space else plan.read_configs(args.configs, args.config)
+    # With --space, the space and the count decide what runs (the configs come from the
+    # proxy's basis, which a rerun reads as the first run saw it).
+    chosen = [space_identity(space), args.configs_per_task] if space else configs
     run_id = (
         plan.check_run_id(args.run_id)
         if args.run_id
         else plan.default_run_id(
             [t.fields for t in tasks],
-            configs,
+            chosen,
             args.harness,
             args.grader,
             args.repeats,
@@ -183,10 +197,39 @@ async def _run(args: argparse.Namespace) -> int:
             *([overlay] if overlay else []),  # runs without one keep their ids
         )
     )
-    slots = plan.slots(run_id, tasks, configs, args.repeats, args.group)
+    harness_name = args.harness_name or _program(args)
+    admin = AdminClient(args.proxy, _token(args))
+    try:
+        return await _run_slots(
+            args, tasks, space, configs, run_id, harness_name, admin, overlay, patch
+        )
+    finally:
+        await admin.close()
+
+
+async def _run_slots(
+    args, tasks, space, configs, run_id, harness_name, admin, overlay, patch
+) -> int:
+    import msgspec
+
+    from tracetap.analysis.runner import plan
+    from tracetap.analysis.runner.batch import run_batch
+    from tracetap.analysis.runner.episode import Commands, check_templates
+    from tracetap.analysis.runner.space_plan import render_report, space_slots
+    from tracetap.analysis.runner.summary import render, summarise
+
+    report = None
+    if space:
+        slots, report = await space_slots(
+            admin, space, tasks, per_task=args.configs_per_task, repeats=args.repeats,
+            group=args.group, run_id=run_id, harness_name=harness_name,
+        )
+        configs = _distinct(s.config for s in slots)
+    else:
+        slots = plan.slots(run_id, tasks, configs, args.repeats, args.group)
     commands = Commands(
         harness=args.harness,
-        harness_name=args.harness_name or _program(args),
+        harness_name=harness_name,
         grader=args.grader,
         shell=args.shell,
         timeout=args.timeout,
@@ -194,26 +237,52 @@ async def _run(args: argparse.Namespace) -> int:
         overlay=overlay,
     )
     check_templates(slots, commands)
+    shape = (
+        f"{args.configs_per_task} configs per task" if space else f"{len(configs)} configs"
+    )
     print(
         f"tracetap run: run id {run_id}: {len(slots)} episodes ({len(tasks)} tasks x "
-        f"{len(configs)} configs x {args.repeats} repeats)",
+        f"{shape} x {args.repeats} repeats)",
         file=sys.stderr,
     )
-    admin = AdminClient(args.proxy, _token(args))
-    try:
-        if patch is not None:
-            installed = await admin.install_overlay(*patch)
-            print(f"tracetap run: overlay {patch[0]} installed (sha256 "
-                  f"{installed['sha256'][:12]}, hooks {', '.join(installed['hooks'])})",
-                  file=sys.stderr)
-        results, elapsed = await run_batch(
-            slots, admin, commands, concurrency=args.concurrency, progress_stream=sys.stderr
-        )
-    finally:
-        await admin.close()
-    summary = summarise(run_id, configs, results, elapsed)
+    if report is not None:
+        print(f"tracetap run: {render_report(report)}", file=sys.stderr)
+    if patch is not None:
+        installed = await admin.install_overlay(*patch)
+        print(f"tracetap run: overlay {patch[0]} installed (sha256 "
+              f"{installed['sha256'][:12]}, hooks {', '.join(installed['hooks'])})",
+              file=sys.stderr)
+    results, elapsed = await run_batch(
+        slots, admin, commands, concurrency=args.concurrency, progress_stream=sys.stderr
+    )
+    summary = summarise(run_id, configs, results, elapsed, by_value=space is not None)
+    summary.space = report
     print(msgspec.json.encode(summary).decode() if args.json else render(summary))
     return 0
+
+
+def _space(args: argparse.Namespace):
+    from tracetap.analysis.design import read_space
+    from tracetap.analysis.episodes import AnalysisError
+
+    if not args.space:
+        return None
+    if args.configs or args.config:
+        raise ValueError("--space assigns the configs: give it without --configs/--config")
+    try:
+        return read_space(args.space)
+    except AnalysisError as exc:  # a bad file is bad input (status 2), like a bad --tasks
+        raise ValueError(str(exc)) from None
+
+
+def _distinct(configs) -> list:
+    """Each config once, in the order of first use."""
+    from tracetap.analysis.runner.plan import digest
+
+    seen: dict[str, dict] = {}
+    for c in configs:
+        seen.setdefault(digest(c), c)
+    return list(seen.values())
 
 
 def _token(args: argparse.Namespace) -> str:

@@ -23,6 +23,7 @@ from tracetap.proxy.metrics import CONTENT_TYPE
 from tracetap.proxy.overlays.hooks import EpisodeInfo
 from tracetap.proxy.tagging import KEY_PREFIX, episode_path, hash_key, validate_episode_id
 from tracetap.storage import queries
+from tracetap.storage.harness_configs import harness_configs as harness_config_rows
 
 
 class Harness(msgspec.Struct, forbid_unknown_fields=True):
@@ -216,6 +217,22 @@ async def list_episodes(request: web.Request) -> web.Response:
     page = await queries.list_episodes(request.app[STATE].engine, limit=limit, offset=offset,
                                        group_id=group, finished=finished)
     return web.json_response(page)
+
+
+@_errors
+async def harness_configs(request: web.Request) -> web.Response:
+    """The distinct (task, harness config) pairs a harness ran: ``tracetap run --space``
+    builds on them (storage.harness_configs)."""
+    _require_admin(request)
+    harness = request.query.get("harness")
+    if not harness:
+        raise bad_request("harness (the harness name) is required")
+    prefix = request.query.get("exclude_prefix") or None
+    if prefix is not None and len(prefix) > 128:
+        raise bad_request("exclude_prefix is longer than 128 characters")
+    configs = await harness_config_rows(request.app[STATE].engine, harness,
+                                        exclude_prefix=prefix)
+    return web.json_response(configs)
 
 
 @_errors

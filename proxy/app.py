@@ -43,6 +43,7 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_get("/tracetap/episodes", admin.list_episodes)
     r.add_get("/tracetap/episodes/{episode}", admin.get_episode)
     r.add_post("/tracetap/episodes/{episode}/finish", admin.finish_episode)
+    r.add_get("/tracetap/harness-configs", admin.harness_configs)
     r.add_put("/tracetap/policy", admin.put_policy)
     r.add_get("/tracetap/policy", admin.get_policy)
     r.add_post("/tracetap/pause", admin.pause)

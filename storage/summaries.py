@@ -203,3 +203,20 @@ def _summary(row, failed: int) -> EpisodeSummary:
         info=info,
         failed_calls=int(failed),
     )
+
+
+async def call_overlays(reader: Reader, call_ids: list[str]) -> dict[str, str]:
+    """The overlay record (JSON text, ``calls.overlay``) of each of these calls that has
+    one: what an overlay did to the call (docs/overlays.md, "What is recorded")."""
+    if not call_ids:
+        return {}
+    with reader.translated():
+        async with reader.engine.connect() as conn:
+            rows = await fetch(
+                conn,
+                select(Call.call_id, Call.overlay).where(
+                    among(Call.call_id, sorted(set(call_ids)), reader.engine),
+                    Call.overlay.is_not(None),
+                ),
+            )
+    return {call_id: text for call_id, text in rows}

@@ -5,7 +5,8 @@ run on the episodes analysis.episodes.read loads (the same selection as the comm
 finished episodes, selectors as ``--baseline``/``--candidate``/``--where`` take them),
 so a page and the command give the same Δ_B and interval for the same arguments. This
 module only adds what a page needs: the episodes behind each fixed or broken task
-(links), and the factor-pair counts the coverage heatmap draws.
+(links), the factor-pair counts the coverage heatmap draws, and the interval plots
+(viewer.interval_plots: per-level success, Δ_B).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tracetap.analysis.coverage import Coverage, coverage
 from tracetap.analysis.episodes import AnalysisError, Episode, read
 from tracetap.analysis.select import Selector, Success, parse_selector
 from tracetap.storage.scan import EpisodeFilter
+from tracetap.viewer.interval_plots import delta_plot, level_plot
 from tracetap.viewer.keys import SOURCE
 from tracetap.viewer.params import BadParameter
 from tracetap.viewer.render import page
@@ -133,7 +135,7 @@ async def variants_page(request: web.Request) -> web.Response:
                     result=None, links=[], error=str(exc))
     return page(request, "variants.html", view="variants", form=form, result=result,
                 links=[task_links(result, episodes, baseline, s) for s in candidates],
-                error=None)
+                error=None, delta_plot=delta_plot(result))
 
 
 def task_links(result: Comparison, episodes: Sequence[Episode], baseline: Selector,
@@ -172,7 +174,7 @@ async def harnesses_page(request: web.Request) -> web.Response:
                     grids=[], error=str(exc))
     grids = heatmaps(report, episodes, chosen.success)
     return page(request, "harnesses.html", view="harnesses", form=form, report=report,
-                grids=grids, error=None)
+                grids=grids, error=None, level_plot=level_plot(report))
 
 
 def heatmaps(report: Coverage, episodes: Sequence[Episode], success: Success) -> list[Grid]:

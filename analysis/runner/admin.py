@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import msgspec
@@ -50,7 +51,22 @@ class EpisodeState(msgspec.Struct):
     outcome: str | None = None
 
 
+class PriorConfig(msgspec.Struct):
+    task_id: str | None
+    config: Any
+    episodes: int
+
+
+class PriorConfigs(msgspec.Struct):
+    """GET /tracetap/harness-configs: the (task, config) pairs a harness already ran."""
+
+    harness: str
+    before: float | None
+    data: list[PriorConfig]
+
+
 _registered = msgspec.json.Decoder(Registered).decode
+_prior = msgspec.json.Decoder(PriorConfigs).decode
 _state = msgspec.json.Decoder(EpisodeState).decode
 _RETRIES = (0.5, 1.0, 2.0)  # seconds between tries when the proxy is unreachable
 
@@ -83,6 +99,13 @@ class AdminClient:
         if status != 200:
             raise AdminError(f"reading {episode_id}: HTTP {status}: {_said(body)}")
         return _state(body)
+
+    async def harness_configs(self, harness: str, exclude_prefix: str) -> PriorConfigs:
+        query = urlencode({"harness": harness, "exclude_prefix": exclude_prefix})
+        status, body = await self._call("GET", f"/tracetap/harness-configs?{query}")
+        if status != 200:
+            raise AdminError(f"reading what harness {harness!r} ran: HTTP {status}: {_said(body)}")
+        return _prior(body)
 
     async def finish(self, episode_id: str, finish: Finish) -> None:
         status, body = await self._call("POST", f"/tracetap/episodes/{episode_id}/finish", finish)

@@ -9,6 +9,8 @@ import msgspec
 
 from tracetap.analysis.runner.episode import RAN, SKIPPED, Result
 from tracetap.analysis.runner.outcomes import FAILURE, GRADER_ERROR, SUCCESS, TIMEOUT
+from tracetap.analysis.runner.plan import digest
+from tracetap.analysis.runner.space_plan import SpaceReport
 
 
 class ConfigSummary(msgspec.Struct):
@@ -30,20 +32,30 @@ class Summary(msgspec.Struct):
     interrupted: int  # slots run again because an earlier run was stopped in them
     configs: list[ConfigSummary]
     elapsed_s: float
+    space: SpaceReport | None = None  # with --space: the assignment's coverage and balance
 
 
 def summarise(
-    run_id: str, configs: list[dict[str, Any]], results: list[Result], elapsed: float
+    run_id: str,
+    configs: list[dict[str, Any]],
+    results: list[Result],
+    elapsed: float,
+    *,
+    by_value: bool = False,
 ) -> Summary:
+    """``by_value``: find each result's config by its value (with --space a slot's index
+    is its task's j-th config), not by the slot's index into ``configs``."""
     per = [ConfigSummary(c) for c in configs]
     sums = [0.0] * len(configs)
+    index = {digest(c): i for i, c in reversed(list(enumerate(configs)))}
     for r in results:
-        c = per[r.slot.config_index]
+        i = index[digest(r.slot.config)] if by_value else r.slot.config_index
+        c = per[i]
         c.episodes += 1
         c.successes += r.outcome == SUCCESS
         if r.reward is not None:
             c.rewarded += 1
-            sums[r.slot.config_index] += r.reward
+            sums[i] += r.reward
     for c, total in zip(per, sums):
         c.mean_reward = total / c.rewarded if c.rewarded else None
     outcomes = [r.outcome for r in results]

@@ -1,0 +1,172 @@
+"""An episode's steps rebuilt across all of its calls, not from the last request alone.
+
+A harness that compacts or summarises its history resends less than happened, so the
+last request no longer holds every step. Instead, each answered call's reply is one
+action (linked to that call), and the observations that followed it are the messages
+the *next* call added after its last assistant turn: tool results, user turns, or, when
+the harness dropped its turns, the summary it sent instead. The first call's history
+(what happened before any captured call) is read as analysis.conversation reads one
+request.
+
+Each call is read as the model was given it (``upstream_request``, when the proxy or an
+overlay changed it). What is there but not in what the harness sent (``request``) was
+added by an overlay (docs/overlays.md: an injected reminder, a vetoed turn and its
+feedback): such an observation is marked ``injected``, such an assistant turn (a vetoed
+attempt kept in context) is no action of the harness and is left out. The comparison is
+by content, so a call the proxy translated between APIs reads the same on both sides.
+
+A vetoed attempt (status ``vetoed``) is skipped: its reply never reached the harness, and
+the attempt after it carries the same request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from tracetap.analysis.conversation import (
+    Step,
+    Task,
+    _action,
+    _Body,
+    _body,
+    _final_message,
+    _Message,
+    _message,
+    _messages,
+    _object,
+    _observations,
+    _text,
+    _tool,
+    cut,
+)
+
+_WHOLE = 1 << 62  # a budget nothing reaches: texts compared before they are cut
+
+
+class CallBodies(msgspec.Struct, kw_only=True, gc=False):
+    """One call as the steps are read from it."""
+
+    call_id: str
+    status: str = "ok"
+    failed: bool = False
+    request: str | None = None
+    upstream_request: str | None = None
+    response: str | None = None
+
+
+def read_steps(calls: list[CallBodies], budget: int) -> tuple[Task, list[Step], list[dict]]:
+    """The task (from the first call), the steps, and what an overlay injected before the
+    first step (observations of no step)."""
+    task, steps, before = Task(), [], []
+    names: dict[Any, Any] = {}  # tool call id -> tool name
+    pending = False  # the last step's observations come from the next call's request
+    first = True
+    for call in calls:
+        if call.status == "vetoed":
+            continue
+        harness = _messages(_body(call.request) or _Body())
+        model = None
+        if call.upstream_request:  # the proxy or an overlay changed what the model got
+            model = _messages(_body(call.upstream_request) or _Body())
+        marked = _marked(harness, None) if model is None else _marked(model, harness)
+        if first:
+            task = Task(tools=_tools(call))
+            _history(marked, task, steps, before, names, budget)
+            first = False
+        elif pending and steps:
+            steps[-1].observations += _trailing(marked, task, names, budget)
+        pending = False
+        final = None if call.failed else _final_message(_object(call.response))
+        if final is not None:
+            step = _action(_message(final), len(steps), names, budget)
+            step.call_id = call.call_id
+            steps.append(step)
+            pending = True
+    return task, steps, before
+
+
+def _tools(call: CallBodies) -> list[dict[str, Any]]:
+    body = _body(call.upstream_request) or _body(call.request) or _Body()
+    return [_tool(t) for t in body.tools or ()]
+
+
+def _marked(messages: list[_Message], harness: list[_Message] | None) -> list[tuple]:
+    """Each message with whether an overlay added it: absent from the harness's own
+    (None: the model was given the harness's request as it is)."""
+    if harness is None:
+        return [(m, False) for m in messages]
+    sent = Counter(_key(m) for m in harness)
+    out = []
+    for m in messages:
+        key = _key(m)
+        ours = sent[key] > 0
+        sent[key] -= ours
+        out.append((m, not ours))
+    return out
+
+
+def _key(m: _Message) -> tuple:
+    """A message by content, whichever API spelled it."""
+    if m.role == "assistant":
+        calls = tuple(c.function.name if c.function else None for c in m.tool_calls or ())
+        return ("assistant", _text(m.content), calls)
+    if m.role in ("user", "tool"):
+        return (
+            "observation",
+            tuple(o["content"] for o in _observations(m, {}, _WHOLE)),
+        )
+    return (m.role, _text(m.content))
+
+
+def _history(marked, task: Task, steps: list[Step], before: list, names, budget) -> None:
+    """The first call's conversation, as analysis.conversation.read reads a request."""
+    for m, injected in marked:
+        role = m.role
+        if role in ("system", "developer") and not steps and not injected:
+            if task.system is None:
+                task.system = cut(_text(m.content), budget)
+        elif role == "assistant":
+            if not injected:
+                steps.append(_action(m, len(steps), names, budget))
+        elif role == "user" and task.user is None and not steps and not injected:
+            task.user = cut(_text(m.content), budget)
+        elif role in ("user", "tool", "system", "developer"):
+            seen = _observed(m, injected, names, budget)
+            (steps[-1].observations if steps else before).extend(seen)
+
+
+def _trailing(marked, task: Task, names, budget) -> list[dict]:
+    """What a request added after its last assistant turn of the harness's own; with no
+    such turn (the harness dropped or summarised them), everything after the leading
+    system messages but the task itself."""
+    last = max(
+        (i for i, (m, injected) in enumerate(marked) if m.role == "assistant" and not injected),
+        default=None,
+    )
+    if last is None:
+        start = 0
+        while start < len(marked) and marked[start][0].role in ("system", "developer"):
+            start += 1
+        rest = [
+            (m, inj)
+            for m, inj in marked[start:]
+            if not (m.role == "user" and cut(_text(m.content), budget) == task.user)
+        ]
+    else:
+        rest = marked[last + 1 :]
+    out = []
+    for m, injected in rest:
+        if m.role != "assistant":  # an injected assistant turn: a vetoed attempt
+            out += _observed(m, injected, names, budget)
+    return out
+
+
+def _observed(m: _Message, injected: bool, names, budget) -> list[dict]:
+    if m.role in ("system", "developer"):
+        found = [{"source": "system", "name": None, "content": cut(_text(m.content), budget)}]
+    else:
+        found = _observations(m, names, budget)
+    return [{**o, "injected": injected} for o in found]
