@@ -122,15 +122,19 @@ class Budgets:
         """Count one call and hold ``tokens`` for it, or raise BudgetExceeded. ``keyed``:
         the call carried the episode's key (only a registered episode can have a budget
         of its own). None: no budget applies."""
-        if episode_id is None or not await self._applies(episode_id, keyed):
+        if episode_id is None:
             return None
-        # The episode's earlier calls that ended here may still hold their reservations:
-        # an agent's next call follows its last reply at once, and must not be refused
-        # for tokens that call no longer holds.
-        earlier = [task for task, episode in self._settling.items() if episode == episode_id]
-        if earlier:
-            await asyncio.gather(*earlier, return_exceptions=True)
         try:
+            # Inside the try: asking whether an episode has a budget of its own is a
+            # ledger read too, and its outage must be the same 503 as the reservation's.
+            if not await self._applies(episode_id, keyed):
+                return None
+            # The episode's earlier calls that ended here may still hold their
+            # reservations: an agent's next call follows its last reply at once, and
+            # must not be refused for tokens that call no longer holds.
+            earlier = [task for task, episode in self._settling.items() if episode == episode_id]
+            if earlier:
+                await asyncio.gather(*earlier, return_exceptions=True)
             if not await budget_ledger.reserve(self._engine, episode_id, tokens, self._clock()):
                 spent = await budget_ledger.spent(self._engine, episode_id)
                 if spent is None:  # the episode's first call under the default budget
@@ -143,6 +147,8 @@ class Budgets:
                 else:
                     raise self._refusal(episode_id, spent)
         except (SQLAlchemyError, OSError) as exc:
+            # SQLAlchemy's errors carry the driver's own words in ``orig``; a bare OSError
+            # (asyncpg's refused connection, a disk gone) has none and is its own reason.
             reason = getattr(exc, "orig", None) or exc
             raise ProxyError(503, f"the episode's budget could not be checked: {reason}",
                              "server_error", "budget_unavailable",

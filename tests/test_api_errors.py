@@ -8,6 +8,7 @@ The client's API decides the shape, once per request from its route
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import threading
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from anthropic.types import ErrorResponse
 from helpers.loop import free_port
 from helpers.servers import Proxy
+from sqlalchemy import event
 
 from tracetap.migrations import upgrade
 from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
@@ -31,7 +33,8 @@ APIS = ("chat", "completions", "responses", "messages")
 # Anthropic's error types by status, as the SDK's error models know them.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 403: "permission_error",
                    404: "not_found_error", 413: "invalid_request_error",
-                   429: "rate_limit_error", 502: "api_error", 504: "timeout_error"}
+                   429: "rate_limit_error", 502: "api_error", 503: "overloaded_error",
+                   504: "timeout_error"}
 
 
 @pytest.fixture
@@ -185,6 +188,34 @@ def test_a_budget_held_by_a_call_in_flight_is_a_429_in_the_clients_shape(
     finally:
         loop_thread.loop.call_soon_threadsafe(release.set)
         first.join(30)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_budget_ledger_outage_is_a_503_with_retry_in_the_clients_shape(
+        start_proxy, holding_upstream, loop_thread, api):
+    """The ledger's storage gone (a bare OSError, no SQLAlchemy wrapper): the call is
+    refused with 503 and Retry-After, never a 500 and never let through unbudgeted."""
+    upstream, arrived, release = holding_upstream
+    proxy = start_proxy(upstream, episode_max_calls=5)
+    ledger = proxy.state.engine
+    down = threading.Event()
+
+    @event.listens_for(ledger.sync_engine, "checkout")  # each use of a connection
+    def refuse(*_):
+        if down.is_set():
+            raise OSError(errno.EIO, "Input/output error")
+
+    down.set()
+    try:
+        error = _refused(api, proxy.url + "/episodes/ledger-down")
+    finally:
+        down.clear()  # the writer stores the refused call once the storage is back
+    inner = _assert_shape(api, error, 503, "budget_unavailable")
+    assert inner["message"] == ("the episode's budget could not be checked: "
+                                "[Errno 5] Input/output error")
+    assert error.response.headers["Retry-After"] == "5"
+    assert not arrived.is_set()  # the upstream never saw the call
+    loop_thread.loop.call_soon_threadsafe(release.set)
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -7,9 +7,12 @@ agent) are in test_hostile_episodes.py and test_hostile_agent.py."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 import pytest
+from helpers.loop import free_port
+from sqlalchemy import event
 
 from tracetap.migrations import upgrade
 from tracetap.proxy.budgets import (
@@ -263,3 +266,47 @@ def test_a_budget_row_gone_between_two_questions_refuses_by_calls():
     assert type(refusal) is BudgetExceeded and refusal.limit == "calls"
     assert refusal.message == ("episode 'e' is over its calls budget (its budget row is "
                                "gone); no more model calls are accepted for it")
+
+
+def _disk_gone(engine) -> None:
+    """Every use of ``engine``'s connections fails with a bare OSError, as a SQLite file
+    on a storage that went away does (no SQLAlchemy wrapper, no ``orig``)."""
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def refuse(*_):
+        raise OSError(errno.EIO, "Input/output error")
+
+
+@pytest.mark.parametrize("defaults, keyed", [
+    (Budget(max_calls=3), False),  # the reservation itself
+    (Budget(), True),  # the question whether a keyed episode has a budget of its own
+], ids=["reserve", "has-budget"])
+def test_a_ledger_outage_raising_a_bare_oserror_is_a_503_with_retry(db, defaults, keyed):
+    async def body(budgets, engine):
+        _disk_gone(engine)
+        with pytest.raises(ProxyError) as down:
+            await budgets.reserve("e", 1, keyed=keyed)
+        return down.value
+
+    down = run(db, body, defaults=defaults)
+    assert (down.status, down.type, down.code) == (503, "server_error", "budget_unavailable")
+    assert down.headers == {"Retry-After": "5"}
+    assert down.message == ("the episode's budget could not be checked: "
+                            "[Errno 5] Input/output error")
+    assert isinstance(down.__cause__, OSError) and not hasattr(down.__cause__, "orig")
+
+
+def test_a_postgres_that_is_down_is_a_503_with_retry():
+    """asyncpg's refused connection reaches the proxy as a bare ConnectionRefusedError."""
+    closed = f"postgresql://postgres@127.0.0.1:{free_port()}/test"  # nothing listens
+
+    async def body(budgets, engine):
+        with pytest.raises(ProxyError) as down:
+            await budgets.reserve("e", 1, keyed=False)
+        return down.value
+
+    down = run(closed, body, defaults=Budget(max_calls=3))
+    assert (down.status, down.code, down.headers) == (503, "budget_unavailable",
+                                                      {"Retry-After": "5"})
+    assert isinstance(down.__cause__, ConnectionRefusedError)
+    assert "Connect call failed" in down.message
