@@ -146,8 +146,9 @@ def test_episodes_are_registered_run_at_their_base_url_and_graded(proxy, tmp_pat
 
 def test_reward_from_exit_status_and_a_timeout_kills_the_process_group(proxy, tmp_path, capsys):
     _tasks(tmp_path, {"ok": {}, "bad": {"exit": 3}, "slow": {"sleep": 30}})
+    # 10 s: the harness imports the openai SDK, which alone took over 4 s at a load of 11.
     code = main(
-        _args(proxy, tmp_path, "--config", "style=a", "--timeout", "4", "--run-id", "r2", "--json")
+        _args(proxy, tmp_path, "--config", "style=a", "--timeout", "10", "--run-id", "r2", "--json")
     )
     assert code == 0
     summary = _summary(capsys)
