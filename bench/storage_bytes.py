@@ -5,6 +5,7 @@
     python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
     python bench/storage_bytes.py --search-index off       # without the viewer's search index
     python bench/storage_bytes.py --writer-steps --sessions 1   # the writer's CPU per call, by step
+    python bench/storage_bytes.py --db postgres --index-floor   # the search index beside its floor
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
 ``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
@@ -297,6 +298,36 @@ async def _steps(url: str, batches, spent: dict[str, float]) -> list[dict]:
     return out
 
 
+async def index_floor(url: str, unique: int) -> dict:
+    """The Postgres search index of a stored run: its (call, word) pairs and distinct
+    words, its parts' bytes as written and rebuilt (REINDEX, VACUUM FULL), and the least
+    any exact word-to-calls index holds: per call, log2 C(distinct words, its words)."""
+    from math import lgamma, log
+
+    conn = await asyncpg.connect(url)
+    try:
+        per_call = [r[0] for r in await conn.fetch("SELECT length(doc) FROM call_text")]
+        distinct = await conn.fetchval(
+            "SELECT count(DISTINCT w) FROM call_text, unnest(tsvector_to_array(doc)) w")
+
+        async def parts() -> dict:
+            sizes = await conn.fetchrow(
+                "SELECT pg_relation_size('ix_call_text_document') AS gin, "
+                "pg_total_relation_size('call_text') AS total")
+            return {k: round(v / unique, 2) for k, v in sizes.items()}
+        written = await parts()
+        await conn.execute("REINDEX TABLE call_text")
+        await conn.execute("VACUUM FULL call_text")
+        rebuilt = await parts()
+    finally:
+        await conn.close()
+    bits = sum((lgamma(distinct + 1) - lgamma(k + 1) - lgamma(distinct - k + 1)) / log(2)
+               for k in per_call)
+    return {"calls": len(per_call), "pairs": sum(per_call), "distinct_words": distinct,
+            "index_bytes_per_unique_token_written": written,
+            "rebuilt": rebuilt, "floor_bytes_per_unique_token": round(bits / 8 / unique, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -315,6 +346,9 @@ def main() -> None:
                         help="print the writer's CPU per batch by step and context instead "
                              "(ms, search index on; use with --sessions 1)")
     parser.add_argument("--rounds", type=int, default=3, help="fresh databases, --writer-steps")
+    parser.add_argument("--index-floor", action="store_true",
+                        help="Postgres: the search index's parts beside the least any exact "
+                             "index of the same words holds")
     args = parser.parse_args()
     batches = records(args)
     if args.writer_cpu:
@@ -326,6 +360,16 @@ def main() -> None:
                 url = f"sqlite:///{Path(tmp) / 'steps.db'}" if db == "sqlite" else "postgres"
                 print(json.dumps({"db": db, "cpu_ms_per_batch": writer_steps(
                     url, batches, args.rounds)}), flush=True)
+        return
+    if args.index_floor:
+        url = create_database()
+        try:
+            upgrade(url)
+            asyncio.run(store(url, batches, "blocks", True))
+            unique = args.system + args.sessions * args.turns * (args.tool + args.out)
+            print(json.dumps(asyncio.run(index_floor(url, unique))))
+        finally:
+            drop_database(url)
         return
     with tempfile.TemporaryDirectory(prefix="tracetap-storage-bytes-") as tmp:
         for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
