@@ -81,11 +81,11 @@ async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
     for start in range(0, len(rows), _SQLITE_ROWS):
         chunk = rows[start:start + _SQLITE_ROWS]
         values = ", ".join(["(?, ?)"] * len(chunk))
-        async with raw.execute(
-                f"INSERT INTO call_text (call_id, episode_id) VALUES {values} "
-                "ON CONFLICT (call_id) DO NOTHING RETURNING id, call_id",
-                [v for c, e, _ in chunk for v in (c, e)]) as cursor:
-            added += await cursor.fetchall()  # only rows new here: a replay adds none
+        # One trip to aiosqlite's thread, not three (execute, fetch, close): ~70 µs each.
+        added += await raw.execute_fetchall(  # only rows new here: a replay adds none
+            f"INSERT INTO call_text (call_id, episode_id) VALUES {values} "
+            "ON CONFLICT (call_id) DO NOTHING RETURNING id, call_id",
+            [v for c, e, _ in chunk for v in (c, e)])
     if added:
         await raw.executemany(_FTS_INSERT, [(rowid, bodies[c]) for rowid, c in added])
 
