@@ -1,6 +1,7 @@
 """CPU of each step of one agentic turn by context, in process, minimum over rounds.
 
     python bench/agentic_steps.py                  # turns 0, 4, 12, 24 and 29, ~20 s
+    python bench/agentic_steps.py --turns 24 --profile   # and where the events' CPU goes
 
 bench/agentic.py measures whole turns through real processes on a shared machine, where
 a turn's CPU moves by a third from run to run. This times the steps of
@@ -8,13 +9,19 @@ a turn's CPU moves by a third from run to run. This times the steps of
 nothing: logprobs, token ids and usage are injected and stripped), each step's minimum
 over ``--rounds``: the request (decode, inject, encode), the first chunk (it carries the
 prompt's ids), the other events, and the record (the prompt ids decoded, here in the
-new tokens only, as the previous turn of the episode went first).
+new tokens only, as the previous turn of the episode went first). The garbage collector
+runs as ``tracetap serve`` sets it (start-up objects frozen, a high first threshold):
+with the default thresholds its collections land on the events and inflate them by half.
+``--profile``: cProfile's view of the other events of the last turn asked for.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
 import itertools
+import pstats
 import sys
 import time
 
@@ -58,7 +65,11 @@ def main() -> int:
     parser.add_argument("--out", type=int, default=400)
     parser.add_argument("--system", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--profile", action="store_true",
+                        help="print cProfile's top functions of the last turn's other events")
     args = parser.parse_args()
+    gc.freeze()  # as proxy/serve.py does
+    gc.set_threshold(50_000)
     sizes = Sizes(1, max(args.turns) + 1, args.tool, args.out, args.system)
     engine = Engine(sizes, 1)
     conv = Conversation(engine.sessions[0], "plain")
@@ -77,7 +88,32 @@ def main() -> int:
         label = f"context {sizes.context(turn):,}"
         print(f"{label:<28}" + "".join(f"{b * 1e3:>14.2f}" for b in best)
               + f"{sum(best) * 1e3:>12.2f}")
+    if args.profile:
+        profile(bodies, engine, args.turns[-1])
     return 0
+
+
+def profile(bodies: list[bytes], engine: Engine, turn: int) -> None:
+    """cProfile of the events after the first, 5 rounds of ``turn``, top 20 by own time."""
+    profiler = cProfile.Profile()
+    stream = reads(engine, turn)
+    for _ in range(5):
+        state = _state()
+        if turn:
+            one_turn(state, bodies[turn - 1], reads(engine, turn - 1), time.process_time)
+        call = ModelCall(state, CHAT, "x")
+        call.episode_id = "steps"
+        call.parse_request(bodies[turn])
+        call.replied("http://bench", 200)
+        relay = call.start_relay()
+        list(relay.chunk(stream[0]))
+        profiler.enable()
+        for data in stream[1:-1]:
+            list(relay.chunk(data))
+        profiler.disable()
+        list(relay.chunk(stream[-1]))
+        relay.end()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     python bench/storage_bytes.py --db sqlite --layout inline   # the layout before 0007
     python bench/storage_bytes.py --writer-cpu             # the writer's CPU per call
     python bench/storage_bytes.py --search-index off       # without the viewer's search index
+    python bench/storage_bytes.py --writer-steps --sessions 1   # the writer's CPU per call, by step
+    python bench/storage_bytes.py --db postgres --index-floor   # the search index beside its floor
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
 ``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
@@ -227,6 +229,105 @@ def writer_cpu(batches) -> None:
         cache.commit(plan([record], parents))
 
 
+def writer_steps(url: str, batches, rounds: int) -> dict:
+    """Process CPU (every thread: aiosqlite runs SQLite in its own) of the writer's insert
+    per batch, and of two of its steps: planning (``rows._plan``: the transaction's start
+    and storage.dedup.plan) and the search index (``storage.search_index.index_calls``);
+    the rest is the rows' statements and the commit. Records arrive with their prompt ids
+    packed, as the proxy sends them. Per context bucket of the batches' first call, the
+    median over batches of each run's per-batch minimum over ``rounds`` fresh databases."""
+    import statistics
+
+    from tracetap.storage import rows
+    from tracetap.storage.codec import pack_ids
+
+    for batch in batches:
+        for record in batch:
+            if record.prompt_ids is not None:
+                record.prompt_ids_packed, record.prompt_ids = pack_ids(record.prompt_ids), None
+    plan0, index0 = rows._plan, rows.index_calls
+    spent: dict[str, float] = {}
+
+    def timed(name, work):
+        async def run(*a, **kw):
+            began = time.process_time()
+            try:
+                return await work(*a, **kw)
+            finally:
+                spent[name] += time.process_time() - began
+        return run
+
+    rows._plan, rows.index_calls = timed("plan", plan0), timed("index", index0)
+    runs = []
+    try:
+        for _ in range(rounds):
+            target = url if url.startswith("sqlite") else create_database()
+            try:
+                upgrade(target)
+                runs.append(asyncio.run(_steps(target, batches, spent)))
+            finally:
+                if not url.startswith("sqlite"):
+                    drop_database(target)
+                else:
+                    Path(url.removeprefix("sqlite:///")).unlink()
+    finally:
+        rows._plan, rows.index_calls = plan0, index0
+    best = [{k: min(run[i][k] for run in runs) for k in runs[0][i]} for i in range(len(batches))]
+    out = {}
+    for lo, hi in ((0, 10_000), (10_000, 30_000), (30_000, 60_000), (60_000, 10**9)):
+        picked = [b for b in best if lo <= b["context"] < hi]
+        if picked:
+            out[f"{lo // 1000}k+"] = {k: round(statistics.median(b[k] for b in picked) * 1e3, 2)
+                                      for k in ("all", "plan", "index", "rest")}
+    return out
+
+
+async def _steps(url: str, batches, spent: dict[str, float]) -> list[dict]:
+    engine = create_engine(url)
+    cache, out = BlockCache(), []
+    try:
+        for batch in batches:
+            spent.update(plan=0.0, index=0.0)
+            began = time.process_time()
+            await insert_calls(engine, batch, cache, search_index=True)
+            total = time.process_time() - began
+            out.append({"context": len(batch[0].prompt_ids_packed) // 4, "all": total,
+                        **spent, "rest": total - spent["plan"] - spent["index"]})
+    finally:
+        await engine.dispose()
+    return out
+
+
+async def index_floor(url: str, unique: int) -> dict:
+    """The Postgres search index of a stored run: its (call, word) pairs and distinct
+    words, its parts' bytes as written and rebuilt (REINDEX, VACUUM FULL), and the least
+    any exact word-to-calls index holds: per call, log2 C(distinct words, its words)."""
+    from math import lgamma, log
+
+    conn = await asyncpg.connect(url)
+    try:
+        per_call = [r[0] for r in await conn.fetch("SELECT length(doc) FROM call_text")]
+        distinct = await conn.fetchval(
+            "SELECT count(DISTINCT w) FROM call_text, unnest(tsvector_to_array(doc)) w")
+
+        async def parts() -> dict:
+            sizes = await conn.fetchrow(
+                "SELECT pg_relation_size('ix_call_text_document') AS gin, "
+                "pg_total_relation_size('call_text') AS total")
+            return {k: round(v / unique, 2) for k, v in sizes.items()}
+        written = await parts()
+        await conn.execute("REINDEX TABLE call_text")
+        await conn.execute("VACUUM FULL call_text")
+        rebuilt = await parts()
+    finally:
+        await conn.close()
+    bits = sum((lgamma(distinct + 1) - lgamma(k + 1) - lgamma(distinct - k + 1)) / log(2)
+               for k in per_call)
+    return {"calls": len(per_call), "pairs": sum(per_call), "distinct_words": distinct,
+            "index_bytes_per_unique_token_written": written,
+            "rebuilt": rebuilt, "floor_bytes_per_unique_token": round(bits / 8 / unique, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -241,10 +342,34 @@ def main() -> None:
                         help="off: store the calls as --no-search-index does")
     parser.add_argument("--writer-cpu", action="store_true",
                         help="print the writer's planning CPU per call instead")
+    parser.add_argument("--writer-steps", action="store_true",
+                        help="print the writer's CPU per batch by step and context instead "
+                             "(ms, search index on; use with --sessions 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh databases, --writer-steps")
+    parser.add_argument("--index-floor", action="store_true",
+                        help="Postgres: the search index's parts beside the least any exact "
+                             "index of the same words holds")
     args = parser.parse_args()
     batches = records(args)
     if args.writer_cpu:
         writer_cpu(batches)
+        return
+    if args.writer_steps:
+        with tempfile.TemporaryDirectory(prefix="tracetap-writer-steps-") as tmp:
+            for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
+                url = f"sqlite:///{Path(tmp) / 'steps.db'}" if db == "sqlite" else "postgres"
+                print(json.dumps({"db": db, "cpu_ms_per_batch": writer_steps(
+                    url, batches, args.rounds)}), flush=True)
+        return
+    if args.index_floor:
+        url = create_database()
+        try:
+            upgrade(url)
+            asyncio.run(store(url, batches, "blocks", True))
+            unique = args.system + args.sessions * args.turns * (args.tool + args.out)
+            print(json.dumps(asyncio.run(index_floor(url, unique))))
+        finally:
+            drop_database(url)
         return
     with tempfile.TemporaryDirectory(prefix="tracetap-storage-bytes-") as tmp:
         for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):

@@ -31,8 +31,11 @@ from tracetap.storage.tables import CallText
 
 MAX_WORD = 200  # characters: a longer "word" (base64, a hash) is not looked up by anyone
 WORD = re.compile(r"[^\W_]+")  # letters and digits, as SQLite's unicode61 splits
+# The words go as one string, split by Postgres: a word holds no whitespace (words()),
+# and asyncpg encodes a text[] parameter element by element with two abc isinstance
+# checks each (~1 µs a word: ~3 ms for a call adding 2,800 words).
 _PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, doc) "
-              "VALUES ($1, $2, array_to_tsvector($3::text[])) "
+              "VALUES ($1, $2, array_to_tsvector(string_to_array($3::text, ' '))) "
               "ON CONFLICT (call_id) DO NOTHING")
 _SQLITE_ROWS = 256  # rows per INSERT ... RETURNING (two variables each)
 _FTS_INSERT = "INSERT INTO call_text_fts(rowid, body) VALUES (?, ?)"
@@ -71,18 +74,18 @@ async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
     if not rows:
         return
     if dialect == "postgresql":
-        await raw.executemany(_PG_INSERT, [(c, e, words(body)) for c, e, body in rows])
+        await raw.executemany(_PG_INSERT, [(c, e, " ".join(words(body))) for c, e, body in rows])
         return
     bodies = {c: body for c, _, body in rows}
     added = []
     for start in range(0, len(rows), _SQLITE_ROWS):
         chunk = rows[start:start + _SQLITE_ROWS]
         values = ", ".join(["(?, ?)"] * len(chunk))
-        async with raw.execute(
-                f"INSERT INTO call_text (call_id, episode_id) VALUES {values} "
-                "ON CONFLICT (call_id) DO NOTHING RETURNING id, call_id",
-                [v for c, e, _ in chunk for v in (c, e)]) as cursor:
-            added += await cursor.fetchall()  # only rows new here: a replay adds none
+        # One trip to aiosqlite's thread, not three (execute, fetch, close): ~70 µs each.
+        added += await raw.execute_fetchall(  # only rows new here: a replay adds none
+            f"INSERT INTO call_text (call_id, episode_id) VALUES {values} "
+            "ON CONFLICT (call_id) DO NOTHING RETURNING id, call_id",
+            [v for c, e, _ in chunk for v in (c, e)])
     if added:
         await raw.executemany(_FTS_INSERT, [(rowid, bodies[c]) for rowid, c in added])
 

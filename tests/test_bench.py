@@ -128,6 +128,36 @@ def test_stream_steps_prints_every_step():
     )
 
 
+_SMALL_AGENTIC = ("--sessions", "1", "--turns", "3", "--tool", "50", "--out", "20",
+                  "--system", "30")
+
+
+def test_storage_bytes_splits_the_writers_cpu_by_step_on_both_databases(postgres):
+    lines = [json.loads(line) for line in run(
+        "storage_bytes.py", "--writer-steps", *_SMALL_AGENTIC, "--rounds", "1").splitlines()]
+    assert [line["db"] for line in lines] == ["sqlite", "postgres"]
+    for line in lines:
+        [steps] = line["cpu_ms_per_batch"].values()  # one context bucket at this size
+        assert set(steps) == {"all", "plan", "index", "rest"}
+        assert steps["plan"] > 0 and steps["index"] > 0  # both steps were really timed
+
+
+def test_storage_bytes_prints_the_search_index_beside_its_floor(postgres):
+    floor = json.loads(run("storage_bytes.py", "--db", "postgres", "--index-floor",
+                           *_SMALL_AGENTIC).splitlines()[-1])
+    assert floor["calls"] == 3 and floor["pairs"] >= floor["distinct_words"] > 0
+    # An exact index of the words cannot hold less than their information content.
+    assert 0 < floor["floor_bytes_per_unique_token"] \
+        < floor["index_bytes_per_unique_token_written"]["total"]
+
+
+def test_agentic_steps_prints_every_step_and_its_profile():
+    out = run("agentic_steps.py", "--turns", "1", "--rounds", "1", "--tool", "40",
+              "--out", "12", "--system", "20", "--profile")
+    assert "other events" in out and "context " in out
+    assert "relay.py" in out and "(event)" in out  # cProfile's table of the events
+
+
 def _assert_steps(out: str, *steps: str) -> None:
     """Each step is printed with a positive CPU figure."""
     rows = dict(re.findall(r"^(\S.*?)\s{2,}(\d+\.\d)\b", out, re.MULTILINE))

@@ -314,3 +314,25 @@ def test_the_search_page_says_the_index_is_off_and_finds_ids(tmp_path):
 def test_words_are_indexed_lower_case_and_bounded():
     assert sorted(search_index.words("Foo foo conftest.py " + "x" * 201)) == [
         "conftest", "foo", "py"]
+
+
+def test_postgres_stores_exactly_the_words_of_the_text(fresh_postgres):
+    """The words travel to Postgres as one string that it splits: every word arrives
+    whole (unicode, digits, a word at the length bound), none is made up of a separator,
+    and a text with no word at all stores an empty tsvector."""
+    tricky = ("Grüße Ünïcode naïve 42 x2y\tTab\nnew\u00a0nbsp\u2003em_space a-b c.d "
+              + "y" * 200 + " " + "z" * 201 + " \"quoted\" back\\slash 'tick' colon:1")
+    calls = [_chat("c-words", "ep-words", [{"role": "user", "content": tricky}], "Antwort"),
+             _chat("c-none", "ep-words", [{"role": "user", "content": "... !!! ---"}], "?")]
+    upgrade(fresh_postgres)
+
+    async def work(engine):
+        await insert_calls(engine, calls, search_index=True)
+        async with engine.connect() as conn:
+            return dict((await conn.execute(text(
+                "SELECT call_id, tsvector_to_array(doc) FROM call_text"))).all())
+    stored = _run(fresh_postgres, work)
+    expected = search_index.words(call_text(calls[0]))
+    assert "grüße" in expected and "nbsp" in expected and "y" * 200 in expected
+    assert sorted(stored["c-words"]) == sorted(expected)
+    assert stored["c-none"] == []
