@@ -91,3 +91,32 @@ def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
     for k, row in enumerate(mine):
         trained = [t for t, m in zip(row["response_ids"], row["response_mask"]) if m]
         assert bytes(t for t in trained if t < 256).decode() == CANDIDATES[k]
+
+
+def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tmp_path, capsys):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+    (tmp_path / "scripted.json").write_text(json.dumps([CANDIDATES[0], "no code here"]))
+    code = main([
+        "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
+        "--db", proxy.settings.database_url, "--model", "mock-model",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS,
+        "--run-id", "each", "-k", "2", "--max-packets", "2", "--guard", "0",
+        "--scripted", str(tmp_path / "scripted.json"), "--concurrency", "8", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    groups = sorted({r["group"] for r in rows})
+    assert len(groups) == 2 and len(rows) == 4  # K candidates for each packet
+    for group in groups:
+        useful, empty = sorted(
+            (r for r in rows if r["group"] == group), key=lambda r: r["candidate"]
+        )
+        assert useful["valid"] and useful["reward"] == useful["delta"]
+        assert not empty["valid"] and empty["why"] == "the reply has no ```python block"
+        assert empty["reward"] == -1.0  # the default penalty
+    # The same patch for both packets: one batch run, its episodes reused for the second.
+    assert len({r["delta"] for r in rows if r["valid"]}) == 1
+    status, page = proxy.admin("GET", "/tracetap/episodes?limit=1000")
+    assert status == 200
+    patched = [e for e in page["data"] if (e["metadata"] or {}).get("run", "").startswith("each-p")]
+    assert len(patched) == len(TASKS)
