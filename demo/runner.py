@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="also run every task twice under two harness variants (factor context: the agent "
            "keeps its full history, or summarises it before turn 2), for tracetap packets, "
            "compare and harnesses [default off]")
+    a("--engineer", action="store_true",
+      help="instead, run tracetap engineer's loop (Harness-R1) on the mock engine: a "
+           "scripted engineer's useful, useless and broken patches, each rewarded with its "
+           "Δ_B or the penalty (docs/harness-engineering.md) [default off]")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ def plan_episodes(run_id: str, append_only: int, variants: bool = False) -> list
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if args.engineer:
+        from tracetap.demo import engineer_demo
+
+        return engineer_demo.run(args)
     if args.episodes < 0:
         print("tracetap demo: error: --episodes must be 0 or more", file=sys.stderr)
         return 2

@@ -13,11 +13,20 @@ from aiohttp import web
 from tracetap.proxy.admin import _errors, _require_admin
 from tracetap.proxy.errors import ProxyError, bad_request, not_found
 from tracetap.proxy.keys import STATE
+from tracetap.proxy.overlays.hooks import EpisodeInfo
 from tracetap.proxy.overlays.patches import MAX_SOURCE, PatchRefused
+from tracetap.proxy.overlays.replay import replay
+from tracetap.proxy.tagging import validate_episode_id
+from tracetap.storage import queries
 
 
 class PatchBody(msgspec.Struct, forbid_unknown_fields=True):
     source: str
+
+
+class ReplayBody(msgspec.Struct, forbid_unknown_fields=True):
+    episode: str  # whose recorded calls the hooks run on
+    budget: float = 2.0  # seconds per hook
 
 
 async def _source(request: web.Request) -> str:
@@ -87,3 +96,35 @@ async def delete_overlay(request: web.Request) -> web.Response:
     if not await overlays.patches.remove(name):
         raise not_found(f"no overlay {name!r}")
     return web.json_response({"name": name, "deleted": True})
+
+
+@_errors
+async def replay_overlay(request: web.Request) -> web.Response:
+    """The patch's hooks on an episode's recorded calls: ``{ok, why, hooks, calls}``."""
+    _require_admin(request)
+    state = request.app[STATE]
+    name = request.match_info["name"]
+    try:
+        spec = msgspec.json.decode(await request.read(), type=ReplayBody)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise bad_request(f'the body is {{"episode": ID, "budget"?: SECONDS}}: {exc}') from exc
+    if not 0 < spec.budget <= 60:
+        raise bad_request("budget is more than 0 and at most 60 seconds")
+    episode_id = validate_episode_id(spec.episode)
+    found = await state.overlays.patches.described(name)
+    if found is None:
+        raise not_found(f"no patch {name!r} (only installed patches are replayed)")
+    registered = await queries.episode_registration(state.engine, episode_id)
+    if registered is None:
+        raise not_found(f"no episode {episode_id!r}")
+    info = EpisodeInfo(
+        id=episode_id,
+        task_id=registered.get("task_id"),
+        harness=(registered.get("harness") or {}).get("name"),
+        metadata=registered.get("metadata") or {},
+    )
+    calls = await queries.calls_of(state.engine, episode_id)
+    why, hooks = await replay(
+        name, found["source"], info, calls, spec.budget, state.overlays.patches.limits
+    )
+    return web.json_response({"ok": why is None, "why": why, "hooks": hooks, "calls": len(calls)})

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 # `tracetap --help` before the command line moved out of proxy/ (issue 31), in its order,
-# and the commands added since where they were added (`run`: issue 28, after harnesses).
+# and the commands added since where they were added (`run`, `engineer`: issue 28, after
+# harnesses).
 BEFORE = ["serve", "admin-token", "db", "export", "prune", "drift", "quarantine", "packets",
-          "compare", "harnesses", "run", "ui", "demo", "mock-engine"]
+          "compare", "harnesses", "run", "engineer", "ui", "demo", "mock-engine"]
 
 
 def _listed(help_text: str) -> list[str]:
@@ -44,6 +45,7 @@ def test_each_subcommand_runs_its_own_packages_code():
         "export": "tracetap.exporters.", "prune": "tracetap.exporters.",
         "drift": "tracetap.exporters.", "packets": "tracetap.analysis.",
         "compare": "tracetap.analysis.", "harnesses": "tracetap.analysis.",
+        "run": "tracetap.analysis.", "engineer": "tracetap.analysis.",
         "ui": "tracetap.proxy.", "demo": "tracetap.demo.", "mock-engine": "tracetap.demo.",
     }
     for name, owner in owners.items():

@@ -193,6 +193,7 @@ def test_a_deleted_patch_is_no_longer_named_or_run(proxy):
             "AFTER_MODEL_SEES is 'all'",
         ),
         ("import os\nos._exit(1)\n", "its worker died while loading it"),
+        ("while True:\n    pass\n", "loading it took longer than 10 s"),
     ],
 )
 def test_a_patch_that_does_not_load_is_a_clear_400(proxy, source, why):
@@ -212,6 +213,32 @@ def test_installing_needs_the_admin_token_and_a_free_name(proxy):
     )
     status, reply = proxy.admin("PUT", "/tracetap/overlays/x", {"code": GOOD})
     assert status == 400 and "source" in reply["error"]["message"]
+
+
+# ---- replayed on recorded calls -------------------------------------------------------
+
+
+def test_a_patch_is_replayed_on_an_episodes_recorded_calls(proxy):
+    register(proxy, "recorded", task_id="t-3")
+    say(proxy, "recorded", "hello")
+    say(proxy, "recorded", "again")
+    install(proxy, "fine", GOOD)
+    status, reply = proxy.admin(
+        "POST", "/tracetap/overlays/fine/replay", {"episode": "recorded", "budget": 1}
+    )
+    # on_episode_start, then before_model and after_model (none here) on each call
+    assert (status, reply) == (200, {"ok": True, "why": None, "hooks": 3, "calls": 2})
+    breaks = "async def after_model(reply, state):\n    return reply.content.upper() + 1\n"
+    install(proxy, "breaks", breaks)
+    status, reply = proxy.admin("POST", "/tracetap/overlays/breaks/replay", {"episode": "recorded"})
+    assert status == 200 and not reply["ok"] and reply["hooks"] == 1
+    assert reply["why"].startswith("after_model failed on a recorded call: TypeError: ")
+    assert proxy.admin("POST", "/tracetap/overlays/nope/replay", {"episode": "recorded"})[0] == 404
+    assert proxy.admin("POST", "/tracetap/overlays/fine/replay", {"episode": "nobody"})[0] == 404
+    status, reply = proxy.admin(
+        "POST", "/tracetap/overlays/fine/replay", {"episode": "recorded", "budget": 0}
+    )
+    assert status == 400 and "budget" in reply["error"]["message"]
 
 
 # ---- no network ---------------------------------------------------------------------------

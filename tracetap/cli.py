@@ -14,7 +14,7 @@ import sys
 
 from tracetap import __version__
 from tracetap.analysis import command as analysis_command
-from tracetap.analysis import run_command
+from tracetap.analysis import engineer_command, run_command
 from tracetap.demo import engine_command
 from tracetap.demo import runner as demo_runner
 from tracetap.exporters import command as export_command
@@ -43,6 +43,8 @@ COMMANDS = (
      analysis_command.add_harnesses_arguments),
     ("run", "a batch of tasks through a harness, each an episode graded and finished; "
             "resumable", run_command),
+    ("engineer", "an engineer model patches the harness per failure packet; each patch's "
+                 "reward is its Δ_B (Harness-R1)", engineer_command),
     ("ui", "browse a database in the trace viewer, without a running proxy", ui_command),
     ("demo", "the whole loop locally, no GPU: mock engine, proxy, scripted openai-SDK agent, "
              "Parquet export", demo_runner),

@@ -120,6 +120,16 @@ class AdminClient:
             raise AdminError(f"installing overlay {name}: HTTP {status}: {_said(body)}")
         return msgspec.json.decode(body)
 
+    async def replay_overlay(self, name: str, episode_id: str, budget: float) -> str | None:
+        """The patch's hooks on the episode's recorded calls, in the proxy's sandbox: None
+        when every one ran within ``budget`` seconds, else why not."""
+        status, body = await self._call(
+            "POST", f"/tracetap/overlays/{name}/replay", {"episode": episode_id, "budget": budget}
+        )
+        if status != 200:
+            raise AdminError(f"replaying overlay {name}: HTTP {status}: {_said(body)}")
+        return msgspec.json.decode(body)["why"]
+
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = None if body is None else msgspec.json.encode(body)
         for pause in (*_RETRIES, None):

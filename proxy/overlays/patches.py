@@ -66,6 +66,15 @@ class PatchOverlay:
             if hook not in hooks:
                 setattr(self, hook, None)
 
+    async def ready(self) -> None:
+        """The worker started (a restart, a first use on this process), before a hook's
+        time budget runs: starting a process is not the hook's time."""
+        if not self.worker.alive:
+            try:
+                await self.worker.load()
+            except ValueError as exc:
+                raise PatchFailed(f"its worker did not start: {exc}") from exc
+
     async def on_episode_start(self, episode: EpisodeInfo) -> PatchState:
         state = PatchState(episode)
         if "on_episode_start" in self.hooks:

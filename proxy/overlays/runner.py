@@ -182,6 +182,9 @@ class Overlays:
         if fn is None:
             return None
         try:
+            ready = getattr(episode.overlay, "ready", None)
+            if ready is not None:  # a runtime patch: its worker started, outside the budget
+                await ready()
             result = await asyncio.wait_for(fn(*args), self.timeout)
             if returns and result is not None and not isinstance(result, returns):
                 raise TypeError(

@@ -24,6 +24,7 @@ from tracetap.proxy.overlays import frames
 
 log = logging.getLogger("tracetap.overlays")
 
+LOAD_SECONDS = 10.0  # starting the worker and importing the patch (a loop at import ends)
 STDERR_LINES = 50  # a worker's stderr lines logged, per worker (the rest is read, dropped)
 
 
@@ -90,7 +91,12 @@ class Worker:
         self.generation += 1
         self.started = set()
         try:
-            answer = await self._exchange(frames.Load(name=self.name, source=self.source))
+            answer = await asyncio.wait_for(
+                self._exchange(frames.Load(name=self.name, source=self.source)), LOAD_SECONDS
+            )
+        except asyncio.TimeoutError as exc:
+            self._kill_now()
+            raise ValueError(f"loading it took longer than {LOAD_SECONDS:g} s") from exc
         except WorkerDied as exc:
             self._kill_now()
             raise ValueError(f"its worker died while loading it ({exc})") from exc

@@ -1,0 +1,250 @@
+"""The Harness-R1 loop over one task batch B, driven through running proxies:
+
+1. run B without a patch (the baseline; ``tracetap run``'s runner, resumable);
+2. compile its failed episodes into failure packets (``analysis.packets``);
+3. per packet (or per batch of packets), ask the engineer for K candidate patches, each
+   an episode of its own, group = the packet;
+4. validate each: it is a patch, it loads in the sandbox (the proxy's install), every
+   hook runs on the packet's recorded calls within its budget (the proxy replays them:
+   ``POST /tracetap/overlays/NAME/replay``), and it breaks
+   none of a small guard set of tasks the baseline solved;
+5. run B with each valid patch and measure Δ_B against the baseline (``analysis.compare``);
+6. finish each candidate's engineer episode with Δ_B as its reward (an invalid patch
+   gets the stated penalty), so ``tracetap export`` yields GRPO groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from typing import Any, TextIO
+
+import msgspec
+
+from tracetap.analysis import packets as packets_module
+from tracetap.analysis.compare import compare
+from tracetap.analysis.engineer import prompt
+from tracetap.analysis.engineer.ask import Asked, ask
+from tracetap.analysis.episodes import load
+from tracetap.analysis.runner import plan
+from tracetap.analysis.runner.admin import AdminClient, AdminError, Finish
+from tracetap.analysis.runner.batch import run_batch
+from tracetap.analysis.runner.episode import Commands, Result
+from tracetap.analysis.select import Success, parse_selector
+from tracetap.storage.scan import EpisodeFilter
+
+SETTLE_SECONDS = 0.5
+
+
+class Options(msgspec.Struct, kw_only=True, frozen=True):
+    run_id: str
+    model: str
+    candidates: int = 4  # K per packet
+    penalty: float = -1.0  # the reward of an invalid patch
+    guard: int = 2  # tasks the baseline solved that a patch must not break
+    hook_budget: float = 2.0  # seconds per hook on the recorded calls
+    batch_packets: bool = False  # one request for all packets (else one per packet)
+    max_packets: int | None = None  # the first packets only (the sparse setting)
+    concurrency: int = 4
+    repeats: int = 1  # episodes per task in every batch
+    scripted: tuple[str, ...] = ()  # mock engine only: candidate k answers scripted[k]
+
+
+class Row(msgspec.Struct, kw_only=True):
+    """One candidate: what the table prints and the engineer episode's reward."""
+
+    episode_id: str
+    group: str
+    candidate: int
+    patch: str | None  # the installed patch's name
+    sha256: str | None
+    valid: bool
+    why: str | None  # why it is invalid
+    delta: float | None = None
+    interval: tuple[float, float] | None = None
+    fixed: list[str] = []
+    broken: list[str] = []
+    reward: float = 0.0
+
+
+async def engineer(
+    db: str,
+    tasks: list[plan.Task],
+    commands: Commands,
+    options: Options,
+    admin: AdminClient,
+    engineer_admin: AdminClient,
+    progress: TextIO = sys.stderr,
+) -> list[Row]:
+    base_run = f"{options.run_id}-base"
+    baseline = await _batch(tasks, commands, None, base_run, admin, options, progress)
+    found = await asyncio.to_thread(
+        packets_module.build,
+        db,
+        EpisodeFilter(),
+        packets_module.Options(where=parse_selector(f"meta.run={base_run}")),
+    )
+    chosen = found.packets[: options.max_packets]
+    print(
+        f"tracetap engineer: baseline {base_run}: {len(baseline)} episodes, "
+        f"{len(found.packets)} failure packets ({len(chosen)} used)",
+        file=progress,
+    )
+    base_rates = _rates(baseline)
+    solved = sorted(t for t, rate in base_rates.items() if rate == 1.0)  # every repeat
+    guard = [t for t in tasks if t.id in solved[: options.guard]]
+    groups = [chosen] if options.batch_packets and chosen else [[p] for p in chosen]
+    rows = []
+    for group_packets in groups:
+        group = _group_id(options.run_id, group_packets)
+        asked = await _candidates(group, group_packets, options, engineer_admin)
+        for one in asked:
+            row = await _judge(
+                db,
+                one,
+                group_packets,
+                tasks,
+                guard,
+                commands,
+                options,
+                base_run,
+                admin,
+                progress,
+                base_rates,
+            )
+            await engineer_admin.finish(one.episode_id, _finish(row))
+            rows.append(row)
+    return rows
+
+
+async def _candidates(
+    group: str, packets: list[Any], options: Options, admin: AdminClient
+) -> list[Asked]:
+    messages = prompt.messages(packets)
+    metadata = {"engineer": options.run_id, "packets": [p.episode_id for p in packets]}
+    return await asyncio.gather(
+        *(
+            ask(
+                admin,
+                episode_id=f"{group}.c{k}",
+                group=group,
+                candidate=k,
+                model=options.model,
+                messages=messages,
+                metadata={**metadata, "candidate": k},
+                scripted=options.scripted[k] if k < len(options.scripted) else None,
+            )
+            for k in range(options.candidates)
+        )
+    )
+
+
+async def _judge(
+    db,
+    asked: Asked,
+    packets,
+    tasks,
+    guard,
+    commands,
+    options,
+    base_run,
+    admin,
+    progress,
+    base_rates: dict[str, float],
+) -> Row:
+    source = prompt.patch_of(asked.reply)
+    row = Row(
+        episode_id=asked.episode_id,
+        group=asked.group,
+        candidate=asked.candidate,
+        patch=None,
+        sha256=None,
+        valid=False,
+        why=None,
+        reward=options.penalty,
+    )
+    if source is None:
+        row.why = asked.error or "the reply has no ```python block"
+        return row
+    row.sha256 = hashlib.sha256(source.encode()).hexdigest()
+    row.patch = f"eng-{row.sha256[:12]}"
+    try:
+        await admin.install_overlay(row.patch, source)
+    except AdminError as exc:
+        row.why = str(exc).split(": ", 2)[-1]
+        return row
+    for packet in packets:
+        why = await admin.replay_overlay(row.patch, packet.episode_id, options.hook_budget)
+        if why is not None:
+            row.why = f"on packet {packet.episode_id}: {why}"
+            return row
+    checked = await _batch(
+        guard, commands, row.patch, f"{options.run_id}-g{row.sha256[:8]}", admin, options, progress
+    )
+    broke = sorted(t for t, rate in _rates(checked).items() if rate < base_rates[t])
+    if broke:
+        row.why = f"regresses on the guard set: {', '.join(broke)}"
+        return row
+    cand_run = f"{options.run_id}-p{row.sha256[:8]}"
+    await _batch(tasks, commands, row.patch, cand_run, admin, options, progress)
+    episodes = await asyncio.to_thread(load, db, EpisodeFilter(), costs=True)
+    result = compare(
+        episodes,
+        parse_selector(f"meta.run={base_run}"),
+        [parse_selector(f"meta.run={cand_run}")],
+        success=Success(),
+    )
+    (candidate,) = result.candidates
+    row.valid, row.delta, row.interval = True, candidate.delta, tuple(candidate.interval)
+    row.fixed, row.broken = candidate.flips.fixed, candidate.flips.broken
+    row.reward = candidate.delta
+    return row
+
+
+async def _batch(
+    tasks,
+    commands: Commands,
+    overlay: str | None,
+    run_id: str,
+    admin: AdminClient,
+    options: Options,
+    progress: TextIO,
+) -> list[Result]:
+    if not tasks:
+        return []
+    slots = plan.slots(run_id, tasks, [{}], options.repeats, "{run_id}.{task_id}")
+    patched = msgspec.structs.replace(commands, overlay=overlay)
+    results, _ = await run_batch(
+        slots, admin, patched, concurrency=options.concurrency, progress_stream=progress
+    )
+    # The proxy commits records every ~50 ms after a call ends; packets and Δ_B read the
+    # database, so the last calls of the batch are given time to land.
+    await asyncio.sleep(SETTLE_SECONDS)
+    return results
+
+
+def _rates(results: list[Result]) -> dict[str, float]:
+    """Per task, the share of its episodes that succeeded (reward 1)."""
+    by_task: dict[str, list[float]] = {}
+    for r in results:
+        by_task.setdefault(r.slot.task.id, []).append(float((r.reward or 0.0) >= 1.0))
+    return {task: sum(v) / len(v) for task, v in by_task.items()}
+
+
+def _group_id(run_id: str, packets: list[Any]) -> str:
+    if len(packets) == 1:
+        return plan.safe(f"{run_id}.{packets[0].episode_id}", 128)
+    ids = "|".join(p.episode_id for p in packets)
+    return f"{run_id}.batch-{hashlib.sha256(ids.encode()).hexdigest()[:10]}"
+
+
+def _finish(row: Row) -> Finish:
+    info: dict[str, Any] = {"patch": row.patch, "sha256": row.sha256, "valid": row.valid}
+    if row.valid:
+        info.update(
+            delta=row.delta, interval=list(row.interval or ()), fixed=row.fixed, broken=row.broken
+        )
+    else:
+        info["invalid"] = row.why
+    return Finish(reward=row.reward, outcome="valid" if row.valid else "invalid", info=info)

@@ -1,0 +1,122 @@
+"""``tracetap engineer`` end to end (docs/harness-engineering.md): a baseline batch through
+the real proxy and the mock engine, failure packets, a scripted engineer called through
+the proxy, candidates validated and run, Δ_B written as each engineer episode's reward,
+and the export's trajectories grouped by packet."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from helpers.loop import free_port
+from helpers.servers import Proxy
+
+from tracetap.cli import main
+from tracetap.demo.agent import TASKS
+from tracetap.demo.engine import EngineConfig
+from tracetap.demo.engineer_demo import CANDIDATES
+from tracetap.exporters import export
+from tracetap.migrations import upgrade
+from tracetap.proxy.settings import Settings
+
+HARNESS = f"{sys.executable} -m tracetap.demo.agent_command {{base_url}} {{task.id}} {{repeat}}"
+
+
+@pytest.fixture
+def engine_config() -> EngineConfig:
+    return EngineConfig(flavor="vllm", bad_tool_args=0.4)
+
+
+@pytest.fixture
+def proxy(loop_thread, engine, tmp_path):
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    settings = Settings(
+        upstream=engine.url, db=url, data_dir=str(tmp_path / "data"), port=free_port()
+    )
+    p = Proxy(loop_thread, settings).start()
+    yield p
+    p.stop()
+
+
+def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
+    proxy, tmp_path, capsys
+):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+    (tmp_path / "scripted.json").write_text(json.dumps(list(CANDIDATES)))
+    code = main([
+        "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
+        "--db", proxy.settings.database_url, "--model", "mock-model",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS, "--repeats", "2",
+        "--run-id", "eng", "-k", "3", "--penalty", "-0.5", "--batch-packets",
+        "--max-packets", "2", "--scripted", str(tmp_path / "scripted.json"),
+        "--concurrency", "8", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    rows = {r["candidate"]: r for r in json.loads(capsys.readouterr().out)}
+    useful, useless, broken = rows[0], rows[1], rows[2]
+    # The validator fixes tasks and breaks none; the empty patch changes nothing; the
+    # broken one fails on the packet's recorded calls, before any batch runs with it.
+    assert useful["valid"] and useful["delta"] > 0 and useful["broken"] == []
+    assert useful["fixed"] and useful["interval"][1] >= useful["delta"]
+    assert useless["valid"] and useless["delta"] == 0.0
+    assert (useless["fixed"], useless["broken"]) == ([], [])
+    assert not broken["valid"] and broken["reward"] == -0.5
+    assert "after_model failed on a recorded call: TypeError" in broken["why"]
+    group = useful["group"]
+    assert {r["group"] for r in rows.values()} == {group}
+    for row in rows.values():
+        episode = proxy.episode(row["episode_id"])
+        assert episode["group_id"] == group
+        assert episode["reward"] == (row["delta"] if row["valid"] else -0.5)
+        assert episode["outcome"] == ("valid" if row["valid"] else "invalid")
+        assert episode["info"]["sha256"] == row["sha256"]
+    # The guard set, then the batch, ran with the valid patches only: the broken one
+    # never ran on a task.
+    status, page = proxy.admin("GET", "/tracetap/episodes?limit=1000")
+    assert status == 200
+    runs = {e["metadata"].get("run") for e in page["data"]} - {None}
+    valid = [useful["sha256"][:8], useless["sha256"][:8]]
+    assert runs == {"eng-base", *(f"eng-{kind}{sha}" for sha in valid for kind in "gp")}
+    # The export: the engineer's trajectories, one group with the three rewards; what it
+    # trains on is exactly the text the (scripted) engineer sampled, byte tokens.
+    proxy.flush()
+    export(proxy.settings.database_url, tmp_path / "export")
+    table = pq.read_table(tmp_path / "export" / "trajectories").to_pylist()
+    mine = sorted((r for r in table if r["group_id"] == group), key=lambda r: r["episode_id"])
+    assert [r["episode_id"] for r in mine] == sorted(r["episode_id"] for r in rows.values())
+    assert [r["reward"] for r in mine] == [rows[k]["reward"] for k in sorted(rows)]
+    for k, row in enumerate(mine):
+        trained = [t for t, m in zip(row["response_ids"], row["response_mask"]) if m]
+        assert bytes(t for t in trained if t < 256).decode() == CANDIDATES[k]
+
+
+def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tmp_path, capsys):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+    (tmp_path / "scripted.json").write_text(json.dumps([CANDIDATES[0], "no code here"]))
+    code = main([
+        "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
+        "--db", proxy.settings.database_url, "--model", "mock-model",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS,
+        "--run-id", "each", "-k", "2", "--max-packets", "2", "--guard", "0",
+        "--scripted", str(tmp_path / "scripted.json"), "--concurrency", "8", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    groups = sorted({r["group"] for r in rows})
+    assert len(groups) == 2 and len(rows) == 4  # K candidates for each packet
+    for group in groups:
+        useful, empty = sorted(
+            (r for r in rows if r["group"] == group), key=lambda r: r["candidate"]
+        )
+        assert useful["valid"] and useful["reward"] == useful["delta"]
+        assert not empty["valid"] and empty["why"] == "the reply has no ```python block"
+        assert empty["reward"] == -1.0  # the default penalty
+    # The same patch for both packets: one batch run, its episodes reused for the second.
+    assert len({r["delta"] for r in rows if r["valid"]}) == 1
+    status, page = proxy.admin("GET", "/tracetap/episodes?limit=1000")
+    assert status == 200
+    patched = [e for e in page["data"] if (e["metadata"] or {}).get("run", "").startswith("each-p")]
+    assert len(patched) == len(TASKS)
