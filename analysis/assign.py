@@ -11,20 +11,26 @@ every task at a spread of levels.
 
 What holds (tests/test_assign.py, with Hypothesis):
 
-- **Balance.** Each new assignment takes, for every factor, a level used least so far
-  (basis and new counted together). So each factor's level counts, basis included,
-  differ by at most max(1, their spread in the basis): within one on a fresh database,
-  and a basis that is uneven is evened out from its least-used levels up.
+- **Balance.** Before the first new assignment, each factor's end counts are fixed:
+  the new assignments water-filled onto the basis's counts from the least-used levels up
+  (ties: the level given fewest new ones, then the first listed). Each new assignment
+  takes only levels still short of their target, so at the end each factor's level
+  counts, basis included, differ by at most max(1, their spread in the basis): within one
+  on a fresh database, and an uneven basis is evened out from its least-used levels up.
 - **Distinct.** A task's new configurations differ from each other; ``per_task`` may not
   exceed the configurations the space holds.
-- **Coverage.** Among the configurations balance allows, the one completing most
+- **Coverage.** Among the configurations the targets allow, the one completing most
   least-covered pairs wins (ties: the task's least-met levels, then the smallest sum of
-  squared pair counts). ``Assignment.covered_after`` says how many new assignments it took
-  to cover every pair, ``uncovered`` what is still missing.
+  squared pair counts); on a fresh database, the rows of a known optimal construction
+  (analysis.design.constructed) come first when the run has room for them all.
+  ``Assignment.covered_after`` says how many new assignments it took to cover every pair,
+  ``uncovered`` what is still missing.
 
-When balance allows only configurations the task already has, the new one goes to an
-earlier slot of another task that lacks it, and that slot's configuration comes to this
-task: the same counts, every task's configurations still distinct.
+When the targets allow only configurations the task already has, the new one goes to
+an earlier slot of another task that lacks it, and that slot's configuration comes to
+this task: the same counts, every task's configurations still distinct. With no such
+slot (one task, say), a target moves from one level to another where the bound above
+still holds (``_State.retarget``); only when none can is it an error.
 """
 
 from __future__ import annotations

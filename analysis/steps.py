@@ -94,37 +94,46 @@ def _tools(call: CallBodies) -> list[dict[str, Any]]:
 
 
 def _marked(messages: list[_Message], harness: list[_Message] | None) -> list[tuple]:
-    """Each message with whether an overlay added it: absent from the harness's own
-    (None: the model was given the harness's request as it is)."""
+    """Each message with, per observation it holds (one flag for any other message),
+    whether an overlay added it: absent from the harness's own messages (``harness``
+    None: the model was given the harness's request as it is). Observations are compared
+    one by one, so a user turn of several tool results (Messages) matches the tool
+    messages chat spells them as."""
     if harness is None:
-        return [(m, False) for m in messages]
-    sent = Counter(_key(m) for m in harness)
+        return [(m, [False] * len(_keys(m))) for m in messages]
+    sent = Counter(k for m in harness for k in _keys(m))
     out = []
     for m in messages:
-        key = _key(m)
-        ours = sent[key] > 0
-        sent[key] -= ours
-        out.append((m, not ours))
+        flags = []
+        for key in _keys(m):
+            ours = sent[key] > 0
+            sent[key] -= ours
+            flags.append(not ours)
+        out.append((m, flags))
     return out
 
 
-def _key(m: _Message) -> tuple:
-    """A message by content, whichever API spelled it."""
+def _keys(m: _Message) -> list[tuple]:
+    """A message by content, whichever API spelled it: one key per observation."""
     if m.role == "assistant":
-        calls = tuple(c.function.name if c.function else None for c in m.tool_calls or ())
-        return ("assistant", _text(m.content), calls)
+        calls = [c.function.name if c.function else None for c in m.tool_calls or ()]
+        if isinstance(m.content, list):  # Messages: tool_use blocks
+            calls += [b.name for b in m.content if b.type == "tool_use"]
+        return [("assistant", _text(m.content), tuple(calls))]
     if m.role in ("user", "tool"):
-        return (
-            "observation",
-            tuple(o["content"] for o in _observations(m, {}, _WHOLE)),
-        )
-    return (m.role, _text(m.content))
+        return [("observation", o["content"]) for o in _observations(m, {}, _WHOLE)]
+    return [(m.role, _text(m.content))]
+
+
+def _added(flags: list[bool]) -> bool:
+    """The whole message was added by an overlay."""
+    return bool(flags) and all(flags)
 
 
 def _history(marked, task: Task, steps: list[Step], before: list, names, budget) -> None:
     """The first call's conversation, as analysis.conversation.read reads a request."""
-    for m, injected in marked:
-        role = m.role
+    for m, flags in marked:
+        role, injected = m.role, _added(flags)
         if role in ("system", "developer") and not steps and not injected:
             if task.system is None:
                 task.system = cut(_text(m.content), budget)
@@ -134,7 +143,7 @@ def _history(marked, task: Task, steps: list[Step], before: list, names, budget)
         elif role == "user" and task.user is None and not steps and not injected:
             task.user = cut(_text(m.content), budget)
         elif role in ("user", "tool", "system", "developer"):
-            seen = _observed(m, injected, names, budget)
+            seen = _observed(m, flags, names, budget)
             (steps[-1].observations if steps else before).extend(seen)
 
 
@@ -143,7 +152,7 @@ def _trailing(marked, task: Task, names, budget) -> list[dict]:
     such turn (the harness dropped or summarised them), everything after the leading
     system messages but the task itself."""
     last = max(
-        (i for i, (m, injected) in enumerate(marked) if m.role == "assistant" and not injected),
+        (i for i, (m, flags) in enumerate(marked) if m.role == "assistant" and not _added(flags)),
         default=None,
     )
     if last is None:
@@ -151,22 +160,24 @@ def _trailing(marked, task: Task, names, budget) -> list[dict]:
         while start < len(marked) and marked[start][0].role in ("system", "developer"):
             start += 1
         rest = [
-            (m, inj)
-            for m, inj in marked[start:]
+            (m, flags)
+            for m, flags in marked[start:]
             if not (m.role == "user" and cut(_text(m.content), budget) == task.user)
         ]
     else:
         rest = marked[last + 1 :]
     out = []
-    for m, injected in rest:
+    for m, flags in rest:
         if m.role != "assistant":  # an injected assistant turn: a vetoed attempt
-            out += _observed(m, injected, names, budget)
+            out += _observed(m, flags, names, budget)
     return out
 
 
-def _observed(m: _Message, injected: bool, names, budget) -> list[dict]:
+def _observed(m: _Message, flags: list[bool], names, budget) -> list[dict]:
     if m.role in ("system", "developer"):
         found = [{"source": "system", "name": None, "content": cut(_text(m.content), budget)}]
     else:
         found = _observations(m, names, budget)
-    return [{**o, "injected": injected} for o in found]
+    if len(flags) != len(found):
+        flags = [_added(flags)] * len(found)
+    return [{**o, "injected": flag} for o, flag in zip(found, flags, strict=True)]

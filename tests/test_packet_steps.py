@@ -117,29 +117,28 @@ def test_what_an_overlay_added_is_marked_and_a_vetoed_turn_is_no_action():
     ]
 
 
-def test_a_call_translated_between_apis_injects_nothing():
-    # The harness spoke Anthropic Messages; the engine was given chat (upstream_request).
+def test_a_call_translated_between_apis_marks_only_what_the_overlay_added():
+    # The harness spoke Anthropic Messages (two parallel tool uses, their results in one
+    # user turn); the engine was given chat (upstream_request), with an overlay's hint.
+    uses = [{"type": "tool_use", "id": f"c{n}", "name": "look", "input": {}} for n in (0, 1)]
+    results = [
+        {"type": "tool_result", "tool_use_id": f"c{n}", "content": f"saw {n}"} for n in (0, 1)
+    ]
     messages = {
         "system": "Be an agent.",
         "messages": [
             {"role": "user", "content": "Find it."},
-            {
-                "role": "assistant",
-                "content": [{"type": "tool_use", "id": "c0", "name": "look", "input": {}}],
-            },
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": "c0", "content": "saw 0"}],
-            },
+            {"role": "assistant", "content": uses},
+            {"role": "user", "content": results},
         ],
     }
-    chat = {"messages": [SYSTEM, USER, _turn(0), _result(0)]}
+    both = {"role": "assistant", "content": None, "tool_calls": [_call(0), _call(1)]}
+    hint = {"role": "user", "content": "Hint: look north."}
+    chat = {"messages": [SYSTEM, USER, both, _result(0), _result(1), hint]}
+    first = {"system": "Be an agent.", "messages": messages["messages"][:1]}
+    reply = {"type": "message", "role": "assistant", "content": uses}
     calls = [
-        CallBodies(
-            call_id="k0",
-            request=json.dumps({"system": "Be an agent.", "messages": messages["messages"][:1]}),
-            response=_reply(_turn(0)),
-        ),
+        CallBodies(call_id="k0", request=json.dumps(first), response=json.dumps(reply)),
         CallBodies(
             call_id="k1",
             request=json.dumps(messages),
@@ -148,9 +147,11 @@ def test_a_call_translated_between_apis_injects_nothing():
         ),
     ]
     _, steps, before = read_steps(calls, 200)
-    assert before == []
+    assert before == [] and [s.call_id for s in steps] == ["k0", "k1"]
     assert steps[0].observations == [
-        {"source": "tool", "name": "look", "content": "saw 0", "injected": False}
+        {"source": "tool", "name": "look", "content": "saw 0", "injected": False},
+        {"source": "tool", "name": "look", "content": "saw 1", "injected": False},
+        {"source": "user", "name": None, "content": "Hint: look north.", "injected": True},
     ]
 
 

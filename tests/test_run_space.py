@@ -51,8 +51,9 @@ def _run(proxy, where: Path, tasks: Path, capsys, *extra: str) -> dict:
             *extra,
         ]
     )
-    assert code == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return {**json.loads(out), "stderr": err}
 
 
 def _configs(proxy) -> list[tuple[str, dict]]:
@@ -83,6 +84,7 @@ def test_configs_are_assigned_balanced_and_a_second_run_fills_the_gaps(proxy, tm
     again = _run(proxy, tmp_path, first_tasks, capsys, "--configs-per-task", "2")
     assert (again["ran"], again["skipped"]) == (0, 4)
     assert again["run_id"] == first["run_id"] and again["space"] == first["space"]
+    assert again["stderr"].count("space:") == 1
 
     # A second run (other tasks, so another run id) builds on the first's four.
     second = _run(
@@ -96,6 +98,10 @@ def test_configs_are_assigned_balanced_and_a_second_run_fills_the_gaps(proxy, tm
     assert second["run_id"] != first["run_id"]
     assert second["space"]["prior_assignments"] == 4
     assert second["space"]["uncovered"] == 0 and second["space"]["covered_after"] == 6
+    assert (
+        "space: 27 level pairs, 4 assignments already run; 8 new (2 configs per task): every "
+        "pair covered after 6 new assignments; each factor's levels used equally often"
+    ) in second["stderr"]
     every = [c for _, c in _configs(proxy)]
     assert len(every) == 12 and len(_pairs(every)) == 27
     for factor in SPACE:  # 12 over 3 levels: 4 each

@@ -97,3 +97,30 @@ def test_delta_b_is_plotted_with_its_interval_around_zero(page, variants_site):
     assert low < 0 < high and row.get_attribute("class") == "row level"
     expect(page.locator("#delta-plot figcaption")).to_contain_text("Δ_B against harness=base-h")
     _shot(page, "variants-plots.png")
+
+
+def test_held_out_configs_are_plotted_against_the_rest(page, variants_site):
+    page.set_viewport_size({"width": 1100, "height": 900})
+    page.goto(variants_site.url + HARNESSES + "&held_out=config.ctx%3Dcand")
+    # cand-h (held out) solved 3 of 5, base-h 2 of 5: +0.2, with Newcombe's interval
+    # from the two Wilson intervals.
+    (l1, u1), (l2, u2) = wilson(3, 5), wilson(2, 5)
+    low = 0.2 - ((0.6 - l1) ** 2 + (u2 - 0.4) ** 2) ** 0.5
+    high = 0.2 + ((u1 - 0.6) ** 2 + (0.4 - l2) ** 2) ** 0.5
+    rows = page.locator("#held-out-plot g.row")
+    expect(rows).to_have_count(5)  # all, then the four levels
+    first = rows.first
+    assert first.get_attribute("data-label") == "all"
+    assert float(first.get_attribute("data-value")) == pytest.approx(0.2)
+    assert float(first.get_attribute("data-low")) == pytest.approx(low)
+    assert float(first.get_attribute("data-high")) == pytest.approx(high)
+    assert _drawn_fraction(page, "held-out-plot", first) == pytest.approx(0.2, abs=0.01)
+    # Every level is on one side only (ctx and retries follow the harness): no difference.
+    for i in range(1, 5):
+        expect(rows.nth(i).locator("text.never")).to_have_text("held out or not, not both")
+    expect(page.locator("#held-out-summary")).to_contain_text(
+        "5 tasks ran both, mean held-out minus rest +0.200"
+    )
+    _shot(page, "harnesses-held-out.png")
+    page.goto(variants_site.url + HARNESSES + "&held_out=config.ctx%3Dnone")
+    expect(page.locator("#harnesses-error")).to_contain_text("no episode is held out")

@@ -1,6 +1,7 @@
 """Interval plots (a point and its 95% interval per row), drawn as inline SVG by the
 templates, like viewer.charts: per-level success with its Wilson interval on the
-harnesses page, Δ_B with its bootstrap interval per candidate on the variants page.
+harnesses page (and, with held-out configs, held-out minus the rest per level), Δ_B with
+its bootstrap interval per candidate on the variants page.
 
 Geometry only: each row's value and interval become x positions on a fixed axis
 (success rates on 0..1; differences on a range symmetric around 0, so the zero line is
@@ -18,6 +19,7 @@ import msgspec
 
 from tracetap.analysis.compare import Comparison
 from tracetap.analysis.coverage import Coverage
+from tracetap.analysis.held_out import HeldOut
 
 WIDTH = 640
 LEFT, RIGHT, TOP, BOTTOM = 200, 16, 8, 28  # LEFT holds the row labels
@@ -39,6 +41,7 @@ class Row(msgspec.Struct, kw_only=True):
     x_high: float | None
     y: float
     title: str  # the row in words
+    note: str  # shown instead of a point when there is no value
     css: str  # a class for the marker ("up", "down", "level")
 
 
@@ -67,6 +70,7 @@ def _plot(
     high: float,
     fmt: str,
     difference: bool,
+    missing: str = "never ran",
 ) -> IntervalPlot:
     plot_w = WIDTH - LEFT - RIGHT
     plot_h = max(1, len(items)) * ROW_H
@@ -88,7 +92,8 @@ def _plot(
                     x_low=None,
                     x_high=None,
                     y=y,
-                    title=f"{label}: never ran",
+                    title=f"{label}: {missing}",
+                    note=missing,
                     css=css,
                 )
             )
@@ -106,6 +111,7 @@ def _plot(
                 x_high=x(hi),
                 y=y,
                 title=text,
+                note="",
                 css=css,
             )
         )
@@ -154,19 +160,49 @@ def level_plot(report: Coverage) -> IntervalPlot:
     )
 
 
+def _symmetric(values: Sequence[float]) -> float:
+    """The axis's half-width: a quarter step (0.25, 0.5, 0.75 or 1) holding every value."""
+    reach = max([abs(v) for v in values] + [0.05])
+    return min(1.0, math.ceil(reach * 4) / 4)
+
+
+def _css(interval: tuple[float, float] | None) -> str:
+    if interval is None:
+        return "level"
+    return "up" if interval[0] > 0 else "down" if interval[1] < 0 else "level"
+
+
+def held_out_plot(h: HeldOut) -> IntervalPlot:
+    """Held-out minus rest success, overall and per level, with Newcombe's interval."""
+    splits = [("all", h.overall), *((f"{r.factor}={r.level}", r.split) for r in h.levels)]
+    items = [
+        (label, s.difference, s.difference_interval, _css(s.difference_interval))
+        for label, s in splits
+    ]
+    bound = _symmetric(
+        [
+            v
+            for _, s in splits
+            if s.difference_interval
+            for v in (s.difference, *s.difference_interval)
+        ]
+    )
+    return _plot(
+        "held-out-plot",
+        "Held-out minus other configs' success (Newcombe 95% interval)",
+        items,
+        -bound,
+        bound,
+        "+.3f",
+        difference=True,
+        missing="held out or not, not both",
+    )
+
+
 def delta_plot(result: Comparison) -> IntervalPlot:
     """Δ_B and its paired bootstrap 95% interval per candidate, around 0."""
-    items = [
-        (
-            c.variant.selector,
-            c.delta,
-            c.interval,
-            "up" if c.interval[0] > 0 else "down" if c.interval[1] < 0 else "level",
-        )
-        for c in result.candidates
-    ]
-    reach = max([abs(v) for c in result.candidates for v in (c.delta, *c.interval)] + [0.05])
-    bound = min(1.0, math.ceil(reach * 4) / 4)  # a quarter step: 0.25, 0.5, 0.75 or 1
+    items = [(c.variant.selector, c.delta, c.interval, _css(c.interval)) for c in result.candidates]
+    bound = _symmetric([v for c in result.candidates for v in (c.delta, *c.interval)])
     return _plot(
         "delta-plot",
         f"Δ_B against {result.baseline.selector} (paired bootstrap 95% interval)",

@@ -22,9 +22,10 @@ from aiohttp import web
 from tracetap.analysis.compare import Comparison, compare
 from tracetap.analysis.coverage import Coverage, coverage
 from tracetap.analysis.episodes import AnalysisError, Episode, read
+from tracetap.analysis.held_out import Chooser, held_out
 from tracetap.analysis.select import Selector, Success, parse_selector
 from tracetap.storage.scan import EpisodeFilter
-from tracetap.viewer.interval_plots import delta_plot, level_plot
+from tracetap.viewer.interval_plots import delta_plot, held_out_plot, level_plot
 from tracetap.viewer.keys import SOURCE
 from tracetap.viewer.params import BadParameter
 from tracetap.viewer.render import page
@@ -154,27 +155,44 @@ def task_links(result: Comparison, episodes: Sequence[Episode], baseline: Select
 
 
 async def harnesses_page(request: web.Request) -> web.Response:
-    """``?where=SELECTOR&factor=NAME`` (repeatable), ``success``, ``threshold``: the
-    coverage ``tracetap harnesses`` prints, with each factor pair as a heatmap."""
+    """``?where=SELECTOR&factor=NAME`` (repeatable), ``success``, ``threshold``,
+    ``held_out=SELECTOR``: the coverage ``tracetap harnesses`` prints, with each factor
+    pair as a heatmap (and ``--held-out``'s report as a plot)."""
     query = request.query
     where_text = _text(query, "where")
     factors = [name.strip() for given in query.getall("factor", [])
                for name in given.split(",") if name.strip()]
+    held_text = _text(query, "held_out")
     form = {"where": where_text, "factors": ", ".join(factors),
-            "success": _text(query, "success"), "threshold": _text(query, "threshold")}
+            "success": _text(query, "success"), "threshold": _text(query, "threshold"),
+            "held_out": held_text}
     where = _selector(where_text, "where") if where_text else None
+    held = _selector(held_text, "held_out") if held_text else None
     chosen = options(query)
     episodes = await _episodes(request, bool(where and where.needs_policies), costs=False)
     if where is not None:
         episodes = [e for e in episodes if where.matches(e)]
     try:
         report = coverage(episodes, success=chosen.success, factors=factors)
+        if held is not None:
+            report.held_out = held_out_of(report, episodes, held, chosen.success)
     except AnalysisError as exc:
         return page(request, "harnesses.html", view="harnesses", form=form, report=None,
                     grids=[], error=str(exc))
     grids = heatmaps(report, episodes, chosen.success)
     return page(request, "harnesses.html", view="harnesses", form=form, report=report,
-                grids=grids, error=None, level_plot=level_plot(report))
+                grids=grids, error=None, level_plot=level_plot(report),
+                held_plot=held_out_plot(report.held_out) if report.held_out else None)
+
+
+def held_out_of(report: Coverage, episodes: Sequence[Episode], selector: Selector,
+                success: Success):
+    """``tracetap harnesses --held-out SELECTOR``'s report, for the page."""
+    levels: dict[str, list[str]] = defaultdict(list)
+    for row in report.levels:
+        levels[row.factor].append(row.level)
+    return held_out(episodes, Chooser(selectors=(selector,)), success=success,
+                    factors=report.factors, levels=levels)
 
 
 def heatmaps(report: Coverage, episodes: Sequence[Episode], success: Success) -> list[Grid]:

@@ -92,10 +92,14 @@ def render_report(r: SpaceReport) -> str:
         else f"{r.uncovered} pairs still uncovered (more tasks or --configs-per-task)"
     )
     spread = max(r.level_spread_after.values(), default=0)
+    even = (
+        "each factor's levels used equally often"
+        if spread == 0
+        else (f"each factor's level counts within {spread} of each other")
+    )
     return (
         f"space: {r.pairs} level pairs, {r.prior_assignments} assignments already run; "
-        f"{r.new_assignments} new ({r.configs_per_task} configs per task): {covered}; "
-        f"level counts within {spread} of each other"
+        f"{r.new_assignments} new ({r.configs_per_task} configs per task): {covered}; {even}"
     )
 
 
