@@ -34,6 +34,7 @@ DOC = ROOT / "docs" / "testing.md"
 
 # module -> the fast tests that exercise it
 _RELAY = ["tests/test_relay.py", "tests/test_capture.py", "tests/test_prompt_cut.py"]
+_DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py"]
 _QUARANTINE = ["tests/test_quarantine.py", "tests/test_quarantine_proxy.py"]
 _MESSAGES = ["tests/test_translate_messages.py", "tests/test_apis_capture.py"]
 _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
@@ -56,8 +57,11 @@ MODULES = {
     "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
-    "proxy/capture.py": _RELAY,
-    "proxy/handlers.py": [*_RELAY, "tests/test_faults.py"],
+    "proxy/capture.py": _DRIVER,
+    "proxy/relay.py": _DRIVER,
+    "proxy/call_review.py": ["tests/test_call_driver.py", "tests/test_overlays.py"],
+    "proxy/handlers.py": [*_DRIVER, "tests/test_hostile_agent.py",
+                          "tests/test_hostile_episodes.py", "tests/test_api_errors.py"],
     # Chat and completions captured: ids in order of trust, streams reassembled.
     "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
                                    "tests/test_prompt_cut.py", "tests/test_capture.py"],
@@ -89,6 +93,13 @@ MODULES = {
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
     "exporters/watermark.py": ["tests/test_export_runs.py"],
 }
+# Extra pytest arguments for a module's runs. The driver and the relay do not touch the
+# database: their tests' Postgres variants run the same code as the SQLite ones, behind a
+# slower setup (a migrated database per test), and a survivor costs a whole run of its
+# tests. The storage modules keep both.
+_SQLITE_ONLY = ["-k", "not postgres"]
+PYTEST_ARGS = {module: _SQLITE_ONLY for module in (
+    "proxy/capture.py", "proxy/relay.py", "proxy/call_review.py", "proxy/handlers.py")}
 # The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
 # them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
 # copy (mutants/ comes first on sys.path, before the editable install's finder) under the
@@ -170,7 +181,8 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
         # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
         # fail already count, a leak warning at exit must not crash mutmut's own run.
         "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"
-        "    -W\n    ignore::pytest.PytestUnraisableExceptionWarning\n")
+        "    -W\n    ignore::pytest.PytestUnraisableExceptionWarning\n"
+        + "".join(f"    {arg}\n" for arg in PYTEST_ARGS.get(module, ())))
     log = scratch / "mutmut.log"
     with open(log, "wb") as out:
         done = subprocess.run(["mutmut", "run", "--max-children", str(max_children)],

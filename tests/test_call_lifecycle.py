@@ -1,0 +1,269 @@
+"""The driver's own promises about a call's life (``ModelCall.run``, proxy/capture.py),
+observed in the proxy's process: the in-flight gauge counts a call only while it runs,
+a refusal or a bug is the client's error and a stored record (never a bare 500, and a
+stream already begun is cut, not turned into an error), the overhead header, the
+client's query string reaches the upstream, and a finished call is freed at once (the
+relay's pointer back to it is dropped, so no cycle waits for the cyclic collector)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import threading
+import weakref
+
+import openai
+import pytest
+from aiohttp import web
+from helpers.http import fetch
+from helpers.loop import free_port
+from helpers.servers import Proxy
+
+from tracetap.migrations import upgrade
+from tracetap.proxy.capture import ModelCall
+from tracetap.proxy.relay import Relay
+from tracetap.proxy.settings import Settings
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def db_url(tmp_path) -> str:
+    """SQLite only: nothing here depends on the database."""
+    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
+    upgrade(url)
+    return url
+
+
+def _start(loop_thread, upstream: str, db_url: str, tmp_path, **extra) -> Proxy:
+    settings = Settings(
+        upstream=upstream,
+        db=db_url,
+        data_dir=str(tmp_path / "data"),
+        port=free_port(),
+        upstream_flavor="vllm",
+        **extra,
+    )
+    return Proxy(loop_thread, settings).start()
+
+
+@pytest.fixture
+def proxy(loop_thread, engine, db_url, tmp_path):
+    p = _start(loop_thread, engine.url, db_url, tmp_path)
+    yield p
+    p.stop()
+
+
+def _client(proxy: Proxy, episode: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x", max_retries=0)
+
+
+def _inflight(proxy: Proxy) -> float:
+    return proxy.state.metrics.inflight._value.get()
+
+
+class Gated:
+    """An upstream that answers a whole chat reply once the test lets it (``go``), and
+    records the query string each request came with."""
+
+    def __init__(self, loop_thread):
+        self.loop_thread = loop_thread
+        self.arrived = threading.Event()
+        self.queries: list[str] = []
+        self._go: asyncio.Event | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    def go(self) -> None:
+        self.loop_thread.loop.call_soon_threadsafe(self._event().set)
+
+    def _event(self) -> asyncio.Event:
+        if self._go is None:
+            self._go = asyncio.Event()
+        return self._go
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.queries.append(request.rel_url.raw_query_string)
+        go = self._event()
+        self.arrived.set()
+        await go.wait()
+        return web.json_response(
+            {
+                "id": "g",
+                "object": "chat.completion",
+                "model": "gated",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "ok"},
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+
+@pytest.fixture
+def gated(loop_thread, serve_app):
+    upstream = Gated(loop_thread)
+    upstream.url = serve_app(upstream.app()) + "/v1"
+    yield upstream
+    upstream.go()  # a failed test must not leave the proxy waiting
+
+
+def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
+    loop_thread, gated, db_url, tmp_path
+):
+    """1 while the call waits on the upstream, 0 once it has answered (kills the gauge
+    never raised, never lowered, or lowered on entry)."""
+    proxy = _start(loop_thread, gated.url, db_url, tmp_path)
+    try:
+        assert _inflight(proxy) == 0
+        done: list[tuple[int, bytes]] = []
+        url = proxy.episode_url("inflight") + "/chat/completions"
+        thread = threading.Thread(
+            target=lambda: done.append(fetch("POST", url, {"model": "gated", "messages": MESSAGES}))
+        )
+        thread.start()
+        assert gated.arrived.wait(30)
+        assert _inflight(proxy) == 1
+        gated.go()
+        thread.join(30)
+        assert done and done[0][0] == 200
+        assert _inflight(proxy) == 0
+    finally:
+        proxy.stop()
+
+
+def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_url, tmp_path):
+    """A captured call is sent to the upstream with the client's query, as it came."""
+    gated.go()
+    proxy = _start(loop_thread, gated.url, db_url, tmp_path)
+    try:
+        url = proxy.episode_url("query") + "/chat/completions?api-version=2024-06-01&x=a%20b"
+        status, _ = fetch("POST", url, {"model": "gated", "messages": MESSAGES})
+        assert status == 200
+        assert gated.queries == ["api-version=2024-06-01&x=a%20b"]
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("header", [True, False], ids=["header", "no-header"])
+def test_the_overhead_header_is_on_a_whole_reply_unless_turned_off(
+    loop_thread, engine, db_url, tmp_path, header
+):
+    """``x-tracetap-overhead-ms``: the proxy's own time on a whole reply, in
+    milliseconds with three decimals; absent with ``--no-overhead-header``."""
+    proxy = _start(loop_thread, engine.url, db_url, tmp_path, overhead_header=header)
+    try:
+        with _client(proxy, "overhead") as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="mock-model", messages=MESSAGES
+            )
+        value = raw.headers.get("x-tracetap-overhead-ms")
+        if not header:
+            assert value is None
+        else:
+            whole, _, decimals = value.partition(".")
+            assert whole.isdigit() and len(decimals) == 3 and decimals.isdigit()
+            assert 0 <= float(value) < 10_000  # milliseconds, not seconds
+    finally:
+        proxy.stop()
+
+
+def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
+    status, body = fetch("POST", proxy.episode_url("bad") + "/chat/completions", b"{nope")
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    [call] = proxy.calls("bad")
+    assert (call["status"], call["http_status"]) == ("bad_request", 400)
+    assert call["error"] == error["message"]
+
+
+def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
+    """Never a bare 500: a bug before anything was relayed is the client's internal
+    error, counted, and the call is stored as an error."""
+
+    async def broken(self):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ModelCall, "admit", broken)
+    status, body = fetch(
+        "POST",
+        proxy.episode_url("bug") + "/chat/completions",
+        {"model": "mock-model", "messages": MESSAGES},
+    )
+    assert status == 500
+    error = json.loads(body)["error"]
+    assert "RuntimeError" in error["message"] and error["code"] == "internal_error"
+    [call] = proxy.calls("bug")
+    assert (call["status"], call["http_status"]) == ("error", 500)
+    assert "RuntimeError" in call["error"]
+    assert proxy.state.metrics.internal_errors._value.get() == 1
+
+
+def test_a_bug_mid_stream_cuts_the_clients_stream_and_is_stored_as_an_error(proxy, monkeypatch):
+    """Once the client's stream has begun its reply cannot become an error: the stream
+    is cut, and the record says why (status error, the bug's message)."""
+    event = Relay.event
+    seen = []
+
+    def breaks_on_the_fourth(self, e):
+        seen.append(e)
+        if len(seen) == 4:
+            raise RuntimeError("a bug mid-stream")
+        return event(self, e)
+
+    monkeypatch.setattr(Relay, "event", breaks_on_the_fourth)
+    chunks = []
+    with _client(proxy, "midbug") as client, pytest.raises(openai.APIError):
+        for chunk in client.chat.completions.create(
+            model="mock-model",
+            messages=MESSAGES,
+            stream=True,
+            extra_body={"mock_completion_tokens": 20, "mock_chunk_delay_s": 0.01},
+        ):
+            chunks.append(chunk)
+    assert 0 < len(chunks) < 20
+    [call] = proxy.calls("midbug")
+    assert call["status"] == "error" and "RuntimeError" in call["error"]
+    assert call["http_status"] == 200  # the client's stream had begun
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_finished_call_is_freed_without_the_cyclic_collector(proxy, monkeypatch, stream):
+    """The relay points back at its call; ``finish`` drops that pointer so the call's
+    context-sized buffers are freed by reference counting as the handler returns, not
+    when the cyclic collector next runs (disabled here to tell the two apart)."""
+    calls: list[weakref.ref] = []
+    init = ModelCall.__init__
+
+    def spied_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        calls.append(weakref.ref(self))
+
+    monkeypatch.setattr(ModelCall, "__init__", spied_init)
+    gc.collect()
+    gc.disable()
+    try:
+        with _client(proxy, "freed") as client:
+            if stream:
+                for _ in client.chat.completions.create(
+                    model="mock-model", messages=MESSAGES, stream=True
+                ):
+                    pass
+            else:
+                client.chat.completions.create(model="mock-model", messages=MESSAGES)
+        proxy.flush()
+        proxy.loop.run(asyncio.sleep(0.05))  # the metrics callback (call_soon) has run
+        [ref] = calls
+        assert ref() is None, gc.get_referrers(ref())
+    finally:
+        gc.enable()
