@@ -67,6 +67,7 @@ class Quarantine:
         self.overflow = 0
         self._seen: set[tuple[str, str]] | None = None  # read on first add, not at start
         self._bytes = 0
+        self._cut = False  # the file ends in a line cut by a crash
 
     @classmethod
     def beside(cls, journal_dir: Path, max_bytes: int = 1 << 30) -> Quarantine:
@@ -80,6 +81,10 @@ class Quarantine:
         if self._seen is None:
             self._seen = {(e.call_id, e.kind) for e in read(self.path)}
             self._bytes = self.path.stat().st_size if self.path.exists() else 0
+            # A line cut by a crash has no newline: what is appended next must not be
+            # glued to it (the pair would read as one broken line, and both be lost).
+            self._cut = self._bytes > 0 and _last_byte(self.path) != b"\n"
+            self._bytes += self._cut  # the newline that ends it, written with the next
         lines = []
         for e in entries:
             if (e.call_id, e.kind) in self._seen:
@@ -94,10 +99,12 @@ class Quarantine:
         if not lines:
             return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = b"".join(lines)
+        data = memoryview(b"\n" * self._cut + b"".join(lines))
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.write(fd, data)
+            while data:  # a write may take only part of it
+                data = data[os.write(fd, data):]
+            self._cut = False
             os.fsync(fd)  # rare, and the journal copy is deleted right after
         finally:
             os.close(fd)
@@ -153,6 +160,12 @@ class Quarantine:
         return records, new
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 def entry(record: CallRecord, kind: str, reason: str, database: str) -> Entry:
     return Entry(call_id=record.call_id, episode_id=record.episode_id, kind=kind,
                  reason=reason, quarantined_at=time.time(), database=database,
@@ -185,7 +198,7 @@ def count(data_dir: Path) -> tuple[int, int]:
     them (for a page that shows the count on every load). A kind is a JSON value of its
     own: inside a string, its quotes would be escaped."""
     refused = altered = 0
-    for path in directory_of(data_dir).glob("*.jsonl"):
+    for path in sorted(directory_of(data_dir).glob("*.jsonl")):  # the same order each time
         try:
             data = path.read_bytes()
         except OSError:

@@ -573,3 +573,197 @@ def test_every_workers_file_is_read_oldest_first(tmp_path):
                                                            third.call_id]
     from tracetap.storage.quarantine import count
     assert count(tmp_path) == (3, 1)
+
+
+def test_an_entry_added_after_a_line_cut_by_a_crash_is_kept_and_counted_in_the_bound(tmp_path):
+    """A crash mid-write leaves a line without its newline: the next process's entries
+    start on a line of their own (glued to the cut one, both would be unreadable), the
+    entries after a cut line are still read, and the newline counts in the bound."""
+    from tracetap.storage.quarantine import entry, read
+
+    path = tmp_path / "q.jsonl"
+    first, second, third = (entry(_poison("missing_seq"), "refused", "r", "sqlite")
+                            for _ in range(3))
+    assert Quarantine(path).add([first]) == 1
+    with open(path, "ab") as cut:
+        cut.write(b'{"call_id": "cut by a cra')
+    size = path.stat().st_size
+    line = msgspec_line(second)
+    tight = Quarantine(path, max_bytes=size + len(line))  # no room for the newline too
+    assert tight.add([second]) == 0 and tight.overflow == 1
+    assert path.stat().st_size == size
+    assert Quarantine(path, max_bytes=size + 1 + len(line)).add([second]) == 1
+    assert path.read_bytes() == msgspec_line(first) + b'{"call_id": "cut by a cra\n' + line
+    assert Quarantine(path).add([third]) == 1  # the file ends in a newline: none added
+    assert path.read_bytes().endswith(b"cra\n" + line + msgspec_line(third))
+    assert [e.call_id for e in read(path)] == [first.call_id, second.call_id, third.call_id]
+
+
+def test_a_new_process_counts_what_the_file_holds_against_its_bound(tmp_path):
+    from tracetap.storage.quarantine import entry, read
+
+    path = tmp_path / "q.jsonl"
+    first, second = (entry(_poison("missing_seq"), "refused", "r", "sqlite") for _ in range(2))
+    Quarantine(path).add([first])
+    held = path.stat().st_size
+    again = Quarantine(path, max_bytes=held + len(msgspec_line(second)) - 1)
+    assert again.add([second]) == 0 and again.overflow == 1
+    assert [e.call_id for e in read(path)] == [first.call_id]
+
+
+def test_the_file_beside_a_journal_takes_its_bound_and_makes_its_folders(tmp_path):
+    from tracetap.storage.quarantine import entry
+
+    first, second = (entry(_poison("missing_seq"), "refused", "r", "sqlite") for _ in range(2))
+    data_dir = tmp_path / "not" / "made" / "yet"
+    quarantine = Quarantine.beside(data_dir / "journal", max_bytes=len(msgspec_line(first)))
+    assert quarantine.path == data_dir / "quarantine" / "journal.jsonl"
+    assert quarantine.add([first]) == 1 and quarantine.path.exists()
+    assert quarantine.add([second]) == 0 and quarantine.overflow == 1  # its bound, not 1 GiB
+
+
+def test_each_full_batch_counts_only_its_own_lost_records(tmp_path, caplog):
+    from tracetap.storage.quarantine import entry
+    from tracetap.storage.refusal import Refused
+
+    records = [_poison("missing_seq") for _ in range(3)]
+    one = len(msgspec_line(entry(records[0], "refused", "r", "sqlite")))
+    quarantine = Quarantine(tmp_path / "q.jsonl", max_bytes=one + one // 2)
+    with caplog.at_level(logging.ERROR, logger="tracetap.quarantine"):
+        assert quarantine.keep(Outcome(refused=[Refused(records[0], "r"),
+                                                Refused(records[1], "r")]), "sqlite") == (1, 0, 1)
+        assert quarantine.keep(Outcome(refused=[Refused(records[2], "r")]),
+                               "sqlite") == (0, 0, 1)
+    assert quarantine.overflow == 2
+    assert caplog.records[-1].getMessage().endswith(": 1 refused calls are lost (counted as "
+                                                    "dropped)")
+
+
+def test_the_count_adds_every_workers_file_and_skips_one_it_cannot_read(tmp_path):
+    from tracetap.storage.quarantine import count, directory_of, entry
+
+    (directory_of(tmp_path) / "a.jsonl").mkdir(parents=True)  # read first: not a file
+    for journal in ("journal-b", "journal-c"):
+        Quarantine.beside(tmp_path / journal).add([
+            entry(_poison("missing_seq"), "refused", "r", "sqlite"),
+            entry(_poison("nul"), "altered", "x", "sqlite"),
+            entry(_poison("nul"), "altered", "x", "sqlite")])
+    assert count(tmp_path) == (2, 4)
+
+
+def test_an_altered_copy_refused_again_is_quarantined_with_its_own_reason_and_an_outage_raises():
+    """The second try (storable's copy) is judged like the first: refused again, the
+    record is quarantined with the reason the copy got; an outage then is raised, for the
+    writer to retry the batch, never taken as a refusal."""
+    from tracetap.storage.refusal import Refused
+
+    class Engine:
+        class dialect:
+            name = "postgresql"
+
+    record = _poison("nul")  # storable replaces the NULs: a second try is made
+    tries = []
+
+    def inserting(second):
+        async def insert(engine, records):
+            tries.append(records[0].model)
+            if len(tries) == 1:
+                raise ValueError("NUL")
+            raise second
+        return insert
+
+    outcome = asyncio.run(write_batch(Engine(), [record], inserting(ValueError("again"))))
+    assert tries == ["m\x00", "m\ufffd"]
+    assert outcome == Outcome(refused=[Refused(record, "ValueError: again")])
+    tries.clear()
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(write_batch(Engine(), [record], inserting(ConnectionResetError("gone"))))
+    assert len(tries) == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_storable_cuts_text_to_the_lengths_the_migrated_database_holds(db_url):
+    """The limits storable cuts to are the columns' in the database the migrations made,
+    for every length-limited column of calls and choices (a limit read wrong would cut
+    nothing, or too much)."""
+    from sqlalchemy import text
+
+    from tracetap.storage.storable import _lengths
+    from tracetap.storage.tables import Call, Choice
+
+    async def limits():
+        engine = create_engine(db_url)
+        try:
+            async with engine.connect() as conn:
+                rows = await conn.execute(text(
+                    "SELECT table_name, column_name, character_maximum_length FROM "
+                    "information_schema.columns WHERE table_name IN ('calls', 'choices') "
+                    "AND character_maximum_length IS NOT NULL"))
+                return {(t, c): n for t, c, n in rows}
+        finally:
+            await engine.dispose()
+
+    found = asyncio.run(limits())
+    ours = {**{("calls", c): n for c, n in _lengths(Call.__table__).items()},
+            **{("choices", c): n for c, n in _lengths(Choice.__table__).items()}}
+    assert ours == found and ("calls", "model") in ours  # model: 256, as the note says
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_storable_keeps_counts_at_the_bounds_and_drops_one_past(dialect):
+    from tracetap.storage.storable import storable
+
+    low, high = (-(2**31), 2**31 - 1) if dialect == "postgresql" else (-(2**63), 2**63 - 1)
+    at = _normal(0)
+    at.prompt_tokens, at.completion_tokens = low, high
+    assert storable(at, dialect) == (at, [])
+    past = _normal(0)
+    past.prompt_tokens, past.completion_tokens = low - 1, high + 1
+    fixed, notes = storable(past, dialect)
+    assert (fixed.prompt_tokens, fixed.completion_tokens) == (None, None)
+    assert notes == [f"prompt_tokens {low - 1} out of range, not stored",
+                     f"completion_tokens {high + 1} out of range, not stored"]
+
+
+def test_storable_drops_every_copy_of_ids_it_cannot_store_and_says_where_they_came_from():
+    """Ids not stored means none at all, in either form, and their source says none."""
+    from tracetap.storage.codec import pack_ids
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.prompt_ids, record.prompt_ids_packed = [1, 2**40], pack_ids([1, 2])
+    record.prompt_source = "engine"
+    record.choices[0].completion_ids, record.choices[0].token_source = [2**40], "engine"
+    fixed, _ = storable(record, "sqlite")
+    assert (fixed.prompt_ids, fixed.prompt_ids_packed, fixed.prompt_source) == (
+        None, None, "none")
+    assert (fixed.choices[0].completion_ids, fixed.choices[0].token_source) == (None, "none")
+    assert fixed.ids_missing == UNSTORABLE_IDS
+
+
+def test_storable_notes_an_error_it_fixed_after_the_fixed_text():
+    """The call's own error text, if it needed fixing too, is kept fixed before the note:
+    the note never brings the unstorable original back."""
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.error = "upstream said \ud800no"
+    fixed, notes = storable(record, "sqlite")
+    assert notes == ["error: invalid characters replaced with U+FFFD"]
+    assert fixed.error == "upstream said \ufffdno; " + MARK + notes[0]
+    fixed.error.encode("utf-8")  # storable now
+
+
+def test_storable_drops_top_logprobs_json_cannot_hold_even_if_msgpack_can():
+    """Stored as JSON, journaled as msgpack: each encoder is asked (a key that is not a
+    string is msgpack's but not JSON's)."""
+    import msgspec
+
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.choices[0].top_logprobs = [{None: -1.0}]
+    msgspec.msgpack.encode(record.choices[0].top_logprobs)  # msgpack takes it
+    fixed, notes = storable(record, "sqlite")
+    assert fixed.choices[0].top_logprobs is None
+    assert notes == ["choices[0].top_logprobs: not encodable, not stored"]
