@@ -13,7 +13,8 @@ What holds (tests/test_assign.py, with Hypothesis):
 
 - **Balance.** Before the first new assignment, each factor's end counts are fixed:
   the new assignments water-filled onto the basis's counts from the least-used levels up
-  (ties: the level given fewest new ones, then the first listed). Each new assignment
+  (ties: the level given fewest new ones, then the first listed; none aimed at more new
+  ones than the tasks' distinct configurations can hold). Each new assignment
   takes only levels still short of their target, so at the end each factor's level
   counts, basis included, differ by at most max(1, their spread in the basis): within one
   on a fresh database, and an uneven basis is evened out from its least-used levels up.
@@ -30,7 +31,9 @@ When the targets allow only configurations the task already has, the new one goe
 an earlier slot of another task that lacks it, and that slot's configuration comes to
 this task: the same counts, every task's configurations still distinct. With no such
 slot (one task, say), a target moves from one level to another where the bound above
-still holds (``_State.retarget``); only when none can is it an error.
+still holds (``_State.retarget``); only when none can is it an error. Choices that would
+leave a task too few configurations it lacks are avoided where another will do
+(``_room``).
 """
 
 from __future__ import annotations
@@ -115,19 +118,21 @@ class _State:
         for i, v in enumerate(c):
             self.met[task][i][v] += by
 
-    def aim(self, new: int) -> None:
+    def aim(self, new: int, caps: list[dict[str, int]]) -> None:
         """Each level's count at the end: ``new`` more assignments water-filled from the
-        least-used levels up (ties: the level listed first), so the end counts differ by
-        at most max(1, the spread now)."""
+        least-used levels up (ties: the level given fewest new ones, then the first
+        listed), none past its cap (the most new assignments distinct configurations per
+        task can give it); the end counts differ by at most max(1, the spread now)."""
         self.target = []
         self.bound = [max(1, max(c.values()) - min(c.values())) for c in self.used]
-        for counts in self.used:
+        for counts, cap in zip(self.used, caps, strict=True):
             end, given = dict(counts), dict.fromkeys(counts, 0)
             for _ in range(new):
                 # Of the least used, the one given fewest new assignments, then the first
                 # listed: new assignments spread over the levels, so a task can meet
                 # different ones.
-                least = min(end, key=lambda v: (end[v], given[v]))
+                room = [v for v in end if given[v] < cap[v]] or list(end)
+                least = min(room, key=lambda v: (end[v], given[v]))
                 end[least] += 1
                 given[least] += 1
             self.target.append(end)
@@ -200,7 +205,12 @@ def assign(space: Space, tasks: list[str], per_task: int, prior: list[Prior]) ->
     seeds = _seeds(space, state, len(tasks) * per_task)
     for c in seeds:  # counted up front, so the targets make room for them
         state.add(c)
-    state.aim(len(tasks) * per_task - len(seeds))
+    # A level can be in at most size / levels of a task's distinct configurations.
+    caps = [
+        {v: len(tasks) * (size // len(levels)) - sum(c[i] == v for c in seeds) for v in levels}
+        for i, levels in enumerate(state.levels)
+    ]
+    state.aim(len(tasks) * per_task - len(seeds), caps)
     for c in seeds:  # added again as their slots come
         state.add(c, -1)
     rng = random.Random(0)  # fixed: the same inputs give the same assignment
@@ -213,7 +223,7 @@ def assign(space: Space, tasks: list[str], per_task: int, prior: list[Prior]) ->
             if len(slots) < len(seeds):  # distinct rows, one per task in a round
                 chosen = seeds[len(slots)]
             else:
-                chosen = _choose(state, task, has[task], rng)
+                chosen = _choose(state, task, has[task], per_task - len(has[task]) - 1, rng)
             given = chosen
             if chosen in has[task]:  # counts take `chosen`; another task's slot holds it
                 given = _swap(state, slots, has, task, chosen)
@@ -254,8 +264,9 @@ def _seeds(space: Space, state: _State, new: int) -> list[Config]:
     return [tuple(row[f] for f in state.names) for row in rows]
 
 
-def _choose(state: _State, task: str, has: set[Config], rng: random.Random) -> Config:
-    """The best configuration balance allows, one the task lacks when there is one."""
+def _choose(state: _State, task: str, has: set[Config], left: int, rng: random.Random) -> Config:
+    """The best configuration balance allows, one the task lacks when there is one, and
+    one after which the targets still leave room for the task's ``left`` more."""
     allowed = state.allowed()
     low = state.low()
     total = 1
@@ -267,7 +278,7 @@ def _choose(state: _State, task: str, has: set[Config], rng: random.Random) -> C
         candidates = _starts(state, task, allowed, low, rng)
     best, best_key = None, None
     for c in candidates:
-        key = (c not in has, state.score(task, c, low))
+        key = (c not in has, _room(state, c, has, left), state.score(task, c, low))
         if best_key is None or key > best_key:
             best, best_key = c, key
     if best in has and total > _EXHAUSTIVE:  # sampled only: look for one it lacks
@@ -275,6 +286,23 @@ def _choose(state: _State, task: str, has: set[Config], rng: random.Random) -> C
             if c not in has:
                 return c
     return best
+
+
+def _room(state: _State, c: Config, has: set[Config], left: int) -> bool:
+    """Whether, once ``c`` is taken, the levels still short of their targets make at
+    least ``left`` configurations the task lacks (a necessary condition for giving it
+    ``left`` more distinct ones: with few tasks, an early choice can leave none)."""
+    if left <= 0:
+        return True
+    open_ = [
+        {v for v, n in used.items() if end[v] - n - (v == c[i]) > 0}
+        for i, (used, end) in enumerate(zip(state.used, state.target, strict=True))
+    ]
+    size = 1
+    for levels in open_:
+        size *= len(levels)
+    inside = sum(all(x[i] in open_[i] for i in range(len(x))) for x in (*has, c))
+    return size - inside >= left
 
 
 def _starts(

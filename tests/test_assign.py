@@ -193,3 +193,27 @@ def test_when_balance_leaves_a_task_only_configs_it_has_the_bound_gives_way_not_
     result = assign(sp, tasks(1), 3, prior)
     assert sorted(c["f0"] for c in result.configs["t0"]) == ["l0", "l1", "l2"]
     assert result.level_spread_before == {"f0": 5} and result.level_spread_after == {"f0": 5}
+
+
+@pytest.mark.parametrize(
+    "sizes, n_tasks, per_task, prior",
+    [
+        # Found by Hypothesis: an early choice left one task only configurations it had.
+        (
+            (2, 1, 2),
+            1,
+            3,
+            [("t0", ("l0", "l0", "l0")), ("t0", ("l1", "l0", "l0")), ("t0", ("l0", "l0", "l1"))],
+        ),
+        # Every task needs every level once, so l0 must get four more though it leads.
+        ((4,), 4, 4, [("t0", ("l0",)), ("t0", ("l0",)), ("t1", ("l0",))]),
+    ],
+)
+def test_distinct_configs_where_the_counts_barely_allow_them(sizes, n_tasks, per_task, prior):
+    sp = space(*sizes)
+    basis = [Prior(t, dict(zip(sp.factors, levels, strict=True))) for t, levels in prior]
+    result = assign(sp, tasks(n_tasks), per_task, basis)
+    for configs in result.configs.values():
+        assert len({tuple(c.values()) for c in configs}) == per_task
+    for f in sp.factors:
+        assert result.level_spread_after[f] <= max(1, result.level_spread_before[f])
