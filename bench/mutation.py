@@ -44,6 +44,7 @@ _CAPTURE_APIS = ["tests/test_apis_capture.py"]
 _REPLIES = "tests/test_translated_replies_and_errors.py"
 _ENDINGS = "tests/test_translated_stream_start_and_end.py"
 _FAST_PATH = "tests/test_translated_stream_fast_path.py"
+_REFERENCE = "tests/test_startup.py::test_the_command_reference_is_up_to_date"
 _TOKEN_IDS = ["tests/test_resolve.py", "tests/test_token_ids.py", "tests/test_local_tokenizer.py"]
 MODULES = {
     "storage/journal.py": ["tests/test_journal.py", "tests/test_writer.py"],
@@ -52,7 +53,8 @@ MODULES = {
     "storage/refusal.py": _QUARANTINE,
     "storage/storable.py": _QUARANTINE,
     "storage/quarantine.py": _QUARANTINE,
-    "storage/quarantine_command.py": _QUARANTINE,
+    # Its help is the documented reference (docs/reference.md, generated from it).
+    "storage/quarantine_command.py": [*_QUARANTINE, _REFERENCE],
     "storage/retention.py": ["tests/test_prune.py", "tests/test_prune_blocks.py"],
     "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
@@ -178,6 +180,8 @@ def run_module(module: str, workdir: Path, max_children: int) -> dict[str, str]:
         "source_paths =\n    tracetap\n"
         f"only_mutate =\n    tracetap/{module}\n"
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        # The tests of the command reference read docs/reference.md beside them.
+        "also_copy =\n    docs\n"
         # A mutant that breaks start-up leaves unclosed sessions behind: the tests that
         # fail already count, a leak warning at exit must not crash mutmut's own run.
         "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"

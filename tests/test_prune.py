@@ -162,3 +162,87 @@ def test_runs_exported_before_ledgers_existed_prove_nothing(db_url, tmp_path):
     summary = prune_exported(db_url, out)
     assert (summary.counts.episodes, summary.runs_without_ledger) == (0, 1)
     assert {e for (e,) in rows(db_url)["episodes"]} == {"a"}
+
+
+# ---- storage.retention.prune on its own, with the proof (the ledger) written by hand ----
+
+def _by_episode(url: str) -> dict[str | None, set[str]]:
+    found: dict[str | None, set[str]] = {}
+    for call_id, episode_id in rows(url)["calls"]:
+        found.setdefault(episode_id, set()).add(call_id)
+    return found
+
+
+def test_prune_counts_add_up_over_chunks_and_only_exported_untagged_calls_go(db_url):
+    """The CLI prunes a few hundred episodes a transaction into one PruneCounts: every
+    count adds up over the chunks. An untagged call goes only if the export wrote it, and
+    an id that names a call of an episode is not an untagged call."""
+    from tracetap.storage.retention import PruneCounts, prune
+
+    names = [f"{kind}{i}" for i in (1, 2) for kind in ("done", "run", "again", "late")]
+    steps = [calls(name) for name in names] + [calls(None, turns=3)]
+    steps += [finish(name, 1.0) for name in names if not name.startswith("run")]
+    _db(db_url, *steps)
+    has = _by_episode(db_url)
+    untagged = sorted(has[None])
+
+    def proof(name: str) -> dict:
+        if name.startswith("run"):
+            return {None: set(has[name])}
+        at = finished_at(db_url, name)
+        if name.startswith("again"):
+            return {at - 1: set(has[name])}  # exported before it finished again
+        if name.startswith("late"):
+            return {at: set(sorted(has[name])[:-1])}  # a call stored after the export
+        return {at: set(has[name])}
+
+    chunks = [([n for n in names if n.endswith(i)], extra) for i, extra in (
+        ("1", [untagged[0], next(iter(has["run1"]))]), ("2", [untagged[1]]))]
+    proven = [({n: proof(n) for n in episodes}, extra) for episodes, extra in chunks]
+    counts = PruneCounts()
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            for chunk, extra in proven:
+                await prune(engine, chunk, extra, counts, dry_run=False)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+    assert counts == PruneCounts(episodes=2, calls=2 * 2 + 2, choices=2 * 2 + 2,
+                                 kept_running=2, kept_refinished=2, kept_late_calls=2)
+    left = _by_episode(db_url)
+    assert left[None] == {untagged[2]}  # never exported: kept
+    assert left["run1"] == has["run1"]  # its call's id was given as untagged: kept
+    assert set(left) == {None, *(n for n in names if not n.startswith("done"))}
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_an_episode_finished_again_while_a_prune_reads_it_is_kept(db_url):
+    """On Postgres the prune locks the episodes it reads: a finish in flight is waited
+    for, and the episode, finished again since its export, stays (unlocked, the prune
+    would read the old finish and delete the new result once the finish committed)."""
+    from tracetap.storage.retention import PruneCounts, prune
+
+    _db(db_url, calls("x"), finish("x", 1.0))
+    has, at = _by_episode(db_url)["x"], finished_at(db_url, "x")
+    counts = PruneCounts()
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            async with engine.connect() as finishing:
+                await finishing.execute(text("UPDATE episodes SET finished_at = :at "
+                                             "WHERE id = 'x'"), {"at": at + 10})
+                pruning = asyncio.create_task(prune(engine, {"x": {at: set(has)}}, [],
+                                                    counts, dry_run=False))
+                await asyncio.sleep(0.5)  # the prune has read, or waits to
+                await finishing.commit()
+            await pruning
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+    assert (counts.episodes, counts.kept_refinished) == (0, 1)
+    assert _by_episode(db_url)["x"] == has

@@ -767,3 +767,47 @@ def test_storable_drops_top_logprobs_json_cannot_hold_even_if_msgpack_can():
     fixed, notes = storable(record, "sqlite")
     assert fixed.choices[0].top_logprobs is None
     assert notes == ["choices[0].top_logprobs: not encodable, not stored"]
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_storable_names_invalid_characters_as_such_unless_a_nul_was_what_postgres_refused(
+        dialect):
+    from tracetap.storage.storable import storable
+
+    record = _normal(0)
+    record.model = "m\ud800"  # no NUL: on either database, the lone surrogate
+    record.choices[0].text = "a\x00\ud800"  # a NUL too: only Postgres refuses it
+    fixed, notes = storable(record, dialect)
+    assert notes == ["model: invalid characters replaced with U+FFFD",
+                     "choices[0].text: " + ("NUL replaced with U+FFFD" if dialect == "postgresql"
+                                            else "invalid characters replaced with U+FFFD")]
+    assert fixed.model == "m\ufffd"
+
+
+def test_quarantine_alone_shows_its_commands_and_list_and_show_print_exactly(tmp_path, capsys):
+    """`tracetap quarantine` alone is its help (exit 0); `list` is one tab-separated line
+    per record, its time in UTC, its episode as JSON cut to 80 characters; `show` is
+    indented JSON in ASCII whatever the record holds."""
+    from tracetap.cli import main
+    from tracetap.storage.quarantine import entry
+
+    assert main(["quarantine"]) == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: tracetap quarantine [-h] SUBCOMMAND ...\n")
+    assert "\n    list      one line per kept record" in usage
+    record = _poison("nul")
+    record.episode_id, record.model = "é" * 100, "modèle"
+    kept = entry(record, "altered", "model: x", "postgresql")
+    kept.quarantined_at = 86400.5
+    Quarantine.beside(tmp_path / "journal").add([kept])
+    assert main(["quarantine", "list", "--data-dir", str(tmp_path)]) == 0
+    line, summary = capsys.readouterr().out.splitlines()
+    assert line.split("\t") == ["1970-01-02T00:00:00+00:00", "altered", record.call_id,
+                                json.dumps("é" * 100)[:80], "model: x"]
+    assert len(line.split("\t")[3]) == 80
+    assert summary == "1 records: 0 refused (not stored), 1 stored altered"
+    assert main(["quarantine", "show", record.call_id, "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.isascii() and "mod\\u00e8le" in out
+    assert out.splitlines()[:2] == ["{", f'  "call_id": "{record.call_id}",']
+    assert json.loads(out)["record"]["model"] == "modèle"
