@@ -76,8 +76,11 @@ async def engineer(
     options: Options,
     admin: AdminClient,
     engineer_admin: AdminClient,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> list[Row]:
+    # sys.stderr as it is now, not as it was when this module was imported (a default
+    # argument would keep that stream, closed since: seen under pytest's capture).
+    progress = sys.stderr if progress is None else progress
     base_run = f"{options.run_id}-base"
     baseline = await _batch(tasks, commands, None, base_run, admin, options, progress)
     found = await asyncio.to_thread(
