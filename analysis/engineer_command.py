@@ -93,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds each hook may take on a packet's recorded calls (default 2)",
     )
     a(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="max_tokens of each engineer call: the patch must fit in it, and the packets' "
+        "prompt plus N in the engineer model's context (default 4096)",
+    )
+    a(
         "--batch-packets",
         action="store_true",
         help="ask once for all packets (one group) instead of once per packet [default off]",
@@ -137,6 +145,8 @@ async def _run(args: argparse.Namespace) -> int:
 
     if args.candidates < 1:
         raise ValueError("-k/--candidates must be at least 1")
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
     plan.check_run_id(args.run_id)
     scripted = tuple(
         msgspec.json.decode(Path(args.scripted).read_bytes(), type=list[str])
@@ -150,6 +160,7 @@ async def _run(args: argparse.Namespace) -> int:
         penalty=args.penalty,
         guard=args.guard,
         hook_budget=args.hook_budget,
+        max_tokens=args.max_tokens,
         batch_packets=args.batch_packets,
         max_packets=args.max_packets,
         concurrency=args.concurrency,

@@ -75,8 +75,8 @@ def call_record(call: ModelCall) -> CallRecord:
         lineage=call.lineage[0],
         parent_lineage=call.lineage[1],
         # The client's view: a harness whose calls are translated only some of the time
-        # (--translate auto) hashes the same start either way.
-        conversation=conversation(request.client_payload or request.payload),
+        # (--translate auto), or run under an overlay, hashes the same start either way.
+        conversation=conversation(request.client_view()),
         choices=choices,
     )
 

@@ -29,6 +29,7 @@ class CallRequest:
         "client_payload",
         "dropped",
         "experts",
+        "harness_messages",
         "injected",
         "model",
         "payload",
@@ -43,6 +44,7 @@ class CallRequest:
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
         self.dropped = Dropped()  # what translation left out of the client's request
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
+        self.harness_messages: list[dict[str, Any]] | None = None  # before an overlay's additions
         self.repaired = False  # the model's own turns put back (proxy.repair)
         self.injected = Injected()  # what the API's prepare added for capture
         self.experts: experts.CallExperts | None = None  # the MoE routing asked for
@@ -56,7 +58,19 @@ class CallRequest:
         body = encode(self.payload)
         if messages is not harness:
             self.upstream_request = body
+            self.harness_messages = harness
         return body
+
+    def client_view(self) -> dict[str, Any]:
+        """The request as the harness sent it, for what the record derives from the
+        client's side (its conversation): an overlay's additions are the model's view,
+        not the harness's, so a message injected before the first user turn must not make
+        each call look like a new conversation."""
+        if self.client_payload:
+            return self.client_payload
+        if self.harness_messages is None:
+            return self.payload
+        return {**self.payload, "messages": self.harness_messages}
 
     def parse(self, body: bytes, route: Route, services: CallServices,
               episode_id: str | None) -> tuple[Route, bytes]:

@@ -120,3 +120,21 @@ def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tm
     assert status == 200
     patched = [e for e in page["data"] if (e["metadata"] or {}).get("run", "").startswith("each-p")]
     assert len(patched) == len(TASKS)
+
+
+def test_the_engineer_calls_ask_for_max_tokens(proxy, tmp_path, capsys):
+    # vLLM with --max-model-len 2048 refused the fixed 4096 with a 400, and every
+    # candidate got the penalty for it (tried by hand): --max-tokens sets it.
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+    (tmp_path / "scripted.json").write_text(json.dumps(["no code here"]))
+    code = main([
+        "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
+        "--db", proxy.settings.database_url, "--model", "mock-model",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS,
+        "--run-id", "short", "-k", "1", "--max-packets", "1", "--guard", "0",
+        "--max-tokens", "300", "--scripted", str(tmp_path / "scripted.json"), "--json",
+    ])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    (call,) = proxy.calls(row["episode_id"])
+    assert json.loads(call["request"])["max_tokens"] == 300

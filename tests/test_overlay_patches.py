@@ -48,7 +48,11 @@ async def before_model(request, state):
 """
 MISBEHAVIOURS = {
     "raises": ("raise ValueError('patch broke')", "error", "ValueError: patch broke"),
-    "allocates": ("x = bytearray(8 * 1024 ** 3)", "error", "MemoryError"),
+    "allocates": (
+        "x = bytearray(8 * 1024 ** 3)",
+        "error",
+        "MemoryError: past the patch's memory limit (--overlay-patch-memory)",
+    ),
     "loops": ("while True: pass", "timeout", "ran past its 1 s budget"),
     "exits": ("os._exit(3)", "error", "its worker died (exit status 3)"),
     "exits-nicely": ("raise SystemExit(0)", "error", "SystemExit"),

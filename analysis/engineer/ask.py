@@ -29,6 +29,7 @@ async def ask(
     model: str,
     messages: list[dict[str, str]],
     metadata: dict[str, Any],
+    max_tokens: int = 4096,
     scripted: str | None = None,
     timeout: float = 600.0,
 ) -> Asked:
@@ -50,7 +51,7 @@ async def ask(
         "messages": messages,
         "temperature": 1.0,
         "seed": candidate,
-        "max_tokens": 4096,
+        "max_tokens": max_tokens,
     }
     if scripted is not None:
         body["mock_content"] = scripted

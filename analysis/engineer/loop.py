@@ -44,6 +44,7 @@ class Options(msgspec.Struct, kw_only=True, frozen=True):
     penalty: float = -1.0  # the reward of an invalid patch
     guard: int = 2  # tasks the baseline solved that a patch must not break
     hook_budget: float = 2.0  # seconds per hook on the recorded calls
+    max_tokens: int = 4096  # of each engineer call (a small engine's context may not hold it)
     batch_packets: bool = False  # one request for all packets (else one per packet)
     max_packets: int | None = None  # the first packets only (the sparse setting)
     concurrency: int = 4
@@ -75,8 +76,11 @@ async def engineer(
     options: Options,
     admin: AdminClient,
     engineer_admin: AdminClient,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> list[Row]:
+    # sys.stderr as it is now, not as it was when this module was imported (a default
+    # argument would keep that stream, closed since: seen under pytest's capture).
+    progress = sys.stderr if progress is None else progress
     base_run = f"{options.run_id}-base"
     baseline = await _batch(tasks, commands, None, base_run, admin, options, progress)
     found = await asyncio.to_thread(
@@ -132,6 +136,7 @@ async def _candidates(
                 candidate=k,
                 model=options.model,
                 messages=messages,
+                max_tokens=options.max_tokens,
                 metadata={**metadata, "candidate": k},
                 scripted=options.scripted[k] if k < len(options.scripted) else None,
             )

@@ -142,6 +142,8 @@ def _complete(coroutine: Any) -> Any:
 
 
 def _why(exc: BaseException) -> str:
+    if isinstance(exc, MemoryError) and not str(exc):  # RLIMIT_AS said no: say so
+        return "MemoryError: past the patch's memory limit (--overlay-patch-memory)"
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
