@@ -291,3 +291,59 @@ def test_the_client_gets_the_upstreams_status_and_content_type(proxy, stream):
             ).headers["content-type"]
     expected = "text/event-stream" if stream else "application/json"
     assert content_type.split(";")[0] == expected
+
+
+def _unterminated_upstream() -> web.Application:
+    """A chat stream whose last event, ``data: [DONE]``, lacks its closing blank line:
+    the upstream closes the connection right after it."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, word in enumerate(["one", " two"]):
+            chunk = {
+                "id": "u",
+                "object": "chat.completion.chunk",
+                "model": "u",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": word},
+                        "token_ids": [i],
+                        "logprobs": {"content": [{"token": word, "logprob": -0.5}]},
+                        "finish_reason": None if i == 0 else "stop",
+                    }
+                ],
+            }
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def test_an_unterminated_last_event_still_reaches_the_client_and_the_record(
+    loop_thread, serve_app, db_url, tmp_path
+):
+    """The stream's end is seen when the upstream closes (``Relay.end``): the client of
+    a rewritten stream still gets [DONE], and the call is stored whole."""
+    proxy = _start(loop_thread, serve_app(_unterminated_upstream()) + "/v1", db_url, tmp_path)
+    try:
+        client = _client(proxy, "unterminated")
+        with (
+            client,
+            client.chat.completions.with_streaming_response.create(
+                model="u", messages=MESSAGES, stream=True
+            ) as response,
+        ):
+            raw = b"".join(response.iter_bytes())
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        [call] = proxy.calls("unterminated")
+        assert call["status"] == "ok"
+        assert call["choices"][0]["text"] == "one two"
+    finally:
+        proxy.stop()
