@@ -34,7 +34,11 @@ DOC = ROOT / "docs" / "testing.md"
 
 # module -> the fast tests that exercise it
 _RELAY = ["tests/test_relay.py", "tests/test_capture.py", "tests/test_prompt_cut.py"]
-_DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py"]
+# The driver: its life (lifecycle), the journal and budget rules (call_driver), a weight
+# sync's rejoin, --translate auto's reroute after a 404.
+_DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
+           "tests/test_call_lifecycle.py", "tests/test_whole_reply.py", "tests/test_weight_sync.py",
+           "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404"]
 _QUARANTINE = ["tests/test_quarantine.py", "tests/test_quarantine_proxy.py"]
 _MESSAGES = ["tests/test_translate_messages.py", "tests/test_apis_capture.py"]
 _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]

@@ -367,3 +367,36 @@ def test_events_in_the_read_that_carries_done_reach_the_client_byte_for_byte(
     assert direct.endswith(last_three) and b'"usage": {"prompt_tokens": 4' in last_three
     assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
     assert (call["prompt_tokens"], call["completion_tokens"]) == (4, 3)
+
+
+def test_events_before_done_in_its_read_go_out_before_the_journal(
+        loop_thread, joined, db_url, tmp_path, monkeypatch):
+    """Relayed as it came, the read that carries [DONE] is given out in two writes: the
+    events before ``data: [DONE]`` at once, off the journal's time, and [DONE] itself
+    after the record is submitted. Kills the cut lost (the whole read held back behind
+    the journal, then written at once: the same bytes, later)."""
+    proxy = _proxy(loop_thread, joined, db_url, tmp_path)
+    order: list[tuple[str, bytes]] = []
+    writer = proxy.state.writer
+    submit = writer.submit
+    monkeypatch.setattr(writer, "submit",
+                        lambda record: (order.append(("submit", b"")), submit(record))[1])
+    write = web.StreamResponse.write
+
+    async def spied_write(self, data):
+        order.append(("write", bytes(data)))
+        return await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", spied_write)
+    try:
+        proxied = _raw(proxy.episode_url("cut"), True, EVERYTHING_STREAMED)
+    finally:
+        proxy.stop()
+    last_three = b"".join(stream_writes(joined.received[-1])[-3:])
+    before, done = last_three.split(b"data: [DONE]")
+    assert proxied.endswith(last_three) and before
+    # The proxy's last writes, either side of the journal (the upstream's own writes,
+    # in this process too, come earlier: the three events in one).
+    assert order[-3:] == [("write", before), ("submit", b""),
+                          ("write", b"data: [DONE]" + done)]
+    assert ("write", last_three) in order[:-3]  # the upstream wrote them at once
