@@ -290,3 +290,27 @@ def test_an_episode_outside_the_proof_or_given_a_call_meanwhile_is_kept(db_url, 
     left = rows(db_url)
     assert {e for (e,) in left["episodes"]} == {"fresh", "x"}
     assert {c for c, _ in left["calls"]} == {late.call_id}  # x's exported calls went
+
+
+def test_a_sweep_that_fails_raises_its_own_error_and_leaves_no_transaction_open(db_url,
+                                                                                 monkeypatch):
+    """The lock and transaction are given up on either database, and what the caller
+    sees is the failure itself (the CLI names it), not one of the clean-up."""
+    from tracetap.storage import retention
+
+    async def failing(raw, dialect):
+        raise ConnectionResetError("the database went away")
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            with pytest.raises(ConnectionResetError):
+                await retention.sweep(engine, retention.Unlinked(blocks={b"h" * 32}),
+                                      retention.PruneCounts(), dry_run=False)
+            async with engine.begin() as conn:  # no lock or transaction left behind
+                await conn.execute(text("DELETE FROM blocks"))
+        finally:
+            await engine.dispose()
+
+    monkeypatch.setattr(retention, "begin_sweeping", failing)
+    asyncio.run(run())
