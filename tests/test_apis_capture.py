@@ -776,3 +776,24 @@ def test_responses_logprobs_are_kept_only_whole_and_one_per_id(logprobs, values,
     [choice] = capture.choices()
     assert choice.completion_logprobs == values and capture.logprobs_missing == missing
     assert choice.top_logprobs is None  # the client did not ask for them
+
+
+def test_messages_capture_places_blocks_by_their_index_and_counts_every_unknown_event():
+    """Blocks go where their index says, whatever order they start in (one without an
+    index goes last); an empty text block adds no text; each unknown event is counted."""
+    from tracetap.proxy.apis.messages.capture import MessagesCapture
+
+    capture = MessagesCapture()
+    _feed(capture,
+          {"type": "content_block_start", "index": 1, "content_block": {"type": "text",
+                                                                        "text": "second"}},
+          {"type": "content_block_start", "index": 0, "content_block": {"type": "text",
+                                                                        "text": "first "}},
+          {"type": "content_block_start", "content_block": {"type": "text", "text": "!"}},
+          {"type": "vendor_a"}, {"type": "vendor_b"}, {"type": "vendor_a"})
+    [choice] = capture.choices()
+    assert choice.text == "first second!" and capture.unknown_events == 3
+    empty = MessagesCapture()
+    _feed(empty, {"type": "message", "content": [{"type": "text", "text": ""},
+                                                 {"type": "text"}]})
+    assert empty.choices()[0].text is None

@@ -246,3 +246,71 @@ def test_an_episode_finished_again_while_a_prune_reads_it_is_kept(db_url):
     asyncio.run(run())
     assert (counts.episodes, counts.kept_refinished) == (0, 1)
     assert _by_episode(db_url)["x"] == has
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_episode_outside_the_proof_or_given_a_call_meanwhile_is_kept(db_url, monkeypatch):
+    """Only the proven episodes go, and not one that got a call between the prune's reads
+    and its deletes (SQLite has no row lock: the delete itself checks)."""
+    from tracetap.proxy.ids import uuid7
+    from tracetap.storage import queries, retention
+    from tracetap.storage.records import CallRecord
+    from tracetap.storage.rows import insert_calls
+
+    async def registered(engine):  # registered, no call yet: nothing proves it exported
+        await queries.create_episode(engine, episode_id="fresh", key_hash="k" * 64,
+                                     group_id=None, task_id=None, harness_name=None,
+                                     harness_config=None, metadata=None)
+
+    _db(db_url, registered, calls("x"), finish("x", 1.0))
+    has, at = _by_episode(db_url)["x"], finished_at(db_url, "x")
+    late = CallRecord(call_id=uuid7(), episode_id="x", seq=9, endpoint="chat.completions",
+                      t_start=1.0, request="{}")
+    real_forget = retention.forget
+
+    async def call_arrives_then_forget(conn, call_ids):
+        other = create_engine(db_url)
+        try:
+            await insert_calls(other, [late])
+        finally:
+            await other.dispose()
+        await real_forget(conn, call_ids)
+
+    monkeypatch.setattr(retention, "forget", call_arrives_then_forget)
+    counts = retention.PruneCounts()
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            await retention.prune(engine, {"x": {at: set(has)}}, [], counts, dry_run=False)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+    left = rows(db_url)
+    assert {e for (e,) in left["episodes"]} == {"fresh", "x"}
+    assert {c for c, _ in left["calls"]} == {late.call_id}  # x's exported calls went
+
+
+def test_a_sweep_that_fails_raises_its_own_error_and_leaves_no_transaction_open(db_url,
+                                                                                 monkeypatch):
+    """The lock and transaction are given up on either database, and what the caller
+    sees is the failure itself (the CLI names it), not one of the clean-up."""
+    from tracetap.storage import retention
+
+    async def failing(raw, dialect):
+        raise ConnectionResetError("the database went away")
+
+    async def run():
+        engine = create_engine(db_url)
+        try:
+            with pytest.raises(ConnectionResetError):
+                await retention.sweep(engine, retention.Unlinked(blocks={b"h" * 32}),
+                                      retention.PruneCounts(), dry_run=False)
+            async with engine.begin() as conn:  # no lock or transaction left behind
+                await conn.execute(text("DELETE FROM blocks"))
+        finally:
+            await engine.dispose()
+
+    monkeypatch.setattr(retention, "begin_sweeping", failing)
+    asyncio.run(run())

@@ -811,3 +811,15 @@ def test_quarantine_alone_shows_its_commands_and_list_and_show_print_exactly(tmp
     assert out.isascii() and "mod\\u00e8le" in out
     assert out.splitlines()[:2] == ["{", f'  "call_id": "{record.call_id}",']
     assert json.loads(out)["record"]["model"] == "modèle"
+
+
+def test_a_one_byte_cut_line_is_ended_once_however_many_entries_follow(tmp_path):
+    from tracetap.storage.quarantine import entry, read
+
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b"{")  # the crash came after the first byte
+    first, second = (entry(_poison("missing_seq"), "refused", "r", "sqlite") for _ in range(2))
+    quarantine = Quarantine(path)
+    assert quarantine.add([first]) == 1 and quarantine.add([second]) == 1
+    assert path.read_bytes() == b"{\n" + msgspec_line(first) + msgspec_line(second)
+    assert [e.call_id for e in read(path)] == [first.call_id, second.call_id]
