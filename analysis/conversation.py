@@ -50,7 +50,7 @@ def read(
 ) -> tuple[Task, list[Step]]:
     body = _body(upstream_request) or _body(request) or _Body()
     messages = _messages(body)
-    final = _final_message(_object(response))
+    final = _final_message(json_object(response))
     if final is not None:
         messages = [*messages, _message(final)]
     task = Task(tools=[_tool(t) for t in body.tools or ()])
@@ -142,11 +142,11 @@ def _body(text: str | None) -> _Body | None:
     try:
         body = _BODY.decode(text)
     except msgspec.ValidationError:  # a shape off the typed path: read it leniently
-        value = _object(text)
+        value = json_object(text)
         return _lenient_body(value) if value else None
     except msgspec.DecodeError:
         return None
-    if body == _EMPTY and not _object(text):
+    if body == _EMPTY and not json_object(text):
         return None
     return body
 
@@ -221,7 +221,8 @@ def _parts(content: Any) -> str | list[_Part] | None:
     ]
 
 
-def _object(text: str | None) -> dict[str, Any]:
+def json_object(text: str | None) -> dict[str, Any]:
+    """A stored JSON text as an object; ``{}`` when it is empty, broken or not an object."""
     if not text:
         return {}
     try:

@@ -42,7 +42,7 @@ def overlay_of(
     name = e.metadata.get("overlay")
     events, named = [], None
     for c in calls:
-        record = _record(records.get(c.call_id))
+        record = conversation.json_object(records.get(c.call_id))
         named = named or record.get("name")
         attempt = record.get("attempt") if isinstance(record.get("attempt"), int) else 0
         for event in record.get("events") or ():
@@ -66,7 +66,10 @@ def events_by_action(
 ) -> dict[str, list[dict[str, Any]]]:
     """Per call that produced an action: its events and those of the vetoed attempts it
     was asked again for (``retry_of``, followed back)."""
-    retry_of = {c.call_id: _record(records.get(c.call_id)).get("retry_of") for c in calls}
+    retry_of = {
+        c.call_id: conversation.json_object(records.get(c.call_id)).get("retry_of")
+        for c in calls
+    }
     by_call: dict[str, list[OverlayEvent]] = defaultdict(list)
     for event in events:
         by_call[event.call_id].append(event)
@@ -80,16 +83,6 @@ def events_by_action(
         own = [ev for call_id in reversed(chain) for ev in by_call.get(call_id, [])]
         out[c.call_id] = [msgspec.structs.asdict(ev) for ev in own]
     return out
-
-
-def _record(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _str(value: Any) -> str | None:

@@ -36,11 +36,11 @@ from tracetap.analysis.conversation import (
     _Message,
     _message,
     _messages,
-    _object,
     _observations,
     _text,
     _tool,
     cut,
+    json_object,
 )
 
 _WHOLE = 1 << 62  # a budget nothing reaches: texts compared before they are cut
@@ -79,7 +79,7 @@ def read_steps(calls: list[CallBodies], budget: int) -> tuple[Task, list[Step], 
         elif pending and steps:
             steps[-1].observations += _trailing(marked, task, names, budget)
         pending = False
-        final = None if call.failed else _final_message(_object(call.response))
+        final = None if call.failed else _final_message(json_object(call.response))
         if final is not None:
             step = _action(_message(final), len(steps), names, budget)
             step.call_id = call.call_id
