@@ -11,6 +11,7 @@ from tracetap.proxy.lineage import conversation
 from tracetap.storage.records import CallRecord
 
 if TYPE_CHECKING:
+    from tracetap.proxy.call_request import CallRequest
     from tracetap.proxy.capture import ModelCall
 
 
@@ -76,7 +77,7 @@ def call_record(call: ModelCall) -> CallRecord:
         parent_lineage=call.lineage[1],
         # The client's view: a harness whose calls are translated only some of the time
         # (--translate auto), or run under an overlay, hashes the same start either way.
-        conversation=conversation(request.client_view()),
+        conversation=conversation(_client_view(request)),
         choices=choices,
     )
 
@@ -92,3 +93,16 @@ def client_text(body: bytes | None) -> str | None:
     """The client's request as a record stores it: decoded only as the record is built,
     so a call in flight holds its prompt once, as bytes."""
     return None if body is None else body.decode("utf-8", "replace")
+
+
+def _client_view(request: CallRequest) -> dict[str, Any]:
+    """The request as the harness sent it, for what the record derives from the client's
+    side (its conversation): an overlay's additions are the model's view, not the
+    harness's, so a message injected before the first user turn must not make each call
+    look like a new conversation. Read here from the request's fields, not asked of it:
+    the call's walk visits the request's room twice (tests/test_walk.py)."""
+    if request.client_payload:
+        return request.client_payload
+    if request.harness_messages is None:
+        return request.payload
+    return {**request.payload, "messages": request.harness_messages}

@@ -61,17 +61,6 @@ class CallRequest:
             self.harness_messages = harness
         return body
 
-    def client_view(self) -> dict[str, Any]:
-        """The request as the harness sent it, for what the record derives from the
-        client's side (its conversation): an overlay's additions are the model's view,
-        not the harness's, so a message injected before the first user turn must not make
-        each call look like a new conversation."""
-        if self.client_payload:
-            return self.client_payload
-        if self.harness_messages is None:
-            return self.payload
-        return {**self.payload, "messages": self.harness_messages}
-
     def parse(self, body: bytes, route: Route, services: CallServices,
               episode_id: str | None) -> tuple[Route, bytes]:
         """The client's body read and made ready for the upstream: the route it goes on
