@@ -18,9 +18,9 @@ import hashlib
 import logging
 from urllib.parse import urlsplit
 
-from tracetap.proxy.settings import UpstreamSpec
 from tracetap.proxy.traffic import Traffic
 from tracetap.proxy.upstream import ConnectFailed, Reply, UpstreamClient
+from tracetap.proxy.upstream_specs import UpstreamSpec
 
 log = logging.getLogger("tracetap.pool")
 

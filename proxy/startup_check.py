@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from urllib.parse import unquote
 
-from tracetap.proxy.settings import UpstreamSpec
+from tracetap.proxy.upstream_specs import UpstreamSpec
 
 log = logging.getLogger("tracetap")
 

@@ -14,7 +14,8 @@ from helpers.servers import Proxy
 
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.proxy.pool import Pool
-from tracetap.proxy.settings import Settings, UpstreamSpec, parse_upstreams
+from tracetap.proxy.settings import Settings
+from tracetap.proxy.upstream_specs import UpstreamSpec, parse_upstreams
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
