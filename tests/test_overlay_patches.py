@@ -4,6 +4,7 @@ openai SDK against the running proxy and the mock engine."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import socket
@@ -19,6 +20,8 @@ from helpers.servers import Proxy
 
 from tracetap.demo.engine import EngineConfig
 from tracetap.migrations import upgrade
+from tracetap.proxy.overlays import frames
+from tracetap.proxy.overlays.workers import Limits, Worker, WorkerDied
 from tracetap.proxy.settings import Settings
 
 NOTE = "Patched: answer in one word."
@@ -197,7 +200,6 @@ def test_a_deleted_patch_is_no_longer_named_or_run(proxy):
             "AFTER_MODEL_SEES is 'all'",
         ),
         ("import os\nos._exit(1)\n", "its worker died while loading it"),
-        ("while True:\n    pass\n", "loading it took longer than 10 s"),
     ],
 )
 def test_a_patch_that_does_not_load_is_a_clear_400(proxy, source, why):
@@ -206,6 +208,43 @@ def test_a_patch_that_does_not_load_is_a_clear_400(proxy, source, why):
     assert reply["error"]["message"].startswith("patch 'bad' does not load: ")
     assert why in reply["error"]["message"]
     assert proxy.admin("GET", "/tracetap/overlays/bad")[0] == 404  # nothing stored
+
+
+# ---- the worker's limits, driven directly (short limits, so the test is short) -----------
+def _worker_run(source: str, limits: Limits, *calls: frames.Call):
+    async def run():
+        worker = Worker("w", source, limits)
+        try:
+            try:
+                await worker.load()
+            except ValueError as exc:
+                return str(exc)
+            for call in calls:
+                try:
+                    await worker.call(call, None)
+                except WorkerDied as exc:
+                    return str(exc)
+            return None
+        finally:
+            await worker.kill()
+
+    return asyncio.run(run())
+
+
+def test_a_loop_at_import_ends_at_the_load_limit_not_in_a_race_with_the_cpu_limit():
+    # Equal limits were a race (CI once saw the CPU limit end the load first, once the
+    # wall limit): while loading, the worker's CPU limit is above the wall limit.
+    why = _worker_run("while True:\n    pass\n", Limits(cpu_seconds=1, load_seconds=1))
+    assert why == "loading it took longer than 1 s"
+
+
+def test_a_hook_past_its_cpu_time_ends_its_worker_with_that_reason():
+    # No wall budget here (the runner's --overlay-timeout is not in this path): the CPU
+    # limit is the backstop that ends the loop, and says so.
+    source = "async def before_model(request, state):\n    while True:\n        pass\n"
+    why = _worker_run(source, Limits(cpu_seconds=1),
+                      frames.Call(id=0, hook="before_model", episode="e"))
+    assert why == "it used more than 1 s of CPU time (--overlay-patch-cpu)"
 
 
 def test_installing_needs_the_admin_token_and_a_free_name(proxy):

@@ -148,7 +148,7 @@ def _why(exc: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
-    memory_mb, cpu_seconds, files = (int(a) for a in argv)
+    memory_mb, cpu_seconds, files, load_seconds = (int(a) for a in argv)
     sys.dont_write_bytecode = True
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails, quietly
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the proxy's to handle
@@ -160,6 +160,7 @@ def main(argv: list[str]) -> int:
     assert isinstance(request, frames.Load)
     served = Served(types.ModuleType("unloaded"), cpu_seconds)
     netns, limits = sandbox.confine(memory_mb=memory_mb, cpu_seconds=cpu_seconds, files=files)
+    sandbox.cpu_budget(load_seconds + cpu_seconds)  # the proxy's wall limit ends a load first
     try:
         served.module = load(request.name, request.source)
     except ValueError as exc:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import Any, NamedTuple
 
@@ -24,7 +25,6 @@ from tracetap.proxy.overlays import frames
 
 log = logging.getLogger("tracetap.overlays")
 
-LOAD_SECONDS = 10.0  # starting the worker and importing the patch (a loop at import ends)
 STDERR_LINES = 50  # a worker's stderr lines logged, per worker (the rest is read, dropped)
 
 
@@ -32,6 +32,10 @@ class Limits(NamedTuple):
     memory_mb: int = 512
     cpu_seconds: int = 10  # per hook, a backstop behind the wall-time budget
     files: int = 32
+    # Wall time to start the worker and import the patch. The worker's CPU limit while
+    # loading is above it, so a loop at import ends here on every machine, however
+    # loaded (one message, not a race between two limits).
+    load_seconds: int = 10
 
 
 class WorkerDied(Exception):
@@ -80,6 +84,7 @@ class Worker:
             str(self.limits.memory_mb),
             str(self.limits.cpu_seconds),
             str(self.limits.files),
+            str(self.limits.load_seconds),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -92,11 +97,12 @@ class Worker:
         self.started = set()
         try:
             answer = await asyncio.wait_for(
-                self._exchange(frames.Load(name=self.name, source=self.source)), LOAD_SECONDS
+                self._exchange(frames.Load(name=self.name, source=self.source)),
+                self.limits.load_seconds,
             )
         except asyncio.TimeoutError as exc:
             self._kill_now()
-            raise ValueError(f"loading it took longer than {LOAD_SECONDS:g} s") from exc
+            raise ValueError(f"loading it took longer than {self.limits.load_seconds} s") from exc
         except WorkerDied as exc:
             self._kill_now()
             raise ValueError(f"its worker died while loading it ({exc})") from exc
@@ -164,9 +170,15 @@ class Worker:
             return frames.from_worker(body)
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as exc:
             code = await _exit_code(process)
-            raise WorkerDied(f"exit status {code}" if code is not None else str(exc)) from exc
+            raise WorkerDied(self._ended(code) if code is not None else str(exc)) from exc
         except (msgspec.MsgspecError, ValueError) as exc:  # garbage, a frame too long
             raise WorkerDied(f"not a frame: {exc}") from exc
+
+    def _ended(self, code: int) -> str:
+        if code == -signal.SIGXCPU:  # RLIMIT_CPU's soft limit
+            return (f"it used more than {self.limits.cpu_seconds} s of CPU time "
+                    "(--overlay-patch-cpu)")
+        return f"exit status {code}"
 
     def _kill_now(self) -> None:
         """Kill the worker at once (from a cancelled call too); it is reaped meanwhile."""
