@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -44,18 +45,27 @@ def _reward_class(v: float | None) -> str:
     return "r3"
 
 
+@functools.cache
+def _environment() -> jinja2.Environment:
+    """The package's templates, one environment per process: its options, filters and
+    globals never change, so every app (a restart in process, a test's proxy, the viewer
+    mounted beside `tracetap view`) shares what it compiled (~0.3 s of CPU each time)."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("tracetap.viewer", "templates"),
+        autoescape=True,  # every template, .svg included
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(when=_when, secs=seconds, reward=_reward, count=_count,
+                       reward_class=_reward_class, status=status_label)
+    env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
+    return env
+
+
 class Templates:
     def __init__(self) -> None:
-        self.env = jinja2.Environment(
-            loader=jinja2.PackageLoader("tracetap.viewer", "templates"),
-            autoescape=True,  # every template, .svg included
-            trim_blocks=True,
-            lstrip_blocks=True,
-            undefined=jinja2.StrictUndefined,
-        )
-        self.env.filters.update(when=_when, secs=seconds, reward=_reward, count=_count,
-                                reward_class=_reward_class, status=status_label)
-        self.env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
+        self.env = _environment()
 
     def warm(self) -> None:
         """Compile every template now (at start), not inside a reader's first request."""

@@ -1,7 +1,8 @@
 """The test databases (a pytest plugin, loaded by tests/conftest.py): the real Postgres on
 127.0.0.1:5432 (``TRACETAP_TEST_PG`` to change it), a fresh database per test, and
-``db_url``, which runs a test on SQLite and on Postgres. Postgres tests skip only when it
-is unreachable and CI is not set; in CI they fail.
+``db_url``, which runs a test on SQLite and on Postgres (there a copy of one migrated
+database, ``migrated_postgres``). Postgres tests skip only when it is unreachable and CI
+is not set; in CI they fail.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ def _asyncpg_dsn(url: str) -> str:
     return url.replace("postgresql+asyncpg://", "postgresql://")
 
 
-def create_postgres_database() -> str:
-    """A new, empty database on the test server; returns its URL."""
+def create_postgres_database(template: str | None = None) -> str:
+    """A new database on the test server (empty, or a copy of ``template``'s database);
+    returns its URL. Its commits do not wait for the WAL's fsync: the server is shared,
+    nothing here outlives it, and a test's writer commits hundreds of times."""
     name = f"tracetap_test_{uuid.uuid4().hex[:12]}"
+    copy = "" if template is None else f' TEMPLATE "{template.rsplit("/", 1)[1]}"'
 
     async def create():
         conn = await asyncpg.connect(_asyncpg_dsn(PG_ADMIN))
         try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
+            await conn.execute(f'CREATE DATABASE "{name}"{copy}')
+            await conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
         finally:
             await conn.close()
 
@@ -88,6 +93,31 @@ def fresh_postgres(postgres) -> Iterator[str]:
         drop_postgres_database(url)
 
 
+@pytest.fixture(scope="session")
+def _migrated_template(postgres_ok) -> Iterator[str | None]:
+    """A database migrated once, that ``migrated_postgres`` copies (a copy is one
+    statement; migrating takes every revision's commits)."""
+    if not postgres_ok:
+        yield None
+        return
+    url = create_postgres_database()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        drop_postgres_database(url)
+
+
+@pytest.fixture
+def migrated_postgres(postgres, _migrated_template) -> Iterator[str]:
+    """A new database at the head revision, with nothing in it."""
+    url = create_postgres_database(template=_migrated_template)
+    try:
+        yield url
+    finally:
+        drop_postgres_database(url)
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path: Path) -> Iterator[str]:
     """An empty, migrated database of each kind."""
@@ -96,7 +126,5 @@ def db_url(request, tmp_path: Path) -> Iterator[str]:
         upgrade(url)
         yield url
     else:
-        url = request.getfixturevalue("fresh_postgres")
-        upgrade(url)
-        yield url
+        yield request.getfixturevalue("migrated_postgres")
 
