@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,13 +119,22 @@ def migrated_postgres(postgres, _migrated_template) -> Iterator[str]:
         drop_postgres_database(url)
 
 
+@pytest.fixture(scope="session")
+def _migrated_sqlite(tmp_path_factory) -> Path:
+    """A SQLite database migrated once, that ``db_url`` copies (migrating is ~0.1 s of CPU,
+    copying the file nothing; it is closed, in rollback-journal mode: one file)."""
+    path = tmp_path_factory.mktemp("template") / "tracetap.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path: Path) -> Iterator[str]:
     """An empty, migrated database of each kind."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-        upgrade(url)
-        yield url
+        path = tmp_path / "tracetap.db"
+        shutil.copyfile(request.getfixturevalue("_migrated_sqlite"), path)
+        yield f"sqlite:///{path}"
     else:
         yield request.getfixturevalue("migrated_postgres")
 
