@@ -49,7 +49,7 @@ def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
     code = main([
         "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
         "--db", proxy.settings.database_url, "--model", "mock-model",
-        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS, "--repeats", "2",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS, "--repeats", "1",
         "--run-id", "eng", "-k", "3", "--penalty", "-0.5", "--batch-packets",
         "--max-packets", "2", "--scripted", str(tmp_path / "scripted.json"),
         "--concurrency", "8", "--json",
