@@ -39,14 +39,11 @@ class FakeEngine:
 
 
 @pytest.fixture
-def make_proxy(loop_thread, tmp_path):
+def make_proxy(loop_thread, tmp_path, migrated_sqlite):
     started = []
 
     def start(engine: EngineServer, **settings) -> Proxy:
-        db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        from tracetap.migrations import upgrade
-
-        upgrade(db)
+        db = migrated_sqlite(tmp_path / f"p{len(started)}.db")
         proxy = Proxy(loop_thread, Settings(
             upstream=engine.url, db=db, data_dir=str(tmp_path / f"d{len(started)}"),
             port=free_port(), **settings)).start()

@@ -11,15 +11,13 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tests.test_overlays import QUESTION, SYSTEM, chat, register
-from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 from tracetap.storage import budget_ledger
 
 
 @pytest.fixture
-def proxy(loop_thread, engine, tmp_path):
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-    upgrade(url)
+def proxy(loop_thread, engine, tmp_path, migrated_sqlite):
+    url = migrated_sqlite(tmp_path / "tracetap.db")
     settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
                         port=free_port(), episode_max_tokens=1_000_000,
                         overlay=["vetoer=tests.overlay_fixtures:first_vetoer"])

@@ -20,7 +20,6 @@ from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.migrations import upgrade
 from tracetap.proxy.call_timings import Timings
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.relay import Relay
@@ -30,11 +29,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def db_url(tmp_path) -> str:
+def db_url(tmp_path, migrated_sqlite) -> str:
     """SQLite only: nothing here depends on the database."""
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-    upgrade(url)
-    return url
+    return migrated_sqlite(tmp_path / "tracetap.db")
 
 
 def _start(loop_thread, upstream: str, db_url: str, tmp_path, **extra) -> Proxy:

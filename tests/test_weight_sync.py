@@ -15,17 +15,14 @@ import pytest
 
 from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.tokenizer import EOS
-from tracetap.migrations import upgrade
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
 
 
 @pytest.fixture
-def db_url(tmp_path):
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"  # one database kind: the logic is the proxy's
-    upgrade(url)
-    return url
+def db_url(tmp_path, migrated_sqlite):
+    return migrated_sqlite(tmp_path / "tracetap.db")  # one database kind: the logic is the proxy's
 
 
 def _aborts(engine, expected: int = 0) -> int:

@@ -17,20 +17,18 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def start(loop_thread, tmp_path):
+def start(loop_thread, tmp_path, migrated_sqlite):
     """Factory: a proxy (SQLite: nothing here depends on the database) to ``upstream``."""
     started: list[Proxy] = []
 
     def start(upstream: str) -> Proxy:
-        db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        upgrade(db)
+        db = migrated_sqlite(tmp_path / f"p{len(started)}.db")
         settings = Settings(
             upstream=upstream,
             db=db,

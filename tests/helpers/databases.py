@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -88,13 +89,31 @@ def fresh_postgres(postgres) -> Iterator[str]:
         drop_postgres_database(url)
 
 
+@pytest.fixture(scope="session")
+def _sqlite_schema(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("schema") / "tracetap.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def migrated_sqlite(_sqlite_schema: Path) -> Callable[[Path], str]:
+    """Factory: an empty, migrated SQLite database at ``path``; returns its URL. A copy of
+    one migrated once per session: migrating costs about a second, most of a proxy test's
+    setup, and the copy is the same file (test_migrations.py tests the migrations)."""
+
+    def make(path: Path) -> str:
+        shutil.copyfile(_sqlite_schema, path)
+        return f"sqlite:///{path}"
+
+    return make
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path: Path) -> Iterator[str]:
     """An empty, migrated database of each kind."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-        upgrade(url)
-        yield url
+        yield request.getfixturevalue("migrated_sqlite")(tmp_path / "tracetap.db")
     else:
         url = request.getfixturevalue("fresh_postgres")
         upgrade(url)
