@@ -284,6 +284,9 @@ def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
     assert [p for p in seen if p.startswith("/v1/")] == [
         "/v1/responses", "/v1/chat/completions", "/v1/chat/completions"]
     assert [c["endpoint"] for c in proxy.calls("fb")] == ["responses:chat"] * 2
+    # The rerouted call's metrics are the new route's too.
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_requests_total{code="200",route="responses"} 2.0' in text
 
 
 def test_an_uncaptured_call_in_an_episode_still_shows_in_it(engine, make_proxy):
