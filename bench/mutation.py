@@ -50,7 +50,7 @@ _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
 #   test_prompt_cut.py (relay.py's prompt cut);
 # - relay.py: the journal before [DONE], the read boundary with [DONE] and the bytes
 #   (test_relay.py, test_capture.py), the prompt cut, the lifecycle's stream endings, the
-#   upstream's faults, whole replies and a held stream (test_call_driver.py, and the two
+#   upstream's faults, whole replies and a held stream (test_call_driver.py, and the three
 #   overlay tests whose hold lets text before the first tool call go out live); not the
 #   weight syncs (proxy.continuation's, around the relay).
 # Both leave out (-k, _SLOW) the two slowest tests, 12 s of a 150 s run: the backpressure
@@ -62,7 +62,8 @@ _CAPTURE = ["tests/test_relay.py", "tests/test_faults.py", "tests/test_call_driv
             "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404"]
 _HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
     "test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls",
-    "test_a_reply_without_tool_calls_streams_live_and_is_not_judged")]
+    "test_a_reply_without_tool_calls_streams_live_and_is_not_judged",
+    "test_translated_streams_stay_well_formed_with_live_text_and_a_veto")]
 _RELAY_ONLY = [*_RELAY, "tests/test_faults.py", "tests/test_call_lifecycle.py",
                "tests/test_whole_reply.py",
                "tests/test_call_driver.py::test_a_held_stream_is_journaled_before_its_end_reaches_the_client",
