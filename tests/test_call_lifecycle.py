@@ -290,6 +290,33 @@ def test_the_client_gets_the_upstreams_status_and_content_type(proxy, stream):
     assert content_type.split(";")[0] == expected
 
 
+def test_an_event_stream_keeps_the_upstreams_error_status(loop_thread, serve_app, db_url,
+                                                           tmp_path):
+    """An upstream that answers an error as an event stream: the client gets its status
+    with its events, and the record its status."""
+    error = b'data: {"error":{"message":"overloaded","code":503}}\n\n'
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=503, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(error)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    proxy = _start(loop_thread, serve_app(app) + "/v1", db_url, tmp_path)
+    try:
+        url = proxy.episode_url("sse-error") + "/chat/completions"
+        body = {"model": "u", "messages": MESSAGES, "stream": True}
+        assert fetch("POST", url, body) == (503, error)
+        [call] = proxy.calls("sse-error")
+        assert call["http_status"] == 503
+    finally:
+        proxy.stop()
+
+
 def _unterminated_upstream() -> web.Application:
     """A chat stream whose last event, ``data: [DONE]``, lacks its closing blank line:
     the upstream closes the connection right after it."""
