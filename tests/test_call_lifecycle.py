@@ -350,22 +350,32 @@ def _unterminated_upstream() -> web.Application:
     return app
 
 
+# What the client asks for itself: everything tracetap would add (its stream is relayed
+# as it came), or nothing (rewritten).
+EVERYTHING = {"logprobs": True, "top_logprobs": 0, "extra_body": {"return_token_ids": True},
+              "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("asks", [{}, EVERYTHING], ids=["rewritten", "relayed"])
 def test_an_unterminated_last_event_still_reaches_the_client_and_the_record(
-    loop_thread, serve_app, db_url, tmp_path
+    loop_thread, serve_app, db_url, tmp_path, asks
 ):
-    """The stream's end is seen when the upstream closes (``Relay.end``): the client of
-    a rewritten stream still gets [DONE], and the call is stored whole."""
+    """The stream's end is seen when the upstream closes (``Relay.end``): the client
+    still gets [DONE] (a relayed stream: as the upstream sent it, nothing after it), and
+    the call is stored whole."""
     proxy = _start(loop_thread, serve_app(_unterminated_upstream()) + "/v1", db_url, tmp_path)
     try:
         client = _client(proxy, "unterminated")
         with (
             client,
             client.chat.completions.with_streaming_response.create(
-                model="u", messages=MESSAGES, stream=True
+                model="u", messages=MESSAGES, stream=True, **asks
             ) as response,
         ):
             raw = b"".join(response.iter_bytes())
         assert raw.rstrip().endswith(b"data: [DONE]")
+        if asks:
+            assert raw.endswith(b"data: [DONE]")
         [call] = proxy.calls("unterminated")
         assert call["status"] == "ok"
         assert call["choices"][0]["text"] == "one two"
