@@ -51,8 +51,9 @@ _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
 # - relay.py: the journal before [DONE], the read boundary with [DONE] and the bytes
 #   (test_relay.py, test_capture.py), the prompt cut, the lifecycle's stream endings, the
 #   upstream's faults, whole replies and a held stream (test_call_driver.py, and the three
-#   overlay tests whose hold lets text before the first tool call go out live); not the
-#   weight syncs (proxy.continuation's, around the relay).
+#   overlay tests whose hold lets text before the first tool call go out live), and one
+#   stream for each part of the call the relay is given (_RELAY_PARTS); not the weight
+#   syncs (proxy.continuation's, around the relay).
 # Both leave out (-k, _SLOW) the two slowest tests, 12 s of a 150 s run: the backpressure
 # test (aiohttp's buffers, no line of these modules) and fifty concurrent streams (the
 # same path fifty times).
@@ -64,10 +65,18 @@ _HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
     "test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls",
     "test_a_reply_without_tool_calls_streams_live_and_is_not_judged",
     "test_translated_streams_stay_well_formed_with_live_text_and_a_veto")]
+# What Relay.__init__ reads off the call, one stream each: the client's translator, a
+# reassembly without per-choice token counts (native Messages), the counts that date
+# each token's version, the experts' routing.
+_RELAY_PARTS = [
+    "tests/test_apis_capture.py::test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk",
+    "tests/test_apis_capture.py::test_messages_native_when_asked_stores_text_without_ids",
+    "tests/test_policy_spans.py::test_a_stream_across_a_weight_sync_stores_spans_with_the_sync_window_unknown",
+    "tests/test_routed_experts.py::test_routing_is_stored_and_exported_aligned_and_never_reaches_the_agent"]
 _RELAY_ONLY = [*_RELAY, "tests/test_faults.py", "tests/test_call_lifecycle.py",
                "tests/test_whole_reply.py",
                "tests/test_call_driver.py::test_a_held_stream_is_journaled_before_its_end_reaches_the_client",
-               *_HELD_LIVE]
+               *_HELD_LIVE, *_RELAY_PARTS]
 _QUARANTINE = ["tests/test_quarantine.py", "tests/test_quarantine_proxy.py"]
 _MESSAGES = ["tests/test_translate_messages.py", "tests/test_apis_capture.py"]
 _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]

@@ -127,7 +127,8 @@ def test_an_upstream_that_breaks_mid_body_is_a_clear_502(engine, start):
     assert info.value.status_code == 502
     error = info.value.body if "message" in info.value.body else info.value.body["error"]
     assert error["type"] == "upstream_error" and error["code"] == "upstream_error"
-    assert error["message"].startswith("upstream failed mid-reply: ")
+    # ... and how: aiohttp's error, as described.
+    assert error["message"].startswith("upstream failed mid-reply: ClientPayloadError: ")
     [call] = proxy.calls("trunc")
     assert call["status"] == "upstream_error" and call["http_status"] == 502
     assert call["error"] == error["message"]
