@@ -5,8 +5,11 @@ observes the order or the count, which reading the stored records afterwards can
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from aiohttp import web
+from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
@@ -85,3 +88,19 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
     assert order == ["[DONE] written by the engine", "submit vetoed",
                      "[DONE] written by the engine", "submit ok",
                      "[DONE] written by the proxy"]
+
+
+def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
+    """The reservation is the client's ``max_tokens`` plus the body's bytes, not the
+    default cap (kills the reservation sized from an empty payload)."""
+    budgets, sizes = proxy.state.budgets, []
+    reserve = budgets.reserve
+
+    async def spied(episode_id, tokens, **kwargs):
+        sizes.append(tokens)
+        return await reserve(episode_id, tokens, **kwargs)
+
+    monkeypatch.setattr(budgets, "reserve", spied)
+    body = json.dumps({"model": "mock-model", "messages": [QUESTION], "max_tokens": 777})
+    status, _ = fetch("POST", proxy.episode_url("capped") + "/chat/completions", body.encode())
+    assert status == 200 and sizes == [777 + len(body)]

@@ -119,7 +119,8 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
     loop_thread, gated, db_url, tmp_path
 ):
     """1 while the call waits on the upstream, 0 once it has answered (kills the gauge
-    never raised, never lowered, or lowered on entry)."""
+    never raised, never lowered, or lowered on entry); the pause gate's count too (a call
+    never released would hold every later weight sync's drain)."""
     proxy = _start(loop_thread, gated.url, db_url, tmp_path)
     try:
         assert _inflight(proxy) == 0
@@ -135,6 +136,7 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
         thread.join(30)
         assert done and done[0][0] == 200
         assert _inflight(proxy) == 0
+        assert proxy.state.gate.inflight == 0 and proxy.state.gate.idle
     finally:
         proxy.stop()
 
@@ -148,6 +150,8 @@ def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_ur
         status, _ = fetch("POST", url, {"model": "gated", "messages": MESSAGES})
         assert status == 200
         assert gated.queries == ["api-version=2024-06-01&x=a%20b"]
+        [call] = proxy.calls("query")
+        assert call["upstream"] == gated.url  # the target that answered
     finally:
         proxy.stop()
 
