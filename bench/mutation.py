@@ -70,6 +70,7 @@ _HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
 # each token's version, the experts' routing.
 _RELAY_PARTS = [
     "tests/test_apis_capture.py::test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk",
+    "tests/test_apis_capture.py::test_a_translated_stream_is_written_from_the_request",
     "tests/test_apis_capture.py::test_messages_native_when_asked_stores_text_without_ids",
     "tests/test_policy_spans.py::test_a_stream_across_a_weight_sync_stores_spans_with_the_sync_window_unknown",
     "tests/test_routed_experts.py::test_routing_is_stored_and_exported_aligned_and_never_reaches_the_agent"]

@@ -263,6 +263,18 @@ def test_model_map_sends_the_engines_model(engine, make_proxy):
     assert call["model"] == "mock-model"
 
 
+def test_a_translated_stream_is_written_from_the_request(engine, make_proxy):
+    """The Messages stream's message is built from the request (its model), not only
+    from the engine's chunks."""
+    proxy = make_proxy(engine)
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/mms", api_key="x",
+                                max_retries=0)
+    with agent, agent.messages.stream(model="mock-model", max_tokens=16,
+                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+        message = stream.get_final_message()
+    assert message.content and message.model == "mock-model"
+
+
 def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
     """A server announced as vLLM that lacks /v1/responses: the first call is sent again
     as chat, and the ones after it go straight to chat."""
