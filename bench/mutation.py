@@ -67,8 +67,8 @@ _HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
     "test_translated_streams_stay_well_formed_with_live_text_and_a_veto")]
 # What Relay.__init__ reads off the call, one stream each: the client's translator, a
 # reassembly without per-choice token counts (native Messages), the counts that date
-# each token's version, the experts' routing.
-_RELAY_PARTS = [
+# each token's version, the experts' routing, the timings (time to first token).
+_RELAY_PARTS = ["tests/test_metrics.py::test_scrape_after_known_traffic",
     "tests/test_apis_capture.py::test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk",
     "tests/test_apis_capture.py::test_a_translated_stream_is_written_from_the_request",
     "tests/test_apis_capture.py::test_messages_native_when_asked_stores_text_without_ids",
