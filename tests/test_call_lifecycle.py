@@ -188,6 +188,7 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     [call] = proxy.calls("bad")
     assert (call["status"], call["http_status"]) == ("bad_request", 400)
     assert call["error"] == error["message"]
+    assert call["policy_version"] is None  # refused before admission: no version stamped
 
 
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
@@ -383,5 +384,23 @@ def test_an_unterminated_last_event_still_reaches_the_client_and_the_record(
         [call] = proxy.calls("unterminated")
         assert call["status"] == "ok"
         assert call["choices"][0]["text"] == "one two"
+    finally:
+        proxy.stop()
+
+
+def test_a_call_refused_before_it_is_tagged_is_stored_without_an_episode(
+    loop_thread, engine, db_url, tmp_path
+):
+    """``--require-episode`` refuses an untagged call before it has an episode: its
+    record has none (NULL, not an empty id), and an arrival order given when the record
+    is built."""
+    proxy = _start(loop_thread, engine.url, db_url, tmp_path, require_episode=True)
+    try:
+        status, _ = fetch("POST", proxy.url + "/v1/chat/completions",
+                          {"model": "mock-model", "messages": MESSAGES})
+        assert status == 400
+        [call] = proxy.calls(None)
+        assert call["status"] == "bad_request"
+        assert call["episode_id"] is None and call["seq"] == 0
     finally:
         proxy.stop()
