@@ -104,3 +104,23 @@ def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
     body = json.dumps({"model": "mock-model", "messages": [QUESTION], "max_tokens": 777})
     status, _ = fetch("POST", proxy.episode_url("capped") + "/chat/completions", body.encode())
     assert status == 200 and sizes == [777 + len(body)]
+
+
+def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, tmp_path,
+                                                          migrated_sqlite):
+    """No default budgets: only a call that carries its episode's key is counted against
+    the budget registered with it (kills the key not passed on to the budgets)."""
+    settings = Settings(upstream=engine.url, db=migrated_sqlite(tmp_path / "t.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port())
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        status, created = proxy.admin("POST", "/tracetap/episodes",
+                                      {"id": "own", "budget": {"max_calls": 1}})
+        assert status == 201
+        body = {"model": "mock-model", "messages": [QUESTION]}
+        url, key = created["base_url"] + "/chat/completions", created["api_key"]
+        assert fetch("POST", url, body, token=key)[0] == 200
+        status, refused = fetch("POST", url, body, token=key)
+        assert status == 403 and b"over its calls budget (1 of 1)" in refused
+    finally:
+        proxy.stop()
