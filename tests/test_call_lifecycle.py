@@ -188,7 +188,10 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     [call] = proxy.calls("bad")
     assert (call["status"], call["http_status"]) == ("bad_request", 400)
     assert call["error"] == error["message"]
-    assert call["policy_version"] is None  # refused before admission: no version stamped
+    # Refused before admission and before the upstream: no version stamped, no upstream,
+    # and the pause gate, never entered, is not left.
+    assert (call["policy_version"], call["upstream"]) == (None, None)
+    assert proxy.state.gate.inflight == 0
 
 
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
