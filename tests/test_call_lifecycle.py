@@ -190,7 +190,7 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     assert call["error"] == error["message"]
     # Refused before admission and before the upstream: no version stamped, no upstream,
     # and the pause gate, never entered, is not left.
-    assert (call["policy_version"], call["upstream"]) == (None, None)
+    assert (call["policy_version"], call["upstream"], call["overlay"]) == (None, None, None)
     assert proxy.state.gate.inflight == 0
 
 
