@@ -39,6 +39,45 @@ _RELAY = ["tests/test_relay.py", "tests/test_capture.py", "tests/test_prompt_cut
 _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
            "tests/test_call_lifecycle.py", "tests/test_whole_reply.py", "tests/test_weight_sync.py",
            "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404"]
+# capture.py and relay.py run their own lists, narrower than _DRIVER. Nearly every test
+# here starts a proxy (about a second each on this machine), and a survivor of a function
+# every call goes through (``_drive``, ``finish``, ``Relay.event``) costs a run of all of
+# them: the whole _DRIVER made a module's run take hours. Each list keeps the tests that
+# defend that module's promises and leaves out those that only repeat its code path:
+# - capture.py, the driver: the journal before [DONE] and the client's bytes
+#   (test_relay.py), the lifecycle, budgets, whole replies, weight syncs and the 404
+#   reroute; not test_capture.py (the chat reassembly: its own module's list) nor
+#   test_prompt_cut.py (relay.py's prompt cut);
+# - relay.py: the journal before [DONE], the read boundary with [DONE] and the bytes
+#   (test_relay.py, test_capture.py), the prompt cut, the lifecycle's stream endings, the
+#   upstream's faults, whole replies and a held stream (test_call_driver.py, and the three
+#   overlay tests whose hold lets text before the first tool call go out live), and one
+#   stream for each part of the call the relay is given (_RELAY_PARTS); not the weight
+#   syncs (proxy.continuation's, around the relay).
+# Both leave out (-k, _SLOW) the two slowest tests, 12 s of a 150 s run: the backpressure
+# test (aiohttp's buffers, no line of these modules) and fifty concurrent streams (the
+# same path fifty times).
+_CAPTURE = ["tests/test_relay.py", "tests/test_faults.py", "tests/test_call_driver.py",
+            "tests/test_call_lifecycle.py", "tests/test_whole_reply.py",
+            "tests/test_weight_sync.py",
+            "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404"]
+_HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
+    "test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls",
+    "test_a_reply_without_tool_calls_streams_live_and_is_not_judged",
+    "test_translated_streams_stay_well_formed_with_live_text_and_a_veto")]
+# What Relay.__init__ reads off the call, one stream each: the client's translator, a
+# reassembly without per-choice token counts (native Messages), the counts that date
+# each token's version, the experts' routing, the timings (time to first token).
+_RELAY_PARTS = ["tests/test_metrics.py::test_scrape_after_known_traffic",
+    "tests/test_apis_capture.py::test_sdk_streams_ending_on_length_keep_the_text_of_the_last_chunk",
+    "tests/test_apis_capture.py::test_a_translated_stream_is_written_from_the_request",
+    "tests/test_apis_capture.py::test_messages_native_when_asked_stores_text_without_ids",
+    "tests/test_policy_spans.py::test_a_stream_across_a_weight_sync_stores_spans_with_the_sync_window_unknown",
+    "tests/test_routed_experts.py::test_routing_is_stored_and_exported_aligned_and_never_reaches_the_agent"]
+_RELAY_ONLY = [*_RELAY, "tests/test_faults.py", "tests/test_call_lifecycle.py",
+               "tests/test_whole_reply.py",
+               "tests/test_call_driver.py::test_a_held_stream_is_journaled_before_its_end_reaches_the_client",
+               *_HELD_LIVE, *_RELAY_PARTS]
 _QUARANTINE = ["tests/test_quarantine.py", "tests/test_quarantine_proxy.py"]
 _MESSAGES = ["tests/test_translate_messages.py", "tests/test_apis_capture.py"]
 _RESPONSES = ["tests/test_translate_responses.py", "tests/test_apis_capture.py"]
@@ -63,8 +102,8 @@ MODULES = {
     "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
     "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
-    "proxy/capture.py": _DRIVER,
-    "proxy/relay.py": _DRIVER,
+    "proxy/capture.py": _CAPTURE,
+    "proxy/relay.py": _RELAY_ONLY,
     "proxy/call_review.py": ["tests/test_call_driver.py", "tests/test_overlays.py"],
     "proxy/handlers.py": [*_DRIVER, "tests/test_hostile_agent.py",
                           "tests/test_hostile_episodes.py", "tests/test_api_errors.py"],
@@ -104,8 +143,9 @@ MODULES = {
 # slower setup (a migrated database per test), and a survivor costs a whole run of its
 # tests. The storage modules keep both.
 _SQLITE_ONLY = ["-k", "not postgres"]
-PYTEST_ARGS = {module: _SQLITE_ONLY for module in (
-    "proxy/capture.py", "proxy/relay.py", "proxy/call_review.py", "proxy/handlers.py")}
+_SLOW = ["-k", "not postgres and not backpressure and not fifty_concurrent"]
+PYTEST_ARGS = {module: _SQLITE_ONLY for module in ("proxy/call_review.py", "proxy/handlers.py")}
+PYTEST_ARGS |= {module: _SLOW for module in ("proxy/capture.py", "proxy/relay.py")}
 # The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
 # them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
 # copy (mutants/ comes first on sys.path, before the editable install's finder) under the

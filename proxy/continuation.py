@@ -37,6 +37,7 @@ from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.call_record import client_text
 from tracetap.proxy.ids import uuid7
+from tracetap.proxy.relay import broken_error
 from tracetap.proxy.sse import SSEParser
 from tracetap.proxy.upstream import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
@@ -159,7 +160,10 @@ async def cuttable(call: ModelCall, send: Callable[[], Awaitable[Any]]) -> Any:
                 raise
         finally:
             gate.cuts.discard(cut)
-        await _again(call)
+        try:
+            await _again(call)
+        except UpstreamBroken as exc:  # held past --pause-timeout: the client's 502, not a bug
+            raise broken_error(exc) from exc
 
 
 async def _again(call: ModelCall) -> None:

@@ -39,14 +39,11 @@ class FakeEngine:
 
 
 @pytest.fixture
-def make_proxy(loop_thread, tmp_path):
+def make_proxy(loop_thread, tmp_path, migrated_sqlite):
     started = []
 
     def start(engine: EngineServer, **settings) -> Proxy:
-        db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        from tracetap.migrations import upgrade
-
-        upgrade(db)
+        db = migrated_sqlite(tmp_path / f"p{len(started)}.db")
         proxy = Proxy(loop_thread, Settings(
             upstream=engine.url, db=db, data_dir=str(tmp_path / f"d{len(started)}"),
             port=free_port(), **settings)).start()
@@ -266,6 +263,18 @@ def test_model_map_sends_the_engines_model(engine, make_proxy):
     assert call["model"] == "mock-model"
 
 
+def test_a_translated_stream_is_written_from_the_request(engine, make_proxy):
+    """The Messages stream's message is built from the request (its model), not only
+    from the engine's chunks."""
+    proxy = make_proxy(engine)
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/mms", api_key="x",
+                                max_retries=0)
+    with agent, agent.messages.stream(model="mock-model", max_tokens=16,
+                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+        message = stream.get_final_message()
+    assert message.content and message.model == "mock-model"
+
+
 def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
     """A server announced as vLLM that lacks /v1/responses: the first call is sent again
     as chat, and the ones after it go straight to chat."""
@@ -287,6 +296,9 @@ def test_auto_translates_after_the_upstream_answers_404(make_proxy, serve_app):
     assert [p for p in seen if p.startswith("/v1/")] == [
         "/v1/responses", "/v1/chat/completions", "/v1/chat/completions"]
     assert [c["endpoint"] for c in proxy.calls("fb")] == ["responses:chat"] * 2
+    # The rerouted call's metrics are the new route's too.
+    text = proxy.state.metrics.render().decode()
+    assert 'tracetap_requests_total{code="200",route="responses"} 2.0' in text
 
 
 def test_an_uncaptured_call_in_an_episode_still_shows_in_it(engine, make_proxy):

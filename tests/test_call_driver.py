@@ -5,21 +5,22 @@ observes the order or the count, which reading the stored records afterwards can
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from aiohttp import web
+from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tests.test_overlays import QUESTION, SYSTEM, chat, register
-from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 from tracetap.storage import budget_ledger
 
 
 @pytest.fixture
-def proxy(loop_thread, engine, tmp_path):
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-    upgrade(url)
+def proxy(loop_thread, engine, tmp_path, migrated_sqlite):
+    url = migrated_sqlite(tmp_path / "tracetap.db")
     settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
                         port=free_port(), episode_max_tokens=1_000_000,
                         overlay=["vetoer=tests.overlay_fixtures:first_vetoer"])
@@ -87,3 +88,39 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
     assert order == ["[DONE] written by the engine", "submit vetoed",
                      "[DONE] written by the engine", "submit ok",
                      "[DONE] written by the proxy"]
+
+
+def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
+    """The reservation is the client's ``max_tokens`` plus the body's bytes, not the
+    default cap (kills the reservation sized from an empty payload)."""
+    budgets, sizes = proxy.state.budgets, []
+    reserve = budgets.reserve
+
+    async def spied(episode_id, tokens, **kwargs):
+        sizes.append(tokens)
+        return await reserve(episode_id, tokens, **kwargs)
+
+    monkeypatch.setattr(budgets, "reserve", spied)
+    body = json.dumps({"model": "mock-model", "messages": [QUESTION], "max_tokens": 777})
+    status, _ = fetch("POST", proxy.episode_url("capped") + "/chat/completions", body.encode())
+    assert status == 200 and sizes == [777 + len(body)]
+
+
+def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, tmp_path,
+                                                          migrated_sqlite):
+    """No default budgets: only a call that carries its episode's key is counted against
+    the budget registered with it (kills the key not passed on to the budgets)."""
+    settings = Settings(upstream=engine.url, db=migrated_sqlite(tmp_path / "t.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port())
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        status, created = proxy.admin("POST", "/tracetap/episodes",
+                                      {"id": "own", "budget": {"max_calls": 1}})
+        assert status == 201
+        body = {"model": "mock-model", "messages": [QUESTION]}
+        url, key = created["base_url"] + "/chat/completions", created["api_key"]
+        assert fetch("POST", url, body, token=key)[0] == 200
+        status, refused = fetch("POST", url, body, token=key)
+        assert status == 403 and b"over its calls budget (1 of 1)" in refused
+    finally:
+        proxy.stop()

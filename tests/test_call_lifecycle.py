@@ -20,7 +20,6 @@ from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.migrations import upgrade
 from tracetap.proxy.call_timings import Timings
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.relay import Relay
@@ -30,11 +29,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def db_url(tmp_path) -> str:
+def db_url(tmp_path, migrated_sqlite) -> str:
     """SQLite only: nothing here depends on the database."""
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-    upgrade(url)
-    return url
+    return migrated_sqlite(tmp_path / "tracetap.db")
 
 
 def _start(loop_thread, upstream: str, db_url: str, tmp_path, **extra) -> Proxy:
@@ -122,7 +119,8 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
     loop_thread, gated, db_url, tmp_path
 ):
     """1 while the call waits on the upstream, 0 once it has answered (kills the gauge
-    never raised, never lowered, or lowered on entry)."""
+    never raised, never lowered, or lowered on entry); the pause gate's count too (a call
+    never released would hold every later weight sync's drain)."""
     proxy = _start(loop_thread, gated.url, db_url, tmp_path)
     try:
         assert _inflight(proxy) == 0
@@ -138,6 +136,7 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
         thread.join(30)
         assert done and done[0][0] == 200
         assert _inflight(proxy) == 0
+        assert proxy.state.gate.inflight == 0 and proxy.state.gate.idle
     finally:
         proxy.stop()
 
@@ -151,6 +150,8 @@ def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_ur
         status, _ = fetch("POST", url, {"model": "gated", "messages": MESSAGES})
         assert status == 200
         assert gated.queries == ["api-version=2024-06-01&x=a%20b"]
+        [call] = proxy.calls("query")
+        assert call["upstream"] == gated.url  # the target that answered
     finally:
         proxy.stop()
 
@@ -187,6 +188,10 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     [call] = proxy.calls("bad")
     assert (call["status"], call["http_status"]) == ("bad_request", 400)
     assert call["error"] == error["message"]
+    # Refused before admission and before the upstream: no version stamped, no upstream,
+    # and the pause gate, never entered, is not left.
+    assert (call["policy_version"], call["upstream"], call["overlay"]) == (None, None, None)
+    assert proxy.state.gate.inflight == 0
 
 
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
@@ -293,6 +298,33 @@ def test_the_client_gets_the_upstreams_status_and_content_type(proxy, stream):
     assert content_type.split(";")[0] == expected
 
 
+def test_an_event_stream_keeps_the_upstreams_error_status(loop_thread, serve_app, db_url,
+                                                           tmp_path):
+    """An upstream that answers an error as an event stream: the client gets its status
+    with its events, and the record its status."""
+    error = b'data: {"error":{"message":"overloaded","code":503}}\n\n'
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=503, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(error)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    proxy = _start(loop_thread, serve_app(app) + "/v1", db_url, tmp_path)
+    try:
+        url = proxy.episode_url("sse-error") + "/chat/completions"
+        body = {"model": "u", "messages": MESSAGES, "stream": True}
+        assert fetch("POST", url, body) == (503, error)
+        [call] = proxy.calls("sse-error")
+        assert call["http_status"] == 503
+    finally:
+        proxy.stop()
+
+
 def _unterminated_upstream() -> web.Application:
     """A chat stream whose last event, ``data: [DONE]``, lacks its closing blank line:
     the upstream closes the connection right after it."""
@@ -326,24 +358,52 @@ def _unterminated_upstream() -> web.Application:
     return app
 
 
+# What the client asks for itself: everything tracetap would add (its stream is relayed
+# as it came), or nothing (rewritten).
+EVERYTHING = {"logprobs": True, "top_logprobs": 0, "extra_body": {"return_token_ids": True},
+              "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("asks", [{}, EVERYTHING], ids=["rewritten", "relayed"])
 def test_an_unterminated_last_event_still_reaches_the_client_and_the_record(
-    loop_thread, serve_app, db_url, tmp_path
+    loop_thread, serve_app, db_url, tmp_path, asks
 ):
-    """The stream's end is seen when the upstream closes (``Relay.end``): the client of
-    a rewritten stream still gets [DONE], and the call is stored whole."""
+    """The stream's end is seen when the upstream closes (``Relay.end``): the client
+    still gets [DONE] (a relayed stream: as the upstream sent it, nothing after it), and
+    the call is stored whole."""
     proxy = _start(loop_thread, serve_app(_unterminated_upstream()) + "/v1", db_url, tmp_path)
     try:
         client = _client(proxy, "unterminated")
         with (
             client,
             client.chat.completions.with_streaming_response.create(
-                model="u", messages=MESSAGES, stream=True
+                model="u", messages=MESSAGES, stream=True, **asks
             ) as response,
         ):
             raw = b"".join(response.iter_bytes())
         assert raw.rstrip().endswith(b"data: [DONE]")
+        if asks:
+            assert raw.endswith(b"data: [DONE]")
         [call] = proxy.calls("unterminated")
         assert call["status"] == "ok"
         assert call["choices"][0]["text"] == "one two"
+    finally:
+        proxy.stop()
+
+
+def test_a_call_refused_before_it_is_tagged_is_stored_without_an_episode(
+    loop_thread, engine, db_url, tmp_path
+):
+    """``--require-episode`` refuses an untagged call before it has an episode: its
+    record has none (NULL, not an empty id), and an arrival order given when the record
+    is built."""
+    proxy = _start(loop_thread, engine.url, db_url, tmp_path, require_episode=True)
+    try:
+        status, _ = fetch("POST", proxy.url + "/v1/chat/completions",
+                          {"model": "mock-model", "messages": MESSAGES})
+        assert status == 400
+        [call] = proxy.calls(None)
+        assert call["status"] == "bad_request"
+        assert call["episode_id"] is None and call["seq"] == 0
     finally:
         proxy.stop()

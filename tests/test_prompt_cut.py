@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,3 +114,27 @@ def test_capture_decodes_cut_ids_when_read_and_notes_bad_ones():
     capture.add_prompt_ids(b"[1, 2, x]")
     assert capture.prompt_ids is None
     assert capture.errors and "prompt_token_ids" in capture.errors[0]
+
+
+@pytest.mark.parametrize("asks", [{}, {"extra_body": {"return_token_ids": True}}],
+                         ids=["stripped", "asked"])
+def test_a_long_prompts_ids_are_cut_from_the_first_chunk_and_stored_exactly(proxy, engine,
+                                                                           asks):
+    """Through the proxy: vLLM's first chunk carries a long prompt's ids (over the 4 KiB
+    the relay cuts above); the stored ids are the engine's, twice in one episode (the
+    second prompt grown from the first), and the client gets them only when it asked."""
+    long = "the quick brown fox jumps over the lazy dog " * 40  # ~1800 ids, ~7 KiB
+    direct = openai.OpenAI(base_url=engine.url, api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=proxy.episode_url("long"), api_key="x", max_retries=0)
+    with direct, client:
+        for turn in (long, long + "and again"):
+            messages = [{"role": "user", "content": turn}]
+            want = direct.chat.completions.create(
+                model="mock-model", messages=messages, max_tokens=4,
+                extra_body={"return_token_ids": True}).model_extra["prompt_token_ids"]
+            assert len(json.dumps(want)) > 4096
+            chunks = list(client.chat.completions.create(
+                model="mock-model", messages=messages, max_tokens=4, stream=True, **asks))
+            got = [c.model_extra.get("prompt_token_ids") for c in chunks]
+            assert got[0] == (want if asks else None) and not any(got[1:])
+            assert proxy.calls("long")[-1]["prompt_ids"] == want

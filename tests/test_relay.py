@@ -18,7 +18,6 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.migrations import upgrade
 from tracetap.proxy.relay import Relay
 from tracetap.proxy.settings import Settings
 
@@ -128,12 +127,10 @@ class SpacedUpstream:
 
 
 @pytest.fixture
-def db_url(tmp_path) -> str:
+def db_url(tmp_path, migrated_sqlite) -> str:
     """SQLite only: what is checked here does not depend on the database (the storage
     tests run on both)."""
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"
-    upgrade(url)
-    return url
+    return migrated_sqlite(tmp_path / "tracetap.db")
 
 
 @pytest.fixture

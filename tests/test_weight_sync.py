@@ -10,22 +10,21 @@ import sqlite3
 import threading
 import time
 
+import msgspec
 import openai
 import pytest
+from helpers.servers import Proxy
 
 from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.tokenizer import EOS
-from tracetap.migrations import upgrade
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
 
 
 @pytest.fixture
-def db_url(tmp_path):
-    url = f"sqlite:///{tmp_path / 'tracetap.db'}"  # one database kind: the logic is the proxy's
-    upgrade(url)
-    return url
+def db_url(tmp_path, migrated_sqlite):
+    return migrated_sqlite(tmp_path / "tracetap.db")  # one database kind: the logic is the proxy's
 
 
 def _aborts(engine, expected: int = 0) -> int:
@@ -107,6 +106,47 @@ def test_a_body_cut_by_a_weight_sync_is_sent_again_and_the_cut_attempt_kept_apar
     assert sorted((s, v) for s, v, _, _ in rows) == [("ok", "v2"), ("weight_sync_retried", "v1")]
     retried = [r for r in rows if r[0] == "weight_sync_retried"]
     assert retried[0][3] is None  # no choice: nothing of it can be trained
+
+
+@pytest.fixture
+def impatient(loop_thread, proxy_settings):
+    """A proxy whose cut calls wait at most 0.5 s for the resume (--pause-timeout)."""
+    proxy = Proxy(loop_thread, msgspec.structs.replace(proxy_settings, pause_timeout=0.5)).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_a_body_cut_by_a_pause_that_outlasts_its_timeout_is_not_sent_again(impatient, engine):
+    """Held past --pause-timeout (0.5 s here), the cut call gives up: the client gets an
+    error and the engine never sees the request again while the weights are changing."""
+    proxy = impatient
+    client = openai.OpenAI(base_url=proxy.episode_url("outlasted"), api_key="x", max_retries=0)
+    errors = []
+    with client:
+        def slow_call():
+            try:
+                client.chat.completions.create(
+                    model="mock-model", messages=MESSAGES, max_tokens=200,
+                    extra_body={"mock_content": CONTENT, "mock_delay_s": 1.0})
+            except openai.APIStatusError as exc:
+                errors.append(exc.status_code)
+
+        worker = threading.Thread(target=slow_call)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while proxy.state.gate.inflight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling the proxy's own counter for the call to be admitted
+        time.sleep(0.2)  # the request is at the engine
+        status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and paused["drained"] is True
+        worker.join(30)  # the pause is never lifted while the call waits
+        assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    assert errors == [502]  # the upstream side failed, not the proxy
+    assert _aborts(engine, 1) == 1  # the engine saw the first request go
+    # Not sent again: no answer stored, only the cut attempt and the call's failure.
+    assert sorted(s for s, _, _, _ in _stored(proxy, "outlasted")) == [
+        "upstream_error", "weight_sync_retried"]
 
 
 def test_a_drain_pause_cuts_nothing(proxy, engine):

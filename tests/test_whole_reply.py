@@ -17,20 +17,18 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def start(loop_thread, tmp_path):
+def start(loop_thread, tmp_path, migrated_sqlite):
     """Factory: a proxy (SQLite: nothing here depends on the database) to ``upstream``."""
     started: list[Proxy] = []
 
     def start(upstream: str) -> Proxy:
-        db = f"sqlite:///{tmp_path / f'p{len(started)}.db'}"
-        upgrade(db)
+        db = migrated_sqlite(tmp_path / f"p{len(started)}.db")
         settings = Settings(
             upstream=upstream,
             db=db,
@@ -129,7 +127,8 @@ def test_an_upstream_that_breaks_mid_body_is_a_clear_502(engine, start):
     assert info.value.status_code == 502
     error = info.value.body if "message" in info.value.body else info.value.body["error"]
     assert error["type"] == "upstream_error" and error["code"] == "upstream_error"
-    assert error["message"].startswith("upstream failed mid-reply: ")
+    # ... and how: aiohttp's error, as described.
+    assert error["message"].startswith("upstream failed mid-reply: ClientPayloadError: ")
     [call] = proxy.calls("trunc")
     assert call["status"] == "upstream_error" and call["http_status"] == 502
     assert call["error"] == error["message"]

@@ -11,7 +11,7 @@ import asyncio
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -120,21 +120,30 @@ def migrated_postgres(postgres, _migrated_template) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def _migrated_sqlite(tmp_path_factory) -> Path:
-    """A SQLite database migrated once, that ``db_url`` copies (migrating is ~0.1 s of CPU,
-    copying the file nothing; it is closed, in rollback-journal mode: one file)."""
-    path = tmp_path_factory.mktemp("template") / "tracetap.db"
+def _sqlite_schema(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("schema") / "tracetap.db"
     upgrade(f"sqlite:///{path}")
     return path
+
+
+@pytest.fixture
+def migrated_sqlite(_sqlite_schema: Path) -> Callable[[Path], str]:
+    """Factory: an empty, migrated SQLite database at ``path``; returns its URL. A copy of
+    one migrated once per session: migrating costs about a second, most of a proxy test's
+    setup, and the copy is the same file (test_migrations.py tests the migrations)."""
+
+    def make(path: Path) -> str:
+        shutil.copyfile(_sqlite_schema, path)
+        return f"sqlite:///{path}"
+
+    return make
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path: Path) -> Iterator[str]:
     """An empty, migrated database of each kind."""
     if request.param == "sqlite":
-        path = tmp_path / "tracetap.db"
-        shutil.copyfile(request.getfixturevalue("_migrated_sqlite"), path)
-        yield f"sqlite:///{path}"
+        yield request.getfixturevalue("migrated_sqlite")(tmp_path / "tracetap.db")
     else:
         yield request.getfixturevalue("migrated_postgres")
 
