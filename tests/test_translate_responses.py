@@ -46,6 +46,29 @@ def run_stream(request: dict, chunks: list[dict], response_id="resp_t") -> list[
     return decode_events(raw)
 
 
+def assert_done_events_say_what_the_final_response_holds(events: list[dict]) -> None:
+    """Each item is added empty, has one content part (index 0), and its done events
+    (text, part, arguments, item) are what the final response holds, item by item."""
+    final = events[-1]["response"]["output"]
+    empty = {"reasoning": {"type": "reasoning_text", "text": ""},
+             "message": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}
+    for event in events:
+        kind, item = event["type"], final[event.get("output_index", 0)] if final else None
+        assert event.get("content_index", 0) == 0
+        if kind == "response.content_part.added":
+            assert event["part"] == empty[item["type"]]
+        elif kind == "response.content_part.done":
+            assert event["part"] == item["content"][0]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert event["text"] == item["content"][0]["text"]
+        elif kind == "response.function_call_arguments.done":
+            assert (event["name"], event["arguments"]) == (item["name"], item["arguments"])
+        elif kind == "response.output_item.done":
+            assert event["item"] == item
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == list(range(len(final)))
+
+
 def sdk_final(request: dict, events: list[dict]) -> Response:
     """The openai SDK's own stream accumulator over our events."""
     state = ResponseStreamState(input_tools=request.get("tools") or [], text_format=openai.omit)
@@ -370,6 +393,65 @@ def test_stream_tool_name_after_id_and_no_name_at_all():
     assert [(i["call_id"], i["name"]) for i in added] == [("c9", "f"), ("call_t_1", "")]
     final = events[-1]["response"]["output"]
     assert [(i["name"], i["arguments"]) for i in final] == [("f", '{"a":1}'), ("", "{}")]
+    assert [i["status"] for i in final] == ["completed", "completed"]
+    assert_done_events_say_what_the_final_response_holds(events)
+
+
+def test_reasoning_after_text_closes_the_message_and_each_item_completes():
+    """Items follow the chat stream's order, whatever it is: text, reasoning, text again
+    (a change of kind closes the open item, completed), then two tool calls."""
+    request = {"input": "x", "tools": [TOOL]}
+    delta = [{"content": "a"}, {"reasoning_content": "b"}, {"content": "c"},
+             {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "lookup",
+                                                                  "arguments": "{}"}}]},
+             {"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "lookup",
+                                                                  "arguments": "[]"}}]}]
+    chunks = stream_chunks(None, finish="tool_calls")
+    chunks[1:1] = [{**chunks[0], "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+                   for d in delta]
+    events = run_stream(request, chunks)
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i["status"]) for i in final] == [
+        ("message", "completed"), ("reasoning", "completed"), ("message", "completed"),
+        ("function_call", "completed"), ("function_call", "completed")]
+    assert_done_events_say_what_the_final_response_holds(events)
+    assert [o.type for o in sdk_final(request, events).output] == [i["type"] for i in final]
+
+
+def _with_logprobs(content: str | None, *tokens: tuple[str, float]) -> dict:
+    """A content chunk (``content`` None: a delta without it) and its chat logprobs."""
+    chunk = stream_chunks("x", pieces=1)[1]
+    chunk["choices"][0]["delta"] = {} if content is None else {"content": content}
+    chunk["choices"][0]["logprobs"] = {"content": [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]}
+        for t, lp in tokens]}
+    return chunk
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "not-asked"])
+def test_streamed_logprobs_reach_the_client_with_their_delta_only_when_asked(asked):
+    """Each token's logprob goes out with its text delta, a token whose text is empty (a
+    character cut between tokens) included; a chunk without content adds no delta. Not
+    asked for: the client gets no logprobs, and no delta for the empty token."""
+    request = {"input": "x", **({"include": ["message.output_text.logprobs"]} if asked else {})}
+    tokens = [("Hi", -0.5), ("", -1.0), ("!", -0.25)]
+    role, *_, stop = stream_chunks("x")
+    chunks = [role, _with_logprobs("Hi", tokens[0]), _with_logprobs("", tokens[1]),
+              _with_logprobs(None), _with_logprobs("!", tokens[2]), stop]
+    events = run_stream(request, chunks)
+    deltas = [(e["delta"], e["logprobs"]) for e in events
+              if e["type"] == "response.output_text.delta"]
+    sent = [(t, [{"token": t, "logprob": lp, "top_logprobs": [{"token": t, "logprob": lp}]}])
+            for t, lp in tokens]
+    assert deltas == (sent if asked else [("Hi", []), ("!", [])])
+    every = [e for c in chunks[1:-1] for e in c["choices"][0]["logprobs"]["content"]]
+    whole = from_chat(chat_reply("Hi!", logprobs={"content": every}), request,
+                      response_id="resp_t")
+    assert events[-1]["response"] == whole
+    assert len(whole["output"][0]["content"][0]["logprobs"]) == (3 if asked else 0)
+    assert_done_events_say_what_the_final_response_holds(events)
+    assert sdk_final(request, events).output_text == "Hi!"
 
 
 def test_upstream_error_chunk_and_error_event_end_the_stream():
@@ -378,7 +460,11 @@ def test_upstream_error_chunk_and_error_event_end_the_stream():
     broken = translator.feed({"error": {"message": "engine died", "code": 500}})
     events = decode_events([*first, *broken])
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
-    assert events[-1]["response"]["error"]["message"] == "engine died"
+    assert {k: v for k, v in events[-2].items() if k != "sequence_number"} == {
+        "type": "error", "message": "engine died", "code": "server_error", "param": None}
+    assert events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"] == {"code": "server_error",
+                                               "message": "engine died"}
     assert events[-1]["response"]["output"] == []  # the open message never completed
     assert translator.feed(stream_chunks("Hi")[1]) == [] and translator.finish() == []
     assert translator.error_event("again") == b""
@@ -442,6 +528,7 @@ def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, fin
                       response_id="resp_t")
     assert events[-1]["response"] == whole
     Response.model_validate(whole)
+    assert_done_events_say_what_the_final_response_holds(events)
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == (text or "")
     if events[-1]["type"] == "response.completed":
