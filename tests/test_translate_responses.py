@@ -125,6 +125,8 @@ def test_tools_choice_format_reasoning_and_stream_options():
                     "include": ["reasoning.encrypted_content"], "stream": True})
     assert chat["tools"] == [{"type": "function", "function": {
         "name": "lookup", "description": "Look a thing up", "parameters": TOOL["parameters"]}}]
+    strict = to_chat({"input": "x", "tools": [{**TOOL, "strict": True}]})["tools"][0]
+    assert strict["function"]["strict"] is True
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "out", "schema": {"type": "object"}, "strict": True}}
@@ -191,6 +193,14 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ({}, "input", "required"),
     ({"input": 3}, "input", "array"),
     ({"input": "x", "temperature": "hot"}, "temperature", "number"),
+    ({"input": "x", "tools": [TOOL, 3]}, "tools[1]", "`tools[1]` must be a JSON object"),
+    ({"input": "x", "tools": [{"type": "function", "name": 3}]}, "tools[0].name",
+     "`tools[0].name` must be a string"),
+    ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name",
+     "`tool_choice.name` must be a string"),
+    ({"input": "x", "reasoning": "high"}, "reasoning", "`reasoning` must be a JSON object"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include",
+     "`include` must be an array"),
 ])
 def test_untranslatable_requests_name_their_param(request_body, param, words):
     with pytest.raises(Untranslatable) as caught:
@@ -223,6 +233,8 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     ({"input": [{"type": "reasoning", "id": "rs", "summary": [
         {"type": "summary_text", "text": "s"}], "encrypted_content": "gAAA"}]},
      {"encrypted_reasoning": 1, "reasoning_summary": 1}),
+    ({"input": "x", "reasoning": {"generate_summary": "auto"}}, {"reasoning_summary": 1}),
+    ({"input": "x", "include": ["a", "message.output_text.logprobs", "b"]}, {"include": 2}),
 ])
 def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped):
     drops = Dropped()
