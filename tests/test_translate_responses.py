@@ -127,6 +127,8 @@ def test_tools_choice_format_reasoning_and_stream_options():
         "name": "lookup", "description": "Look a thing up", "parameters": TOOL["parameters"]}}]
     strict = to_chat({"input": "x", "tools": [{**TOOL, "strict": True}]})["tools"][0]
     assert strict["function"]["strict"] is True
+    assert to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})[
+        "response_format"] == {"type": "json_object"}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "out", "schema": {"type": "object"}, "strict": True}}
@@ -201,6 +203,9 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ({"input": "x", "reasoning": "high"}, "reasoning", "`reasoning` must be a JSON object"),
     ({"input": "x", "include": "message.output_text.logprobs"}, "include",
      "`include` must be an array"),
+    ({"input": "x", "text": "json"}, "text", "`text` must be a JSON object"),
+    ({"input": "x", "text": {"format": "json"}}, "text.format",
+     "`text.format` must be a JSON object"),
 ])
 def test_untranslatable_requests_name_their_param(request_body, param, words):
     with pytest.raises(Untranslatable) as caught:
@@ -235,6 +240,8 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
      {"encrypted_reasoning": 1, "reasoning_summary": 1}),
     ({"input": "x", "reasoning": {"generate_summary": "auto"}}, {"reasoning_summary": 1}),
     ({"input": "x", "include": ["a", "message.output_text.logprobs", "b"]}, {"include": 2}),
+    ({"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}},
+     {"verbosity": 1}),
 ])
 def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped):
     drops = Dropped()
@@ -266,15 +273,18 @@ def test_custom_tool_calls_and_output_images_translate():
             "url": "data:image/png;base64,AA"}}]}]
 
 
-@pytest.mark.parametrize(("reasoning", "flavor", "options"), [
-    ({"effort": "high"}, "vllm", {"reasoning_effort": "high"}),
-    ({"effort": "none"}, "vllm", {"chat_template_kwargs": {"enable_thinking": False}}),
-    ({"effort": "none"}, "openai", {}),
+@pytest.mark.parametrize(("reasoning", "flavor", "options", "dropped"), [
+    ({"effort": "high"}, "vllm", {"reasoning_effort": "high"}, {}),
+    ({"effort": "none"}, "vllm", {"chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ({"effort": "none"}, "openai", {}, {"thinking": 1}),  # "none" is no effort to drop
 ])
-def test_reasoning_effort_becomes_the_engines_reasoning_options(reasoning, flavor, options):
-    chat = to_chat({"input": "x", "reasoning": reasoning}, flavor=flavor)
+def test_reasoning_effort_becomes_the_engines_reasoning_options(reasoning, flavor, options,
+                                                                dropped):
+    drops = Dropped()
+    chat = to_chat({"input": "x", "reasoning": reasoning}, flavor=flavor, dropped=drops)
     assert {k: chat[k] for k in ("reasoning_effort", "chat_template_kwargs")
             if k in chat} == options
+    assert drops.counts == dropped
 
 
 # ---- whole replies -----------------------------------------------------------------------
