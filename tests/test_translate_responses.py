@@ -678,3 +678,43 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
                           "output": "done"})
         turns += 1
     assert turns == 2  # the mock engine calls a tool twice, then answers
+
+
+# ---- the response object -----------------------------------------------------------------
+
+
+def test_the_response_echoes_the_request_and_counts_usage_and_items_as_the_api_does():
+    request = {"input": "x", "metadata": {"k": "v"}, "max_output_tokens": 50, "tools": [TOOL]}
+    uncached = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+    reply = chat_reply("Hi", reasoning="Hm", calls=[("c1", "lookup", "{}"), ("c2", "lookup", "{}")],
+                       finish="content_filter", usage=uncached)
+    response = from_chat(reply, request, response_id="resp_9")
+    assert (response["status"], response["incomplete_details"]) == (
+        "incomplete", {"reason": "content_filter"})
+    assert (response["background"], response["error"]) == (False, None)
+    assert (response["metadata"], response["max_output_tokens"]) == ({"k": "v"}, 50)
+    assert response["usage"] == {
+        "input_tokens": 11, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18}
+    assert [item["id"] for item in response["output"]] == ["rs_9_0", "msg_9_1", "fc_9_2", "fc_9_3"]
+    Response.model_validate(response)
+
+
+def test_logprob_entries_are_kept_only_with_a_token_and_a_number_and_keep_their_bytes():
+    """What an engine may send besides well-formed entries is left out, entry by entry;
+    a token's own bytes (a character cut between tokens) win over its text's."""
+    cut = {"token": "\ufffd", "logprob": -0.5, "bytes": [226, 130]}
+    entries = [
+        {"token": None, "logprob": -1.0}, {"token": "a", "logprob": True},
+        {**cut, "top_logprobs": [cut, {"token": None, "logprob": -1.0},
+                                 {"token": "b", "logprob": "x"}, "junk"]},
+        {"token": "é", "logprob": -0.25, "bytes": None, "top_logprobs": None},
+        {"token": "o", "logprob": -0.75, "bytes": ["o"]},
+    ]
+    asked = {"input": "x", "include": ["message.output_text.logprobs"]}
+    part = from_chat(chat_reply("\ufffdéo", logprobs={"content": entries}), asked)[
+        "output"][0]["content"][0]
+    assert part["logprobs"] == [
+        {**cut, "top_logprobs": [cut]},
+        {"token": "é", "logprob": -0.25, "bytes": [195, 169], "top_logprobs": []},
+        {"token": "o", "logprob": -0.75, "bytes": [111], "top_logprobs": []}]
