@@ -118,7 +118,7 @@ def test_message_items_roles_and_content_parts():
 def test_tools_choice_format_reasoning_and_stream_options():
     chat = to_chat({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function",
                                                                     "name": "lookup"},
-                    "text": {"format": {"type": "json_schema", "name": "out",
+                    "text": {"format": {"type": "json_schema", "name": "out", "description": "d",
                                         "schema": {"type": "object"}, "strict": True},
                              "verbosity": "low"},
                     "reasoning": {"effort": "high", "summary": "auto"},
@@ -131,7 +131,7 @@ def test_tools_choice_format_reasoning_and_stream_options():
         "response_format"] == {"type": "json_object"}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
-        "name": "out", "schema": {"type": "object"}, "strict": True}}
+        "name": "out", "schema": {"type": "object"}, "strict": True, "description": "d"}}
     assert chat["reasoning_effort"] == "high"
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert "logprobs" not in chat  # capture adds its own; only a client's ask is translated
@@ -147,6 +147,11 @@ def test_client_requested_logprobs_are_translated():
     chat = to_chat({"input": "x", "include": ["message.output_text.logprobs"],
                     "top_logprobs": 3})
     assert chat["logprobs"] is True and chat["top_logprobs"] == 3
+    # top_logprobs alone asks for logprobs, from 1 up; neither 0 nor a bool does (the
+    # stream translator asks a request to_chat would refuse).
+    assert to_chat({"input": "x", "top_logprobs": 1})["top_logprobs"] == 1
+    assert "logprobs" not in to_chat({"input": "x", "top_logprobs": 0})
+    assert not StreamTranslator({"input": "x", "top_logprobs": True}).wants_logprobs
 
 
 def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept():
@@ -204,6 +209,11 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ({"input": "x", "include": "message.output_text.logprobs"}, "include",
      "`include` must be an array"),
     ({"input": "x", "text": "json"}, "text", "`text` must be a JSON object"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.name",
+     "`text.format.name` must be a string"),
+    ({"input": "x", "tools": {"a": TOOL}}, "tools", "`tools` must be an array"),
+    ({"input": "x", "instructions": 3}, "instructions", "`instructions` must be a string"),
+    ("hi", None, "the request body must be a JSON object"),
     ({"input": "x", "text": {"format": "json"}}, "text.format",
      "`text.format` must be a JSON object"),
 ])
@@ -242,6 +252,7 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     ({"input": "x", "include": ["a", "message.output_text.logprobs", "b"]}, {"include": 2}),
     ({"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}},
      {"verbosity": 1}),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "lookup"}}, {"tool_choice": 1}),
 ])
 def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped):
     drops = Dropped()
