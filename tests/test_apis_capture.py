@@ -9,6 +9,7 @@ logprobs are compared with what the engine's own chat path returns for it.
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import time
 
@@ -634,7 +635,7 @@ def test_responses_prepare_asks_for_logprobs_and_ids_only_when_the_client_did_no
     assert injected.logprobs and not injected.top_logprobs_echo and not injected.token_ids
     assert not api.is_end(b'{"type": "response.completed"}')
     assert api.capture(injected).keep_top is False
-    assert api.capture(api.prepare({"top_logprobs": 2, "include": [LOGPROBS_INCLUDE]},
+    assert api.capture(api.prepare({"top_logprobs": 1, "include": [LOGPROBS_INCLUDE]},
                                    "vllm")).keep_top is True
 
 
@@ -661,8 +662,9 @@ def test_responses_replies_lose_only_what_the_proxy_asked_for():
     assert untouched["output"] == _response()["output"] and untouched["input_messages"] is None
 
     def event(data: dict, head: bytes = b"event: e\n") -> Event:
-        raw = head + b"data: " + msgspec.json.encode(data) + b"\n\n"
-        return Event(raw=raw, data=msgspec.json.encode(data))
+        """Spaced JSON, unlike the proxy's encoder: an event relayed as it came is seen."""
+        raw = head + b"data: " + json.dumps(data).encode() + b"\n\n"
+        return Event(raw=raw, data=raw[len(head) + 6:-2])
 
     delta = event({"type": "response.output_text.delta", "delta": "h",
                    "logprobs": [{"logprob": -1}]})
@@ -670,6 +672,11 @@ def test_responses_replies_lose_only_what_the_proxy_asked_for():
     out = api.strip_event(delta, Injected(logprobs=True))
     assert out.startswith(b"event: e\ndata: ") and out.endswith(b"\n\n")
     assert msgspec.json.decode(out[len(b"event: e\ndata: "):])["logprobs"] == []
+    quoting = event({"type": "response.output_text.delta", "delta": "data: {}",
+                     "logprobs": [{"logprob": -1}]})  # the text names the SSE field
+    assert api.strip_event(quoting, Injected(logprobs=True)) == b"event: e\ndata: " + (
+        msgspec.json.encode({"type": "response.output_text.delta", "delta": "data: {}",
+                             "logprobs": []}) + b"\n\n")
     empty = event({"type": "response.output_text.delta", "delta": "h", "logprobs": []})
     assert api.strip_event(empty, Injected(logprobs=True)) == empty.raw  # byte for byte
     other = event({"type": "response.other", "logprobs": [1]})
@@ -709,7 +716,7 @@ def test_responses_capture_takes_the_final_response_as_the_authority():
     assert (choice.text, choice.completion_ids, choice.completion_logprobs) == (
         "hi", [7, 8], [-0.5, -0.25])
     assert choice.top_logprobs == [[{"t": 1}], []]
-    assert (choice.finish_reason, choice.token_source) == ("stop", "engine")
+    assert (choice.index, choice.finish_reason, choice.token_source) == (0, "stop", "engine")
     assert (capture.logprobs_missing, capture.choice_count) == (0, 1)
     assert capture.reassembled(with_logprobs=True) is capture.final
     plain = capture.reassembled(with_logprobs=False)
@@ -733,7 +740,8 @@ def test_responses_capture_names_the_finish_in_chats_words(fields, finish):
     capture = ResponsesCapture()
     _feed(capture, _response(**fields))  # a whole, non-streamed reply
     assert capture.choices()[0].finish_reason == finish and not capture.ended
-    assert capture.response_id == "resp_9" and capture.prompt_ids == [1, 2, 3, 4]
+    assert (capture.response_id, capture.model) == ("resp_9", "m")
+    assert capture.prompt_ids == [1, 2, 3, 4]
 
 
 def test_responses_capture_without_a_final_response_keeps_the_deltas():
@@ -788,6 +796,32 @@ def test_responses_logprobs_are_kept_only_whole_and_one_per_id(logprobs, values,
     [choice] = capture.choices()
     assert choice.completion_logprobs == values and capture.logprobs_missing == missing
     assert choice.top_logprobs is None  # the client did not ask for them
+
+
+@pytest.mark.parametrize(("ids", "text"), [(None, "ab"), ([7, 8], "")],
+                         ids=["text-without-ids", "ids-without-text"])
+def test_responses_logprobs_are_missing_when_there_is_text_or_ids_without_them(ids, text):
+    """Text from an engine that gives no ids (or ids of a reply with no text, a tool
+    call's), and no logprobs: the call is counted as missing them."""
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture()
+    output_messages = None if ids is None else [{"tokens": ids}]
+    _feed(capture, _response(output_messages=output_messages, output=[
+        {"type": "message", "content": [{"type": "output_text", "text": text}]}]))
+    [choice] = capture.choices()
+    assert (choice.text, choice.completion_ids) == (text or None, ids)
+    assert choice.completion_logprobs is None and capture.logprobs_missing == 1
+
+
+def test_responses_capture_reads_an_output_text_part_without_text_as_empty():
+    from tracetap.proxy.apis.responses.capture import ResponsesCapture
+
+    capture = ResponsesCapture()
+    _feed(capture, _response(output=[{"type": "message", "content": [
+        {"type": "output_text", "text": "a"}, {"type": "output_text", "text": None},
+        {"type": "output_text"}, {"type": "output_text", "text": "b"}]}]))
+    assert capture.choices()[0].text == "ab"
 
 
 def test_messages_capture_places_blocks_by_their_index_and_counts_every_unknown_event():

@@ -46,6 +46,29 @@ def run_stream(request: dict, chunks: list[dict], response_id="resp_t") -> list[
     return decode_events(raw)
 
 
+def assert_done_events_say_what_the_final_response_holds(events: list[dict]) -> None:
+    """Each item is added empty, has one content part (index 0), and its done events
+    (text, part, arguments, item) are what the final response holds, item by item."""
+    final = events[-1]["response"]["output"]
+    empty = {"reasoning": {"type": "reasoning_text", "text": ""},
+             "message": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}
+    for event in events:
+        kind, item = event["type"], final[event.get("output_index", 0)] if final else None
+        assert event.get("content_index", 0) == 0
+        if kind == "response.content_part.added":
+            assert event["part"] == empty[item["type"]]
+        elif kind == "response.content_part.done":
+            assert event["part"] == item["content"][0]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert event["text"] == item["content"][0]["text"]
+        elif kind == "response.function_call_arguments.done":
+            assert (event["name"], event["arguments"]) == (item["name"], item["arguments"])
+        elif kind == "response.output_item.done":
+            assert event["item"] == item
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == list(range(len(final)))
+
+
 def sdk_final(request: dict, events: list[dict]) -> Response:
     """The openai SDK's own stream accumulator over our events."""
     state = ResponseStreamState(input_tools=request.get("tools") or [], text_format=openai.omit)
@@ -95,16 +118,20 @@ def test_message_items_roles_and_content_parts():
 def test_tools_choice_format_reasoning_and_stream_options():
     chat = to_chat({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function",
                                                                     "name": "lookup"},
-                    "text": {"format": {"type": "json_schema", "name": "out",
+                    "text": {"format": {"type": "json_schema", "name": "out", "description": "d",
                                         "schema": {"type": "object"}, "strict": True},
                              "verbosity": "low"},
                     "reasoning": {"effort": "high", "summary": "auto"},
                     "include": ["reasoning.encrypted_content"], "stream": True})
     assert chat["tools"] == [{"type": "function", "function": {
         "name": "lookup", "description": "Look a thing up", "parameters": TOOL["parameters"]}}]
+    strict = to_chat({"input": "x", "tools": [{**TOOL, "strict": True}]})["tools"][0]
+    assert strict["function"]["strict"] is True
+    assert to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})[
+        "response_format"] == {"type": "json_object"}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
-        "name": "out", "schema": {"type": "object"}, "strict": True}}
+        "name": "out", "schema": {"type": "object"}, "strict": True, "description": "d"}}
     assert chat["reasoning_effort"] == "high"
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert "logprobs" not in chat  # capture adds its own; only a client's ask is translated
@@ -120,6 +147,11 @@ def test_client_requested_logprobs_are_translated():
     chat = to_chat({"input": "x", "include": ["message.output_text.logprobs"],
                     "top_logprobs": 3})
     assert chat["logprobs"] is True and chat["top_logprobs"] == 3
+    # top_logprobs alone asks for logprobs, from 1 up; neither 0 nor a bool does (the
+    # stream translator asks a request to_chat would refuse).
+    assert to_chat({"input": "x", "top_logprobs": 1})["top_logprobs"] == 1
+    assert "logprobs" not in to_chat({"input": "x", "top_logprobs": 0})
+    assert not StreamTranslator({"input": "x", "top_logprobs": True}).wants_logprobs
 
 
 def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept():
@@ -168,6 +200,22 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ({}, "input", "required"),
     ({"input": 3}, "input", "array"),
     ({"input": "x", "temperature": "hot"}, "temperature", "number"),
+    ({"input": "x", "tools": [TOOL, 3]}, "tools[1]", "`tools[1]` must be a JSON object"),
+    ({"input": "x", "tools": [{"type": "function", "name": 3}]}, "tools[0].name",
+     "`tools[0].name` must be a string"),
+    ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name",
+     "`tool_choice.name` must be a string"),
+    ({"input": "x", "reasoning": "high"}, "reasoning", "`reasoning` must be a JSON object"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include",
+     "`include` must be an array"),
+    ({"input": "x", "text": "json"}, "text", "`text` must be a JSON object"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.name",
+     "`text.format.name` must be a string"),
+    ({"input": "x", "tools": {"a": TOOL}}, "tools", "`tools` must be an array"),
+    ({"input": "x", "instructions": 3}, "instructions", "`instructions` must be a string"),
+    ("hi", None, "the request body must be a JSON object"),
+    ({"input": "x", "text": {"format": "json"}}, "text.format",
+     "`text.format` must be a JSON object"),
 ])
 def test_untranslatable_requests_name_their_param(request_body, param, words):
     with pytest.raises(Untranslatable) as caught:
@@ -200,6 +248,11 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     ({"input": [{"type": "reasoning", "id": "rs", "summary": [
         {"type": "summary_text", "text": "s"}], "encrypted_content": "gAAA"}]},
      {"encrypted_reasoning": 1, "reasoning_summary": 1}),
+    ({"input": "x", "reasoning": {"generate_summary": "auto"}}, {"reasoning_summary": 1}),
+    ({"input": "x", "include": ["a", "message.output_text.logprobs", "b"]}, {"include": 2}),
+    ({"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}},
+     {"verbosity": 1}),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "lookup"}}, {"tool_choice": 1}),
 ])
 def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped):
     drops = Dropped()
@@ -231,15 +284,18 @@ def test_custom_tool_calls_and_output_images_translate():
             "url": "data:image/png;base64,AA"}}]}]
 
 
-@pytest.mark.parametrize(("reasoning", "flavor", "options"), [
-    ({"effort": "high"}, "vllm", {"reasoning_effort": "high"}),
-    ({"effort": "none"}, "vllm", {"chat_template_kwargs": {"enable_thinking": False}}),
-    ({"effort": "none"}, "openai", {}),
+@pytest.mark.parametrize(("reasoning", "flavor", "options", "dropped"), [
+    ({"effort": "high"}, "vllm", {"reasoning_effort": "high"}, {}),
+    ({"effort": "none"}, "vllm", {"chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ({"effort": "none"}, "openai", {}, {"thinking": 1}),  # "none" is no effort to drop
 ])
-def test_reasoning_effort_becomes_the_engines_reasoning_options(reasoning, flavor, options):
-    chat = to_chat({"input": "x", "reasoning": reasoning}, flavor=flavor)
+def test_reasoning_effort_becomes_the_engines_reasoning_options(reasoning, flavor, options,
+                                                                dropped):
+    drops = Dropped()
+    chat = to_chat({"input": "x", "reasoning": reasoning}, flavor=flavor, dropped=drops)
     assert {k: chat[k] for k in ("reasoning_effort", "chat_template_kwargs")
             if k in chat} == options
+    assert drops.counts == dropped
 
 
 # ---- whole replies -----------------------------------------------------------------------
@@ -370,6 +426,65 @@ def test_stream_tool_name_after_id_and_no_name_at_all():
     assert [(i["call_id"], i["name"]) for i in added] == [("c9", "f"), ("call_t_1", "")]
     final = events[-1]["response"]["output"]
     assert [(i["name"], i["arguments"]) for i in final] == [("f", '{"a":1}'), ("", "{}")]
+    assert [i["status"] for i in final] == ["completed", "completed"]
+    assert_done_events_say_what_the_final_response_holds(events)
+
+
+def test_reasoning_after_text_closes_the_message_and_each_item_completes():
+    """Items follow the chat stream's order, whatever it is: text, reasoning, text again
+    (a change of kind closes the open item, completed), then two tool calls."""
+    request = {"input": "x", "tools": [TOOL]}
+    delta = [{"content": "a"}, {"reasoning_content": "b"}, {"content": "c"},
+             {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "lookup",
+                                                                  "arguments": "{}"}}]},
+             {"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "lookup",
+                                                                  "arguments": "[]"}}]}]
+    chunks = stream_chunks(None, finish="tool_calls")
+    chunks[1:1] = [{**chunks[0], "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+                   for d in delta]
+    events = run_stream(request, chunks)
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i["status"]) for i in final] == [
+        ("message", "completed"), ("reasoning", "completed"), ("message", "completed"),
+        ("function_call", "completed"), ("function_call", "completed")]
+    assert_done_events_say_what_the_final_response_holds(events)
+    assert [o.type for o in sdk_final(request, events).output] == [i["type"] for i in final]
+
+
+def _with_logprobs(content: str | None, *tokens: tuple[str, float]) -> dict:
+    """A content chunk (``content`` None: a delta without it) and its chat logprobs."""
+    chunk = stream_chunks("x", pieces=1)[1]
+    chunk["choices"][0]["delta"] = {} if content is None else {"content": content}
+    chunk["choices"][0]["logprobs"] = {"content": [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]}
+        for t, lp in tokens]}
+    return chunk
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "not-asked"])
+def test_streamed_logprobs_reach_the_client_with_their_delta_only_when_asked(asked):
+    """Each token's logprob goes out with its text delta, a token whose text is empty (a
+    character cut between tokens) included; a chunk without content adds no delta. Not
+    asked for: the client gets no logprobs, and no delta for the empty token."""
+    request = {"input": "x", **({"include": ["message.output_text.logprobs"]} if asked else {})}
+    tokens = [("Hi", -0.5), ("", -1.0), ("!", -0.25)]
+    role, *_, stop = stream_chunks("x")
+    chunks = [role, _with_logprobs("Hi", tokens[0]), _with_logprobs("", tokens[1]),
+              _with_logprobs(None), _with_logprobs("!", tokens[2]), stop]
+    events = run_stream(request, chunks)
+    deltas = [(e["delta"], e["logprobs"]) for e in events
+              if e["type"] == "response.output_text.delta"]
+    sent = [(t, [{"token": t, "logprob": lp, "top_logprobs": [{"token": t, "logprob": lp}]}])
+            for t, lp in tokens]
+    assert deltas == (sent if asked else [("Hi", []), ("!", [])])
+    every = [e for c in chunks[1:-1] for e in c["choices"][0]["logprobs"]["content"]]
+    whole = from_chat(chat_reply("Hi!", logprobs={"content": every}), request,
+                      response_id="resp_t")
+    assert events[-1]["response"] == whole
+    assert len(whole["output"][0]["content"][0]["logprobs"]) == (3 if asked else 0)
+    assert_done_events_say_what_the_final_response_holds(events)
+    assert sdk_final(request, events).output_text == "Hi!"
 
 
 def test_upstream_error_chunk_and_error_event_end_the_stream():
@@ -378,7 +493,11 @@ def test_upstream_error_chunk_and_error_event_end_the_stream():
     broken = translator.feed({"error": {"message": "engine died", "code": 500}})
     events = decode_events([*first, *broken])
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
-    assert events[-1]["response"]["error"]["message"] == "engine died"
+    assert {k: v for k, v in events[-2].items() if k != "sequence_number"} == {
+        "type": "error", "message": "engine died", "code": "server_error", "param": None}
+    assert events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"] == {"code": "server_error",
+                                               "message": "engine died"}
     assert events[-1]["response"]["output"] == []  # the open message never completed
     assert translator.feed(stream_chunks("Hi")[1]) == [] and translator.finish() == []
     assert translator.error_event("again") == b""
@@ -442,6 +561,7 @@ def test_stream_joins_to_the_whole_reply_translation(text, reasoning, calls, fin
                       response_id="resp_t")
     assert events[-1]["response"] == whole
     Response.model_validate(whole)
+    assert_done_events_say_what_the_final_response_holds(events)
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == (text or "")
     if events[-1]["type"] == "response.completed":
@@ -569,3 +689,43 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
                           "output": "done"})
         turns += 1
     assert turns == 2  # the mock engine calls a tool twice, then answers
+
+
+# ---- the response object -----------------------------------------------------------------
+
+
+def test_the_response_echoes_the_request_and_counts_usage_and_items_as_the_api_does():
+    request = {"input": "x", "metadata": {"k": "v"}, "max_output_tokens": 50, "tools": [TOOL]}
+    uncached = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+    reply = chat_reply("Hi", reasoning="Hm", calls=[("c1", "lookup", "{}"), ("c2", "lookup", "{}")],
+                       finish="content_filter", usage=uncached)
+    response = from_chat(reply, request, response_id="resp_9")
+    assert (response["status"], response["incomplete_details"]) == (
+        "incomplete", {"reason": "content_filter"})
+    assert (response["background"], response["error"]) == (False, None)
+    assert (response["metadata"], response["max_output_tokens"]) == ({"k": "v"}, 50)
+    assert response["usage"] == {
+        "input_tokens": 11, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18}
+    assert [item["id"] for item in response["output"]] == ["rs_9_0", "msg_9_1", "fc_9_2", "fc_9_3"]
+    Response.model_validate(response)
+
+
+def test_logprob_entries_are_kept_only_with_a_token_and_a_number_and_keep_their_bytes():
+    """What an engine may send besides well-formed entries is left out, entry by entry;
+    a token's own bytes (a character cut between tokens) win over its text's."""
+    cut = {"token": "\ufffd", "logprob": -0.5, "bytes": [226, 130]}
+    entries = [
+        {"token": None, "logprob": -1.0}, {"token": "a", "logprob": True},
+        {**cut, "top_logprobs": [cut, {"token": None, "logprob": -1.0},
+                                 {"token": "b", "logprob": "x"}, "junk"]},
+        {"token": "é", "logprob": -0.25, "bytes": None, "top_logprobs": None},
+        {"token": "o", "logprob": -0.75, "bytes": ["o"]},
+    ]
+    asked = {"input": "x", "include": ["message.output_text.logprobs"]}
+    part = from_chat(chat_reply("\ufffdéo", logprobs={"content": entries}), asked)[
+        "output"][0]["content"][0]
+    assert part["logprobs"] == [
+        {**cut, "top_logprobs": [cut]},
+        {"token": "é", "logprob": -0.25, "bytes": [195, 169], "top_logprobs": []},
+        {"token": "o", "logprob": -0.75, "bytes": [111], "top_logprobs": []}]

@@ -97,3 +97,41 @@ def test_usage_in_the_first_chunk_is_in_the_message_start(usage, input_tokens):
     (start,) = messages.StreamTranslator(REQUESTS[messages]).feed(first)
     assert _payload(start)["message"]["usage"] == {"input_tokens": input_tokens,
                                                    "output_tokens": 0}
+
+
+@pytest.mark.parametrize("delta", [
+    {"reasoning_content": "Let me see."}, {"content": "Let me see."},
+    {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}},
+                    {"index": 1, "id": "c2", "function": {"name": "g", "arguments": "[]"}}]},
+], ids=["reasoning", "text", "two-tool-calls"])
+def test_a_first_chunk_with_content_comes_after_the_response_start(delta):
+    """The first chunk carries content (and usage, as vLLM's continuous usage stats send
+    it): the start still comes first, in progress and without usage, and every delta of
+    the chunk follows it."""
+    first = {**stream_chunks(text="ok", pieces=1)[0], "usage": CHAT_USAGE}
+    first["choices"][0]["delta"] = delta
+    translator = responses.StreamTranslator(REQUESTS[responses])
+    events = translator.feed(first)
+    assert _names(events)[:2] == ["response.created", "response.in_progress"]
+    for event in events[:2]:
+        response = _payload(event)["response"]
+        assert (response["status"], response["usage"], response["output"]) == (
+            "in_progress", None, [])
+        assert response["id"].startswith("resp_") and response["created_at"] == 1700000000
+    added = [_payload(e)["item"]["type"] for e in events
+             if _names([e]) == ["response.output_item.added"]]
+    assert added == {"reasoning_content": ["reasoning"], "content": ["message"],
+                     "tool_calls": ["function_call"] * 2}[next(iter(delta))]
+
+
+def test_chunks_without_created_start_the_response_once():
+    """A chunk need not carry ``created``: the response is still created once, with one
+    ``created_at`` for every event."""
+    translator = responses.StreamTranslator(REQUESTS[responses])
+    chunks = stream_chunks(text="Hello there", usage=CHAT_USAGE)
+    events = [e for c in chunks for e in translator.feed(
+        {k: v for k, v in c.items() if k != "created"})] + translator.finish()
+    names = _names(events)
+    assert names.count("response.created") == 1 and names.count("response.in_progress") == 1
+    stamps = {_payload(e)["response"]["created_at"] for e in events if b'"response"' in e}
+    assert len(stamps) == 1 and all(isinstance(s, int) for s in stamps)

@@ -108,7 +108,8 @@ def _strip_item(item: dict[str, Any]) -> bool:
 
 class ResponsesCapture(CaptureBase):
     """Reassembles a Responses reply: deltas as they come, the final response object
-    as the authority (it holds the ids and every logprob)."""
+    as the authority (it holds the ids and every logprob). Without it only the text and
+    its logprobs are kept: a choice record has no tool calls of its own."""
 
     def __init__(self, keep_top: bool = False):
         super().__init__()
@@ -116,7 +117,6 @@ class ResponsesCapture(CaptureBase):
         self.final: dict[str, Any] | None = None
         self._text: list[str] = []
         self._logprobs: list[Any] = []
-        self._calls: dict[str, dict[str, Any]] = {}
 
     def add(self, data: bytes) -> None:
         event = decode_event(data, self.errors)
@@ -135,9 +135,6 @@ class ResponsesCapture(CaptureBase):
         elif kind == "response.output_text.delta":
             self._text.append(event.get("delta") or "")
             self._logprobs.extend(event.get("logprobs") or ())
-        elif kind == "response.function_call_arguments.delta":
-            call = self._calls.setdefault(event.get("item_id") or "", {"arguments": []})
-            call["arguments"].append(event.get("delta") or "")
         elif kind == "error":
             if len(self.errors) < 5:
                 self.errors.append(f"upstream stream error: {event.get('message')}")

@@ -31,7 +31,7 @@ class _Open(msgspec.Struct, kw_only=True):
     item_id: str
     text: list[str] = []
     logprobs: list[dict[str, Any]] = []
-    tool: int | None = None  # the chat tool-call index
+    tool: int | None = None  # the chat tool-call index, while its name has not come
 
 
 class _Tool(msgspec.Struct, kw_only=True):
@@ -129,15 +129,14 @@ class StreamTranslator:
         if self._created is not None:
             return []
         self._created = created if created is not None else int(time.time())
-        response = self._response("in_progress", None)
-        response["usage"] = None
+        response = self._response("in_progress", None)  # usage null: a chunk's is read after
         return [self._event("response.created", {"response": response}),
                 self._event("response.in_progress", {"response": response})]
 
-    def _add(self, kind: str, item: dict[str, Any], tool: int | None = None) -> list[bytes]:
+    def _add(self, kind: str, item: dict[str, Any]) -> list[bytes]:
         index = len(self._output)
         self._output.append(item)
-        self._open = _Open(kind=kind, index=index, item_id=item["id"], tool=tool)
+        self._open = _Open(kind=kind, index=index, item_id=item["id"])
         return [self._event("response.output_item.added", {"output_index": index, "item": item})]
 
     def _part(self, name: str, opened: _Open, part: dict[str, Any]) -> bytes:
@@ -205,7 +204,7 @@ class StreamTranslator:
         item_id = self._ids.next_id("fc")
         out = self._add("function_call", {
             "id": item_id, "type": "function_call", "call_id": tool.id or call_id(item_id),
-            "name": tool.name or "", "arguments": "", "status": "in_progress"}, chat_index)
+            "name": tool.name or "", "arguments": "", "status": "in_progress"})
         tool.index = len(self._output) - 1
         buffered = "".join(tool.arguments)
         if buffered:
