@@ -102,10 +102,12 @@ MODULES = {
 # Extra pytest arguments for a module's runs. The driver and the relay do not touch the
 # database: their tests' Postgres variants run the same code as the SQLite ones, behind a
 # slower setup (a migrated database per test), and a survivor costs a whole run of its
-# tests. The storage modules keep both.
+# tests. The storage modules keep both. Chat capture too reads no database: with the
+# Postgres half of test_capture.py its run took over 90 minutes at a load of 8.
 _SQLITE_ONLY = ["-k", "not postgres"]
 PYTEST_ARGS = {module: _SQLITE_ONLY for module in (
-    "proxy/capture.py", "proxy/relay.py", "proxy/call_review.py", "proxy/handlers.py")}
+    "proxy/capture.py", "proxy/relay.py", "proxy/call_review.py", "proxy/handlers.py",
+    "proxy/apis/chat/capture.py")}
 # The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
 # them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
 # copy (mutants/ comes first on sys.path, before the editable install's finder) under the
