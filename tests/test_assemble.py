@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
-from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.apis.chat.capture import CHAT_API, Capture, OpenAIApi
+from tracetap.proxy.sse import Event
 
 
 def _chunk(**choice) -> bytes:
@@ -86,3 +90,115 @@ def test_reasoning_is_kept_whichever_field_the_engine_uses():
         message = cap.reassembled(with_logprobs=False)["choices"][0]["message"]
         assert message["reasoning_content"] == "Let me think.", fields
         assert message["content"] == "Done."
+
+
+def test_tool_calls_of_a_whole_message_are_kept_apart_by_position():
+    """A non-streaming message's tool calls carry no ``index``: each is its own call, in
+    the order the engine gave them (an overlay's review reads them reassembled)."""
+    capture = Capture(CHAT)
+    capture.add(_chunk(message={"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "[]"}}]},
+        finish_reason="tool_calls"))
+    message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
+    assert [(t["id"], t["function"]["name"], t["function"]["arguments"])
+            for t in message["tool_calls"]] == [("call_a", "f", "{}"), ("call_b", "g", "[]")]
+
+
+def test_streamed_tool_calls_are_told_apart_by_their_index_not_their_place_in_a_delta():
+    """Each delta carries one call, always first in its list: the index says which."""
+    capture = Capture(CHAT)
+    for index, name in ((0, "f"), (1, "g"), (0, None), (1, None)):
+        function = {"name": name, "arguments": ""} if name else {"arguments": f"{{{index}}}"}
+        call = {"index": index, "function": function}
+        if name:
+            call.update(id=f"call_{name}", type="function")
+        capture.add(_chunk(delta={"tool_calls": [call]}))
+    message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
+    assert [(t["id"], t["function"]["name"], t["function"]["arguments"])
+            for t in message["tool_calls"]] == [("call_f", "f", "{0}"), ("call_g", "g", "{1}")]
+
+
+def test_the_role_is_the_engines_whichever_chunk_carries_it():
+    capture = Capture(CHAT)
+    capture.add(_chunk(delta={"role": "tool", "content": "a"}))
+    capture.add(_chunk(delta={"content": "b"}))
+    message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
+    assert (message["role"], message["content"]) == ("tool", "ab")
+
+
+def test_reassembled_logprobs_have_each_apis_own_shape():
+    chat = Capture(CHAT)
+    for token, logprob in (("a", -0.5), ("b", -1.5)):
+        chat.add(_chunk(delta={"content": token},
+                        logprobs={"content": [{"token": token, "logprob": logprob}]}))
+    assert chat.reassembled(with_logprobs=True)["choices"][0]["logprobs"] == {"content": [
+        {"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.5}]}
+    completion = Capture(COMPLETIONS)
+    completion.add(_chunk(text="ab", logprobs={"tokens": ["a", "b"],
+                                               "token_logprobs": [-0.5, -1.5]}))
+    assert completion.reassembled(with_logprobs=True)["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"], "token_logprobs": [-0.5, -1.5]}
+
+
+def test_a_completion_choice_keeps_its_prompt_ids_finish_reason_and_missing_tops():
+    """vLLM's completions put ``prompt_token_ids`` in the choice; top logprobs the engine
+    left out stay aligned with the tokens (None each)."""
+    capture = Capture(COMPLETIONS, keep_top_logprobs=True)
+    capture.add(_chunk(text="ab", prompt_token_ids=[3, 4, 5], finish_reason="length",
+                       logprobs={"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.5]}))
+    [choice] = capture.choices()
+    assert capture.prompt_ids == [3, 4, 5]
+    assert choice.finish_reason == "length" and choice.top_logprobs == [None, None]
+
+
+def test_token_counts_are_the_engines_ids_else_the_logprob_entries():
+    capture = Capture(CHAT)
+    capture.add(json.dumps({"id": "c", "choices": [
+        {"index": 0, "delta": {"content": "ab"}, "token_ids": [1, 2, 3]},
+        {"index": 1, "delta": {"content": "a"},
+         "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}]}).encode())
+    assert capture.token_counts() == {0: 3, 1: 1}
+
+
+def _continuable(*chunks: dict, prompt_ids: list[int] | None = None) -> bool:
+    capture = Capture(CHAT)
+    capture.prompt_ids = prompt_ids
+    for choices in chunks:
+        capture.add(json.dumps({"id": "c", "choices": choices}).encode())
+    return capture.continuable()
+
+
+_GOING = {"index": 0, "delta": {"content": "a"}, "token_ids": [1]}
+
+
+@pytest.mark.parametrize("chunk, prompt_ids, expected", [
+    (_GOING, [9], True),
+    (_GOING, None, False),  # the prompt's ids unknown
+    ({**_GOING, "index": 1}, [9], False),  # with choice 0 below: two choices
+    ({"index": 0, "delta": {"content": "a"}}, [9], False),  # no engine ids
+    ({**_GOING, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}},
+     [9], False),
+    ({**_GOING, "delta": {"reasoning_content": "hm"}}, [9], False),
+    ({**_GOING, "finish_reason": "length"}, [9], False),
+], ids=["plain", "no prompt ids", "two choices", "no engine ids", "a tool call", "reasoning",
+        "finished"])
+def test_only_one_unfinished_plain_choice_with_all_its_ids_can_be_continued(
+        chunk, prompt_ids, expected):
+    chunks = [[_GOING], [chunk]] if chunk["index"] == 1 else [[chunk]]
+    assert _continuable(*chunks, prompt_ids=prompt_ids) is expected
+
+
+def test_a_wire_api_captures_its_own_endpoint_and_names_its_route():
+    api = OpenAIApi(CHAT, "chat_completions", "/v1/chat/completions")
+    assert (api.route, api.path) == ("chat_completions", "/v1/chat/completions")
+    capture = api.capture(Injected())
+    capture.add(_chunk(message={"content": "hi"}))
+    assert capture.choices()[0].text == "hi"  # read as chat, not as a completion
+
+
+def test_a_stream_chunk_that_is_only_the_proxys_usage_is_dropped_whole():
+    """The client did not ask for usage: the chunk carrying only it is not sent at all."""
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 1}}).encode()
+    event = Event(raw=b"data: " + usage + b"\n\n", data=usage)
+    assert CHAT_API.strip_event(event, Injected(usage=True)) == b""
