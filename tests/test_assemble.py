@@ -202,3 +202,28 @@ def test_a_stream_chunk_that_is_only_the_proxys_usage_is_dropped_whole():
     usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 1}}).encode()
     event = Event(raw=b"data: " + usage + b"\n\n", data=usage)
     assert CHAT_API.strip_event(event, Injected(usage=True)) == b""
+
+
+def test_a_tool_call_keeps_what_its_deltas_left_out_empty_and_the_type_they_gave():
+    """An engine may never send a call's id, name or type: reassembled, they are null
+    (the type the default ``"function"``); a type it does send is kept."""
+    capture = Capture(CHAT)
+    capture.add(_chunk(delta={"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}))
+    capture.add(_chunk(delta={"tool_calls": [{"index": 1, "type": "custom",
+                                              "function": {"arguments": "x"}}]}))
+    capture.add(_chunk(delta={"tool_calls": [{"index": 1, "function": {"arguments": "y"}}]}))
+    message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
+    assert message["tool_calls"] == [
+        {"id": None, "type": "function", "function": {"name": None, "arguments": "{}"}},
+        {"id": None, "type": "custom", "function": {"name": None, "arguments": "xy"}}]
+
+
+def test_chat_top_logprobs_are_kept_per_token_when_the_client_asked_for_them():
+    capture = Capture(CHAT, keep_top_logprobs=True)
+    capture.add(_chunk(delta={"content": "ab"}, logprobs={"content": [
+        {"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5},
+                                                        {"token": "c", "logprob": -2.0}]},
+        {"token": "b", "logprob": -1.5}]}))
+    [choice] = capture.choices()
+    assert choice.top_logprobs == [[{"token": "a", "logprob": -0.5},
+                                    {"token": "c", "logprob": -2.0}], []]
