@@ -227,3 +227,50 @@ def test_chat_top_logprobs_are_kept_per_token_when_the_client_asked_for_them():
     [choice] = capture.choices()
     assert choice.top_logprobs == [[{"token": "a", "logprob": -0.5},
                                     {"token": "c", "logprob": -2.0}], []]
+
+
+def _stream(*chunks: dict) -> list[bytes]:
+    return [json.dumps({"id": "c-1", "model": "m", "created": 5, **chunk}).encode()
+            for chunk in chunks]
+
+
+def test_a_chat_stream_is_reassembled_into_the_whole_reply_it_stands_for():
+    """The stored reply of a stream, and what an overlay's review reads: the
+    non-streaming body, field for field (no role sent: the assistant's; no text: null)."""
+    capture = Capture(CHAT)
+    for data in _stream(
+            {"choices": [{"index": 0, "delta": {"content": "He"}}]},
+            {"choices": [{"index": 1, "delta": {"tool_calls": [
+                {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{}"}}]}}]},
+            {"choices": [{"index": 0, "delta": {"content": "llo"}, "finish_reason": "stop"},
+                         {"index": 1, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                                      "total_tokens": 7}}):
+        capture.add(data)
+    body = capture.reassembled(with_logprobs=False)
+    usage = body.pop("usage")
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        3, 4, 7)
+    assert body == {
+        "id": "c-1", "object": "chat.completion", "created": 5, "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hello"},
+             "logprobs": None, "finish_reason": "stop"},
+            {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}}]},
+             "logprobs": None, "finish_reason": "tool_calls"}]}
+
+
+def test_a_completions_stream_is_reassembled_into_the_whole_reply_it_stands_for():
+    capture = Capture(COMPLETIONS)
+    for data in _stream(
+            {"choices": [{"index": 0, "text": "Once",
+                          "logprobs": {"tokens": ["Once"], "token_logprobs": [-0.5]}}]},
+            {"choices": [{"index": 1, "text": "", "finish_reason": "length"},
+                         {"index": 0, "text": "", "finish_reason": "stop"}]}):
+        capture.add(data)
+    assert capture.reassembled(with_logprobs=False) == {
+        "id": "c-1", "object": "text_completion", "created": 5, "model": "m",
+        "choices": [{"index": 0, "text": "Once", "logprobs": None, "finish_reason": "stop"},
+                    {"index": 1, "text": "", "logprobs": None, "finish_reason": "length"}]}
