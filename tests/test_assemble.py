@@ -274,3 +274,27 @@ def test_a_completions_stream_is_reassembled_into_the_whole_reply_it_stands_for(
         "id": "c-1", "object": "text_completion", "created": 5, "model": "m",
         "choices": [{"index": 0, "text": "Once", "logprobs": None, "finish_reason": "stop"},
                     {"index": 1, "text": "", "logprobs": None, "finish_reason": "length"}]}
+
+
+def test_at_most_five_unparseable_pieces_are_noted_each_saying_what_it_was():
+    capture = Capture(CHAT)
+    for _ in range(7):
+        capture.add(b"{garbage")
+    assert len(capture.errors) == 5
+    assert all(e.startswith("unparseable upstream data: ") for e in capture.errors)
+    capture.add_prompt_ids(b"[1, x]")
+    assert capture.prompt_ids is None and len(capture.errors) == 5
+    capture = Capture(CHAT)
+    for _ in range(4):
+        capture.add(b"{garbage")
+    capture.add_prompt_ids(b"[1, x]")
+    assert capture.prompt_ids is None and len(capture.errors) == 5
+    assert capture.errors[-1].startswith("unparseable upstream prompt_token_ids: ")
+
+
+def test_llamacpp_entries_without_token_strings_still_give_their_ids():
+    capture = Capture(CHAT)
+    capture.add(_chunk(message={"content": "hi"}, logprobs={"content": [
+        {"id": 5, "logprob": -0.1}, {"id": 6, "logprob": -0.2}]}))
+    [choice] = capture.choices()
+    assert choice.completion_ids == [5, 6] and choice.token_source == "logprobs"
