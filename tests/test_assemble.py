@@ -159,6 +159,16 @@ def test_token_counts_are_the_engines_ids_else_the_logprob_entries():
         {"index": 1, "delta": {"content": "a"},
          "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}]}).encode())
     assert capture.token_counts() == {0: 3, 1: 1}
+    capture.choices()
+    assert capture.choice_count == 2  # counted by the metrics
+
+
+def test_a_chat_bodys_prompt_ids_are_kept():
+    """vLLM's chat puts them beside the choices (when not cut out first: proxy.prompt_cut)."""
+    capture = Capture(CHAT)
+    capture.add(json.dumps({"id": "c", "prompt_token_ids": [3, 4], "choices": [
+        {"index": 0, "message": {"content": "a"}}]}).encode())
+    assert capture.prompt_ids == [3, 4]
 
 
 def _continuable(*chunks: dict, prompt_ids: list[int] | None = None) -> bool:
