@@ -308,3 +308,30 @@ def test_llamacpp_entries_without_token_strings_still_give_their_ids():
         {"id": 5, "logprob": -0.1}, {"id": 6, "logprob": -0.2}]}))
     [choice] = capture.choices()
     assert choice.completion_ids == [5, 6] and choice.token_source == "logprobs"
+
+
+def test_the_engines_token_strings_are_kept_only_for_a_choice_without_ids():
+    """Without ids the writer retokenizes the text, and verifies it by the engine's own
+    strings; with ids they are not needed."""
+    without = Capture(CHAT)
+    without.add(_chunk(delta={"content": "ab"}, logprobs={"content": [
+        {"token": "a", "logprob": -0.1}, {"token": "b", "logprob": -0.2}]}))
+    [choice] = without.choices()
+    assert (choice.completion_ids, choice.token_strs) == (None, ["a", "b"])
+    assert choice.completion_logprobs == [-0.1, -0.2] and without.logprobs_missing == 0
+    with_ids = Capture(CHAT)
+    with_ids.add(_chunk(delta={"content": "ab"}, token_ids=[1, 2], logprobs={"content": [
+        {"token": "a", "logprob": -0.1}, {"token": "b", "logprob": -0.2}]}))
+    [choice] = with_ids.choices()
+    assert (choice.completion_ids, choice.token_strs) == ([1, 2], None)
+    engine_only = Capture(CHAT)
+    engine_only.add(_chunk(delta={"content": "ab"}, token_ids=[1, 2]))
+    assert engine_only.choices()[0].token_strs is None
+
+
+def test_each_choice_without_logprobs_is_counted_missing():
+    capture = Capture(COMPLETIONS)
+    capture.add(json.dumps({"id": "c", "choices": [
+        {"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}).encode())
+    capture.choices()
+    assert capture.logprobs_missing == 2
