@@ -103,7 +103,7 @@ MODULES = {
 # database: their tests' Postgres variants run the same code as the SQLite ones, behind a
 # slower setup (a migrated database per test), and a survivor costs a whole run of its
 # tests. The storage modules keep both. Chat capture too reads no database: with the
-# Postgres half of test_capture.py its run took over 90 minutes at a load of 8.
+# Postgres half of test_capture.py its run did 92 of 410 mutants in 21 minutes (load 8).
 _SQLITE_ONLY = ["-k", "not postgres"]
 PYTEST_ARGS = {module: _SQLITE_ONLY for module in (
     "proxy/capture.py", "proxy/relay.py", "proxy/call_review.py", "proxy/handlers.py",

@@ -103,6 +103,7 @@ def test_tool_calls_of_a_whole_message_are_kept_apart_by_position():
     message = capture.reassembled(with_logprobs=False)["choices"][0]["message"]
     assert [(t["id"], t["function"]["name"], t["function"]["arguments"])
             for t in message["tool_calls"]] == [("call_a", "f", "{}"), ("call_b", "g", "[]")]
+    assert capture.choices()[0].text is None  # no text: none stored, not ""
 
 
 def test_streamed_tool_calls_are_told_apart_by_their_index_not_their_place_in_a_delta():
