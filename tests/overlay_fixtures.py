@@ -43,6 +43,24 @@ class FirstVetoer:
         return None
 
 
+class LongVetoer:
+    """Pre-action: every first sample rejected, with a reason longer than the record keeps."""
+
+    async def after_model(self, reply, state):
+        if reply.attempt == 0:
+            return Veto(feedback="Try once more.", reason="why " * 500)
+        return None
+
+
+class VetoThenRaise:
+    """Pre-action: the first sample rejected, then the judgment of the re-sample fails."""
+
+    async def after_model(self, reply, state):
+        if reply.attempt == 0:
+            return Veto(feedback="Try once more.", reason="first attempt")
+        raise RuntimeError("second judgment broke")
+
+
 class GatedToolVetoer:
     """Pre-action on tool calls only: the first sample of a turn is vetoed. The hook first
     waits for the test to open ``gate``, which the test does once its client got text:
@@ -108,6 +126,14 @@ def rewriter():
 
 def first_vetoer():
     return FirstVetoer()
+
+
+def long_vetoer():
+    return LongVetoer()
+
+
+def veto_then_raise():
+    return VetoThenRaise()
 
 
 def gated_tool_vetoer():

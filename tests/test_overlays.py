@@ -37,6 +37,8 @@ OVERLAYS = [
     "gated=tests.overlay_fixtures:gated_tool_vetoer",
     "toolrewriter=tests.overlay_fixtures:tool_rewriter",
     "toolraiser=tests.overlay_fixtures:tool_raiser",
+    "longvetoer=tests.overlay_fixtures:long_vetoer",
+    "vetothenraise=tests.overlay_fixtures:veto_then_raise",
 ]
 
 
@@ -239,9 +241,12 @@ def test_after_model_rewrite_reaches_the_harness_and_the_models_reply_is_kept(pr
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_vetoed_reply_is_sampled_again_and_stored_as_its_own_call(proxy, stream):
     register(proxy, f"vetoed-{stream}", overlay="vetoer")
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "step-7"})[0] == 200
     content, _ = chat(proxy, f"vetoed-{stream}", [SYSTEM, QUESTION], stream=stream)
     first, second = proxy.calls(f"vetoed-{stream}")
     assert (first["status"], second["status"]) == ("vetoed", "ok")
+    # The re-sample is stamped with the harness's call's version, as that was admitted.
+    assert (first["policy_version"], second["policy_version"]) == ("step-7", "step-7")
     assert "first attempt" in first["error"]
     assert overlay_of(second)["retry_of"] == first["call_id"]
     assert overlay_of(second)["attempt"] == 1
@@ -340,6 +345,65 @@ def test_a_failing_overlay_fails_the_call_clearly_when_closed(
         p.stop()
 
 
+def test_a_veto_reason_is_kept_to_its_first_thousand_characters(proxy):
+    register(proxy, "long-veto", overlay="longvetoer")
+    chat(proxy, "long-veto", [SYSTEM, QUESTION], stream=False)
+    first, _ = proxy.calls("long-veto")
+    assert first["error"] == ("vetoed by overlay 'longvetoer': " + "why " * 500)[:1000]
+
+
+def test_a_resample_whose_judgment_fails_closed_is_stored_as_failed(
+        loop_thread, engine, db_url, tmp_path):
+    """The re-sample is a record of its own, complete when its review fails: journaled
+    with the failure and its status code, beside the vetoed first attempt."""
+    p = _proxy(loop_thread, engine, db_url, tmp_path, overlay_fail="closed")
+    try:
+        register(p, "resample-closed", overlay="vetothenraise")
+        with pytest.raises(openai.InternalServerError) as caught:
+            chat(p, "resample-closed", [SYSTEM, QUESTION], stream=False)
+        assert caught.value.code == "overlay_failed"
+        first, second = p.calls("resample-closed")
+        assert (first["status"], second["status"]) == ("vetoed", "overlay_failed")
+        assert second["http_status"] == 500
+        assert "overlay 'vetothenraise' failed in after_model" in second["error"]
+    finally:
+        p.stop()
+
+
+# ---- an upstream that breaks while its reply is held ------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_breaking_in_a_held_reply_is_a_502_that_says_why(proxy, stream):
+    """The held reply never reached the client: it gets a 502 naming the upstream's
+    failure (``CallReview.hold``), and the call is recorded with it."""
+    episode = f"held-broken-{stream}"
+    register(proxy, episode, overlay="vetoer")
+    with pytest.raises(openai.APIStatusError) as caught:
+        chat(proxy, episode, [SYSTEM, QUESTION], stream=stream, mock_fail_after_chunks=2,
+             mock_completion_tokens=20)
+    assert caught.value.status_code == 502 and caught.value.code == "upstream_error"
+    message = caught.value.body["message"]
+    reason = message.removeprefix("upstream failed mid-reply: ")
+    assert reason != message and "Payload" in reason, message  # aiohttp's error, named
+    (call,) = proxy.calls(episode)
+    assert (call["status"], call["http_status"]) == ("upstream_error", 502)
+    assert call["error"] == message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_error_under_review_reaches_the_client_as_it_came(proxy, stream):
+    """A refusal is a whole JSON body even when a stream was asked for: held and given
+    back as the upstream's error, not read as events."""
+    episode = f"held-refused-{stream}"
+    register(proxy, episode, overlay="vetoer")
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(proxy, episode, [SYSTEM, QUESTION], stream=stream, mock_status=400)
+    assert caught.value.body["message"] == "Injected failure (mock_status=400)"
+    (call,) = proxy.calls(episode)
+    assert (call["status"], call["http_status"]) == ("ok", 400)  # the upstream's answer
+    assert json.loads(call["response"])["error"] == caught.value.body
+
+
 # ---- the harness's view ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -397,7 +461,7 @@ def gated_proxy(loop_thread, engine, db_url, tmp_path):
     p.stop()
 
 
-def _live_chat(proxy, episode: str, gate, *, tools=TOOLS) -> tuple[str, list[dict]]:
+def _live_chat(proxy, episode: str, gate, *, tools=TOOLS, **extra) -> tuple[str, list[dict]]:
     """One streamed chat call; the gate opens once the client holds text. Returns the
     content and the tool calls (id, name, arguments) as the client assembled them."""
     content, calls = "", {}
@@ -405,7 +469,7 @@ def _live_chat(proxy, episode: str, gate, *, tools=TOOLS) -> tuple[str, list[dic
                        max_retries=0) as sdk:
         for chunk in sdk.chat.completions.create(
                 model="mock-model", messages=[SYSTEM, QUESTION], seed=1, stream=True,
-                **({"tools": tools} if tools else {})):
+                extra_body=extra, **({"tools": tools} if tools else {})):
             for choice in chunk.choices:
                 if choice.delta.content:
                     content += choice.delta.content
@@ -510,6 +574,19 @@ def test_failing_closed_after_live_text_cuts_the_stream(loop_thread, engine, db_
         assert "overlay 'toolraiser' failed in after_model" in call["error"]
     finally:
         p.stop()
+
+
+def test_an_upstream_breaking_after_live_text_cuts_the_stream_and_is_an_upstream_error(proxy):
+    """Not the overlay's failure: the record says the upstream broke (``CallReview.failed``
+    is given the relay's 502, after the client's stream began)."""
+    register(proxy, "live-broken", overlay="toolrewriter")
+    received = threading.Event()
+    with pytest.raises(openai.APIConnectionError):
+        _live_chat(proxy, "live-broken", received, mock_fail_after_chunks=3)
+    assert received.is_set()
+    (call,) = proxy.calls("live-broken")
+    assert call["status"] == "upstream_error"
+    assert call["error"].startswith("upstream failed mid-reply: ")
 
 
 # The mock engine writes text before this tool call (its sampling is seeded by the prompt).

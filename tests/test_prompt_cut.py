@@ -110,6 +110,7 @@ def test_capture_decodes_cut_ids_when_read_and_notes_bad_ones():
     capture.add_prompt_ids(array)
     capture.add(rest)
     assert capture.prompt_ids == IDS and not capture.errors
+    assert capture.prompt_ids == IDS and not capture.errors  # decoded once: read again
     capture = Capture(CHAT)
     capture.add_prompt_ids(b"[1, 2, x]")
     assert capture.prompt_ids is None
