@@ -89,15 +89,7 @@ def test_a_body_cut_by_a_weight_sync_is_sent_again_and_the_cut_attempt_kept_apar
                 extra_body={"mock_content": CONTENT, "mock_delay_s": 1.0})
             answers.append(reply.choices[0].message.content)
 
-        worker = threading.Thread(target=slow_call)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while proxy.state.gate.inflight == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # polling the proxy's own counter for the call to be admitted
-        time.sleep(0.2)  # the request is at the engine
-        status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
-        assert status == 200 and paused["drained"] is True
+        worker = _abort_while_at_the_engine(proxy, slow_call)
         assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
         worker.join(30)
     assert answers == [CONTENT]
@@ -131,15 +123,7 @@ def test_a_body_cut_by_a_pause_that_outlasts_its_timeout_is_not_sent_again(impat
             except openai.APIStatusError as exc:
                 errors.append(exc.status_code)
 
-        worker = threading.Thread(target=slow_call)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while proxy.state.gate.inflight == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # polling the proxy's own counter for the call to be admitted
-        time.sleep(0.2)  # the request is at the engine
-        status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
-        assert status == 200 and paused["drained"] is True
+        worker = _abort_while_at_the_engine(proxy, slow_call)
         worker.join(30)  # the pause is never lifted while the call waits
         assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
     assert errors == [502]  # the upstream side failed, not the proxy
@@ -190,3 +174,18 @@ def test_a_stream_that_cannot_continue_exactly_is_not_cut(proxy, engine):
     assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
     [(status, _, spans, _)] = _stored(proxy, "tools")
     assert status == "ok" and [v for _, v in json.loads(spans)] == ["v1", None]
+
+
+def _abort_while_at_the_engine(proxy, call) -> threading.Thread:
+    """Start ``call`` in a thread and pause the proxy with ``abort`` once the call is at
+    the engine; returns the thread (the pause is the caller's to lift)."""
+    worker = threading.Thread(target=call)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while proxy.state.gate.inflight == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # polling the proxy's own counter for the call to be admitted
+    time.sleep(0.2)  # the request is at the engine
+    status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+    assert status == 200 and paused["drained"] is True
+    return worker
