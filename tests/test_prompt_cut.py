@@ -11,12 +11,17 @@ import json
 
 import openai
 import pytest
+from aiohttp import web
+from helpers.chat_upstreams import scripted_chat_app, stream_chunks
+from helpers.loop import free_port
+from helpers.servers import Proxy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.prompt_cut import cut_prompt_ids
+from tracetap.proxy.settings import Settings
 
 IDS = list(range(100, 140))
 CHOICES = [{"index": 0, "delta": {"role": "assistant", "content": "Hé"}, "logprobs": None,
@@ -139,3 +144,74 @@ def test_a_long_prompts_ids_are_cut_from_the_first_chunk_and_stored_exactly(prox
             got = [c.model_extra.get("prompt_token_ids") for c in chunks]
             assert got[0] == (want if asks else None) and not any(got[1:])
             assert proxy.calls("long")[-1]["prompt_ids"] == want
+
+
+def test_the_first_chunk_reaches_the_client_before_its_prompt_ids_are_decoded(
+        proxy, monkeypatch):
+    """The order itself (issue 24: the first token is not held by the prompt's ids): the
+    relay cuts a long prompt's ids out of vLLM's first chunk as bytes, the client's
+    write of that chunk goes out, and only then are the ids decoded (when the record is
+    made). Observed in the proxy's process: the cut, the proxy's writes to its client
+    (not the engine's, in this process too) and the decode, in the order they happen.
+    Kills every way of skipping the cut: the chunk decoded whole, ids and all, before
+    the client gets a byte of it."""
+    order: list[str] = []
+    add_prompt_ids, decode_prompt = Capture.add_prompt_ids, Capture._decode_prompt
+
+    def spied_add_prompt_ids(self, raw, *args):
+        order.append("cut")
+        return add_prompt_ids(self, raw, *args)
+
+    def spied_decode_prompt(self):
+        if self._prompt_raw is not None:
+            order.append("decoded")
+        return decode_prompt(self)
+
+    write = web.StreamResponse.write
+
+    async def spied_write(self, data):
+        if self._req is not None and self._req.path.startswith("/episodes/"):
+            order.append("written")
+        return await write(self, data)
+
+    monkeypatch.setattr(Capture, "add_prompt_ids", spied_add_prompt_ids)
+    monkeypatch.setattr(Capture, "_decode_prompt", spied_decode_prompt)
+    monkeypatch.setattr(web.StreamResponse, "write", spied_write)
+    long = "the quick brown fox jumps over the lazy dog " * 40  # ~1800 ids, ~7 KiB
+    client = openai.OpenAI(base_url=proxy.episode_url("order"), api_key="x", max_retries=0)
+    with client:
+        chunks = list(client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": long}], max_tokens=4,
+            stream=True, extra_body={"mock_chunk_delay_s": 0.02}))  # a read per chunk
+    assert chunks and not any(c.model_extra.get("prompt_token_ids") for c in chunks)
+    assert order.count("cut") == 1 and order.count("decoded") == 1
+    assert order.index("cut") < order.index("written") < order.index("decoded")
+    assert len(proxy.calls("order")[0]["prompt_ids"]) > 1000
+
+
+def test_a_long_first_chunk_whose_ids_are_not_in_the_plain_shape_is_read_whole(
+        loop_thread, serve_app, migrated_sqlite, tmp_path):
+    """A first chunk over the 4 KiB the relay cuts above, holding ``prompt_token_ids``
+    in a shape the byte cut leaves alone (here inside the choice, not at the top): the
+    relay reads the chunk whole, the client gets every word and the call is stored."""
+    text = "word " * 1200  # ~6 KiB in the first content chunk
+    chunks = stream_chunks(text, pieces=1)
+    chunks[1]["choices"][0]["prompt_token_ids"] = IDS
+    assert len(json.dumps(chunks[1])) > 4096 and cut_prompt_ids(
+        json.dumps(chunks[1]).encode()) is None
+    config = Settings(upstream=serve_app(scripted_chat_app(chunks)) + "/v1",
+                      db=migrated_sqlite(tmp_path / "tracetap.db"),
+                      data_dir=str(tmp_path / "d"), port=free_port())
+    proxy = Proxy(loop_thread, config).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("nested"), api_key="x",
+                               max_retries=0)
+        with client:
+            got = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+                if c.choices)
+        [call] = proxy.calls("nested")
+    finally:
+        proxy.stop()
+    assert got == text
+    assert call["status"] == "ok" and call["choices"][0]["text"] == text
