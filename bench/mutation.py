@@ -108,8 +108,15 @@ MODULES = {
     "proxy/capture.py": _CAPTURE,
     "proxy/relay.py": _RELAY_ONLY,
     "proxy/call_review.py": ["tests/test_call_driver.py", "tests/test_overlays.py"],
-    "proxy/handlers.py": [*_DRIVER, "tests/test_hostile_agent.py",
-                          "tests/test_hostile_episodes.py", "tests/test_api_errors.py"],
+    # The path checked and routed, the base-URL probe, the refusals, passthrough: the
+    # exposure and hostile-request tests, the metrics' route labels, the passthrough
+    # record (test_integrity.py), the episode paths (test_keys.py), a captured stream's
+    # bytes (test_relay.py). Not _DRIVER: every test there goes through agent_request,
+    # and none checks more of it than that the call arrived.
+    "proxy/handlers.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py",
+                          "tests/test_hostile_edge.py", "tests/test_hostile_episodes.py",
+                          "tests/test_api_errors.py", "tests/test_integrity.py",
+                          "tests/test_metrics.py", "tests/test_keys.py", "tests/test_relay.py"],
     # Chat and completions captured: ids in order of trust, streams reassembled.
     "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
                                    "tests/test_prompt_cut.py", "tests/test_capture.py"],
