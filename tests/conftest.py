@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 
 _OWN_BASETEMP = pytest.StashKey[str]()
 
-pytest_plugins = ["helpers.databases", "helpers.servers", "helpers.seeding"]
+pytest_plugins = ["helpers.databases", "helpers.servers", "helpers.seeding", "helpers.hostile"]
 
 # The suite runs on a shared 2-core machine where other jobs can stall this process for
 # a second or more: Hypothesis' default 200 ms deadline would measure that load, and a

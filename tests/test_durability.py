@@ -6,13 +6,11 @@ import json
 import re
 import signal
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
-from helpers.http import metrics_text
-from helpers.loop import free_port
+from helpers.http import get, metrics_text
+from helpers.loop import free_port, wait_until
 from helpers.servers import Forwarder, stored_calls
 
 from tracetap.migrations import upgrade
@@ -37,17 +35,9 @@ def _contents(calls: list[dict]) -> list[str]:
 
 
 def _backlog(url: str) -> int:
-    with urllib.request.urlopen(url + "/readyz", timeout=5) as resp:
-        journal = json.loads(resp.read())["journal"]
-    return journal["bytes"]
-
-
-def _wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling a condition; the assertion is on the data
+    status, ready = get(url + "/readyz", timeout=5)
+    assert status in (200, 503), ready
+    return ready["journal"]["bytes"]
 
 
 def test_sigkill_then_restart_recovers_every_completed_call(engine, db_url, run_proxy, tmp_path):
@@ -73,7 +63,7 @@ def test_sigkill_then_restart_recovers_every_completed_call(engine, db_url, run_
     assert killed.is_set() and proxy.wait() == -signal.SIGKILL
 
     restarted = run_proxy(engine.url, db_url, data_dir=data_dir)
-    _wait_until(lambda: _backlog(restarted.url) == 0, 30, "journal replay")
+    wait_until(lambda: _backlog(restarted.url) == 0, "journal replay", 30)
     contents = _contents(stored_calls(db_url, "kill9"))
     assert len(contents) == len(set(contents)), "a call was stored twice"
     missing = {f"call-{i}" for i in completed} - set(contents)
@@ -141,7 +131,7 @@ def test_database_outage_loses_nothing_and_never_reaches_the_agent(
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(agent, range(200)))
         assert errors == []
-        _wait_until(lambda: _backlog(proxy.url) == 0, 60, "journal to drain after the outage")
+        wait_until(lambda: _backlog(proxy.url) == 0, "journal to drain after the outage", 60)
         contents = _contents(stored_calls(fresh_postgres, "outage"))
         assert sorted(contents) == sorted(f"call-{i}" for i in range(200))
         metrics = metrics_text(proxy.url)

@@ -8,8 +8,6 @@ API's shape, and that the proxy counted the attempt.
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import stat
 import subprocess
@@ -18,19 +16,15 @@ import sys
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
+from helpers.hostile import MESSAGES, SECRET, raw_request, refused_count
 from helpers.http import admin_call
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
 from tracetap.proxy import admin_token
 from tracetap.proxy.admin_token import ensure_admin_token, read_admin_token
 from tracetap.proxy.settings import Settings
-
-SECRET = "sk-upstream-SECRET-77c1"
-MESSAGES = [{"role": "user", "content": "hi"}]
 
 # Real control endpoints that RL setups enable for weight sync.
 SGLANG_CONTROLS = ["/update_weights_from_disk", "/update_weights_from_tensor", "/flush_cache",
@@ -53,82 +47,29 @@ TRAVERSALS = [
 ]
 
 
-@pytest.fixture
-def seen() -> list[tuple[str, str, str]]:
-    return []
-
-
-@pytest.fixture
-def upstream(serve_app, seen) -> str:
-    """The mock engine, recording (method, raw path, Authorization) of every request."""
-
-    @web.middleware
-    async def record(request, handler):
-        seen.append((request.method, request.raw_path, request.headers.get("Authorization", "")))
-        return await handler(request)
-
-    app = make_engine_app(EngineConfig(flavor="vllm"))
-    app.middlewares.append(record)
-    return serve_app(app) + "/v1"
-
-
-@pytest.fixture
-def hostile(loop_thread, upstream, tmp_path):
-    db = f"sqlite:///{tmp_path / 'h.db'}"
-    upgrade(db)
-    settings = Settings(upstream=upstream, db=db, data_dir=str(tmp_path / "data"),
-                        port=free_port(), upstream_api_key=SECRET, upstream_flavor="vllm",
-                        allow_path=["POST /v1/embeddings"])
-    proxy = Proxy(loop_thread, settings).start()
-    yield proxy
-    proxy.stop()
-
-
-def _raw(proxy, method: str, path: str, headers: dict | None = None,
-         body: bytes | None = None) -> tuple[int, dict]:
-    """The exact bytes of the path on the wire: no client normalises it first."""
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.settings.port, timeout=30)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        reply = conn.getresponse()
-        data = reply.read()
-    finally:
-        conn.close()
-    try:
-        return reply.status, json.loads(data)
-    except ValueError:  # what an upstream answered, relayed as it came
-        return reply.status, {"raw": data.decode()}
-
-
-def _refused(proxy, reason: str) -> float:
-    text = proxy.state.metrics.render().decode()
-    for line in text.splitlines():
-        if line.startswith(f'tracetap_agent_refused_total{{reason="{reason}"}}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 @pytest.mark.parametrize("prefix", ["", "/v1", "/episodes/e1", "/episodes/e1/v1"])
 def test_engine_control_endpoints_never_reach_the_engine(hostile, seen, prefix):
     controls = SGLANG_CONTROLS + VLLM_CONTROLS
     for path in controls:
-        status, body = _raw(hostile, "POST", prefix + path,
-                            {"Content-Type": "application/json"}, b'{"model_path": "/evil"}')
+        status, body = raw_request(hostile, "POST", prefix + path,
+                                   {"Content-Type": "application/json"}, b'{"model_path": "/evil"}')
         assert status == 404, (path, body)
         assert body["error"]["code"] == "not_exposed"
         assert "not exposed" in body["error"]["message"]
     assert seen == []
-    assert _refused(hostile, "not_exposed") == len(controls)
+    assert refused_count(hostile, "not_exposed") == len(controls)
 
 
 def test_traversal_and_encoding_variants_are_refused_before_routing(hostile, seen):
     for path in TRAVERSALS:
-        status, body = _raw(hostile, "POST", path, {"Content-Type": "application/json"}, b"{}")
+        status, body = raw_request(hostile, "POST", path,
+                                   {"Content-Type": "application/json"}, b"{}")
         assert status in (400, 404), path
         assert body["error"]["code"] in ("invalid_path", "not_exposed"), (path, body)
     assert seen == []
-    assert _refused(hostile, "invalid_path") + _refused(hostile, "not_exposed") == len(TRAVERSALS)
-    assert _refused(hostile, "invalid_path") >= len(TRAVERSALS) - 1
+    refusals = refused_count(hostile, "invalid_path") + refused_count(hostile, "not_exposed")
+    assert refusals == len(TRAVERSALS)
+    assert refused_count(hostile, "invalid_path") >= len(TRAVERSALS) - 1
 
 
 def test_other_methods_on_model_paths_are_refused(hostile, seen):
@@ -136,15 +77,15 @@ def test_other_methods_on_model_paths_are_refused(hostile, seen):
                          ("OPTIONS", "/v1/chat/completions"), ("PATCH", "/v1/completions"),
                          ("GET", "/v1/chat/completions"), ("DELETE", "/episodes/e1/v1/models"),
                          ("POST", "/v1/models")]:
-        status, body = _raw(hostile, method, path)
+        status, body = raw_request(hostile, method, path)
         assert status == 404, (method, path)
         assert body.get("error", {}).get("code") == "not_exposed"
     assert seen == []
 
 
 def test_refusals_speak_the_clients_api(hostile, seen):
-    status, body = _raw(hostile, "POST", "/episodes/e1/v1/sleep",
-                        {"anthropic-version": "2023-06-01", "x-api-key": "k"})
+    status, body = raw_request(hostile, "POST", "/episodes/e1/v1/sleep",
+                               {"anthropic-version": "2023-06-01", "x-api-key": "k"})
     assert status == 404
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
     assert seen == []
@@ -160,8 +101,8 @@ def test_the_model_api_still_works_is_captured_and_carries_the_upstream_key(host
     assert reply.choices[0].message.content
     assert [m.id for m in models.data] == ["mock-model"]
     # The operator's --allow-path rule: forwarded (the mock engine has no embeddings: 404).
-    status, _ = _raw(hostile, "POST", "/episodes/e1/v1/embeddings",
-                     {"Content-Type": "application/json"}, b"{}")
+    status, _ = raw_request(hostile, "POST", "/episodes/e1/v1/embeddings",
+                            {"Content-Type": "application/json"}, b"{}")
     assert status == 404
     assert [(m, p) for m, p, _ in seen] == [("POST", "/v1/chat/completions"),
                                             ("GET", "/v1/models"), ("POST", "/v1/embeddings")]
@@ -171,8 +112,8 @@ def test_the_model_api_still_works_is_captured_and_carries_the_upstream_key(host
         ("chat.completions", "ok"), ("/v1/embeddings", "passthrough")]
     # Base URL probes are answered by tracetap: the episode id never leaks upstream.
     for path in ("/episodes/e1", "/episodes/e1/v1", "/v1", "/"):
-        assert _raw(hostile, "HEAD", path)[0] == 200
-        assert _raw(hostile, "GET", path)[0] == 200
+        assert raw_request(hostile, "HEAD", path)[0] == 200
+        assert raw_request(hostile, "GET", path)[0] == 200
     assert len(seen) == 3
 
 
@@ -185,8 +126,8 @@ def test_an_agent_cannot_finish_or_grade_its_own_episode(hostile):
     assert admin_call(hostile.url, "POST", finish, {"reward": 1.0}, token=key)[0] == 403
     assert admin_call(hostile.url, "POST", finish, {"reward": 1.0}, token="guess")[0] == 401
     # Through the agent's own base URL the admin API does not exist at all.
-    status, body = _raw(hostile, "POST", "/episodes/graded/v1/../../tracetap/episodes/graded"
-                        "/finish", {"Authorization": f"Bearer {key}"}, b'{"reward": 1}')
+    status, body = raw_request(hostile, "POST", "/episodes/graded/v1/../../tracetap/episodes/graded"
+                               "/finish", {"Authorization": f"Bearer {key}"}, b'{"reward": 1}')
     assert status == 400 and body["error"]["code"] == "invalid_path"
     assert hostile.episode("graded")["reward"] is None
     assert hostile.admin("POST", finish, {"reward": 0.25})[0] == 200

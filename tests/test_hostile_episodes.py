@@ -19,40 +19,21 @@ import anthropic
 import msgspec
 import openai
 import pytest
-import test_hostile_agent
+from helpers.hostile import MESSAGES, raw_request, refused_count
+from helpers.http import register
 from helpers.loop import free_port
 from helpers.servers import Proxy
-from test_hostile_agent import MESSAGES, _raw, _refused
 
 from tracetap.migrations import upgrade
 from tracetap.proxy.budgets import Budget, Budgets, reservation_size
 from tracetap.proxy.settings import Settings
 from tracetap.storage import budget_ledger
 
-# The logging upstream and what it saw, shared with the first round of these attacks.
-seen = test_hostile_agent.seen
-upstream = test_hostile_agent.upstream
-
 
 def _proxy(loop_thread, upstream: str, db: str, tmp_path, name: str = "p", **options) -> Proxy:
     settings = Settings(upstream=upstream, db=db, data_dir=str(tmp_path / name),
                         port=free_port(), upstream_flavor="vllm", **options)
     return Proxy(loop_thread, settings).start()
-
-
-@pytest.fixture
-def hostile(loop_thread, upstream, tmp_path):
-    db = f"sqlite:///{tmp_path / 'h.db'}"
-    upgrade(db)
-    proxy = _proxy(loop_thread, upstream, db, tmp_path, allow_path=["POST /v1/embeddings"])
-    yield proxy
-    proxy.stop()
-
-
-def _register(proxy, episode: str, **spec) -> dict:
-    status, created = proxy.admin("POST", "/tracetap/episodes", {"id": episode, **spec})
-    assert status == 201, created
-    return created
 
 
 def _model_posts(seen) -> int:
@@ -62,7 +43,7 @@ def _model_posts(seen) -> int:
 # ---- 3. an episode's calls come from whoever holds its key ---------------------------------
 
 def test_a_registered_episode_refuses_calls_without_its_key(hostile, seen):
-    created = _register(hostile, "victim")
+    created = register(hostile, "victim")
     secret = created["base_url"].split("/episodes/")[1].split("/")[0]
     assert secret.startswith("victim~") and secret[len("victim~"):] == created["api_key"][3:]
     spoofs = [
@@ -81,13 +62,13 @@ def test_a_registered_episode_refuses_calls_without_its_key(hostile, seen):
         client.messages.create(model="mock-model", max_tokens=2, messages=MESSAGES)
     assert refused.value.body["error"]["type"] == "permission_error"
     # A guessed secret is no key at all; the id alone on a relayed path is refused too.
-    status, body = _raw(hostile, "POST", "/episodes/victim~guess/v1/chat/completions",
-                        {"Content-Type": "application/json"}, b"{}")
+    status, body = raw_request(hostile, "POST", "/episodes/victim~guess/v1/chat/completions",
+                               {"Content-Type": "application/json"}, b"{}")
     assert (status, body["error"]["code"]) == (401, "invalid_api_key")
-    status, body = _raw(hostile, "GET", "/episodes/victim/v1/models")
+    status, body = raw_request(hostile, "GET", "/episodes/victim/v1/models")
     assert (status, body["error"]["code"]) == (403, "episode_credential_required")
     assert seen == []
-    assert _refused(hostile, "episode_credential_required") == 4
+    assert refused_count(hostile, "episode_credential_required") == 4
     assert hostile.calls("victim") == []
     # The holder of the base URL needs nothing else (a harness that sets only a base URL).
     with openai.OpenAI(base_url=created["base_url"], api_key="unused", max_retries=0) as own:
@@ -111,7 +92,7 @@ def test_a_registered_episode_refuses_calls_without_its_key(hostile, seen):
 
 def test_a_base_url_minted_on_one_proxy_opens_its_episode_on_another(hostile, loop_thread,
                                                                        tmp_path, seen):
-    created = _register(hostile, "roams")
+    created = register(hostile, "roams")
     replica = Proxy(loop_thread, msgspec.structs.replace(
         hostile.settings, port=free_port(), data_dir=str(tmp_path / "replica"))).start()
     try:
@@ -119,8 +100,8 @@ def test_a_base_url_minted_on_one_proxy_opens_its_episode_on_another(hostile, lo
         with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             assert client.chat.completions.create(model="mock-model", messages=MESSAGES,
                                                   max_tokens=2).choices
-        status, body = _raw(replica, "POST", "/episodes/roams/v1/chat/completions",
-                            {"Content-Type": "application/json"}, b"{}")
+        status, body = raw_request(replica, "POST", "/episodes/roams/v1/chat/completions",
+                                   {"Content-Type": "application/json"}, b"{}")
         assert (status, body["error"]["code"]) == (403, "episode_credential_required")
         assert [c["episode_id"] for c in replica.calls("roams")] == ["roams"]
     finally:
@@ -135,10 +116,10 @@ def test_a_registration_on_one_proxy_closes_the_id_on_another_that_saw_it_open(
     body = json.dumps({"model": "mock-model", "messages": MESSAGES, "max_tokens": 2}).encode()
     headers = {"Content-Type": "application/json"}
     try:
-        assert _raw(replica, "POST", path, headers, body)[0] == 200  # open: never registered
-        _register(hostile, "late")
+        assert raw_request(replica, "POST", path, headers, body)[0] == 200  # open: never registered
+        register(hostile, "late")
         for _ in range(200):  # the replica follows registrations every FOLLOW_SECONDS
-            status, reply = _raw(replica, "POST", path, headers, body)
+            status, reply = raw_request(replica, "POST", path, headers, body)
             if status != 200:
                 break
             time.sleep(0.05)
@@ -152,11 +133,11 @@ def test_relayed_paths_check_episode_ids_like_model_calls(hostile, seen, where):
     for bad in ("x" * 8000, "../../x", "a b", "é"):
         quoted = urllib.request.quote(bad, safe="")
         if where == "path":
-            status, body = _raw(hostile, "POST", f"/episodes/{quoted}/v1/embeddings",
-                                {"Content-Type": "application/json"}, b"{}")
+            status, body = raw_request(hostile, "POST", f"/episodes/{quoted}/v1/embeddings",
+                                       {"Content-Type": "application/json"}, b"{}")
         else:
-            status, body = _raw(hostile, "POST", "/v1/embeddings",
-                                {"Content-Type": "application/json",
+            status, body = raw_request(hostile, "POST", "/v1/embeddings",
+                                       {"Content-Type": "application/json",
                                  "X-Tracetap-Episode": quoted}, b"{}")
         assert status in (400, 404), bad[:20]
         assert body["error"]["code"] in ("invalid_episode_id", "invalid_path"), body
@@ -216,7 +197,7 @@ def test_parallel_calls_through_several_proxies_spend_at_most_the_budget(
                for i in range(replicas)]
     try:
         limit = 300
-        created = _register(proxies[0], "tight", budget={"max_tokens": limit})
+        created = register(proxies[0], "tight", budget={"max_tokens": limit})
         base_urls = [created["base_url"].replace(proxies[0].url, p.url) for p in proxies]
         spent, refused = _spend_concurrently(proxies, base_urls, 50, max_tokens=16)
         assert spent and refused
@@ -241,7 +222,7 @@ def test_a_calls_budget_holds_across_proxies_on_postgres(loop_thread, upstream, 
     proxies = [_proxy(loop_thread, upstream, fresh_postgres, tmp_path, f"p{i}")
                for i in range(2)]
     try:
-        created = _register(proxies[1], "counted", budget={"max_calls": 5})
+        created = register(proxies[1], "counted", budget={"max_calls": 5})
         base_urls = [created["base_url"].replace(proxies[1].url, p.url) for p in proxies]
         spent, refused = _spend_concurrently(proxies, base_urls, 20, max_tokens=2)
         assert len(spent) == 5 and refused == [403] * 15

@@ -13,25 +13,16 @@ import base64
 import json
 import logging
 import time
-import urllib.request
 
 import openai
 import pytest
-import test_hostile_agent
-import test_hostile_episodes
+from helpers.hostile import MESSAGES, raw_request
+from helpers.http import fetch, get_page
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_hostile_agent import MESSAGES, _raw
-from test_viewer import _get
 
 from tracetap.proxy import failures
 from tracetap.proxy.settings import Settings
-
-# The logging upstream, what it saw, and a proxy in front of it.
-seen = test_hostile_agent.seen
-upstream = test_hostile_agent.upstream
-hostile = test_hostile_episodes.hostile
-
 
 # ---- 7. secrets stay secret -------------------------------------------------------------------
 
@@ -52,8 +43,9 @@ def test_upstream_url_credentials_are_used_and_never_shown(run_proxy, upstream, 
     assert [auth for method, _, auth in seen if method == "POST"] == [basic]
     shown = []
     for path in ("/metrics", "/readyz"):
-        with urllib.request.urlopen(proxy.url + path, timeout=30) as reply:
-            shown.append(reply.read().decode())
+        status, page = fetch("GET", proxy.url + path)
+        assert status == 200, page
+        shown.append(page.decode())
     calls = {}
     for _ in range(300):  # the subprocess's writer commits every 50 ms
         status, calls = proxy.admin("GET", "/tracetap/episodes/c1", token="file-token-81")
@@ -61,7 +53,7 @@ def test_upstream_url_credentials_are_used_and_never_shown(run_proxy, upstream, 
             break
         time.sleep(0.05)
     call_id = calls["calls"][0]["call_id"]
-    page = _get(f"{proxy.url}/tracetap/ui/calls/{call_id}", "file-token-81")
+    page = get_page(f"{proxy.url}/tracetap/ui/calls/{call_id}", "file-token-81")
     shown += [json.dumps(calls), page[2], proxy.log.read_text()]
     proxy.stop()
     shown.append(proxy.log.read_text())
@@ -98,13 +90,14 @@ def test_bad_input_is_a_4xx_in_the_clients_shape_stored_and_viewable(hostile, se
             client.responses.create(model="m", input="hi", extra_body={"top_logprobs": "x"})
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="m", prompt="hi", extra_body={"logprobs": "x"})
-    status, body = _raw(hostile, "POST", "/episodes/bad/v1/chat/completions",
-                        {"Content-Type": "application/json"},
-                        f'{{"model": "m", "messages": {deep}}}'.encode())
+    status, body = raw_request(hostile, "POST", "/episodes/bad/v1/chat/completions",
+                               {"Content-Type": "application/json"},
+                               f'{{"model": "m", "messages": {deep}}}'.encode())
     assert (status, body["error"]["code"]) == (400, "invalid_json")
-    status, body = _raw(hostile, "POST", "/episodes/bad/v1/messages",
-                        {"Content-Type": "application/json", "anthropic-version": "2023-06-01"},
-                        f'{{"model": "m", "max_tokens": 2, "messages": {deep}}}'.encode())
+    status, body = raw_request(hostile, "POST", "/episodes/bad/v1/messages",
+                               {"Content-Type": "application/json",
+                                "anthropic-version": "2023-06-01"},
+                               f'{{"model": "m", "max_tokens": 2, "messages": {deep}}}'.encode())
     assert status == 400 and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
     assert seen == []
@@ -117,15 +110,15 @@ def test_bad_input_is_a_4xx_in_the_clients_shape_stored_and_viewable(hostile, se
                        ("responses", f'{{"model": "m", "input": {decodable}}}'),
                        ("messages", f'{{"model": "m", "max_tokens": 2, "messages": '
                                     f'[{{"role": "user", "content": {decodable}}}]}}')]:
-        status, body = _raw(hostile, "POST", f"/episodes/bad/v1/{path}",
-                            {"Content-Type": "application/json"}, body.encode())
+        status, body = raw_request(hostile, "POST", f"/episodes/bad/v1/{path}",
+                                   {"Content-Type": "application/json"}, body.encode())
         assert 400 <= status < 500, (path, body)
     calls = hostile.calls("bad")
     assert len(calls) == 10
     assert _internal_errors(hostile) == 0
     for call in calls:
-        status, _, page = _get(f"{hostile.url}/tracetap/ui/calls/{call['call_id']}",
-                               hostile.admin_token)
+        status, _, page = get_page(f"{hostile.url}/tracetap/ui/calls/{call['call_id']}",
+                                   hostile.admin_token)
         assert status == 200, page[:300]
 
 
@@ -133,8 +126,8 @@ def test_a_flood_of_bad_requests_logs_no_traceback_per_request(hostile, seen, ca
                                                                  monkeypatch):
     caplog.set_level(logging.INFO, logger="tracetap")
     for _ in range(40):  # refused: nothing for the log at all
-        _raw(hostile, "POST", "/episodes/flood/v1/chat/completions",
-             {"Content-Type": "application/json"}, b'{"model": "m", "logprobs": "yes"}')
+        raw_request(hostile, "POST", "/episodes/flood/v1/chat/completions",
+                    {"Content-Type": "application/json"}, b'{"model": "m", "logprobs": "yes"}')
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
     def broken(payload):  # stands in for a bug the next bad input finds
@@ -144,9 +137,9 @@ def test_a_flood_of_bad_requests_logs_no_traceback_per_request(hostile, seen, ca
     for i in range(30):
         path, headers = (("messages", {"anthropic-version": "2023-06-01"}) if i % 2 else
                          ("chat/completions", {}))
-        status, body = _raw(hostile, "POST", f"/episodes/flood/v1/{path}",
-                            {"Content-Type": "application/json", **headers},
-                            json.dumps({"model": "m", "max_tokens": 2,
+        status, body = raw_request(hostile, "POST", f"/episodes/flood/v1/{path}",
+                                   {"Content-Type": "application/json", **headers},
+                                   json.dumps({"model": "m", "max_tokens": 2,
                                         "messages": MESSAGES}).encode())
         assert status == 500
         if i % 2:
@@ -196,7 +189,7 @@ def test_fuzzed_requests_never_fail_inside_the_proxy(hostile, api):
         headers = {"Content-Type": "application/json"}
         if api == "messages":
             headers["anthropic-version"] = "2023-06-01"
-        status, reply = _raw(hostile, "POST", f"/episodes/fuzz/v1/{api}", headers, body)
+        status, reply = raw_request(hostile, "POST", f"/episodes/fuzz/v1/{api}", headers, body)
         if status >= 400 and "raw" not in reply:
             if api == "messages":
                 assert reply["type"] == "error", reply

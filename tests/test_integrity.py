@@ -5,12 +5,12 @@ the viewer; tombstones for records that could not be stored (storage.tombstones)
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import openai
 import pyarrow.parquet as pq
 import pytest
 from helpers.chat_upstreams import scripted_chat_app
+from helpers.http import fetch, metrics_text
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
@@ -50,11 +50,6 @@ def ask(proxy: Proxy, episode: str, text: str = "hi") -> None:
                                    messages=[{"role": "user", "content": text}])
 
 
-def scrape(proxy: Proxy) -> str:
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
-        return reply.read().decode()
-
-
 def test_an_exhausted_budget_makes_an_episode_infra_everywhere(proxy, tmp_path, capsys):
     for episode, budget in (("clean", {}), ("starved", {"max_calls": 1})):
         assert proxy.admin("POST", "/tracetap/episodes",
@@ -65,7 +60,7 @@ def test_an_exhausted_budget_makes_an_episode_infra_everywhere(proxy, tmp_path, 
     for episode in ("clean", "starved"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                            {"reward": 1.0})[0] == 200
-    metrics = scrape(proxy)
+    metrics = metrics_text(proxy.url)
     assert 'tracetap_episodes_integrity_total{integrity="clean"} 1.0' in metrics
     assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
     assert 'tracetap_episode_integrity_causes_total{cause="budget_exceeded"} 1.0' in metrics
@@ -102,10 +97,9 @@ def test_an_upstream_failure_shows_in_the_viewer(loop_thread, serve_app, tmp_pat
         proxy.flush()
         token = proxy.admin_token
         for path in ("/tracetap/ui/", "/tracetap/ui/episodes/down"):
-            request = urllib.request.Request(proxy.url + path,
-                                             headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                page = reply.read().decode()
+            status, page = fetch("GET", proxy.url + path, token=token)
+            assert status == 200, path
+            page = page.decode()
             assert "infra" in page and "upstream_error" in page, path
     finally:
         proxy.stop()

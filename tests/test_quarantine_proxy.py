@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 
 import openai
 import pytest
 from helpers.http import fetch, metrics_text, post
-from helpers.loop import free_port
+from helpers.loop import free_port, wait_until
 from helpers.servers import Forwarder, stored_calls
 
 from tracetap.cli import main
@@ -146,7 +145,7 @@ def _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, 
     for i in range(20):
         normal.chat.completions.create(model="mock", max_tokens=4,
                                        messages=[{"role": "user", "content": f"n{i}"}])
-    _wait_until(lambda: _metric(proxy.url, "tracetap_capture_queue_depth") == 22,
+    wait_until(lambda: _metric(proxy.url, "tracetap_capture_queue_depth") == 22,
                 "every call journaled")
     proxy.signal(signal.SIGKILL)
     assert proxy.wait() == -signal.SIGKILL
@@ -157,7 +156,7 @@ def _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, 
     forwarder.start()
 
     restarted = run_proxy(engine.url, forwarder.route(fresh_postgres), data_dir=data_dir)
-    _wait_until(lambda: _metric(restarted.url, "tracetap_capture_queue_depth") == 0
+    wait_until(lambda: _metric(restarted.url, "tracetap_capture_queue_depth") == 0
                 and not list((data_dir / "journal").glob("*.seg")), "the replay")
     contents = sorted(json.loads(c["request"])["messages"][0]["content"]
                       for c in stored_calls(fresh_postgres, "normal"))
@@ -190,10 +189,3 @@ def _journal_one(data_dir, episode_id: str) -> None:
 def _metric(url: str, name: str) -> float:
     found = re.search(rf"^{name} (\S+)$", metrics_text(url), re.MULTILINE)
     return float(found.group(1)) if found else -1.0
-
-
-def _wait_until(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)  # polling a condition; the assertions are on the data

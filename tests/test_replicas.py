@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pyarrow.dataset as ds
+from helpers.http import finish
 from helpers.servers import stored_calls
 
 from tracetap.exporters import export
@@ -32,10 +33,6 @@ def _episode(base_urls: list[str]) -> None:
             messages.append({"role": "user", "content": "And once more?"})
 
 
-def _finish(proxy, episode: str) -> None:
-    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
-
-
 def test_an_episode_alternating_between_replicas_exports_like_one_proxy(
         engine, fresh_postgres, run_proxy, tmp_path):
     upgrade(fresh_postgres)
@@ -43,8 +40,8 @@ def test_an_episode_alternating_between_replicas_exports_like_one_proxy(
     b = run_proxy(engine.url, fresh_postgres, data_dir=tmp_path / "b")
     _episode([a.episode_url("split"), b.episode_url("split")])
     _episode([a.episode_url("single")])
-    _finish(a, "split")
-    _finish(b, "single")
+    finish(a, "split")
+    finish(b, "single")
     a.stop()
     b.stop()  # SIGTERM: both flush everything they captured
 

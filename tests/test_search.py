@@ -12,52 +12,32 @@ import subprocess
 import sys
 
 import pytest
+from helpers.search_calls import (
+    T0,
+    chat,
+    conversation,
+    index_nothing,
+    matching,
+)
 from sqlalchemy import func, select
 
 from tracetap.migrations import upgrade
-from tracetap.storage import browse, queries, retention, search
+from tracetap.storage import queries, retention, search
 from tracetap.storage.engine import create_engine
-from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.search_text import call_text
 from tracetap.storage.tables import CallText
-from tracetap.viewer.search import Where, conditions, parse_where
-
-T0 = 1_700_000_000.0
-
-
-def _chat(call_id: str, episode: str | None, messages: list[dict], answer: str, *,
-          model: str = "m1", policy: str | None = None, error: str | None = None,
-          t: float = T0) -> CallRecord:
-    choices = [] if error else [ChoiceRecord(index=0, finish_reason="stop", text=answer,
-                                             token_source="engine")]
-    return CallRecord(call_id=call_id, episode_id=episode, endpoint="chat.completions",
-                      t_start=t, t_end=t + 1, status="ok" if not error else "upstream_error",
-                      http_status=200 if not error else 500, instance="i", model=model,
-                      policy_version=policy, error=error, choices=choices,
-                      request=json.dumps({"model": model, "messages": messages}))
-
-
-SYSTEM = {"role": "system", "content": "You are a careful agent. Zebracorn rules apply."}
-
-
-def _conversation(episode: str, observation: str, **kw) -> list[CallRecord]:
-    first = [SYSTEM, {"role": "user", "content": "fix the failing test"}]
-    second = [*first, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "t1", "type": "function", "function": {"name": "shell",
-                                                      "arguments": '{"cmd": "pytest -x"}'}}]},
-              {"role": "tool", "tool_call_id": "t1", "content": observation}]
-    return [_chat(f"{episode}-0", episode, first, "let me run the tests", **kw),
-            _chat(f"{episode}-1", episode, second, "done", t=T0 + 2, **kw)]
+from tracetap.viewer.search import parse_where
 
 
 def test_a_call_indexes_its_new_turn_not_the_history_it_resends():
-    first, second = _conversation("e", "FileNotFoundError: conftest.py")
+    first, second = conversation("e", "FileNotFoundError: conftest.py")
     assert "Zebracorn" in call_text(first) and "fix the failing" in call_text(first)
     text = call_text(second)
     assert "Zebracorn" not in text and "fix the failing" not in text  # resent: not again
     assert "FileNotFoundError" in text and "pytest -x" in text and "done" in text
-    failed = _chat("x", "e", [{"role": "user", "content": "hi"}], "", error="upstream 502")
+    failed = chat("x", "e", [{"role": "user", "content": "hi"}], "", error="upstream 502")
     assert "upstream 502" in call_text(failed)
     messages = CallRecord(call_id="a", episode_id="e", endpoint="messages", t_start=T0,
                           status="ok", http_status=200, instance="i", request=json.dumps({
@@ -86,32 +66,12 @@ async def _seed(engine) -> None:
         await queries.create_episode(engine, episode_id=episode, key_hash=episode,
                                      group_id=None, task_id="t", harness_name="h",
                                      harness_config=harness_config, metadata=metadata)
-    records = [*_conversation("alpha", "FileNotFoundError: conftest.py", policy="v1"),
-               *_conversation("beta", "No space left on device", model="m2", policy="v2"),
-               _chat("gamma-0", "gamma", [{"role": "user", "content": "hello"}], "",
-                     error="upstream timed out after 30 s")]
+    records = [*conversation("alpha", "FileNotFoundError: conftest.py", policy="v1"),
+               *conversation("beta", "No space left on device", model="m2", policy="v2"),
+               chat("gamma-0", "gamma", [{"role": "user", "content": "hello"}], "",
+                    error="upstream timed out after 30 s")]
     await insert_calls(engine, records)
     await insert_calls(engine, records)  # a journal replayed: indexed once
-
-
-NOWHERE = Where()
-
-
-async def _ids(engine, text: str | None, where: Where = NOWHERE) -> list[str]:
-    """The matching episodes, found both ways: through the subquery, and with each term's
-    episodes looked up first (search.resolved_conditions); the two must agree."""
-    terms = search.parse_terms(text) if text else None
-    query = browse.EpisodeQuery(sort="id", descending=False)
-    found = await browse.episode_page(
-        engine, query, extra=conditions(engine.dialect.name, terms, where), count_cap=1000)
-    if terms is not None:
-        resolved = await browse.episode_page(
-            engine, query, count_cap=1000, extra=conditions(
-                engine.dialect.name, terms, where, await search.resolved_conditions(
-                    engine, terms)))
-        assert [r.id for r in resolved.rows] == [r.id for r in found.rows]
-        assert resolved.total == found.total
-    return [r.id for r in found.rows]
 
 
 def test_search_and_filters_on_both_databases(db_url):
@@ -124,7 +84,7 @@ async def _search_and_filters(db_url: str) -> None:
         await _seed(engine)
         async with engine.connect() as conn:
             assert (await conn.execute(select(func.count()).select_from(CallText))).scalar() == 5
-        ids = functools.partial(_ids, engine)
+        ids = functools.partial(matching, engine)
         assert await ids("zebracorn") == ["alpha", "beta"]  # case-insensitive, whole word
         assert await ids("filenotfounderror") == ["alpha"]  # tool output
         assert await ids('"no space left"') == ["beta"]  # a phrase
@@ -173,10 +133,10 @@ def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind)
         import tracetap.storage.rows as rows
         engine = create_engine(url)
         saved = rows.index_calls
-        rows.index_calls = _nothing
+        rows.index_calls = index_nothing
         try:
-            await insert_calls(engine, _conversation("old", "SegfaultGremlin at 0x0"))
-            await insert_calls(engine, [_chat("old-2", "old", [], "", error="x")])
+            await insert_calls(engine, conversation("old", "SegfaultGremlin at 0x0"))
+            await insert_calls(engine, [chat("old-2", "old", [], "", error="x")])
         finally:
             rows.index_calls = saved
             await engine.dispose()
@@ -186,15 +146,11 @@ def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind)
     async def found():
         engine = create_engine(url)
         try:
-            return [await _ids(engine, "segfaultgremlin"), await _ids(engine, "zebracorn"),
-                    await _ids(engine, '"gremlin at"')]
+            return [await matching(engine, "segfaultgremlin"), await matching(engine, "zebracorn"),
+                    await matching(engine, '"gremlin at"')]
         finally:
             await engine.dispose()
     assert asyncio.run(found()) == [["old"], ["old"], []]
-
-
-async def _nothing(*_args) -> None:
-    return None
 
 
 def test_search_bench_stays_runnable(postgres):

@@ -10,8 +10,13 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from alembic import command
+from helpers.search_calls import (
+    chat,
+    conversation,
+    index_nothing,
+    matching,
+)
 from sqlalchemy import func, inspect, select, text
-from test_search import _chat, _conversation, _ids, _nothing
 
 from tracetap.migrations import alembic_config, upgrade
 from tracetap.storage import retention, search, search_index
@@ -63,11 +68,11 @@ async def _old_writer(url: str) -> None:
     """Calls stored before 0011 (no call_text yet): the backfill indexes them."""
     import tracetap.storage.rows as rows
     saved = rows.index_calls
-    rows.index_calls = _nothing
+    rows.index_calls = index_nothing
     try:
         await _with_engine(url, lambda engine: insert_calls(engine, [
-            *_conversation("old", "SegfaultGremlin at 0x0"),
-            _chat("old-2", "old", [], "", error="upstream refused: quota")]))
+            *conversation("old", "SegfaultGremlin at 0x0"),
+            chat("old-2", "old", [], "", error="upstream refused: quota")]))
     finally:
         rows.index_calls = saved
 
@@ -95,8 +100,8 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
         assert "ix_call_text_document" in compact["index"]
 
     async def found(engine):
-        return [await _ids(engine, w) for w in ("segfaultgremlin", "zebracorn", "quota",
-                                                '"gremlin at"', "nosuchword")]
+        return [await matching(engine, w) for w in ("segfaultgremlin", "zebracorn", "quota",
+                                                    '"gremlin at"', "nosuchword")]
     assert _run(url, found) == [["old"], ["old"], ["old"], [], []]
 
     command.downgrade(alembic_config(url), "0011")
@@ -107,8 +112,8 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
     async def bodies(engine):
         async with engine.connect() as conn:
             return dict((await conn.execute(text("SELECT call_id, body FROM call_text"))).all())
-    stored = [*_conversation("old", "SegfaultGremlin at 0x0"),
-              _chat("old-2", "old", [], "", error="upstream refused: quota")]
+    stored = [*conversation("old", "SegfaultGremlin at 0x0"),
+              chat("old-2", "old", [], "", error="upstream refused: quota")]
     records = {r.call_id: r for r in stored}
     assert _run(url, bodies) == {c: call_text(r) for c, r in records.items()}
     upgrade(url)  # and up again
@@ -123,18 +128,18 @@ def seeded(request, tmp_path) -> str:
     async def seed(engine):
         await insert_calls(engine, [
             # "alpha beta" in one call as a phrase, "beta ... alpha" apart in another
-            _chat("p-0", "adjacent", [{"role": "user", "content": "beta first. Then Alpha-Beta "
+            chat("p-0", "adjacent", [{"role": "user", "content": "beta first. Then Alpha-Beta "
                                                                    "together"}], "ok"),
-            _chat("s-0", "split", [{"role": "user", "content": "only alpha here"}], "ok"),
-            _chat("s-1", "split", [{"role": "user", "content": "only beta here"}], "ok", t=2e9),
-            _chat("r-0", "reversed", [{"role": "user", "content": "beta then alpha"}], "ok")])
+            chat("s-0", "split", [{"role": "user", "content": "only alpha here"}], "ok"),
+            chat("s-1", "split", [{"role": "user", "content": "only beta here"}], "ok", t=2e9),
+            chat("r-0", "reversed", [{"role": "user", "content": "beta then alpha"}], "ok")])
     _run(url, seed)
     return url
 
 
 def test_a_phrase_is_all_its_words_in_one_call(seeded):
     async def work(engine):
-        return (await _ids(engine, '"alpha beta"'), await _ids(engine, "alpha beta"),
+        return (await matching(engine, '"alpha beta"'), await matching(engine, "alpha beta"),
                 await search.snippets(engine, search.parse_terms('"alpha beta"'),
                                       ["adjacent", "reversed"]))
     phrase, words, snippets = _run(seeded, work)
@@ -162,8 +167,8 @@ def test_snippets_come_from_the_stored_call(seeded):
 
 
 def test_recomputed_text_is_what_the_writer_indexed(db_url):
-    records = [*_conversation("e", "FileNotFoundError: conftest.py"),
-               _chat("x", "e", [{"role": "user", "content": "x\x00y"}], "", error="boom")]
+    records = [*conversation("e", "FileNotFoundError: conftest.py"),
+               chat("x", "e", [{"role": "user", "content": "x\x00y"}], "", error="boom")]
     upgrade(db_url)
 
     async def work(engine):
@@ -189,7 +194,7 @@ def test_prune_takes_the_postings_with_the_calls(seeded):
         async with engine.connect() as conn:
             rows = (await conn.execute(select(func.count()).select_from(CallText))).scalar()
         after = await _postings(engine, "only") if sqlite else None
-        found = [await _ids(engine, w) for w in ("only", "alpha", '"alpha beta"')]
+        found = [await matching(engine, w) for w in ("only", "alpha", '"alpha beta"')]
         return sqlite, before, after, rows, found
     sqlite, before, after, rows, found = _run(seeded, work)
     assert rows == 2
@@ -203,16 +208,16 @@ def test_a_posting_without_its_row_finds_nothing_and_ids_are_not_reused(tmp_path
     upgrade(url)
 
     async def work(engine):
-        await insert_calls(engine, [_chat("a-0", "a", [{"role": "user", "content": "kiwi"}], "")])
+        await insert_calls(engine, [chat("a-0", "a", [{"role": "user", "content": "kiwi"}], "")])
         async with engine.begin() as conn:
             top = (await conn.execute(select(func.max(CallText.id)))).scalar()
             # A row gone without its postings (as when its text could not be recomputed)
             await conn.execute(CallText.__table__.delete())
-        assert await _ids(engine, "kiwi") == []
-        await insert_calls(engine, [_chat("b-0", "b", [{"role": "user", "content": "fig"}], "")])
+        assert await matching(engine, "kiwi") == []
+        await insert_calls(engine, [chat("b-0", "b", [{"role": "user", "content": "fig"}], "")])
         async with engine.connect() as conn:
             new = (await conn.execute(select(CallText.id))).scalar()
-        return top, new, await _ids(engine, "kiwi"), await _ids(engine, "fig")
+        return top, new, await matching(engine, "kiwi"), await matching(engine, "fig")
     top, new, kiwi, fig = _run(url, work)
     assert new > top  # the stale posting names no row that exists
     assert kiwi == [] and fig == ["b"]
@@ -221,7 +226,7 @@ def test_a_posting_without_its_row_finds_nothing_and_ids_are_not_reused(tmp_path
 def test_a_journal_replayed_then_pruned_leaves_no_posting(tmp_path):
     url = f"sqlite:///{tmp_path / 'replay.db'}"
     upgrade(url)
-    records = _conversation("e", "FileNotFoundError: conftest.py")
+    records = conversation("e", "FileNotFoundError: conftest.py")
 
     async def work(engine):
         await insert_calls(engine, records)
@@ -238,10 +243,10 @@ def test_the_index_turned_off_writes_no_rows(db_url):
     upgrade(db_url)
 
     async def work(engine):
-        await insert_calls(engine, _conversation("e", "No space left"), search_index=False)
+        await insert_calls(engine, conversation("e", "No space left"), search_index=False)
         async with engine.connect() as conn:
             rows = (await conn.execute(select(func.count()).select_from(CallText))).scalar()
-        return rows, await _ids(engine, "zebracorn")
+        return rows, await matching(engine, "zebracorn")
     assert _run(db_url, work) == (0, [])
 
 
@@ -273,7 +278,7 @@ def test_the_writer_turned_off_indexes_nothing(tmp_path):
             journal = Journal(tmp_path / f"journal-{on}", max_bytes=1 << 20)
             writer = Writer(engine, journal, search_index=on)
             writer.start()
-            for record in _conversation(f"e-{on}", "No space left"):
+            for record in conversation(f"e-{on}", "No space left"):
                 writer.submit(record)
             while writer.pending:
                 await asyncio.sleep(0.01)
@@ -291,7 +296,7 @@ def test_the_search_page_says_the_index_is_off_and_finds_ids(tmp_path):
 
     async def work():
         await _with_engine(url, lambda engine: insert_calls(
-            engine, [*_conversation("ep-alpha", "zebra"), *_conversation("ep-beta", "zebra")],
+            engine, [*conversation("ep-alpha", "zebra"), *conversation("ep-beta", "zebra")],
             search_index=False))
         pages = {}
         for indexed in (False, True):
@@ -322,8 +327,8 @@ def test_postgres_stores_exactly_the_words_of_the_text(fresh_postgres):
     and a text with no word at all stores an empty tsvector."""
     tricky = ("Grüße Ünïcode naïve 42 x2y\tTab\nnew\u00a0nbsp\u2003em_space a-b c.d "
               + "y" * 200 + " " + "z" * 201 + " \"quoted\" back\\slash 'tick' colon:1")
-    calls = [_chat("c-words", "ep-words", [{"role": "user", "content": tricky}], "Antwort"),
-             _chat("c-none", "ep-words", [{"role": "user", "content": "... !!! ---"}], "?")]
+    calls = [chat("c-words", "ep-words", [{"role": "user", "content": tricky}], "Antwort"),
+             chat("c-none", "ep-words", [{"role": "user", "content": "... !!! ---"}], "?")]
     upgrade(fresh_postgres)
 
     async def work(engine):

@@ -10,11 +10,10 @@ import re
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from array import array
 
 import pytest
+from helpers.http import get_page
 from helpers.loop import free_port
 from sqlalchemy import update
 
@@ -253,40 +252,22 @@ def test_bad_filters_are_named():
     assert query.since == 1699999980.0 and query.offset == 50
 
 
-def _get(url: str, token: str | None = None, accept: str = "text/html"):
-    headers = {"Accept": accept}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):
-            return None
-
-    opener = urllib.request.build_opener(NoRedirect)
-    try:
-        with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as reply:
-            return reply.status, dict(reply.headers), reply.read().decode()
-    except urllib.error.HTTPError as err:
-        with err:  # its connection closes now, not at some later garbage collection
-            return err.code, dict(err.headers), err.read().decode()
-
-
 def test_the_proxy_serves_the_viewer_only_to_its_admin_token(proxy):
     created = proxy.admin("POST", "/tracetap/episodes", {"id": "ep-1"})[1]
-    status, headers, _ = _get(proxy.url + UI + "/")
+    status, headers, _ = get_page(proxy.url + UI + "/")
     assert status == 303 and headers["Location"].startswith(UI + "/login?next=")
-    assert _get(proxy.url + UI + "/", accept="*/*")[0] == 401
-    assert _get(proxy.url + UI + "/", token="wrong")[0] == 303
-    status, _, body = _get(proxy.url + UI + "/", token=created["api_key"])
+    assert get_page(proxy.url + UI + "/", accept="*/*")[0] == 401
+    assert get_page(proxy.url + UI + "/", token="wrong")[0] == 303
+    status, _, body = get_page(proxy.url + UI + "/", token=created["api_key"])
     assert status == 403 and "Episode API keys" in body
-    status, headers, body = _get(proxy.url + UI + "/", token=proxy.admin_token)
+    status, headers, body = get_page(proxy.url + UI + "/", token=proxy.admin_token)
     assert status == 200 and "ep-1" in body
     assert "unsafe-inline" not in headers["Content-Security-Policy"]
     assert headers["X-Frame-Options"] == "DENY"
-    status, _, body = _get(proxy.url + UI + "/?reward_min=lots", token=proxy.admin_token)
+    status, _, body = get_page(proxy.url + UI + "/?reward_min=lots", token=proxy.admin_token)
     assert status == 400 and "reward_min must be a number" in body
-    assert _get(proxy.url + UI + "/episodes/nope", token=proxy.admin_token)[0] == 404
-    status, _, body = _get(proxy.url + UI + "/static/app.js")  # assets need no session
+    assert get_page(proxy.url + UI + "/episodes/nope", token=proxy.admin_token)[0] == 404
+    status, _, body = get_page(proxy.url + UI + "/static/app.js")  # assets need no session
     assert status == 200 and "textContent" in body
 
 
@@ -303,9 +284,9 @@ def test_with_an_admin_listener_the_agent_port_has_no_viewer(loop_thread, engine
     proxy = Proxy(loop_thread, settings).start()
     try:
         loop_thread.run(web.TCPSite(proxy.runner, "127.0.0.1", admin_port).start())
-        assert _get(proxy.url + UI + "/", token="T0k")[0] == 404
-        assert _get(proxy.url + UI + "/login")[0] == 404
-        status, _, body = _get(f"http://127.0.0.1:{admin_port}{UI}/", token="T0k")
+        assert get_page(proxy.url + UI + "/", token="T0k")[0] == 404
+        assert get_page(proxy.url + UI + "/login")[0] == 404
+        status, _, body = get_page(f"http://127.0.0.1:{admin_port}{UI}/", token="T0k")
         assert status == 200 and "No episodes yet" in body
     finally:
         proxy.stop()
@@ -329,7 +310,7 @@ def test_tracetap_ui_browses_a_database_without_a_proxy(tmp_path, db_url):
         deadline = time.monotonic() + 30
         while True:
             try:
-                status = _get(url, accept="*/*")[0]
+                status = get_page(url, accept="*/*")[0]
                 break
             except OSError:
                 assert process.poll() is None, log.read_text()
@@ -337,9 +318,9 @@ def test_tracetap_ui_browses_a_database_without_a_proxy(tmp_path, db_url):
                 time.sleep(0.05)  # polling for readiness
         assert status == 401
         token = (tmp_path / "data" / "admin-token").read_text().strip()
-        status, _, body = _get(url + "?group=grp", token=token)
+        status, _, body = get_page(url + "?group=grp", token=token)
         assert status == 200 and "g-1" in body and "solo" not in body
-        status, _, body = _get(url.replace(UI + "/", UI + "/episodes/g-1"), token=token)
+        status, _, body = get_page(url.replace(UI + "/", UI + "/episodes/g-1"), token=token)
         assert status == 200 and "task-a" in body
         assert "admin-token" in log.read_text()
     finally:
@@ -418,7 +399,7 @@ def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
 
     config = ViewerConfig(database_url=f"sqlite:///{tmp_path / 'gone.db'}")
     url = serve_app(build_viewer(config, Access(lambda _request: "tok"), mounted=False))
-    status, _, body = _get(url + UI + "/", token="tok")
+    status, _, body = get_page(url + UI + "/", token="tok")
     assert status == 503 and "no database at" in body
 
 
@@ -437,10 +418,10 @@ def test_demo_ui_keeps_the_viewer_up_and_says_where_to_look(tmp_path):
         token = re.search(r"admin token: (\S+)", text).group(1)
         failed = re.search(r"failed episodes:\s+(\S+)", text).group(1)
         split = re.search(r"why the rewrite split:\s+(\S+)", text).group(1)
-        status, _, body = _get(failed, token=token)
+        status, _, body = get_page(failed, token=token)
         assert status == 200 and 'class="id"' in body
         assert all(o == "failed" for o in re.findall(r"<td>(solved|partial|failed)</td>", body))
-        status, _, body = _get(split.split("#")[0], token=token)
+        status, _, body = get_page(split.split("#")[0], token=token)
         assert status == 200 and "Why row 2 split: <code>non_prefix</code>" in body
         demo.terminate()
         assert demo.wait(30) == 0

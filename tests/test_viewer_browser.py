@@ -6,180 +6,31 @@ hostile agent); each test opens pages as a user would and checks what a user che
 Skipped only when chromium (or Playwright) is missing and CI is not set.
 """
 
+# ruff: noqa: F811 - the tests take helpers.viewer_site's fixtures by name
+
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-import anthropic
 import openai
-import pyarrow.parquet as pq
 import pytest
-from helpers.loop import LoopThread, free_port
-from helpers.servers import Proxy
+from helpers.http import register
 
-from tracetap.demo.agent import run_agent
-from tracetap.demo.api_agents import run_messages_agent, run_responses_agent
-from tracetap.demo.engine import EngineConfig, EngineServer
-from tracetap.demo.runner import MODEL, plan_episodes
-from tracetap.exporters import export
-from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
-
-CHROMIUM = shutil.which("chromium")
-try:
-    from playwright.sync_api import Page, expect, sync_playwright
-except ImportError:  # pragma: no cover - the test extra installs it
-    sync_playwright = None
-
-if sync_playwright is None or CHROMIUM is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI needs Playwright and Debian's chromium for the viewer tests "
-                           "(.ci/run installs both)")
-    pytest.skip("chromium or playwright is not installed", allow_module_level=True)
-
-TOKEN = "viewer-test-admin-token"
-RUN = "v1"
-UI = "/tracetap/ui"
-XSS_TEXT = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
-XSS_LINK = '<a href="javascript:window.__xss = 3">click me</a> javascript:window.__xss=4'
-HUGE = "A" * 300_000  # one unbroken word, far wider than any screen
-
-
-@dataclass
-class Site:
-    proxy: Proxy
-    url: str
-    plans: dict  # episode id -> demo Plan
-    rows: dict[str, list[dict]]  # episode id -> exported trajectory rows, in order
-    outcomes: dict[str, str]
-
-
-def _finish(proxy: Proxy, episode_id: str, reward: float, outcome: str) -> None:
-    status, _ = proxy.admin("POST", f"/tracetap/episodes/{episode_id}/finish",
-                            {"reward": reward, "rewards": {"keywords": reward},
-                             "outcome": outcome})
-    assert status == 200
-
-
-def _register(proxy: Proxy, episode_id: str, **fields) -> dict:
-    status, created = proxy.admin("POST", "/tracetap/episodes", {"id": episode_id, **fields})
-    assert status == 201, created
-    return created
-
-
-def _capture_episodes(proxy: Proxy, loop: LoopThread) -> tuple[dict, dict]:
-    plans = {p.id: p for phase in plan_episodes(RUN, 1) for p in phase}
-    outcomes = {}
-    for plan in plans.values():
-        created = _register(proxy, plan.id, group_id=plan.group_id, task_id=plan.task.id,
-                            harness={"name": "tracetap-demo-agent",
-                                     "config": {"variant": plan.variant}})
-
-        async def agent(created=created, plan=plan):
-            extra_body = {"mock_tool_rounds": plan.tool_rounds}
-            if plan.api == "messages":
-                client = anthropic.AsyncAnthropic(
-                    base_url=created["base_url"].removesuffix("/v1"),
-                    api_key=created["api_key"], max_retries=0)
-                async with client:
-                    return await run_messages_agent(client, plan.task, model=MODEL)
-            client = openai.AsyncOpenAI(base_url=created["base_url"],
-                                        api_key=created["api_key"], max_retries=0)
-            async with client:
-                if plan.api == "responses":
-                    return await run_responses_agent(client, plan.task, model=MODEL,
-                                                     extra_body=extra_body)
-                return await run_agent(client, plan.task, model=MODEL, seed=plan.seed,
-                                       rewrite_at=plan.rewrite_at, extra_body=extra_body)
-
-        result = loop.run(agent())
-        outcomes[plan.id] = result.outcome()
-        _finish(proxy, plan.id, result.reward(), result.outcome())
-    client = openai.OpenAI(base_url=proxy.episode_url("alts"), api_key="unused", max_retries=0)
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                   logprobs=True, top_logprobs=3)
-    broken = openai.OpenAI(base_url=proxy.episode_url("broken"), api_key="x", max_retries=0)
-    with pytest.raises(openai.InternalServerError):
-        broken.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       extra_body={"mock_status": 500})
-    # A hostile agent: markup, script URLs and an oversized word through a real call.
-    created = _register(proxy, "hostile", task_id="<img src=x onerror=alert(1)>",
-                        harness={"name": "<script>window.__xss = 5</script>"})
-    hostile = openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"],
-                            max_retries=0)
-    hostile.chat.completions.create(model=MODEL, messages=[
-        {"role": "system", "content": XSS_TEXT},
-        {"role": "user", "content": XSS_LINK + " " + HUGE}])
-    _finish(proxy, "hostile", 0.0, "</dd><script>window.__xss = 6</script>")
-    return plans, outcomes
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Iterator[Site]:
-    data = tmp_path_factory.mktemp("viewer")
-    loop = LoopThread()
-    engine = EngineServer(EngineConfig(model=MODEL))
-    loop.run(engine.start())
-    settings = Settings(upstream=engine.url, db=f"sqlite:///{data / 'tracetap.db'}",
-                        data_dir=str(data), port=free_port(), upstream_flavor="auto",
-                        admin_token=TOKEN)
-    upgrade(settings.database_url)
-    proxy = Proxy(loop, settings).start()
-    try:
-        plans, outcomes = _capture_episodes(proxy, loop)
-        proxy.flush()
-        export(settings.database_url, data / "export", finished_only=False, overwrite=True,
-               datasets=["trajectories"])
-        rows: dict[str, list[dict]] = {}
-        for row in pq.read_table(data / "export" / "trajectories").to_pylist():
-            rows.setdefault(row["episode_id"], []).append(row)
-        yield Site(proxy, proxy.url + UI, plans, rows, outcomes)
-    finally:
-        proxy.stop()
-        loop.run(engine.close())
-        loop.close()
-
-
-@pytest.fixture(scope="module")
-def browser(site):
-    # After the site: Playwright's sync API keeps an event loop running in this thread,
-    # and the site's setup (migrations, export) runs loops of its own.
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture(scope="module")
-def session_state(browser, site) -> dict:
-    context = browser.new_context()
-    page = context.new_page()
-    page.goto(site.url + "/")
-    page.fill("#token", TOKEN)
-    page.click("button[type=submit]")
-    expect(page.locator("h1")).to_have_text("Episodes")
-    state = context.storage_state()
-    context.close()
-    return state
-
-
-@pytest.fixture
-def page(browser, session_state) -> Iterator[Page]:
-    context = browser.new_context(storage_state=session_state,
-                                  viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    dialogs: list[str] = []
-    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-    page.dialogs = dialogs
-    yield page
-    context.close()
-
-
-def _of(site: Site, variant: str) -> list[str]:
-    return [i for i, p in site.plans.items() if p.variant == variant]
+# Importing the bench skips this module without chromium or Playwright (fails in CI).
+from helpers.viewer_site import (  # noqa: F401 - fixtures, used by name
+    HUGE,
+    MODEL,
+    TOKEN,
+    UI,
+    XSS_LINK,
+    XSS_TEXT,
+    Page,
+    Site,
+    browser,
+    expect,
+    of_variant,
+    page,
+    session_state,
+    site,
+)
 
 
 def test_login_needs_the_admin_token_and_sets_a_strict_httponly_cookie(browser, site):
@@ -190,7 +41,7 @@ def test_login_needs_the_admin_token_and_sets_a_strict_httponly_cookie(browser, 
     page.fill("#token", "not-the-token")
     page.click("button[type=submit]")
     expect(page.locator(".error")).to_contain_text("Not the admin token")
-    created = _register(site.proxy, "key-holder")
+    created = register(site.proxy, "key-holder")
     page.fill("#token", created["api_key"])
     page.click("button[type=submit]")
     expect(page.locator(".error")).to_contain_text("episode API key")
@@ -243,7 +94,7 @@ def _reward_text(site: Site, episode_id: str) -> str:
 
 
 def test_groups_show_their_rewards_side_by_side(page, site):
-    group = _of(site, "group")
+    group = of_variant(site, "group")
     page.goto(site.url + "/groups")
     chips = page.locator("table.groups .group-rewards a")
     expect(chips).to_have_count(len(group))
@@ -255,7 +106,7 @@ def test_groups_show_their_rewards_side_by_side(page, site):
 
 
 def test_token_view_shows_exactly_the_exported_trained_tokens(page, site):
-    for episode_id in (*_of(site, "append-only"), *_of(site, "context-rewrite")):
+    for episode_id in (*of_variant(site, "append-only"), *of_variant(site, "context-rewrite")):
         exported = site.rows[episode_id]
         for index, row in enumerate(exported):
             page.goto(f"{site.url}/episodes/{episode_id}?t={index}&n=8192")
@@ -268,7 +119,7 @@ def test_token_view_shows_exactly_the_exported_trained_tokens(page, site):
 
 
 def test_the_rewritten_episode_says_why_it_split_and_where(page, site):
-    (episode_id,) = _of(site, "context-rewrite")
+    (episode_id,) = of_variant(site, "context-rewrite")
     reasons = [r["split_reason"] for r in site.rows[episode_id]]
     assert reasons == [None, "non_prefix"]
     page.goto(f"{site.url}/episodes/{episode_id}")
@@ -306,7 +157,7 @@ def test_hover_and_keys_show_a_tokens_id_text_logprob_and_alternatives(page, sit
 
 
 def test_episode_and_call_pages_show_calls_timings_and_bodies(page, site):
-    (episode_id,) = _of(site, "context-rewrite")
+    (episode_id,) = of_variant(site, "context-rewrite")
     page.goto(f"{site.url}/episodes/{episode_id}")
     calls = page.locator("table.calls tbody tr")
     expect(calls).to_have_count(len(site.proxy.calls(episode_id)))
@@ -332,7 +183,7 @@ def _one_chat_call(site: Site, episode_id: str) -> None:
                                               ("messages-api", "messages:chat")])
 def test_responses_and_messages_episodes_read_as_conversations(page, site, variant,
                                                                endpoint):
-    (episode_id,) = _of(site, variant)
+    (episode_id,) = of_variant(site, variant)
     page.goto(f"{site.url}/episodes/{episode_id}")
     expect(page.locator("table.calls tbody tr").first).to_contain_text(endpoint)
     turns = page.locator(".turns")

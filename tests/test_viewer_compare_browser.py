@@ -1,54 +1,36 @@
 """Compare pages, the coverage heatmap and low-probability navigation in a real Chromium.
 
-Reuses test_viewer_browser's captured site (the demo's episodes through a real proxy),
-plus a batch of finished episodes of two harness variants on the same tasks for the
-variant comparison and the heatmap. Fails, never skips, in CI without chromium.
+Reuses the viewer tests' captured site (tests/helpers/viewer_site.py: the demo's episodes
+through a real proxy), plus a batch of finished episodes of two harness variants on the
+same tasks for the variant comparison and the heatmap (``variants_site``). Fails, never skips, in CI
+without chromium.
 """
 
-# ruff: noqa: F811 - the tests take test_viewer_browser's fixtures by name
+# ruff: noqa: F811 - the tests take helpers.viewer_site's fixtures by name
 
 from __future__ import annotations
 
 import itertools
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-# Through test_viewer_browser: it fails in CI (skips elsewhere) without Playwright/chromium.
-from test_viewer_browser import (  # noqa: F401 - fixtures, used by name
+# Importing the bench skips this module without chromium or Playwright (fails in CI).
+from helpers.viewer_site import (  # noqa: F401 - fixtures, used by name
     UI,
     Page,
-    Site,
-    _finish,
-    _of,
-    _register,
     browser,
+    compare_in_thread,
     expect,
+    of_variant,
     page,
     session_state,
     site,
+    variants_site,
 )
 
 LN_P = math.log(0.2)  # the page's default threshold
-# (task, baseline reward, candidate reward): t1 and t2 fixed, t3 broken, t4 and t5 unchanged
-BATCH = [("t1", 0.0, 1.0), ("t2", 0.0, 1.0), ("t3", 1.0, 0.0), ("t4", 1.0, 1.0),
-         ("t5", 0.0, 0.0)]
-
-
-@pytest.fixture(scope="module")
-def variants_site(site) -> Site:
-    for task, base, cand in BATCH:
-        for harness, reward, retries in (("base-h", base, "1"), ("cand-h", cand, "2")):
-            eid = f"v-{harness}-{task}"
-            _register(site.proxy, eid, task_id=task, metadata={"batch": "h29"},
-                      harness={"name": harness, "config": {"ctx": harness[:4],
-                                                           "retries": retries}})
-            _finish(site.proxy, eid, reward, "solved" if reward else "failed")
-    return site
-
-
 def _no_overflow(page: Page) -> None:
     width = page.evaluate("() => document.scrollingElement.scrollWidth")
     assert width <= page.viewport_size["width"], f"page is {width} px wide"
@@ -63,7 +45,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def test_ticking_two_episodes_compares_them_side_by_side(page, site):
-    first, second = _of(site, "append-only")[0], _of(site, "context-rewrite")[0]
+    first, second = of_variant(site, "append-only")[0], of_variant(site, "context-rewrite")[0]
     page.goto(site.url + "/?limit=100")
     page.locator(f"input[name=e][value='{first}']").check()
     page.locator("#compare-ticked").click()
@@ -96,7 +78,7 @@ def test_ticking_two_episodes_compares_them_side_by_side(page, site):
 
 
 def test_two_rows_of_one_episode_part_where_the_split_box_says(page, site):
-    (episode_id,) = _of(site, "context-rewrite")
+    (episode_id,) = of_variant(site, "context-rewrite")
     first, second = site.rows[episode_id]
     page.goto(f"{site.url}/episodes/{episode_id}?t=1")
     page.locator("#split-compare").click()  # the split box links to the two side by side
@@ -110,7 +92,7 @@ def test_two_rows_of_one_episode_part_where_the_split_box_says(page, site):
 
 
 def test_two_calls_compare_their_prompts_and_completions(page, site):
-    episode_id = _of(site, "append-only")[0]
+    episode_id = of_variant(site, "append-only")[0]
     page.goto(f"{site.url}/episodes/{episode_id}")
     calls = page.locator("table.calls tbody td:first-child a")
     ids = [h.rsplit("/", 1)[1] for h in calls.evaluate_all("xs => xs.map(a => a.href)")]
@@ -125,22 +107,6 @@ def test_two_calls_compare_their_prompts_and_completions(page, site):
     expect(page.locator(".error")).to_contain_text("no call 'nope'")
 
 
-def _compare_in_thread(site: Site):
-    """What `tracetap compare` computes for the same selectors (off Playwright's thread)."""
-    from tracetap.analysis.compare import compare
-    from tracetap.analysis.episodes import load
-    from tracetap.analysis.select import Success, parse_selector
-    from tracetap.storage.scan import EpisodeFilter
-
-    def go():
-        episodes = load(site.proxy.settings.database_url, EpisodeFilter(), costs=True)
-        return compare(episodes, parse_selector("harness=base-h"),
-                       [parse_selector("harness=cand-h")], success=Success(("solved",)))
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(go).result()
-
-
 def test_variant_comparison_shows_delta_its_interval_and_the_flipped_tasks(page, variants_site):
     site = variants_site
     page.goto(site.url + "/variants")
@@ -148,7 +114,7 @@ def test_variant_comparison_shows_delta_its_interval_and_the_flipped_tasks(page,
     page.fill("#v-candidate-1", "harness=cand-h")
     page.fill("#v-success", "solved")
     page.click("#variants-form button[type=submit]")
-    expected = _compare_in_thread(site).candidates[0]
+    expected = compare_in_thread(site).candidates[0]
     assert expected.delta == pytest.approx(0.2)  # (2 fixed - 1 broken) / 5 tasks
     delta = page.locator("#variants td.delta")
     assert float(delta.get_attribute("data-delta")) == pytest.approx(expected.delta)
@@ -197,7 +163,7 @@ def _low_positions(row: dict) -> list[int]:
 
 
 def test_low_probability_tokens_are_listed_and_reached_by_keys_and_buttons(page, site):
-    episode_id = _of(site, "append-only")[0]
+    episode_id = of_variant(site, "append-only")[0]
     row = site.rows[episode_id][0]
     lows = _low_positions(row)
     assert len(lows) >= 2, "the mock engine samples some unlikely tokens"
@@ -237,7 +203,7 @@ def test_low_probability_tokens_are_listed_and_reached_by_keys_and_buttons(page,
 
 
 def test_the_palette_is_colour_blind_safe_and_the_legend_shows_it(page, site):
-    episode_id = _of(site, "append-only")[0]
+    episode_id = of_variant(site, "append-only")[0]
     page.goto(f"{site.url}/episodes/{episode_id}")
     legend = page.locator(".legend .t.s")
     expect(legend).to_have_count(5)
@@ -274,7 +240,7 @@ def test_new_pages_fit_a_390_px_phone(browser, session_state, variants_site, pat
     problems: list[str] = []  # a CSP refusal or a script error shows up on the console
     page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
     page.on("pageerror", lambda e: problems.append(str(e)))
-    a, b = _of(site, "append-only")[0], _of(site, "context-rewrite")[0]
+    a, b = of_variant(site, "append-only")[0], of_variant(site, "context-rewrite")[0]
     page.goto(site.url + path.format(a=a, b=b))
     expect(page.locator("h1")).to_be_visible()
     _no_overflow(page)

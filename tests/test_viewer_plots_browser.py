@@ -14,8 +14,15 @@ import os
 from pathlib import Path
 
 import pytest
-from test_viewer_browser import browser, expect, page, session_state, site  # noqa: F401
-from test_viewer_compare_browser import _compare_in_thread, variants_site  # noqa: F401
+from helpers.viewer_site import (  # noqa: F401 - fixtures, used by name
+    browser,
+    compare_in_thread,
+    expect,
+    page,
+    session_state,
+    site,
+    variants_site,
+)
 
 from tracetap.analysis.stats import wilson
 
@@ -78,7 +85,7 @@ def test_levels_are_plotted_with_their_wilson_intervals(page, variants_site):
 def test_delta_b_is_plotted_with_its_interval_around_zero(page, variants_site):
     page.set_viewport_size({"width": 1100, "height": 900})
     page.goto(variants_site.url + VARIANTS)
-    expected = _compare_in_thread(variants_site).candidates[0]
+    expected = compare_in_thread(variants_site).candidates[0]
     rows = page.locator("#delta-plot g.row")
     expect(rows).to_have_count(1)
     row = rows.first

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from helpers.http import finish, register
 from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
 
@@ -51,18 +52,6 @@ class Site:
     usage: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # prompt, completion
 
 
-def _register(proxy: Proxy, episode_id: str, **fields) -> dict:
-    status, created = proxy.admin("POST", "/tracetap/episodes", {"id": episode_id, **fields})
-    assert status == 201, created
-    return created
-
-
-def _finish(proxy: Proxy, episode_id: str, reward: float) -> None:
-    status, _ = proxy.admin("POST", f"/tracetap/episodes/{episode_id}/finish",
-                            {"reward": reward, "outcome": "solved" if reward else "failed"})
-    assert status == 200
-
-
 def _client(created: dict) -> openai.OpenAI:
     return openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"],
                          max_retries=0)
@@ -70,7 +59,7 @@ def _client(created: dict) -> openai.OpenAI:
 
 def _tool_turn(site: Site, episode_id: str, context: str, observation: str) -> None:
     """Two calls: a task, then the tool's output after the model's tool call."""
-    created = _register(site.proxy, episode_id, group_id=f"grp-{context}", task_id="fix",
+    created = register(site.proxy, episode_id, group_id=f"grp-{context}", task_id="fix",
                         harness={"name": f"agent-{context}", "config": {"context": context}},
                         metadata={"batch": "search-test"})
     client = _client(created)
@@ -89,7 +78,7 @@ def _tool_turn(site: Site, episode_id: str, context: str, observation: str) -> N
 
 def _long_episode(site: Site) -> None:
     """LONG_CALLS append-only calls, the 20th of them failed upstream."""
-    client = _client(_register(site.proxy, "long", task_id="long-task",
+    client = _client(register(site.proxy, "long", task_id="long-task",
                                harness={"name": "agent-long", "config": {"context": "full"}}))
     messages = [{"role": "user", "content": "start"}]
     usage = site.usage.setdefault("long", [])
@@ -124,7 +113,7 @@ def site(tmp_path_factory) -> Iterator[Site]:
         _long_episode(s)
         for episode_id, reward in (("needle", 1.0), ("hay", 0.0), ("hay-2", 0.5),
                                    ("long", 1.0)):
-            _finish(proxy, episode_id, reward)
+            finish(proxy, episode_id, reward, outcome="solved" if reward else "failed")
         proxy.flush()
         yield s
     finally:

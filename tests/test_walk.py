@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.http import post
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
@@ -90,20 +89,14 @@ def proxy(loop_thread, engine, tmp_path):
     p.stop()
 
 
-def _post(url: str, body: dict) -> bytes:
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        return reply.read()
-
-
 def _walk(proxy, path: str, body: dict) -> Walk:
-    _post(proxy.url + "/episodes/warm/v1" + path, body)  # imports and connections made
+    # imports and connections made
+    assert post(proxy.url + "/episodes/warm/v1" + path, body)[0] == 200
     walk = Walk()
     loop = proxy.loop
     loop.run(_call(sys.setprofile, walk))
     try:
-        _post(proxy.url + "/episodes/walk/v1" + path, body)
+        assert post(proxy.url + "/episodes/walk/v1" + path, body)[0] == 200
     finally:
         loop.run(_call(sys.setprofile, None))
     return walk

@@ -10,11 +10,11 @@ import json
 import os
 import signal
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from helpers.http import metrics_text
+from helpers.loop import wait_until
 from helpers.servers import stored_calls
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,8 +68,7 @@ def _index(worker: str) -> str:
 
 
 def _metrics(proxy) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    text = metrics_text(proxy.url)
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
@@ -82,15 +81,6 @@ def _requests(samples, code: str) -> float:
         ("tracetap_requests_total", frozenset({"route": "chat_completions", "code": code}.items())),
         0.0,
     )
-
-
-def _wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling a condition; the assertions are on the data
-    return result
 
 
 def _stamped(calls: list[dict]) -> dict[str, str | None]:
@@ -129,7 +119,7 @@ def test_two_workers_share_pause_policy_metrics_and_drain_on_sigterm(
             samples if _requests(samples, "200") + _requests(samples, "503") == answered else None
         )
 
-    samples = _wait_until(counted, 30, "the metrics of every call")
+    samples = wait_until(counted, timeout=30, what="the metrics of every call")
     assert _requests(samples, "503") == sum(len(r) for r in refused.values())
 
     # PUT /tracetap/policy reaches the other worker within its poll interval.
@@ -195,7 +185,7 @@ def stored_calls_now(proxy, db: str, made: dict[str, list]) -> list[dict]:
         ]
         return calls if len(calls) == len(contents) else None
 
-    return _wait_until(stored, 30, "the calls to be stored")
+    return wait_until(stored, timeout=30, what="the calls to be stored")
 
 
 def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
@@ -224,8 +214,8 @@ def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
     # The supervisor starts worker 1 again; it replays its journal, and serves. Until it
     # listens the kernel hands every connection to worker 0 (on a loaded machine its
     # start takes longer than _until_both's calls), so wait for it to say it serves.
-    _wait_until(lambda: "worker 1 serves again" in proxy.log.read_text(), 60,
-                "the supervisor to restart worker 1")
+    wait_until(lambda: "worker 1 serves again" in proxy.log.read_text(),
+               "the supervisor to restart worker 1", timeout=60)
     revived = _until_both(proxy, "revived", lambda r: not isinstance(r, openai.APIError))
     assert any(_index(w) == "1" and w != victim[0] for w in revived)
 
@@ -236,7 +226,7 @@ def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
         ]
         return contents if set(completed) <= set(contents) else None
 
-    contents = _wait_until(all_stored, 30, "every completed call to be stored")
+    contents = wait_until(all_stored, timeout=30, what="every completed call to be stored")
     assert len(contents) == len(set(contents)), "a call was stored twice"
     assert sum(_index(w) == "1" for w in completed.values()) >= 6
     assert "worker 1 serves again" in proxy.log.read_text()

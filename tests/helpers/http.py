@@ -52,6 +52,27 @@ def get(url: str, *, timeout: float = 30.0) -> tuple[int, Any]:
     return request_json("GET", url, timeout=timeout)
 
 
+def get_page(url: str, token: str | None = None,
+             accept: str = "text/html") -> tuple[int, dict[str, str], str]:
+    """A GET as a browser makes it, without following redirects (the viewer's login
+    redirect is the answer under test): (status, headers, body text)."""
+    headers = {"Accept": accept}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as reply:
+            return reply.status, dict(reply.headers), reply.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:  # its connection closes now, not at some later garbage collection
+            return err.code, dict(err.headers), err.read().decode()
+
+
 def metrics_text(url: str, timeout: float = 10.0) -> str:
     """The proxy's ``/metrics`` page at base URL ``url``."""
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as reply:
@@ -84,14 +105,17 @@ def episode_headers(agent_url: str, episode_id: str) -> dict[str, str]:
     return headers
 
 
-def register(proxy, episode: str, **spec) -> None:
+def register(proxy, episode: str, **spec) -> dict:
     """Register ``episode`` with ``spec`` (group, task_id, harness, overlay...) on a
-    proxy (in-process or subprocess); it must be created."""
+    proxy (in-process or subprocess); it must be created. Returns the admin API's reply
+    (``base_url``, ``api_key``)."""
     status, reply = proxy.admin("POST", "/tracetap/episodes", {"id": episode, **spec})
     assert status == 201, reply
+    return reply
 
 
-def finish(proxy, episode: str, reward: float = 1.0) -> None:
+def finish(proxy, episode: str, reward: float = 1.0, **fields) -> None:
+    """Finish ``episode`` with ``reward`` and any other fields (outcome, rewards)."""
     status, reply = proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
-                                {"reward": reward})
+                                {"reward": reward, **fields})
     assert status == 200, reply

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 
 class LoopThread:
@@ -28,3 +29,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(condition, what: str, timeout: float = 60.0):
+    """Poll ``condition`` every 0.1 s until it returns something true, and return that;
+    fail naming ``what`` after ``timeout`` seconds. The tests' assertions are on the data
+    it returns, not on the time it took."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return result
