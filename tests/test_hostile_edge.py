@@ -21,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 from aiohttp import web
+from helpers.hostile import raw_request
 from helpers.loop import free_port
 from helpers.servers import Proxy, ProxyProcess
 
@@ -71,28 +72,6 @@ def make_proxy(loop_thread, upstream, tmp_path):
         proxy.stop()
 
 
-def _raw(proxy, method: str, path: str, headers: dict | None = None,
-         body: bytes | None = None) -> tuple[int, dict]:
-    """The exact bytes of the path on the wire: no client normalises it first."""
-    port = proxy.port if isinstance(proxy, ProxyProcess) else proxy.settings.port
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.putrequest(method, path, skip_accept_encoding=True)
-        for name, value in (headers or {}).items():
-            conn.putheader(name, value)
-        if body is not None and "Transfer-Encoding" not in (headers or {}):
-            conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        reply = conn.getresponse()
-        data = reply.read()
-    finally:
-        conn.close()
-    try:
-        return reply.status, json.loads(data)
-    except ValueError:
-        return reply.status, {"raw": data.decode(errors="replace")}
-
-
 def _metric(proxy, name: str, label: str) -> float:
     for line in proxy.state.metrics.render().decode().splitlines():
         if line.startswith(f"{name}{{{label}}}"):
@@ -120,7 +99,7 @@ ENCODED_TWICE = [
 def test_paths_encoded_more_than_once_are_refused_not_resolved(make_proxy, seen):
     proxy = make_proxy()
     for path in ENCODED_TWICE:
-        status, body = _raw(proxy, "GET", path)
+        status, body = raw_request(proxy, "GET", path)
         assert status == 400, (path, body)
         assert body["error"]["code"] == "invalid_path", path
     assert seen == []
@@ -146,7 +125,7 @@ def test_the_upstream_receives_exactly_the_checked_path(make_proxy, seen):
         ("/v1/models/50%", "/v1/models/50%25"),  # a bare % reaches the engine as one
         ("/v1/models/m?x=%2e%2e/y&z=1", "/v1/models/m?x=%2e%2e/y&z=1"),  # query: as sent
     ]:
-        _raw(proxy, "GET", path)
+        raw_request(proxy, "GET", path)
         assert seen[-1]["path"] == upstream_path, path
 
 
@@ -160,13 +139,13 @@ def test_a_prefix_rule_never_opens_engine_controls(make_proxy, seen):
                 "/resume_memory_occupation", "/server_info", "/get_server_info",
                 "/scale_elastic_ep", "/is_sleeping", "/pause"]
     for path in controls:
-        status, body = _raw(proxy, "POST", path, {"Content-Type": "application/json"}, b"{}")
+        status, body = raw_request(proxy, "POST", path, {"Content-Type": "application/json"}, b"{}")
         assert status == 404, (path, body)
         assert body["error"]["code"] == "not_exposed"
     assert seen == []
     # Named exactly by the operator: forwarded. Not a control: the prefix rule holds.
-    _raw(proxy, "POST", "/flush_cache", {"Content-Type": "application/json"}, b"{}")
-    _raw(proxy, "POST", "/generate", {"Content-Type": "application/json"}, b"{}")
+    raw_request(proxy, "POST", "/flush_cache", {"Content-Type": "application/json"}, b"{}")
+    raw_request(proxy, "POST", "/generate", {"Content-Type": "application/json"}, b"{}")
     assert [(s["method"], s["path"]) for s in seen] == [("POST", "/flush_cache"),
                                                          ("POST", "/generate")]
 
@@ -189,8 +168,8 @@ def test_identity_headers_never_reach_the_engine(make_proxy, seen):
         client.chat.completions.create(model="mock-model", messages=MESSAGES, max_tokens=2)
         client.models.list()
     # Headers the agent declares hop-by-hop in Connection are dropped too.
-    _raw(proxy, "POST", "/v1/chat/completions",
-         {**SPOOFED, "Content-Type": "application/json", "Connection": "X-Hop, keep-alive",
+    raw_request(proxy, "POST", "/v1/chat/completions",
+                {**SPOOFED, "Content-Type": "application/json", "Connection": "X-Hop, keep-alive",
           "X-Hop": "secret-routing", "X-Kept": "yes"}, CHAT)
     assert len(seen) == 3
     for request in seen:
@@ -207,16 +186,16 @@ def test_every_exposed_path_has_the_body_limit(make_proxy, seen):
     big = json.dumps({"model": "m", "prompt": "x" * 10_000}).encode()
     for path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings",
                  "/episodes/e1/v1/embeddings", "/v1/chat/completions"):
-        status, body = _raw(proxy, "POST", path, {"Content-Type": "application/json"}, big)
+        status, body = raw_request(proxy, "POST", path, {"Content-Type": "application/json"}, big)
         assert status == 413, (path, body)
         # Chunked, with no length announced: counted as it arrives.
-        status, _ = _raw(proxy, "POST", path, {"Content-Type": "application/json",
+        status, _ = raw_request(proxy, "POST", path, {"Content-Type": "application/json",
                                                "Transfer-Encoding": "chunked"},
-                         b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+                                b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
         assert status == 413, path
     assert seen == []
     small = json.dumps({"model": "m", "prompt": "hi"}).encode()
-    assert _raw(proxy, "POST", "/tokenize", {"Content-Type": "application/json"}, small)[0] \
+    assert raw_request(proxy, "POST", "/tokenize", {"Content-Type": "application/json"}, small)[0] \
         == 200
     assert seen[-1]["body"] == small
 
@@ -225,16 +204,16 @@ def test_a_gzip_body_is_forwarded_inflated_and_labelled_so(make_proxy, seen):
     proxy = make_proxy()
     for path in ("/v1/chat/completions", "/tokenize"):
         body = CHAT if path.endswith("completions") else b'{"model": "m", "prompt": "hi"}'
-        status, reply = _raw(proxy, "POST", path, {"Content-Type": "application/json",
+        status, reply = raw_request(proxy, "POST", path, {"Content-Type": "application/json",
                                                    "Content-Encoding": "gzip"},
-                             gzip.compress(body))
+                                    gzip.compress(body))
         assert status == 200, reply
         received = json.loads(seen[-1]["body"])  # a model call's body gains capture fields
         assert {k: received[k] for k in json.loads(body)} == json.loads(body)
         assert "content-encoding" not in seen[-1]["headers"]
     assert seen[-1]["body"] == body  # relayed paths forward the bytes as inflated
     deflated = zlib.compress(CHAT)
-    assert _raw(proxy, "POST", "/v1/chat/completions", {
+    assert raw_request(proxy, "POST", "/v1/chat/completions", {
         "Content-Type": "application/json", "Content-Encoding": "deflate"}, deflated)[0] == 200
     assert json.loads(seen[-1]["body"])["messages"] == MESSAGES
     assert "content-encoding" not in seen[-1]["headers"]
@@ -243,11 +222,11 @@ def test_a_gzip_body_is_forwarded_inflated_and_labelled_so(make_proxy, seen):
 def test_encodings_that_are_not_inflated_or_do_not_decode_are_refused(make_proxy, seen):
     proxy = make_proxy()
     for encoding in ("compress", "gzip, gzip", "x-custom"):
-        status, body = _raw(proxy, "POST", "/v1/chat/completions", {
+        status, body = raw_request(proxy, "POST", "/v1/chat/completions", {
             "Content-Type": "application/json", "Content-Encoding": encoding}, CHAT)
         assert status == 415, encoding
         assert body["error"]["code"] == "unsupported_content_encoding"
-    status, body = _raw(proxy, "POST", "/tokenize", {
+    status, body = raw_request(proxy, "POST", "/tokenize", {
         "Content-Type": "application/json", "Content-Encoding": "gzip"}, b"not gzip at all")
     assert status == 400, body
     assert seen == []
@@ -275,7 +254,7 @@ def test_a_gzip_bomb_is_refused_at_the_limit_without_inflating_it(upstream, seen
         conn.close()
         before = _peak_rss(proxy)
         for path in ("/v1/chat/completions", "/tokenize"):
-            status, body = _raw(proxy, "POST", path, {
+            status, body = raw_request(proxy, "POST", path, {
                 "Content-Type": "application/json", "Content-Encoding": "gzip"}, bomb)
             assert status == 413, body
             assert body["error"]["code"] == "request_too_large"

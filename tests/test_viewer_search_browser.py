@@ -11,13 +11,13 @@ Fails in CI (env CI) when chromium or Playwright is missing; skipped only outsid
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
+from helpers.chromium import Page, expect, launched
 from helpers.http import finish, register
 from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
@@ -25,18 +25,6 @@ from helpers.servers import Proxy
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-
-CHROMIUM = shutil.which("chromium")
-try:
-    from playwright.sync_api import Page, expect, sync_playwright
-except ImportError:  # pragma: no cover - the test extra installs it
-    sync_playwright = None
-
-if sync_playwright is None or CHROMIUM is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI needs Playwright and Debian's chromium for the viewer tests "
-                           "(.ci/run installs both)")
-    pytest.skip("chromium or playwright is not installed", allow_module_level=True)
 
 TOKEN = "search-test-admin-token"
 UI = "/tracetap/ui"
@@ -124,10 +112,8 @@ def site(tmp_path_factory) -> Iterator[Site]:
 
 @pytest.fixture(scope="module")
 def browser(site):
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    with launched() as chromium:
         yield chromium
-        chromium.close()
 
 
 def _page(browser, width: int, height: int) -> Page:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from helpers.loop import free_port
-from helpers.servers import Proxy
+from helpers.servers import Proxy, ProxyProcess
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.proxy.settings import Settings
 
@@ -54,11 +54,19 @@ def hostile(loop_thread, upstream, tmp_path, migrated_sqlite):
 
 def raw_request(proxy, method: str, path: str, headers: dict | None = None,
                 body: bytes | None = None) -> tuple[int, dict]:
-    """The exact bytes of the path on the wire: no client normalises it first. The body
-    decoded as JSON, or ``{"raw": text}`` (what an upstream answered, relayed as it came)."""
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.settings.port, timeout=30)
+    """The exact bytes of the path and headers on the wire: no client normalises them
+    first, and none is added but ``Content-Length`` (left out when ``headers`` set
+    ``Transfer-Encoding``). ``proxy`` is in-process or a subprocess. The body decoded as
+    JSON, or ``{"raw": text}`` (what an upstream answered, relayed as it came)."""
+    port = proxy.port if isinstance(proxy, ProxyProcess) else proxy.settings.port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        conn.request(method, path, body=body, headers=headers or {})
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        if body is not None and "Transfer-Encoding" not in (headers or {}):
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
         reply = conn.getresponse()
         data = reply.read()
     finally:
@@ -66,7 +74,7 @@ def raw_request(proxy, method: str, path: str, headers: dict | None = None,
     try:
         return reply.status, json.loads(data)
     except ValueError:
-        return reply.status, {"raw": data.decode()}
+        return reply.status, {"raw": data.decode(errors="replace")}
 
 
 def refused_count(proxy, reason: str) -> float:

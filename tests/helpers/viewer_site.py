@@ -9,8 +9,6 @@ The fixtures are module-scoped: each test module that imports them gets its own 
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 
+from helpers.chromium import Page, expect, launched
 from helpers.http import finish, register
 from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
@@ -30,18 +29,6 @@ from tracetap.demo.runner import MODEL, plan_episodes
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
-
-CHROMIUM = shutil.which("chromium")
-try:
-    from playwright.sync_api import Page, expect, sync_playwright
-except ImportError:  # pragma: no cover - the test extra installs it
-    sync_playwright = None
-
-if sync_playwright is None or CHROMIUM is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI needs Playwright and Debian's chromium for the viewer tests "
-                           "(.ci/run installs both)")
-    pytest.skip("chromium or playwright is not installed", allow_module_level=True)
 
 TOKEN = "viewer-test-admin-token"
 RUN = "v1"
@@ -137,12 +124,8 @@ def site(tmp_path_factory) -> Iterator[Site]:
 
 @pytest.fixture(scope="module")
 def browser(site):
-    # After the site: Playwright's sync API keeps an event loop running in this thread,
-    # and the site's setup (migrations, export) runs loops of its own.
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    with launched() as chromium:  # after the site (helpers.chromium says why)
         yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")
