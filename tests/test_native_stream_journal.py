@@ -106,22 +106,30 @@ def native(loop_thread, serve_app, migrated_sqlite, tmp_path):
         proxy.stop()
 
 
+def _stored_as_the_end_is_read(stream, end: str, upstream: HeldUpstream, proxy: Proxy,
+                                episode: str) -> list[dict]:
+    """Read the SDK's ``stream`` up to its ``end`` event, then the calls stored by then,
+    while the upstream still holds its connection open."""
+    kinds = []
+    for event in stream:
+        kinds.append(event.type)
+        if event.type == end:
+            break
+    assert kinds[-1] == end
+    calls = proxy.calls(episode)
+    upstream.release()
+    stream.close()
+    return calls
+
+
 def test_a_native_messages_stream_is_journaled_before_the_client_sees_message_stop(native):
     upstream, proxy = native("/v1/messages", MESSAGES_STREAM)
     agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/ms", api_key="x",
                                 max_retries=0)
     with agent:
-        stream = agent.messages.create(model="m", max_tokens=8, stream=True,
-                                       messages=[{"role": "user", "content": "hi"}])
-        kinds = []
-        for event in stream:
-            kinds.append(event.type)
-            if event.type == "message_stop":
-                break
-        assert kinds[-1] == "message_stop"
-        calls = proxy.calls("ms")  # the upstream has not ended its stream yet
-        upstream.release()
-        stream.close()
+        calls = _stored_as_the_end_is_read(agent.messages.create(
+            model="m", max_tokens=8, stream=True, messages=[{"role": "user", "content": "hi"}]),
+            "message_stop", upstream, proxy, "ms")
     [call] = calls
     assert call["endpoint"] == "messages" and call["status"] == "ok"
     assert call["choices"][0]["text"] == "hi there"
@@ -133,16 +141,9 @@ def test_a_native_responses_stream_is_journaled_before_the_client_sees_it_comple
     upstream, proxy = native("/v1/responses", RESPONSES_STREAM)
     agent = openai.OpenAI(base_url=proxy.episode_url("rs"), api_key="x", max_retries=0)
     with agent:
-        stream = agent.responses.create(model="m", input="hi", stream=True)
-        kinds = []
-        for event in stream:
-            kinds.append(event.type)
-            if event.type == "response.completed":
-                break
-        assert kinds[-1] == "response.completed"
-        calls = proxy.calls("rs")  # the upstream has not ended its stream yet
-        upstream.release()
-        stream.close()
+        calls = _stored_as_the_end_is_read(
+            agent.responses.create(model="m", input="hi", stream=True),
+            "response.completed", upstream, proxy, "rs")
     [call] = calls
     assert call["endpoint"] == "responses" and call["status"] == "ok"
     assert call["choices"][0]["text"] == "hi there"
