@@ -113,7 +113,8 @@ MODULES = {
     # record (test_integrity.py), the episode paths (test_keys.py), a captured stream's
     # bytes (test_relay.py). Not _DRIVER: every test there goes through agent_request,
     # and none checks more of it than that the call arrived.
-    "proxy/handlers.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py",
+    "proxy/handlers.py": ["tests/test_passthrough.py", "tests/test_exposure.py",
+                          "tests/test_hostile_agent.py",
                           "tests/test_hostile_edge.py", "tests/test_hostile_episodes.py",
                           "tests/test_api_errors.py", "tests/test_integrity.py",
                           "tests/test_metrics.py", "tests/test_keys.py", "tests/test_relay.py"],

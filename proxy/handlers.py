@@ -60,13 +60,12 @@ def _api_path(request: web.Request, checked: str | None = None) -> str:
     if checked is not None:
         if "episode" not in info:
             return checked
-        rest = checked.removeprefix("/episodes/").partition("/")[2]
-        return "/" + rest if rest else ""
+        return "/" + checked.removeprefix("/episodes/").partition("/")[2]  # "/episodes/e": "/"
     if "episode" not in info:
         return request.path
-    if "tail" in info:
-        return "/v1/" + info["tail"]
-    return "/v1" if request.path.endswith("/v1") else ""
+    # Unchecked, the path only picks the error shape: /episodes/{id} and /episodes/{id}/v1
+    # name no API (OpenAI's shape, as for "/").
+    return "/v1/" + info["tail"] if "tail" in info else "/"
 
 
 async def model_call(request: web.Request, route: Route, path: str) -> web.StreamResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import time
 
 import pytest
@@ -259,3 +260,39 @@ def test_the_upstreams_flavor_chooses_native_or_translated(start, flavor, upstre
                             b'{"model": "m", "input": "hi"}')
     assert status == 200
     assert [p for _, p, _, _ in engine.seen] == [upstream_path]
+
+
+@pytest.mark.parametrize(("method", "path", "named"), [
+    ("DELETE", "/episodes/rf/v1/models/m", "DELETE /v1/models/m"),
+    ("POST", "/episodes/rf", "POST /"),
+    ("PUT", "/v1/chat/completions", "PUT /v1/chat/completions"),
+])
+def test_a_refusal_names_the_method_and_the_path_the_agent_asked_for(start, method, path,
+                                                                      named):
+    [engine], proxy = start()
+    status, _, body = _request(proxy, method, path)
+    assert status == 404
+    error = json.loads(body)["error"]
+    assert error["code"] == "not_exposed"
+    assert error["message"].startswith(f"{named} is not exposed by this proxy")
+    assert [p for _, p, _, _ in engine.seen if "rf" in p or p.startswith("/v1/chat")] == []
+
+
+@pytest.mark.parametrize(("path", "anthropic"), [
+    ("/episodes/sh/v1/messages/..%2f..%2fsleep", True),
+    ("/v1/messages/..%2f..%2fsleep", True),
+    ("/episodes/sh/v1/chat/completions/..%2f..%2fsleep", False),
+])
+def test_a_path_refused_before_routing_gets_its_apis_error_shape(start, path, anthropic):
+    """Decided from the path as it came, since it never got a checked one: under
+    /v1/messages/ Anthropic's shape (its SDK reads no other), else OpenAI's."""
+    [engine], proxy = start()
+    status, _, body = _request(proxy, "POST", path, {"Content-Type": "application/json"},
+                               b"{}")
+    assert status == 400
+    reply = json.loads(body)
+    if anthropic:
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
+    else:
+        assert "type" not in reply and reply["error"]["code"] == "invalid_path"
+    assert [p for _, p, _, _ in engine.seen if "sleep" in p] == []
