@@ -1,9 +1,10 @@
 """The driver's own promises about a call's life (``ModelCall.run``, proxy/capture.py),
 observed in the proxy's process: the in-flight gauge counts a call only while it runs,
 a refusal or a bug is the client's error and a stored record (never a bare 500, and a
-stream already begun is cut, not turned into an error), the overhead header, the
-client's query string reaches the upstream, and a finished call is freed at once (the
-relay's pointer back to it is dropped, so no cycle waits for the cyclic collector)."""
+stream already begun is cut, not turned into an error), a call cancelled under it (the
+proxy stopping) is stored as cut, the overhead header, the client's query string
+reaches the upstream, and a finished call is freed at once (the relay's pointer back to
+it is dropped, so no cycle waits for the cyclic collector)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tracetap.proxy.call_timings import Timings
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.relay import Relay
 from tracetap.proxy.settings import Settings
+from tracetap.storage.integrity import cause_of
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -137,6 +139,54 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
         assert done and done[0][0] == 200
         assert _inflight(proxy) == 0
         assert proxy.state.gate.inflight == 0 and proxy.state.gate.idle
+    finally:
+        proxy.stop()
+
+
+def test_a_call_cancelled_before_the_upstream_answers_is_stored_as_cut_without_a_status(
+    loop_thread, gated, db_url, tmp_path, monkeypatch
+):
+    """The proxy stopping under a call that waits on the upstream (its handler
+    cancelled, as aiohttp does past the drain timeout): the call is stored as cut, with
+    no HTTP status (0: no answer came), counted as a 499, and leaves the gauge and the
+    gate."""
+    tasks: list[asyncio.Task] = []
+    drive = ModelCall._drive
+
+    async def spied_drive(self, *args):
+        tasks.append(asyncio.current_task())
+        return await drive(self, *args)
+
+    monkeypatch.setattr(ModelCall, "_drive", spied_drive)
+    proxy = _start(loop_thread, gated.url, db_url, tmp_path)
+    try:
+        url = proxy.episode_url("cancelled") + "/chat/completions"
+        outcome: list[object] = []
+
+        def call() -> None:
+            try:
+                outcome.append(fetch("POST", url, {"model": "gated", "messages": MESSAGES}))
+            except OSError as exc:  # the connection is dropped with its handler
+                outcome.append(exc)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert gated.arrived.wait(30)
+        [task] = tasks
+        loop_thread.loop.call_soon_threadsafe(task.cancel)
+        proxy.loop.run(asyncio.wait([task]))
+        thread.join(30)
+        assert outcome and not isinstance(outcome[0], tuple)  # no reply was sent
+        [stored] = proxy.calls("cancelled")
+        # Not "ok" (an answer, whatever its status): the episode's reward cannot be
+        # trusted, as when its client goes away.
+        assert (stored["status"], stored["error"]) == (
+            "client_disconnected", "cancelled before the reply was sent")
+        assert stored["http_status"] == 0 and stored["upstream"] is None
+        assert cause_of(stored["status"], stored["http_status"]) == "client_disconnected"
+        requests = proxy.state.metrics.requests
+        assert requests.labels("chat_completions", "499")._value.get() == 1
+        assert _inflight(proxy) == 0 and proxy.state.gate.inflight == 0
     finally:
         proxy.stop()
 
