@@ -109,7 +109,8 @@ def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
 def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, tmp_path,
                                                           migrated_sqlite):
     """No default budgets: only a call that carries its episode's key is counted against
-    the budget registered with it (kills the key not passed on to the budgets)."""
+    the budget registered with it (kills the key not passed on to the budgets); the refusal
+    is stored and counted."""
     settings = Settings(upstream=engine.url, db=migrated_sqlite(tmp_path / "t.db"),
                         data_dir=str(tmp_path / "data"), port=free_port())
     proxy = Proxy(loop_thread, settings).start()
@@ -122,5 +123,9 @@ def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, t
         assert fetch("POST", url, body, token=key)[0] == 200
         status, refused = fetch("POST", url, body, token=key)
         assert status == 403 and b"over its calls budget (1 of 1)" in refused
+        # The refusal is stored as such and counted by the limit it hit.
+        [_, stored] = proxy.calls("own")
+        assert (stored["status"], stored["http_status"]) == ("budget_exceeded", 403)
+        assert proxy.state.metrics.budget_exceeded.labels("calls")._value.get() == 1
     finally:
         proxy.stop()

@@ -17,6 +17,7 @@ import weakref
 import openai
 import pytest
 from aiohttp import web
+from helpers.chat_upstreams import chat_reply
 from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
@@ -188,6 +189,50 @@ def test_a_call_cancelled_before_the_upstream_answers_is_stored_as_cut_without_a
         assert requests.labels("chat_completions", "499")._value.get() == 1
         assert _inflight(proxy) == 0 and proxy.state.gate.inflight == 0
     finally:
+        proxy.stop()
+
+
+def test_a_calls_place_in_its_episode_is_its_arrival_not_its_end(
+    loop_thread, serve_app, db_url, tmp_path
+):
+    """``seq`` counts a call's arrival in its own episode: a call the upstream holds
+    past a later call of its episode keeps the first place, and a call of another
+    episode in between counts in that episode alone."""
+    held, release = threading.Event(), threading.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][0]["content"] == "held":
+            held.set()
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+        return web.json_response(chat_reply("ok"))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    proxy = _start(loop_thread, serve_app(app) + "/v1", db_url, tmp_path)
+
+    def body(text: str) -> dict:
+        return {"model": "u", "messages": [{"role": "user", "content": text}]}
+
+    try:
+        url = proxy.episode_url("order") + "/chat/completions"
+        first: list[tuple[int, bytes]] = []
+        thread = threading.Thread(target=lambda: first.append(fetch("POST", url, body("held"))))
+        thread.start()
+        assert held.wait(30)
+        other = proxy.episode_url("other") + "/chat/completions"
+        assert fetch("POST", other, body("between"))[0] == 200
+        assert fetch("POST", url, body("later"))[0] == 200
+        release.set()
+        thread.join(30)
+        assert first and first[0][0] == 200
+        places = {json.loads(c["request"])["messages"][0]["content"]: c["seq"]
+                  for c in proxy.calls("order")}
+        assert places == {"held": 0, "later": 1}
+        assert [c["seq"] for c in proxy.calls("other")] == [0]
+    finally:
+        release.set()
         proxy.stop()
 
 
