@@ -289,6 +289,20 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     assert proxy.state.gate.inflight == 0
 
 
+def test_an_agents_call_on_anothers_episode_is_refused_and_counted_by_its_reason(proxy):
+    """A registered episode called without its key, or with another episode's: a 403,
+    counted in ``tracetap_agent_refused_total`` by the refusal's code."""
+    _, mine = proxy.admin("POST", "/tracetap/episodes", {"id": "mine"})
+    proxy.admin("POST", "/tracetap/episodes", {"id": "theirs"})
+    body = {"model": "mock-model", "messages": MESSAGES}
+    url = proxy.url + "/episodes/theirs/v1/chat/completions"  # its id, not its key
+    assert fetch("POST", url, body)[0] == 403
+    assert fetch("POST", url, body, token=mine["api_key"])[0] == 403
+    refused = proxy.state.metrics.refused
+    assert refused.labels("episode_credential_required")._value.get() == 1
+    assert refused.labels("forbidden")._value.get() == 1
+
+
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
     """Never a bare 500: a bug before anything was relayed is the client's internal
     error, counted, and the call is stored as an error."""
@@ -306,6 +320,7 @@ def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, 
     error = json.loads(body)["error"]
     assert "RuntimeError" in error["message"] and error["code"] == "internal_error"
     [call] = proxy.calls("bug")
+    assert call["call_id"] in error["message"]  # the id the log's traceback is under
     assert (call["status"], call["http_status"]) == ("error", 500)
     assert "RuntimeError" in call["error"]
     assert proxy.state.metrics.internal_errors._value.get() == 1
