@@ -90,6 +90,17 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
                      "[DONE] written by the proxy"]
 
 
+def test_a_call_the_overlay_does_not_cover_goes_upstream_as_the_client_sent_it(proxy):
+    """A completions call in an overlay's episode (not chat-shaped: no hook runs) is sent
+    with the client's own body."""
+    register(proxy, "uncovered", overlay="vetoer")
+    body = {"model": "mock-model", "prompt": "Say it.", "max_tokens": 4}
+    status, reply = fetch("POST", proxy.episode_url("uncovered") + "/completions", body)
+    assert status == 200 and json.loads(reply)["choices"][0]["text"]
+    [call] = proxy.calls("uncovered")
+    assert call["status"] == "ok" and json.loads(call["request"]) == body
+
+
 def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
     """The reservation is the client's ``max_tokens`` plus the body's bytes, not the
     default cap (kills the reservation sized from an empty payload)."""

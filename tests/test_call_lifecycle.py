@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import http.client
 import json
+import socket
 import threading
 import weakref
 
@@ -301,6 +303,38 @@ def test_an_agents_call_on_anothers_episode_is_refused_and_counted_by_its_reason
     refused = proxy.state.metrics.refused
     assert refused.labels("episode_credential_required")._value.get() == 1
     assert refused.labels("forbidden")._value.get() == 1
+
+
+def test_the_harness_lineage_names_are_stored_with_the_call(proxy):
+    """``X-Tracetap-Lineage`` and ``X-Tracetap-Parent`` name the call's conversation
+    and the one that started it (proxy.lineage), on its record."""
+    headers = {"X-Tracetap-Lineage": "sub-1", "X-Tracetap-Parent": "main"}
+    url = proxy.episode_url("named") + "/chat/completions"
+    assert fetch("POST", url, {"model": "mock-model", "messages": MESSAGES},
+                 headers=headers)[0] == 200
+    [call] = proxy.calls("named")
+    assert (call["lineage"], call["parent_lineage"]) == ("sub-1", "main")
+
+
+def test_a_stalled_request_body_is_the_clients_408_and_a_stored_refusal(
+    loop_thread, engine, db_url, tmp_path
+):
+    """``--body-timeout``: a client that stops sending its body is answered 408, and the
+    call is stored with that status (the upstream never asked)."""
+    proxy = _start(loop_thread, engine.url, db_url, tmp_path, body_timeout=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.settings.port), timeout=10) as sock:
+            sock.sendall(b"POST /episodes/stalled/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"model":')
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            assert reply.status == 408
+            assert json.loads(reply.read())["error"]["code"] == "request_timeout"
+        [call] = proxy.calls("stalled")
+        assert call["http_status"] == 408 and call["upstream"] is None
+    finally:
+        proxy.stop()
 
 
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
