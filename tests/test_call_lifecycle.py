@@ -331,6 +331,7 @@ def test_a_stalled_request_body_is_the_clients_408_and_a_stored_refusal(
             reply.begin()
             assert reply.status == 408
             assert json.loads(reply.read())["error"]["code"] == "request_timeout"
+            sock.sendall(b" " * 91)  # the rest, which aiohttp waits for before it lets go
         [call] = proxy.calls("stalled")
         assert call["http_status"] == 408 and call["upstream"] is None
     finally:
