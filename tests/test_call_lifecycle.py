@@ -253,6 +253,41 @@ def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_ur
         proxy.stop()
 
 
+def test_the_upstream_gets_the_clients_path_and_the_proxys_headers(
+    loop_thread, serve_app, db_url, tmp_path
+):
+    """A native call goes upstream on the path the client called (as checked), with the
+    proxy's key in place of the client's and asking for an uncompressed body (capture
+    parses it); with ``--forward-client-auth`` and no key of its own, the client's key
+    goes on."""
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append((request.path, dict(request.headers)))
+        return web.json_response(chat_reply("ok"))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions/", chat)
+    upstream = serve_app(app) + "/v1"
+    body = {"model": "u", "messages": MESSAGES}
+    client = {"Authorization": "Bearer sk-client", "Accept-Encoding": "gzip"}
+    for episode, path, options in [
+        ("own-key", "/chat/completions/", {"upstream_api_key": "sk-up"}),
+        ("forwarded", "/chat/completions", {"forward_client_auth": True}),
+    ]:
+        proxy = _start(loop_thread, upstream, db_url, tmp_path / episode, **options)
+        try:
+            assert fetch("POST", proxy.episode_url(episode) + path, body, headers=client)[0] == 200
+        finally:
+            proxy.stop()
+    (path, own), (_, forwarded) = seen
+    assert path == "/v1/chat/completions/"
+    assert (own["Authorization"], own["Accept-Encoding"]) == ("Bearer sk-up", "identity")
+    assert forwarded["Authorization"] == "Bearer sk-client"
+
+
 @pytest.mark.parametrize("header", [True, False], ids=["header", "no-header"])
 def test_the_overhead_header_is_on_a_whole_reply_unless_turned_off(
     loop_thread, engine, db_url, tmp_path, header, monkeypatch
