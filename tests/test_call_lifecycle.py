@@ -459,10 +459,13 @@ def test_a_finished_call_is_freed_without_the_cyclic_collector(proxy, monkeypatc
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_client_gets_the_upstreams_status_and_content_type(proxy, stream):
     """The reply's status and headers are the upstream's (a whole reply and a stream)."""
-    url = proxy.episode_url("headers") + "/chat/completions"
+    url = proxy.episode_url(f"refused-{stream}") + "/chat/completions"
     body = {"model": "mock-model", "messages": MESSAGES, "stream": stream}
-    status, _ = fetch("POST", url, {**body, "mock_status": 429})
+    status, error = fetch("POST", url, {**body, "mock_status": 429})
     assert status == 429
+    # A JSON error, streamed or not, is a whole reply: stored as the client got it.
+    [call] = proxy.calls(f"refused-{stream}")
+    assert call["http_status"] == 429 and call["response"].encode() == error
     with _client(proxy, "headers") as client:
         if stream:
             with client.chat.completions.with_streaming_response.create(
