@@ -9,6 +9,7 @@ import json
 
 import pytest
 from aiohttp import web
+from helpers.chat_upstreams import chat_reply, scripted_chat_app
 from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
@@ -115,6 +116,27 @@ def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
     body = json.dumps({"model": "mock-model", "messages": [QUESTION], "max_tokens": 777})
     status, _ = fetch("POST", proxy.episode_url("capped") + "/chat/completions", body.encode())
     assert status == 200 and sizes == [777 + len(body)]
+
+
+@pytest.mark.parametrize("usage", [{"completion_tokens": 3}, {"prompt_tokens": 5}])
+def test_an_upstream_that_counts_only_some_tokens_spends_what_it_counted(
+        loop_thread, serve_app, tmp_path, migrated_sqlite, usage):
+    """A reply whose usage lacks one count spends the other alone (the missing count is
+    no token), and the reservation is settled with it."""
+    upstream = serve_app(scripted_chat_app(chat_reply("ok", usage=usage))) + "/v1"
+    settings = Settings(upstream=upstream, db=migrated_sqlite(tmp_path / "t.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        episode_max_tokens=1_000_000)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        body = {"model": "u", "messages": [QUESTION]}
+        assert fetch("POST", proxy.episode_url("partial") + "/chat/completions", body)[0] == 200
+        proxy.flush()
+        proxy.loop.run(proxy.state.budgets.settled())
+        spent = proxy.loop.run(budget_ledger.spent(proxy.state.engine, "partial"))
+        assert (spent.tokens_used, spent.tokens_reserved) == (sum(usage.values()), 0)
+    finally:
+        proxy.stop()
 
 
 def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, tmp_path,
