@@ -45,9 +45,13 @@ _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
 # them: the whole _DRIVER made a module's run take hours. Each list keeps the tests that
 # defend that module's promises and leaves out those that only repeat its code path:
 # - capture.py, the driver: the journal before [DONE] and the client's bytes
-#   (test_relay.py), the lifecycle, budgets, whole replies, weight syncs and the 404
-#   reroute; not test_capture.py (the chat reassembly: its own module's list) nor
-#   test_prompt_cut.py (relay.py's prompt cut);
+#   (test_relay.py), the lifecycle, budgets, whole replies, weight syncs, the 404
+#   reroute, --translate auto's route picked from the request (a tool loop on vLLM) and
+#   the episode's history repair (the episode the request is prepared for), native
+#   Responses left native, an overlay's hooks after the 404 reroute, the upstream picked
+#   by model and by episode; not
+#   test_capture.py (the chat reassembly: its own module's list) nor test_prompt_cut.py
+#   (relay.py's prompt cut);
 # - relay.py: the journal before [DONE], the read boundary with [DONE] and the bytes
 #   (test_relay.py, test_capture.py), the prompt cut, the lifecycle's stream endings, the
 #   upstream's faults, whole replies and a held stream (test_call_driver.py, and the three
@@ -60,7 +64,15 @@ _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
 _CAPTURE = ["tests/test_relay.py", "tests/test_faults.py", "tests/test_call_driver.py",
             "tests/test_call_lifecycle.py", "tests/test_whole_reply.py",
             "tests/test_weight_sync.py",
-            "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404"]
+            "tests/test_apis_capture.py::test_auto_translates_after_the_upstream_answers_404",
+            "tests/test_apis_capture.py::"
+            "test_responses_translated_to_chat_tool_loop_is_token_exact[auto-vllm]",
+            "tests/test_repair.py::"
+            "test_repair_is_off_unless_asked_and_on_for_every_episode_with_the_flag",
+            "tests/test_apis_capture.py::test_responses_native_on_vllm_is_transparent_and_token_exact",
+            "tests/test_overlays.py::test_the_first_call_translate_auto_falls_back_for_runs_the_hooks",
+            "tests/test_upstream_pool.py::test_a_call_goes_to_the_upstream_of_its_model",
+            "tests/test_upstream_pool.py::test_three_upstreams_affinity_failover_and_return"]
 _HELD_LIVE = ["tests/test_overlays.py::" + name for name in (
     "test_text_before_the_first_tool_call_streams_live_and_a_veto_sends_the_new_calls",
     "test_a_reply_without_tool_calls_streams_live_and_is_not_judged",

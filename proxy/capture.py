@@ -118,6 +118,10 @@ class ModelCall(CallReview):
                     self.abort("error", error.message)
                     raise
                 return self.fail(error, "error")
+            except asyncio.CancelledError:  # the proxy stopping under the call
+                if not self.relaying:  # else the relay has said how the stream ended
+                    self.abort("client_disconnected", "cancelled before the reply was sent")
+                raise
         finally:
             metrics.inflight.dec()
             self.finish()

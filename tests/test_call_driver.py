@@ -9,6 +9,7 @@ import json
 
 import pytest
 from aiohttp import web
+from helpers.chat_upstreams import chat_reply, scripted_chat_app
 from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
@@ -90,6 +91,17 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
                      "[DONE] written by the proxy"]
 
 
+def test_a_call_the_overlay_does_not_cover_goes_upstream_as_the_client_sent_it(proxy):
+    """A completions call in an overlay's episode (not chat-shaped: no hook runs) is sent
+    with the client's own body."""
+    register(proxy, "uncovered", overlay="vetoer")
+    body = {"model": "mock-model", "prompt": "Say it.", "max_tokens": 4}
+    status, reply = fetch("POST", proxy.episode_url("uncovered") + "/completions", body)
+    assert status == 200 and json.loads(reply)["choices"][0]["text"]
+    [call] = proxy.calls("uncovered")
+    assert call["status"] == "ok" and json.loads(call["request"]) == body
+
+
 def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
     """The reservation is the client's ``max_tokens`` plus the body's bytes, not the
     default cap (kills the reservation sized from an empty payload)."""
@@ -106,10 +118,32 @@ def test_a_call_reserves_its_own_completion_cap(proxy, monkeypatch):
     assert status == 200 and sizes == [777 + len(body)]
 
 
+@pytest.mark.parametrize("usage", [{"completion_tokens": 3}, {"prompt_tokens": 5}])
+def test_an_upstream_that_counts_only_some_tokens_spends_what_it_counted(
+        loop_thread, serve_app, tmp_path, migrated_sqlite, usage):
+    """A reply whose usage lacks one count spends the other alone (the missing count is
+    no token), and the reservation is settled with it."""
+    upstream = serve_app(scripted_chat_app(chat_reply("ok", usage=usage))) + "/v1"
+    settings = Settings(upstream=upstream, db=migrated_sqlite(tmp_path / "t.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        episode_max_tokens=1_000_000)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        body = {"model": "u", "messages": [QUESTION]}
+        assert fetch("POST", proxy.episode_url("partial") + "/chat/completions", body)[0] == 200
+        proxy.flush()
+        proxy.loop.run(proxy.state.budgets.settled())
+        spent = proxy.loop.run(budget_ledger.spent(proxy.state.engine, "partial"))
+        assert (spent.tokens_used, spent.tokens_reserved) == (sum(usage.values()), 0)
+    finally:
+        proxy.stop()
+
+
 def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, tmp_path,
                                                           migrated_sqlite):
     """No default budgets: only a call that carries its episode's key is counted against
-    the budget registered with it (kills the key not passed on to the budgets)."""
+    the budget registered with it (kills the key not passed on to the budgets); the refusal
+    is stored and counted."""
     settings = Settings(upstream=engine.url, db=migrated_sqlite(tmp_path / "t.db"),
                         data_dir=str(tmp_path / "data"), port=free_port())
     proxy = Proxy(loop_thread, settings).start()
@@ -122,5 +156,9 @@ def test_a_keyed_call_spends_from_its_episodes_own_budget(loop_thread, engine, t
         assert fetch("POST", url, body, token=key)[0] == 200
         status, refused = fetch("POST", url, body, token=key)
         assert status == 403 and b"over its calls budget (1 of 1)" in refused
+        # The refusal is stored as such and counted by the limit it hit.
+        [_, stored] = proxy.calls("own")
+        assert (stored["status"], stored["http_status"]) == ("budget_exceeded", 403)
+        assert proxy.state.metrics.budget_exceeded.labels("calls")._value.get() == 1
     finally:
         proxy.stop()

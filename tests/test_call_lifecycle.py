@@ -1,21 +1,25 @@
 """The driver's own promises about a call's life (``ModelCall.run``, proxy/capture.py),
 observed in the proxy's process: the in-flight gauge counts a call only while it runs,
 a refusal or a bug is the client's error and a stored record (never a bare 500, and a
-stream already begun is cut, not turned into an error), the overhead header, the
-client's query string reaches the upstream, and a finished call is freed at once (the
-relay's pointer back to it is dropped, so no cycle waits for the cyclic collector)."""
+stream already begun is cut, not turned into an error), a call cancelled under it (the
+proxy stopping) is stored as cut, the overhead header, the client's query string
+reaches the upstream, and a finished call is freed at once (the relay's pointer back to
+it is dropped, so no cycle waits for the cyclic collector)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import http.client
 import json
+import socket
 import threading
 import weakref
 
 import openai
 import pytest
 from aiohttp import web
+from helpers.chat_upstreams import chat_reply
 from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
@@ -24,6 +28,7 @@ from tracetap.proxy.call_timings import Timings
 from tracetap.proxy.capture import ModelCall
 from tracetap.proxy.relay import Relay
 from tracetap.proxy.settings import Settings
+from tracetap.storage.integrity import cause_of
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -141,6 +146,98 @@ def test_the_inflight_gauge_counts_a_call_while_it_runs_and_not_after(
         proxy.stop()
 
 
+def test_a_call_cancelled_before_the_upstream_answers_is_stored_as_cut_without_a_status(
+    loop_thread, gated, db_url, tmp_path, monkeypatch
+):
+    """The proxy stopping under a call that waits on the upstream (its handler
+    cancelled, as aiohttp does past the drain timeout): the call is stored as cut, with
+    no HTTP status (0: no answer came), counted as a 499, and leaves the gauge and the
+    gate."""
+    tasks: list[asyncio.Task] = []
+    drive = ModelCall._drive
+
+    async def spied_drive(self, *args):
+        tasks.append(asyncio.current_task())
+        return await drive(self, *args)
+
+    monkeypatch.setattr(ModelCall, "_drive", spied_drive)
+    proxy = _start(loop_thread, gated.url, db_url, tmp_path)
+    try:
+        url = proxy.episode_url("cancelled") + "/chat/completions"
+        outcome: list[object] = []
+
+        def call() -> None:
+            try:
+                outcome.append(fetch("POST", url, {"model": "gated", "messages": MESSAGES}))
+            except OSError as exc:  # the connection is dropped with its handler
+                outcome.append(exc)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert gated.arrived.wait(30)
+        [task] = tasks
+        loop_thread.loop.call_soon_threadsafe(task.cancel)
+        proxy.loop.run(asyncio.wait([task]))
+        thread.join(30)
+        assert outcome and not isinstance(outcome[0], tuple)  # no reply was sent
+        [stored] = proxy.calls("cancelled")
+        # Not "ok" (an answer, whatever its status): the episode's reward cannot be
+        # trusted, as when its client goes away.
+        assert (stored["status"], stored["error"]) == (
+            "client_disconnected", "cancelled before the reply was sent")
+        assert stored["http_status"] == 0 and stored["upstream"] is None
+        assert cause_of(stored["status"], stored["http_status"]) == "client_disconnected"
+        requests = proxy.state.metrics.requests
+        assert requests.labels("chat_completions", "499")._value.get() == 1
+        assert _inflight(proxy) == 0 and proxy.state.gate.inflight == 0
+    finally:
+        proxy.stop()
+
+
+def test_a_calls_place_in_its_episode_is_its_arrival_not_its_end(
+    loop_thread, serve_app, db_url, tmp_path
+):
+    """``seq`` counts a call's arrival in its own episode: a call the upstream holds
+    past a later call of its episode keeps the first place, and a call of another
+    episode in between counts in that episode alone."""
+    held, release = threading.Event(), threading.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][0]["content"] == "held":
+            held.set()
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+        return web.json_response(chat_reply("ok"))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    proxy = _start(loop_thread, serve_app(app) + "/v1", db_url, tmp_path)
+
+    def body(text: str) -> dict:
+        return {"model": "u", "messages": [{"role": "user", "content": text}]}
+
+    try:
+        url = proxy.episode_url("order") + "/chat/completions"
+        first: list[tuple[int, bytes]] = []
+        thread = threading.Thread(target=lambda: first.append(fetch("POST", url, body("held"))))
+        thread.start()
+        assert held.wait(30)
+        other = proxy.episode_url("other") + "/chat/completions"
+        assert fetch("POST", other, body("between"))[0] == 200
+        assert fetch("POST", url, body("later"))[0] == 200
+        release.set()
+        thread.join(30)
+        assert first and first[0][0] == 200
+        places = {json.loads(c["request"])["messages"][0]["content"]: c["seq"]
+                  for c in proxy.calls("order")}
+        assert places == {"held": 0, "later": 1}
+        assert [c["seq"] for c in proxy.calls("other")] == [0]
+    finally:
+        release.set()
+        proxy.stop()
+
+
 def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_url, tmp_path):
     """A captured call is sent to the upstream with the client's query, as it came."""
     gated.go()
@@ -154,6 +251,41 @@ def test_the_clients_query_string_reaches_the_upstream(loop_thread, gated, db_ur
         assert call["upstream"] == gated.url  # the target that answered
     finally:
         proxy.stop()
+
+
+def test_the_upstream_gets_the_clients_path_and_the_proxys_headers(
+    loop_thread, serve_app, db_url, tmp_path
+):
+    """A native call goes upstream on the path the client called (as checked), with the
+    proxy's key in place of the client's and asking for an uncompressed body (capture
+    parses it); with ``--forward-client-auth`` and no key of its own, the client's key
+    goes on."""
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append((request.path, dict(request.headers)))
+        return web.json_response(chat_reply("ok"))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions/", chat)
+    upstream = serve_app(app) + "/v1"
+    body = {"model": "u", "messages": MESSAGES}
+    client = {"Authorization": "Bearer sk-client", "Accept-Encoding": "gzip"}
+    for episode, path, options in [
+        ("own-key", "/chat/completions/", {"upstream_api_key": "sk-up"}),
+        ("forwarded", "/chat/completions", {"forward_client_auth": True}),
+    ]:
+        proxy = _start(loop_thread, upstream, db_url, tmp_path / episode, **options)
+        try:
+            assert fetch("POST", proxy.episode_url(episode) + path, body, headers=client)[0] == 200
+        finally:
+            proxy.stop()
+    (path, own), (_, forwarded) = seen
+    assert path == "/v1/chat/completions/"
+    assert (own["Authorization"], own["Accept-Encoding"]) == ("Bearer sk-up", "identity")
+    assert forwarded["Authorization"] == "Bearer sk-client"
 
 
 @pytest.mark.parametrize("header", [True, False], ids=["header", "no-header"])
@@ -194,6 +326,53 @@ def test_a_bad_request_is_the_clients_400_and_a_stored_refusal(proxy):
     assert proxy.state.gate.inflight == 0
 
 
+def test_an_agents_call_on_anothers_episode_is_refused_and_counted_by_its_reason(proxy):
+    """A registered episode called without its key, or with another episode's: a 403,
+    counted in ``tracetap_agent_refused_total`` by the refusal's code."""
+    _, mine = proxy.admin("POST", "/tracetap/episodes", {"id": "mine"})
+    proxy.admin("POST", "/tracetap/episodes", {"id": "theirs"})
+    body = {"model": "mock-model", "messages": MESSAGES}
+    url = proxy.url + "/episodes/theirs/v1/chat/completions"  # its id, not its key
+    assert fetch("POST", url, body)[0] == 403
+    assert fetch("POST", url, body, token=mine["api_key"])[0] == 403
+    refused = proxy.state.metrics.refused
+    assert refused.labels("episode_credential_required")._value.get() == 1
+    assert refused.labels("forbidden")._value.get() == 1
+
+
+def test_the_harness_lineage_names_are_stored_with_the_call(proxy):
+    """``X-Tracetap-Lineage`` and ``X-Tracetap-Parent`` name the call's conversation
+    and the one that started it (proxy.lineage), on its record."""
+    headers = {"X-Tracetap-Lineage": "sub-1", "X-Tracetap-Parent": "main"}
+    url = proxy.episode_url("named") + "/chat/completions"
+    assert fetch("POST", url, {"model": "mock-model", "messages": MESSAGES},
+                 headers=headers)[0] == 200
+    [call] = proxy.calls("named")
+    assert (call["lineage"], call["parent_lineage"]) == ("sub-1", "main")
+
+
+def test_a_stalled_request_body_is_the_clients_408_and_a_stored_refusal(
+    loop_thread, engine, db_url, tmp_path
+):
+    """``--body-timeout``: a client that stops sending its body is answered 408, and the
+    call is stored with that status (the upstream never asked)."""
+    proxy = _start(loop_thread, engine.url, db_url, tmp_path, body_timeout=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.settings.port), timeout=10) as sock:
+            sock.sendall(b"POST /episodes/stalled/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"model":')
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            assert reply.status == 408
+            assert json.loads(reply.read())["error"]["code"] == "request_timeout"
+            sock.sendall(b" " * 91)  # the rest, which aiohttp waits for before it lets go
+        [call] = proxy.calls("stalled")
+        assert call["http_status"] == 408 and call["upstream"] is None
+    finally:
+        proxy.stop()
+
+
 def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, monkeypatch):
     """Never a bare 500: a bug before anything was relayed is the client's internal
     error, counted, and the call is stored as an error."""
@@ -211,6 +390,7 @@ def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, 
     error = json.loads(body)["error"]
     assert "RuntimeError" in error["message"] and error["code"] == "internal_error"
     [call] = proxy.calls("bug")
+    assert call["call_id"] in error["message"]  # the id the log's traceback is under
     assert (call["status"], call["http_status"]) == ("error", 500)
     assert "RuntimeError" in call["error"]
     assert proxy.state.metrics.internal_errors._value.get() == 1
@@ -279,10 +459,13 @@ def test_a_finished_call_is_freed_without_the_cyclic_collector(proxy, monkeypatc
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_client_gets_the_upstreams_status_and_content_type(proxy, stream):
     """The reply's status and headers are the upstream's (a whole reply and a stream)."""
-    url = proxy.episode_url("headers") + "/chat/completions"
+    url = proxy.episode_url(f"refused-{stream}") + "/chat/completions"
     body = {"model": "mock-model", "messages": MESSAGES, "stream": stream}
-    status, _ = fetch("POST", url, {**body, "mock_status": 429})
+    status, error = fetch("POST", url, {**body, "mock_status": 429})
     assert status == 429
+    # A JSON error, streamed or not, is a whole reply: stored as the client got it.
+    [call] = proxy.calls(f"refused-{stream}")
+    assert call["http_status"] == 429 and call["response"].encode() == error
     with _client(proxy, "headers") as client:
         if stream:
             with client.chat.completions.with_streaming_response.create(

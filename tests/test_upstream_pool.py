@@ -50,6 +50,27 @@ def test_model_routing_and_parsing():
     assert {t.base_url for t in pool.candidates("e", "small")} == {"http://a/v1", "http://b/v1"}
 
 
+def test_a_call_goes_to_the_upstream_of_its_model(loop_thread, db_url, tmp_path):
+    """``model=NAME,url=URL``: a call for that model is sent there, others to the rest."""
+    engines = [EngineServer(EngineConfig()) for _ in range(2)]
+    for e in engines:
+        loop_thread.run(e.start())
+    settings = Settings(upstream=[engines[0].url, f"model=big,url={engines[1].url}"],
+                        db=db_url, port=free_port(), data_dir=str(tmp_path / "d"))
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("models"), api_key="x",
+                               max_retries=0)
+        with client:
+            for model in ("big", "small"):
+                client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert [c["upstream"] for c in proxy.calls("models")] == [e.url for e in engines[::-1]]
+    finally:
+        proxy.stop()
+        for e in engines:
+            loop_thread.run(e.close())
+
+
 def test_three_upstreams_affinity_failover_and_return(loop_thread, db_url, tmp_path):
     engines = [EngineServer(EngineConfig()) for _ in range(3)]
     for e in engines:
