@@ -13,10 +13,14 @@ import time
 import msgspec
 import openai
 import pytest
+from aiohttp import web
+from helpers.loop import free_port
 from helpers.servers import Proxy
 
+from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.tokenizer import EOS
+from tracetap.proxy.settings import Settings
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
@@ -189,3 +193,66 @@ def _abort_while_at_the_engine(proxy, call) -> threading.Thread:
     status, paused = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
     assert status == 200 and paused["drained"] is True
     return worker
+
+
+@pytest.fixture
+def keyed(loop_thread, serve_app, db_url, tmp_path):
+    """(proxy, what the engine received): the mock engine behind a proxy with an upstream
+    key of its own; the engine records each generation request's path, Authorization and
+    body (a stream is continued as a completion of its tokens so far)."""
+    received: list[tuple[str, str, bytes]] = []
+
+    @web.middleware
+    async def record(request, handler):
+        if request.path in ("/v1/chat/completions", "/v1/completions"):
+            received.append((request.path, request.headers.get("Authorization", ""),
+                             await request.read()))
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig(flavor="vllm"))
+    app.middlewares.append(record)
+    proxy = Proxy(loop_thread, Settings(
+        upstream=serve_app(app) + "/v1", db=db_url, data_dir=str(tmp_path / "k"),
+        port=free_port(), upstream_flavor="vllm", upstream_api_key="sk-engine-key")).start()
+    yield proxy, received
+    proxy.stop()
+
+
+def test_a_continued_stream_and_a_resent_body_carry_the_proxys_key_and_the_same_body(keyed):
+    """What the engine gets after a weight sync in abort mode: the continuation of a cut
+    stream and the resend of a cut body are sent like the first attempt, with the proxy's
+    upstream key (never the agent's) and, for the resend, the very body sent first."""
+    proxy, received = keyed
+    client = openai.OpenAI(base_url=proxy.episode_url("keyed"), api_key="agent-key",
+                           max_retries=0)
+    with client:
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03})
+        text = []
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if i == 12:
+                assert proxy.admin("POST", "/tracetap/pause",
+                                   {"mode": "abort", "timeout": 10})[0] == 200
+                assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+        assert "".join(text) == CONTENT
+        streamed = len(received)
+        assert streamed == 2  # the first attempt and its continuation
+
+        answers = []
+
+        def slow_call():
+            answers.append(client.chat.completions.create(
+                model="mock-model", messages=MESSAGES, max_tokens=200,
+                extra_body={"mock_content": CONTENT, "mock_delay_s": 1.0}
+            ).choices[0].message.content)
+
+        worker = _abort_while_at_the_engine(proxy, slow_call)
+        assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+        worker.join(30)
+    assert answers == [CONTENT]
+    assert [auth for _, auth, _ in received] == ["Bearer sk-engine-key"] * 4
+    first, resent = received[streamed:]
+    assert resent == first and json.loads(first[2])["messages"] == MESSAGES

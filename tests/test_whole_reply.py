@@ -140,11 +140,12 @@ class StallsFirst:
 
     def __init__(self):
         self.requests = 0
+        self.bodies: list[bytes] = []  # each request's body, as the upstream got it
         self.stalled = threading.Event()
         self._resent: asyncio.Event | None = None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
+        self.bodies.append(await request.read())
         self.requests += 1
         if self._resent is None:
             self._resent = asyncio.Event()
@@ -199,5 +200,7 @@ def test_a_body_cut_mid_read_by_a_weight_sync_is_sent_again(serve_app, start):
         assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
         worker.join(30)
     assert answers == ["answer 2"] and upstream.requests == 2
+    first, resent = upstream.bodies  # the same request again, body and all
+    assert resent == first and json.loads(first)["messages"] == MESSAGES
     stored = sorted((c["status"], c["policy_version"]) for c in proxy.calls("midbody"))
     assert stored == [("ok", "v2"), ("weight_sync_retried", "v1")]
