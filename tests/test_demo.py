@@ -7,8 +7,6 @@ import io
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import openai
 import pyarrow.parquet as pq
 import pytest
+from helpers.http import wait_ready
 from helpers.loop import free_port
 from helpers.servers import stored_calls
 
@@ -154,15 +153,10 @@ def mock_engine(tmp_path_factory) -> Iterator[str]:
     ) as process:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                assert process.poll() is None, f"mock-engine exited:\n{log.read_text()}"
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=1):
-                        break
-                except OSError:
-                    assert time.monotonic() < deadline, f"no mock-engine:\n{log.read_text()}"
-                    time.sleep(0.05)  # polling for readiness, not waiting for a result
+            try:
+                wait_ready(url + "/health", process, what="mock-engine")
+            except AssertionError as error:
+                raise AssertionError(f"{error}:\n{log.read_text()}") from None
             yield url + "/v1"
         finally:
             process.terminate()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
+import urllib.parse
 
 import anthropic
 import msgspec
@@ -131,7 +131,7 @@ def test_a_registration_on_one_proxy_closes_the_id_on_another_that_saw_it_open(
 @pytest.mark.parametrize("where", ["path", "header"])
 def test_relayed_paths_check_episode_ids_like_model_calls(hostile, seen, where):
     for bad in ("x" * 8000, "../../x", "a b", "é"):
-        quoted = urllib.request.quote(bad, safe="")
+        quoted = urllib.parse.quote(bad, safe="")
         if where == "path":
             status, body = raw_request(hostile, "POST", f"/episodes/{quoted}/v1/embeddings",
                                        {"Content-Type": "application/json"}, b"{}")

@@ -16,13 +16,12 @@ import shutil
 import subprocess
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
-from helpers.http import metrics_text
+from helpers.http import get, metrics_text, wait_ready
 from helpers.loop import free_port
 from helpers.servers import Proxy
 from prometheus_client.parser import text_string_to_metric_families
@@ -239,24 +238,16 @@ class PrometheusServer:
     def start(self, timeout: float = 30.0) -> PrometheusServer:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited early:\n{self.log.read_text()}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.05)  # polling for readiness, not waiting for a result
-        raise RuntimeError(f"prometheus did not become ready:\n{self.log.read_text()}")
+        try:
+            wait_ready(self.url + "/-/ready", self.process, timeout, what="prometheus")
+        except AssertionError as error:
+            raise RuntimeError(f"{error}:\n{self.log.read_text()}") from None
+        return self
 
     def api(self, path: str, **params: str):
         query = "?" + urllib.parse.urlencode(params) if params else ""
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=5) as resp:
-            body = json.load(resp)
-        assert body["status"] == "success", body
+        status, body = get(f"{self.url}/api/v1/{path}{query}", timeout=5)
+        assert status == 200 and body["status"] == "success", body
         return body["data"]
 
     def query(self, promql: str) -> list[dict]:

@@ -11,11 +11,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import openai
 import pytest
-from helpers.http import metrics_text
+from helpers.http import metrics_text, wait_ready
 from helpers.loop import free_port
 from helpers.servers import stored_calls
 
@@ -33,14 +32,7 @@ def engine_process(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "tracetap", "mock-engine", "--port",
                                 str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "engine not up"
-            time.sleep(0.05)  # polling for readiness
+    wait_ready(url + "/health", process, what="mock-engine")
     yield url + "/v1"
     process.terminate()
     process.wait(10)

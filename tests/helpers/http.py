@@ -6,6 +6,7 @@ registered episode takes calls only with its key), and episodes registered and f
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -119,3 +120,20 @@ def finish(proxy, episode: str, reward: float = 1.0, **fields) -> None:
     status, reply = proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                                 {"reward": reward, **fields})
     assert status == 200, reply
+
+
+def wait_ready(url: str, process=None, timeout: float = 30.0, what: str = "the server") -> None:
+    """Poll ``url`` (a readiness or health page) until it answers 200; fail at once if
+    ``process`` (a ``subprocess.Popen`` serving it) has exited, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what} exited with status {process.returncode}")
+        try:
+            if fetch("GET", url, timeout=1)[0] == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not answer {url} within {timeout} s")
+        time.sleep(0.05)  # polling for readiness, not waiting for a result
