@@ -804,3 +804,54 @@ def test_logprob_entries_are_kept_only_with_a_token_and_a_number_and_keep_their_
         {"token": "é", "logprob": -0.25, "bytes": [195, 169], "top_logprobs": []},
         {"token": "o", "logprob": -0.75, "bytes": [111], "top_logprobs": []}]
 
+
+def test_the_response_echoes_each_setting_in_its_own_type_and_defaults_the_rest():
+    """Settings are echoed as the client sent them; a value of the wrong type (a bool where
+    a number goes, an effort the API does not know, a tool that is not a function) is
+    echoed as the API's default, never as what was sent."""
+    lookup = {**TOOL, "strict": True}
+    echoed = from_chat(chat_reply("Hi"), {
+        "input": "x", "model": "m1", "instructions": "Be brief.", "parallel_tool_calls": False,
+        "reasoning": {"effort": "minimal", "summary": "concise"}, "temperature": 0.5,
+        "top_p": 1, "user": "u1", "text": {"format": {"type": "json_object"}},
+        "tool_choice": {"type": "function", "name": "lookup", "extra": 1},
+        "tools": [lookup, {"type": "web_search"}, {"type": "function", "name": 5}, "junk"]},
+        response_id="resp_e")
+    assert {k: echoed[k] for k in ("id", "object", "created_at", "model", "instructions",
+                                   "parallel_tool_calls", "reasoning", "temperature", "top_p",
+                                   "user", "text", "tool_choice", "tools")} == {
+        "id": "resp_e", "object": "response", "created_at": 1700000000, "model": "m1",
+        "instructions": "Be brief.", "parallel_tool_calls": False,
+        "reasoning": {"effort": "minimal", "summary": "concise"}, "temperature": 0.5,
+        "top_p": 1, "user": "u1", "text": {"format": {"type": "json_object"}},
+        "tool_choice": {"type": "function", "name": "lookup"},
+        "tools": [{"type": "function", "name": "lookup", "description": "Look a thing up",
+                   "parameters": TOOL["parameters"], "strict": True}]}
+    assert (echoed["max_tool_calls"], echoed["previous_response_id"], echoed["truncation"]) == (
+        None, None, "disabled")
+    odd = from_chat(chat_reply("Hi"), {
+        "input": "x", "model": 7, "instructions": ["no"], "max_output_tokens": True,
+        "parallel_tool_calls": "no", "reasoning": {"effort": "extreme", "summary": "long"},
+        "temperature": True, "top_p": "1", "user": 5, "text": "plain", "metadata": ["k"],
+        "tool_choice": {"type": "function"}, "tools": {"type": "function", "name": "f"}})
+    assert {k: odd[k] for k in ("model", "instructions", "max_output_tokens",
+                                "parallel_tool_calls", "reasoning", "temperature", "top_p",
+                                "user", "text", "metadata", "tool_choice", "tools")} == {
+        "model": "", "instructions": None, "max_output_tokens": None,
+        "parallel_tool_calls": True, "reasoning": {"effort": None, "summary": None},
+        "temperature": None, "top_p": None, "user": None, "text": {"format": {"type": "text"}},
+        "metadata": {}, "tool_choice": "auto", "tools": []}
+    for effort in ("none", "low", "medium", "high"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "reasoning": {"effort": effort}})[
+            "reasoning"] == {"effort": effort, "summary": None}
+    for summary in ("auto", "detailed"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "reasoning": {"summary": summary}})[
+            "reasoning"] == {"effort": None, "summary": summary}
+    for choice in ("none", "required", "auto"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "tool_choice": choice})[
+            "tool_choice"] == choice
+    bare = from_chat(chat_reply("Hi"), {"input": "x", "reasoning": "high", "tool_choice": "any"})
+    assert (bare["reasoning"], bare["tool_choice"], bare["parallel_tool_calls"]) == (
+        None, "auto", True)
+    Response.model_validate(echoed)
+    Response.model_validate(odd)
