@@ -134,15 +134,21 @@ MODULES = {
     "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
                                    "tests/test_prompt_cut.py", "tests/test_capture.py"],
     # Capture and translation of the Messages and Responses APIs.
+    # The chat reply read for both translations; _FAST_PATH and _REPLIES read chunks from
+    # their bytes and odd whole replies, as the relay and the whole-reply path do.
     "proxy/apis/chat/reply.py": ["tests/test_chat_reply.py", *_MESSAGES,
-                                 "tests/test_translate_responses.py"],
-    "proxy/apis/messages/request.py": _MESSAGES,
+                                 "tests/test_translate_responses.py", _FAST_PATH, _REPLIES],
+    # The requests the shipped CLIs send (test_harness_requests.py): every text, call and
+    # result carried over, and exactly what each drops.
+    "proxy/apis/messages/request.py": [*_MESSAGES, "tests/test_harness_requests.py"],
     "proxy/apis/messages/translate.py": ["tests/test_translate_messages.py", _REPLIES,
                                          _ENDINGS, _FAST_PATH],
     "proxy/apis/messages/capture.py": _CAPTURE_APIS,
     "proxy/apis/responses/request.py": _RESPONSES,
-    "proxy/apis/responses/history.py": _RESPONSES,
-    "proxy/apis/responses/objects.py": _RESPONSES,
+    # The conversations the shipped CLIs send (test_harness_requests.py): every item kept.
+    "proxy/apis/responses/history.py": [*_RESPONSES, "tests/test_harness_requests.py"],
+    # The response object of a whole reply and of a stream's start and end.
+    "proxy/apis/responses/objects.py": [*_RESPONSES, _REPLIES, _ENDINGS],
     "proxy/apis/responses/stream.py": ["tests/test_translate_responses.py", _ENDINGS,
                                        _FAST_PATH],
     "proxy/apis/responses/translate.py": ["tests/test_translate_responses.py", _REPLIES],

@@ -208,6 +208,28 @@ def test_a_wire_api_captures_its_own_endpoint_and_names_its_route():
     assert capture.choices()[0].text == "hi"  # read as chat, not as a completion
 
 
+def test_a_wire_apis_capture_keeps_top_logprobs_only_when_the_client_asked_for_some():
+    api = OpenAIApi(CHAT, "chat_completions", "/v1/chat/completions")
+    entry = {"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5}]}
+    for asked, kept in ((0, None), (1, [[{"token": "a", "logprob": -0.5}]])):
+        capture = api.capture(Injected(logprobs=True, client_top_logprobs=asked))
+        capture.add(_chunk(delta={"content": "a"}, logprobs={"content": [entry]}))
+        assert capture.choices()[0].top_logprobs == kept, asked
+
+
+def test_a_capture_given_nothing_yet_holds_nothing():
+    """What a call broken before its first chunk stores: no model, ids, usage or choices,
+    and every count at zero."""
+    for endpoint in (CHAT, COMPLETIONS):
+        capture = Capture(endpoint)
+        assert (capture.endpoint, capture.keep_top, capture.model, capture.response_id,
+                capture.created, capture.usage, capture.prompt_ids, capture.prompt_packed) == (
+            endpoint, False, None, None, None, None, None, None)
+        assert (capture.errors, capture.logprobs_missing, bool(capture.ended), capture.choice_count,
+                capture.unknown_events, capture.choices()) == ([], 0, False, 0, 0, [])
+        assert capture.tokens() == (None, None) and capture.token_counts() == {}
+
+
 def test_a_stream_chunk_that_is_only_the_proxys_usage_is_dropped_whole():
     """The client did not ask for usage: the chunk carrying only it is not sent at all."""
     usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 1}}).encode()

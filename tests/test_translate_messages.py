@@ -179,6 +179,92 @@ def test_final_assistant_turn_is_a_prefill():
      "messages[0].content[0].input", "object"),
     ({"model": "m"}, "messages", "array"),
     ({**BASE, "messages": [], "max_tokens": "lots"}, "max_tokens", "integer"),
+    # Each malformed field is named in full, in its param and its message.
+    ("hi", None, "the request body must be a JSON object"),
+    ({**BASE, "messages": ["hi"]}, "messages[0]", "`messages[0]` must be a JSON object"),
+    ({**BASE, "messages": [], "system": 5}, "system", "`system` must be an array"),
+    ({**BASE, "messages": [], "system": ["S"]}, "system[0]",
+     "`system[0]` must be a JSON object"),
+    ({**BASE, "messages": [{"role": "system", "content": 5}]}, "messages[0].content",
+     "`messages[0].content` must be an array"),
+    *(({**BASE, "messages": [{"role": role, "content": 5}]}, "messages[0].content",
+       "`messages[0].content` must be a string or an array of content blocks")
+      for role in ("user", "assistant")),
+    *(({**BASE, "messages": [{"role": role, "content": ["x"]}]}, "messages[0].content[0]",
+       "`messages[0].content[0]` must be a JSON object") for role in ("user", "assistant")),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text", "`messages[0].content[0].text` must be a string"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": 5}]}]},
+     "messages[0].content[0].tool_use_id", "`messages[0].content[0].tool_use_id` must be"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+     "messages[0].content[0].content",
+     "`messages[0].content[0].content` must be a string or an array of content blocks"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": ["x"]}]}]},
+     "messages[0].content[0].content[0]",
+     "`messages[0].content[0].content[0]` must be a JSON object"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": 5}]}]}]},
+     "messages[0].content[0].content[0].text",
+     "`messages[0].content[0].content[0].text` must be a string"),
+    *(({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}, key: 5}]}]},
+       f"messages[0].content[0].{key}", f"`messages[0].content[0].{key}` must be a string")
+      for key in ("id", "name")),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
+     "messages[0].content[0].input", "`messages[0].content[0].input` must be a JSON object"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5}]}]},
+     "messages[0].content[0].thinking", "`messages[0].content[0].thinking` must be a string"),
+    *(({**BASE, "messages": [{"role": "user", "content": [{"type": kind, "source": "x"}]}]},
+       "messages[0].content[0].source", "`messages[0].content[0].source` must be a JSON object")
+      for kind in ("image", "document")),
+    *(({**BASE, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": kind, "media_type": "image/png", "data": "AAAA", "url": "http://x", key: 5}}]}]},
+       f"messages[0].content[0].source.{key}",
+       f"`messages[0].content[0].source.{key}` must be a string")
+      for kind, key in (("base64", "media_type"), ("base64", "data"), ("url", "url"))),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[0].source.type", "`messages[0].content[0].source`: image source "
+     "'file' cannot be translated (only base64 and url; a file id refers to Anthropic's file "
+     "storage)"),
+    ({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "data": 5}}]}]},
+     "messages[0].content[0].source.data", "`messages[0].content[0].source.data` must be"),
+    *(({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": source}]}]},
+       "messages[0].content[0].source.type", "`messages[0].content[0]`: only plain-text "
+       "documents can be translated (a PDF or a file id has no chat-completions form)")
+      for source in ({"type": "file", "file_id": "f"},
+                     {"type": "content", "content": [{"type": "text", "text": 5}]},
+                     {"type": "base64", "media_type": "application/pdf", "data": "JVBER",
+                      "content": [{"type": "text", "text": "not the document"}]})),
+    ({**BASE, "messages": [], "tools": TOOL}, "tools", "`tools` must be an array"),
+    ({**BASE, "messages": [], "tools": ["x"]}, "tools[0]", "`tools[0]` must be a JSON object"),
+    ({**BASE, "messages": [], "tools": [{**TOOL, "name": 5}]}, "tools[0].name",
+     "`tools[0].name` must be a string"),
+    ({**BASE, "messages": [], "tool_choice": "auto"}, "tool_choice",
+     "`tool_choice` must be a JSON object"),
+    ({**BASE, "messages": [], "tools": [TOOL], "tool_choice": {"type": "tool", "name": 5}},
+     "tool_choice.name", "`tool_choice.name` must be a string"),
+    ({**BASE, "messages": [], "stop_sequences": "END"}, "stop_sequences",
+     "`stop_sequences` must be an array"),
+    ({**BASE, "messages": [], "stop_sequences": ["END", 5]}, "stop_sequences[1]",
+     "`stop_sequences[1]` must be a string"),
+    ({**BASE, "messages": [], "output_config": "x"}, "output_config",
+     "`output_config` must be a JSON object"),
+    ({**BASE, "messages": [], "output_format": "json"}, "output_format",
+     "`output_format` must be a JSON object"),
+    ({**BASE, "messages": [], "output_format": {"type": "json_object"}}, "output_format.type",
+     "`output_format.type` must be json_schema"),
+    ({**BASE, "messages": [], "output_format": {"type": "json_schema"}}, "output_format.schema",
+     "`output_format.schema` must be a JSON object"),
+    ({**BASE, "messages": [], "output_config": {"format": {"type": "text"}}},
+     "output_config.format.type", "`output_config.format.type` must be json_schema"),
 ])
 def test_untranslatable_requests_name_their_param(request_body, param, words):
     with pytest.raises(Untranslatable) as caught:
@@ -215,6 +301,10 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
      {"metadata": 1, "context_management": 1, "service_tier": 1, "other": 1}, {}),
     ({**BASE, "messages": [], "thinking": {"type": "enabled", "budget_tokens": 2048},
       "output_config": {"effort": "max"}}, {"thinking": 1, "effort": 1}, {}),
+    ({**BASE, "messages": [], "tool_choice": {"type": "tool", "name": "lookup"}},
+     {"tool_choice": 1}, {}),
+    ({**BASE, "messages": [], "thinking": "on"}, {"thinking": 1}, {}),
+    ({**BASE, "messages": [], "thinking": {"type": "sometimes"}}, {"thinking": 1}, {}),
 ])
 def test_what_has_no_chat_form_is_dropped_and_counted(request_body, dropped, kept):
     drops = Dropped()
@@ -252,6 +342,52 @@ def test_text_documents_are_text_and_tool_result_images_follow_as_the_users():
         {"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/i.png"}},
             {"type": "text", "text": "notes"}]}]
+
+
+def test_text_before_a_tool_result_thinking_blocks_strict_tools_and_what_each_drops():
+    """A user's text before a tool result stays before it; thinking blocks join in order;
+    signatures, redacted thinking and citations are counted; ``strict`` is kept."""
+    drops = Dropped()
+    chat = to_chat({**BASE, "tools": [{**TOOL, "strict": True}], "messages": [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "One.", "signature": "sig"},
+            {"type": "thinking", "thinking": "Two.", "signature": ""},
+            {"type": "redacted_thinking", "data": "blob"},
+            {"type": "tool_use", "id": "t1", "name": "lookup", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Before.", "citations": [{"type": "char_location"}]},
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "done"},
+                {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}]},
+            {"type": "text", "text": "After."}]}]}, dropped=drops)
+    assert chat["messages"] == [
+        {"role": "assistant", "content": None, "reasoning_content": "One.\n\nTwo.",
+         "tool_calls": [{"id": "t1", "type": "function",
+                         "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "user", "content": "Before."},
+        {"role": "tool", "tool_call_id": "t1", "content": "done"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/i.png"}},
+            {"type": "text", "text": "After."}]}]
+    assert chat["tools"][0]["function"]["strict"] is True
+    assert drops.counts == {"encrypted_reasoning": 2, "citations": 1}
+
+
+def test_structured_output_and_content_documents_translate():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    wanted = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    chat = to_chat({**BASE, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "content", "content": [
+            {"type": "text", "text": "a"}, "junk", {"type": "text", "text": "b"}]}}]}],
+        "output_format": {"type": "json_schema", "schema": schema}})
+    assert chat["response_format"] == wanted
+    assert chat["messages"] == [{"role": "user", "content": "a\n\nb"}]
+    drops = Dropped()
+    chat = to_chat({**BASE, "messages": [], "output_config": {
+        "format": {"type": "json_schema", "schema": schema}, "effort": "high",
+        "task_budget": {"total": 100}}}, dropped=drops, flavor="vllm")
+    assert (chat["response_format"], chat["reasoning_effort"]) == (wanted, "high")
+    assert drops.counts == {"other": 1}
 
 
 @pytest.mark.parametrize(("settings_", "flavor", "options", "dropped"), [

@@ -216,6 +216,43 @@ def test_history_function_calls_join_their_assistant_turn_and_reasoning_is_kept(
     ("hi", None, "the request body must be a JSON object"),
     ({"input": "x", "text": {"format": "json"}}, "text.format",
      "`text.format` must be a JSON object"),
+    # Each malformed input item or part is named in full, in its param and its message.
+    ({"input": None}, "input", "`input` is required (the whole conversation, resent each turn)"),
+    ({"input": ["x"]}, "input[0]", "`input[0]` must be a JSON object"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role", "`input[0].role` must"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content",
+     "`input[0].content` must be a string or an array of content parts"),
+    ({"input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0]",
+     "`input[0].content[0]` must be a JSON object"),
+    *(({"input": [{"role": "assistant", "content": [{"type": kind, key: 5}]}]},
+       f"input[0].content[0].{key}", f"`input[0].content[0].{key}` must be a string")
+      for kind, key in (("output_text", "text"), ("refusal", "refusal"))),
+    *(({"input": [{"type": "function_call", "call_id": "c", "name": "f", key: 5}]},
+       f"input[0].{key}", f"`input[0].{key}` must be a string") for key in ("call_id", "name")),
+    ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]},
+     "input[0].call_id", "`input[0].call_id` must be a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+     "input[0].output", "`input[0].output` must be a string or an array of content parts"),
+    ({"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content",
+     "`input[0].content` must be an array"),
+    ({"input": [{"type": "reasoning", "content": ["x"]}]}, "input[0].content[0]",
+     "`input[0].content[0]` must be a JSON object"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]},
+     "input[0].content[0].text", "`input[0].content[0].text` must be a string"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type",
+     "`input[0]`: an item_reference points at an item stored server-side; send the item "
+     "itself"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image",
+                                                   "image_url": "http://x/i.png"}]}]},
+     "input[0].content[0].type",
+     "`input[0].content[0]`: chat completions accept images only in user messages"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].image_url", "`input[0].content[0]`: only images given by "
+     "`image_url` (a URL or data URL) can be translated; `file_id` refers to a file stored on "
+     "OpenAI's servers"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type",
+     "`input[0].content[0]`: content part type 'input_file' has no chat-completions equivalent"),
 ])
 def test_untranslatable_requests_name_their_param(request_body, param, words):
     with pytest.raises(Untranslatable) as caught:
@@ -239,6 +276,12 @@ def test_untranslatable_requests_name_their_param(request_body, param, words):
     ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
      {"tool_choice": 1}),
     ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
+     {"unknown_block": 1}),
+    # An item's own type decides, whatever else it carries.
+    ({"input": [{"type": "web_search_call", "id": "ws", "role": "assistant"}]},
+     {"unknown_block": 1}),
+    ({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "summary_text", "text": "s"}]}]},
      {"unknown_block": 1}),
     ({"input": "x", "store": False, "include": ["reasoning.encrypted_content"],
       "prompt_cache_key": "k", "client_metadata": {"a": "b"}, "text": {"verbosity": "low"},
@@ -691,6 +734,37 @@ def test_tool_round_trip_sends_what_a_chat_harness_sends(engine):
     assert turns == 2  # the mock engine calls a tool twice, then answers
 
 
+def test_history_parts_arguments_and_reasoning_join_as_chat_needs_them():
+    """Refusals and plain text parts are text; arguments sent as an object are JSON text,
+    missing ones empty; reasoning parts join, and reasoning before a call goes to the
+    assistant turn the call opens."""
+    chat = to_chat({"input": [
+        {"role": "user", "content": [{"type": "text", "text": "Go."}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "a"},
+                                          {"type": "summary_text", "text": "s"},
+                                          {"type": "reasoning_text", "text": "b"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"q": 1}},
+        {"type": "function_call", "call_id": "c2", "name": "g"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "c"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "d"}]},
+        {"role": "assistant", "content": "Done."},
+    ]})
+    assert chat["messages"] == [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": None, "reasoning_content": "ab", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"q":1}'}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": "No.", "reasoning_content": "c"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "d"},
+    ]
+    with pytest.raises(Untranslatable) as caught:
+        to_chat({"model": "m"})
+    assert caught.value.message == "`input` is required (the whole conversation, resent each turn)"
+
+
 # ---- the response object -----------------------------------------------------------------
 
 
@@ -729,3 +803,55 @@ def test_logprob_entries_are_kept_only_with_a_token_and_a_number_and_keep_their_
         {**cut, "top_logprobs": [cut]},
         {"token": "é", "logprob": -0.25, "bytes": [195, 169], "top_logprobs": []},
         {"token": "o", "logprob": -0.75, "bytes": [111], "top_logprobs": []}]
+
+
+def test_the_response_echoes_each_setting_in_its_own_type_and_defaults_the_rest():
+    """Settings are echoed as the client sent them; a value of the wrong type (a bool where
+    a number goes, an effort the API does not know, a tool that is not a function) is
+    echoed as the API's default, never as what was sent."""
+    lookup = {**TOOL, "strict": True}
+    echoed = from_chat(chat_reply("Hi"), {
+        "input": "x", "model": "m1", "instructions": "Be brief.", "parallel_tool_calls": False,
+        "reasoning": {"effort": "minimal", "summary": "concise"}, "temperature": 0.5,
+        "top_p": 1, "user": "u1", "text": {"format": {"type": "json_object"}},
+        "tool_choice": {"type": "function", "name": "lookup", "extra": 1},
+        "tools": [lookup, {"type": "web_search"}, {"type": "function", "name": 5}, "junk"]},
+        response_id="resp_e")
+    assert {k: echoed[k] for k in ("id", "object", "created_at", "model", "instructions",
+                                   "parallel_tool_calls", "reasoning", "temperature", "top_p",
+                                   "user", "text", "tool_choice", "tools")} == {
+        "id": "resp_e", "object": "response", "created_at": 1700000000, "model": "m1",
+        "instructions": "Be brief.", "parallel_tool_calls": False,
+        "reasoning": {"effort": "minimal", "summary": "concise"}, "temperature": 0.5,
+        "top_p": 1, "user": "u1", "text": {"format": {"type": "json_object"}},
+        "tool_choice": {"type": "function", "name": "lookup"},
+        "tools": [{"type": "function", "name": "lookup", "description": "Look a thing up",
+                   "parameters": TOOL["parameters"], "strict": True}]}
+    assert (echoed["max_tool_calls"], echoed["previous_response_id"], echoed["truncation"]) == (
+        None, None, "disabled")
+    odd = from_chat(chat_reply("Hi"), {
+        "input": "x", "model": 7, "instructions": ["no"], "max_output_tokens": True,
+        "parallel_tool_calls": "no", "reasoning": {"effort": "extreme", "summary": "long"},
+        "temperature": True, "top_p": "1", "user": 5, "text": "plain", "metadata": ["k"],
+        "tool_choice": {"type": "function"}, "tools": {"type": "function", "name": "f"}})
+    assert {k: odd[k] for k in ("model", "instructions", "max_output_tokens",
+                                "parallel_tool_calls", "reasoning", "temperature", "top_p",
+                                "user", "text", "metadata", "tool_choice", "tools")} == {
+        "model": "", "instructions": None, "max_output_tokens": None,
+        "parallel_tool_calls": True, "reasoning": {"effort": None, "summary": None},
+        "temperature": None, "top_p": None, "user": None, "text": {"format": {"type": "text"}},
+        "metadata": {}, "tool_choice": "auto", "tools": []}
+    for effort in ("none", "low", "medium", "high"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "reasoning": {"effort": effort}})[
+            "reasoning"] == {"effort": effort, "summary": None}
+    for summary in ("auto", "detailed"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "reasoning": {"summary": summary}})[
+            "reasoning"] == {"effort": None, "summary": summary}
+    for choice in ("none", "required", "auto"):
+        assert from_chat(chat_reply("Hi"), {"input": "x", "tool_choice": choice})[
+            "tool_choice"] == choice
+    bare = from_chat(chat_reply("Hi"), {"input": "x", "reasoning": "high", "tool_choice": "any"})
+    assert (bare["reasoning"], bare["tool_choice"], bare["parallel_tool_calls"]) == (
+        None, "auto", True)
+    Response.model_validate(echoed)
+    Response.model_validate(odd)
