@@ -50,26 +50,38 @@ def _stored(proxy, episode: str) -> list[tuple]:
             "WHERE c.episode_id = ? ORDER BY c.t_start, c.seq", (episode,)).fetchall()
 
 
+def _streamed(client, act_at: int, act, delay: float = 0.03) -> str:
+    """CONTENT streamed to ``client``, ``act()`` run once its ``act_at``-th chunk is in
+    (the stream still open at the engine); the text the client got."""
+    stream = client.chat.completions.create(
+        model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
+        extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": delay})
+    text = []
+    for i, chunk in enumerate(stream):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        if i == act_at:
+            act()
+    return "".join(text)
+
+
 def test_a_stream_cut_by_a_weight_sync_is_continued_token_for_token(proxy, engine):
     assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
     client = openai.OpenAI(base_url=proxy.episode_url("cut-stream"), api_key="x", max_retries=0)
-    text, paused = [], None
+    paused = []
+
+    def weight_sync():
+        # Answers once every call in flight is cut and held: nothing left to drain.
+        status, answer = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and answer["drained"] is True
+        assert _aborts(engine, 1) == 1  # the engine saw its request aborted
+        assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+        paused.append(answer)
+
     with client:
-        stream = client.chat.completions.create(
-            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
-            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03})
-        for i, chunk in enumerate(stream):
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if i == 12:
-                # Answers once every call in flight is cut and held: nothing left to drain.
-                status, paused = proxy.admin("POST", "/tracetap/pause",
-                                             {"mode": "abort", "timeout": 10})
-                assert status == 200 and paused["drained"] is True
-                assert _aborts(engine, 1) == 1  # the engine saw its request aborted
-                assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
-    assert paused is not None
-    assert "".join(text) == CONTENT  # one uninterrupted answer
+        text = _streamed(client, 12, weight_sync)
+    assert paused
+    assert text == CONTENT  # one uninterrupted answer
     [(status, version, spans, _)] = _stored(proxy, "cut-stream")
     assert status == "ok" and version == "v1"
     [call] = proxy.calls("cut-stream")
@@ -139,17 +151,12 @@ def test_a_body_cut_by_a_pause_that_outlasts_its_timeout_is_not_sent_again(impat
 
 def test_a_drain_pause_cuts_nothing(proxy, engine):
     client = openai.OpenAI(base_url=proxy.episode_url("drain"), api_key="x", max_retries=0)
+    def drain():
+        assert proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
+
     with client:
-        stream = client.chat.completions.create(
-            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
-            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.01})
-        text = []
-        for i, chunk in enumerate(stream):
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if i == 5:
-                assert proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
-    assert "".join(text) == CONTENT and _aborts(engine) == 0
+        text = _streamed(client, 5, drain, delay=0.01)
+    assert text == CONTENT and _aborts(engine) == 0
     assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
     assert proxy.admin("POST", "/tracetap/pause", {"mode": "cut"})[0] == 400
 
@@ -225,19 +232,12 @@ def test_a_continued_stream_and_a_resent_body_carry_the_proxys_key_and_the_same_
     proxy, received = keyed
     client = openai.OpenAI(base_url=proxy.episode_url("keyed"), api_key="agent-key",
                            max_retries=0)
+    def weight_sync():
+        assert proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})[0] == 200
+        assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+
     with client:
-        stream = client.chat.completions.create(
-            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
-            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03})
-        text = []
-        for i, chunk in enumerate(stream):
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if i == 12:
-                assert proxy.admin("POST", "/tracetap/pause",
-                                   {"mode": "abort", "timeout": 10})[0] == 200
-                assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
-        assert "".join(text) == CONTENT
+        assert _streamed(client, 12, weight_sync) == CONTENT
         streamed = len(received)
         assert streamed == 2  # the first attempt and its continuation
 
