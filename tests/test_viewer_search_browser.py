@@ -19,12 +19,8 @@ import openai
 import pytest
 from helpers.chromium import Page, expect, launched
 from helpers.http import finish, register
-from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
-
-from tracetap.demo.engine import EngineConfig, EngineServer
-from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from helpers.viewer_site import serving
 
 TOKEN = "search-test-admin-token"
 UI = "/tracetap/ui"
@@ -84,16 +80,7 @@ def _long_episode(site: Site) -> None:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Iterator[Site]:
-    data = tmp_path_factory.mktemp("search")
-    loop = LoopThread()
-    engine = EngineServer(EngineConfig(model=MODEL))
-    loop.run(engine.start())
-    settings = Settings(upstream=engine.url, db=f"sqlite:///{data / 'tracetap.db'}",
-                        data_dir=str(data), port=free_port(), upstream_flavor="auto",
-                        admin_token=TOKEN)
-    upgrade(settings.database_url)
-    proxy = Proxy(loop, settings).start()
-    try:
+    with serving(tmp_path_factory.mktemp("search"), TOKEN) as (proxy, _):
         s = Site(proxy, proxy.url + UI)
         _tool_turn(s, "needle", "full", "FileNotFoundError: /tmp/conftest.py")
         _tool_turn(s, "hay", "summarised", "No space left on device")
@@ -104,10 +91,6 @@ def site(tmp_path_factory) -> Iterator[Site]:
             finish(proxy, episode_id, reward, outcome="solved" if reward else "failed")
         proxy.flush()
         yield s
-    finally:
-        proxy.stop()
-        loop.run(engine.close())
-        loop.close()
 
 
 @pytest.fixture(scope="module")

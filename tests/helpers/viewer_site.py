@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anthropic
 import openai
@@ -96,30 +98,38 @@ def _capture_episodes(proxy: Proxy, loop: LoopThread) -> tuple[dict, dict]:
     return plans, outcomes
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Iterator[Site]:
-    data = tmp_path_factory.mktemp("viewer")
+@contextmanager
+def serving(data: Path, token: str) -> Iterator[tuple[Proxy, LoopThread]]:
+    """A proxy (SQLite in ``data``, admin token ``token``) in front of the mock engine,
+    both on one loop thread, for a browser test module's whole run."""
     loop = LoopThread()
     engine = EngineServer(EngineConfig(model=MODEL))
     loop.run(engine.start())
     settings = Settings(upstream=engine.url, db=f"sqlite:///{data / 'tracetap.db'}",
                         data_dir=str(data), port=free_port(), upstream_flavor="auto",
-                        admin_token=TOKEN)
+                        admin_token=token)
     upgrade(settings.database_url)
     proxy = Proxy(loop, settings).start()
     try:
-        plans, outcomes = _capture_episodes(proxy, loop)
-        proxy.flush()
-        export(settings.database_url, data / "export", finished_only=False, overwrite=True,
-               datasets=["trajectories"])
-        rows: dict[str, list[dict]] = {}
-        for row in pq.read_table(data / "export" / "trajectories").to_pylist():
-            rows.setdefault(row["episode_id"], []).append(row)
-        yield Site(proxy, proxy.url + UI, plans, rows, outcomes)
+        yield proxy, loop
     finally:
         proxy.stop()
         loop.run(engine.close())
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Iterator[Site]:
+    data = tmp_path_factory.mktemp("viewer")
+    with serving(data, TOKEN) as (proxy, loop):
+        plans, outcomes = _capture_episodes(proxy, loop)
+        proxy.flush()
+        export(proxy.settings.database_url, data / "export", finished_only=False,
+               overwrite=True, datasets=["trajectories"])
+        rows: dict[str, list[dict]] = {}
+        for row in pq.read_table(data / "export" / "trajectories").to_pylist():
+            rows.setdefault(row["episode_id"], []).append(row)
+        yield Site(proxy, proxy.url + UI, plans, rows, outcomes)
 
 
 @pytest.fixture(scope="module")
