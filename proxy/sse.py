@@ -25,6 +25,11 @@ class SSEParser:
     def feed(self, chunk: bytes) -> list[Event]:
         buffer = self._buffer
         if not buffer and b"\r" not in chunk:
+            # A streaming engine's usual read: one whole one-line event, relayed and
+            # parsed without a copy (the read is the event's raw bytes).
+            if chunk.endswith(b"\n\n") and chunk.startswith(b"data: ") \
+                    and chunk.count(b"\n") == 2:
+                return [Event(chunk, chunk[6:-2])]
             return self._feed_lf(chunk)
         start = max(0, len(buffer) - 2)  # a boundary may straddle two reads
         buffer += chunk

@@ -20,6 +20,8 @@ import struct
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
 
+import msgspec
+
 HASH_BYTES = 16
 _ENTRY = struct.Struct("<16sI")  # a reference: the block's hash, its length
 ENTRY_BYTES = _ENTRY.size
@@ -107,16 +109,26 @@ def unpack_block(stored: bytes) -> bytes:
 
 
 def _decimal(data: bytes) -> bytes | None:
-    """float64s as their shortest decimal forms, comma-separated; None when that does
-    not give back the very same bytes (a NaN with a payload)."""
-    values = struct.unpack(f"<{len(data) // 8}d", data)
-    text = ",".join(map(repr, values)).encode()
-    return text if _floats(text) == data else None
+    """float64s as their shortest decimal forms, comma-separated; None when one has no
+    such form (an infinity or a NaN: msgspec writes them as ``null``).
+
+    msgspec writes the shortest form that reads back as the very same float, in C: the
+    repr-and-check it replaced cost ~180 µs for a 400-token choice, most of the writer's
+    CPU for a streamed turn's logprobs."""
+    text = _encode_floats(struct.unpack(f"<{len(data) // 8}d", data))
+    return None if b"null" in text else text[1:-1]
 
 
 def _floats(text: bytes) -> bytes:
-    values = [float(v) for v in text.split(b",")]
+    try:
+        values = _decode_floats(b"[" + text + b"]")
+    except msgspec.DecodeError:  # a block written before msgspec wrote them: "inf", "nan"
+        values = [float(v) for v in text.split(b",")]
     return struct.pack(f"<{len(values)}d", *values)
+
+
+_encode_floats = msgspec.json.encode
+_decode_floats = msgspec.json.Decoder(list[float]).decode
 
 
 def _planes(data: bytes, width: int) -> bytes:

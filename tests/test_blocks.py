@@ -15,6 +15,7 @@ from tracetap.storage.blocks import (
     FLOATS,
     IDS,
     TEXT,
+    codec,
     cut_ids,
     cut_text,
     join_text,
@@ -134,6 +135,27 @@ def test_logprobs_come_back_bit_for_bit(values):
 def test_a_nan_with_a_payload_comes_back_bit_for_bit():
     data = struct.pack("<Q", 0x7FF8_0000_0000_0001) * 40 + struct.pack("<d", -1.5) * 40
     assert unpack_block(pack_block(data, FLOATS)) == data
+
+
+def test_a_decimal_block_written_by_the_repr_form_reads_back():
+    """Blocks stored before the decimal form came from msgspec were written with repr,
+    which spells infinities and NaN ("inf", "nan") and exponents its own way ("1e-05",
+    "1e+22"): they still read back to the same floats."""
+    values = [-1e-05, 1e22, -0.0, float("inf"), float("-inf"), -0.6931471805599453] * 20
+    text = ",".join(map(repr, values)).encode()
+    payload = codec().compress(text, asbytes=True)
+    stored = bytes((4,)) + len(text).to_bytes(4, "little") + payload  # _ZSTD_DECIMAL
+    assert unpack_block(stored) == struct.pack(f"<{len(values)}d", *values)
+
+
+def test_logprobs_are_stored_in_their_decimal_form():
+    """A streamed turn's logprobs (a few digits each) take their shortest decimal form,
+    whichever is smaller, and never lose a bit."""
+    values = [-round(0.001 * (i % 997) + 0.01, 4) for i in range(400)]
+    data = struct.pack("<400d", *values)
+    stored = pack_block(data, FLOATS)
+    assert stored[0] == 4  # _ZSTD_DECIMAL
+    assert unpack_block(stored) == data
 
 
 def test_token_ids_shrink_below_their_int32_size():

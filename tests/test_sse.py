@@ -64,3 +64,14 @@ def test_any_split_gives_the_same_events(stream, cuts):
     cuts = sorted({c % (len(stream) + 1) for c in cuts})
     pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
     assert _parse(pieces) == _parse([stream])
+
+
+def test_reads_of_one_event_each_give_the_same_events():
+    """A paced engine's reads are one event each (the parser's no-copy path): the same
+    events as one read of the whole stream, an event split over reads or an odd one
+    (a comment, two data lines, no space, CR line ends) included."""
+    stream = (LF_STREAM + b'data: {"c": 3}\n\ndata: x\r\n\ndata: \n\n'
+              + b'data: {"d": 4}\n\ndata: {"e"' + b': 5}\n\n')
+    reads = [part + b"\n\n" for part in stream.split(b"\n\n")[:-1]]
+    assert _parse(reads) == _parse([stream])
+    assert [e.data for e in _parse(reads)][-4:] == [b"x", b"", b'{"d": 4}', b'{"e": 5}']

@@ -98,27 +98,35 @@ _encode = msgspec.json.encode
 
 
 def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
-    if key in obj:
-        if keep_null:
+    if keep_null:
+        if key in obj:
             obj[key] = _NULL
-        else:
-            del obj[key]
+    else:
+        obj.pop(key, None)
 
 
 def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
-    if injected.token_ids:
+    # Runs once per stream event: the flags are read once, and a stream chunk's fields
+    # are popped (one C call each) rather than tested and deleted.
+    token_ids, experts = injected.token_ids, injected.experts
+    if token_ids:
         _drop(top, "prompt_token_ids", keep_null)
-    if injected.experts:
+    if experts:
         top.pop("prompt_routed_experts", None)
     if "choices" not in top:
         return
     choices = _decode_choices(top["choices"])
+    logprobs = injected.logprobs
     for choice in choices:
-        if injected.logprobs and "logprobs" in choice:
+        if logprobs and "logprobs" in choice:
             choice["logprobs"] = _NULL
-        if injected.token_ids:
-            _drop(choice, "token_ids", keep_null)
-            _drop(choice, "prompt_token_ids", keep_null)
-        if injected.experts:
+        if token_ids:
+            if keep_null:
+                _drop(choice, "token_ids", True)
+                _drop(choice, "prompt_token_ids", True)
+            else:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if experts:
             choice.pop("routed_experts", None)
     top["choices"] = msgspec.Raw(_encode(choices))
