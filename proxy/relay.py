@@ -119,8 +119,22 @@ class Relay:
         if self.timings.t_first_byte is None:
             self.timings.first_byte()
         if self.rewrite:  # one piece per read; journaled before it is returned if it ends
-            return self._events(self.parser.feed(data))
+            events = self.parser.feed(data)
+            if self.timings.perf_first_content is None and len(events) > 1:
+                return self._first_alone(events)
+            return self._events(events)
         return self._as_received(data)
+
+    def _first_alone(self, events: list[Event]) -> Iterator[bytes]:
+        """A read that holds the stream's first content and more (an engine that had
+        written ahead while the ~0.4 MB first chunk of a long prompt was in transit): each
+        event its own piece until the first content has gone out, so the agent's first
+        token waits for no later event of the read; the rest in one piece."""
+        for at, event in enumerate(events):
+            yield from self._events((event,))
+            if self.timings.perf_first_content is not None:
+                yield from self._events(events[at + 1:])
+                return
 
     def end(self) -> bytes:
         """The upstream closed the stream: what is left for the client (an unterminated

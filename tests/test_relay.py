@@ -18,6 +18,7 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
+from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.relay import Relay
 from tracetap.proxy.settings import Settings
 
@@ -397,3 +398,72 @@ def test_events_before_done_in_its_read_go_out_before_the_journal(
     assert order[-3:] == [("write", before), ("submit", b""),
                           ("write", b"data: [DONE]" + done)]
     assert ("write", last_three) in order[:-3]  # the upstream wrote them at once
+
+
+class AheadUpstream(SpacedUpstream):
+    """Writes the whole stream at once: an engine that had written ahead while the first
+    chunk (a long prompt's ids) was in transit, so the read that completes the first
+    chunk brings later events with it."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        asked = await request.json()
+        self.received.append(asked)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"".join(stream_writes(asked)))
+        await response.write_eof()
+        return response
+
+
+def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
+        loop_thread, serve_app, db_url, tmp_path, monkeypatch):
+    """The order itself (issue 24: the first token waits for nothing else): when the
+    read that carries the stream's first content also carries later events, the client's
+    write of the first content comes before the relay captures the next event; the rest
+    of the read still goes out, byte for byte as the strip makes it, in one more write.
+    Kills the read handled whole before its first piece is written (the first token
+    then waits for every event behind it)."""
+    upstream = AheadUpstream(loop_thread)
+    upstream.url = serve_app(upstream.app()) + "/v1"
+    order: list[str] = []
+    reads: list[bytes] = []
+    chunk, add = Relay.chunk, Capture.add
+
+    def spied_chunk(self, data):
+        reads.append(data)
+        return chunk(self, data)
+
+    def spied_add(self, data):
+        order.append("captured")
+        return add(self, data)
+
+    write = web.StreamResponse.write
+
+    async def spied_write(self, data):
+        if self._req is not None and self._req.path.startswith("/episodes/"):
+            order.append("first written" if WORDS[0].encode() in data else "written")
+        return await write(self, data)
+
+    monkeypatch.setattr(Relay, "chunk", spied_chunk)
+    monkeypatch.setattr(Capture, "add", spied_add)
+    monkeypatch.setattr(web.StreamResponse, "write", spied_write)
+    proxy = _proxy(loop_thread, upstream, db_url, tmp_path)
+    try:
+        proxied = _raw(proxy.episode_url("ahead"), True, {})
+        [call] = proxy.calls("ahead")
+    finally:
+        proxy.stop()
+    monkeypatch.undo()
+    direct = _events(_raw(upstream.url, True, {}))
+    proxied = _events(proxied)
+    assert len(proxied) == len(direct)  # what the client gets is unchanged, only when
+    for mine, theirs in zip(proxied, direct):
+        assert mine == theirs if not theirs.startswith(b"data: {") else (
+            json.loads(mine[6:]) == json.loads(theirs[6:]))
+    assert any(WORDS[0].encode() in read and WORDS[1].encode() in read for read in reads), \
+        "no read carried the first content and a later event"
+    first = order.index("first written")
+    assert order[:first].count("captured") == 1  # the first content only
+    # then the other words and the usage chunk the proxy asked for
+    assert order[first + 1:].count("captured") == len(WORDS) and order[-1] == "written"
+    assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
