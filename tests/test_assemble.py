@@ -261,6 +261,17 @@ def test_chat_top_logprobs_are_kept_per_token_when_the_client_asked_for_them():
     assert choice.top_logprobs == [[{"token": "a", "logprob": -0.5},
                                     {"token": "c", "logprob": -2.0}], []]
 
+def test_top_logprobs_the_engine_never_sent_are_stored_as_none_not_an_empty_list():
+    """The client asked for top logprobs and the engine sent no logprobs at all: the
+    choice has none to store (a NULL column, which the viewer's alternatives skip), as
+    when the client did not ask."""
+    for endpoint, choice in ((CHAT, {"delta": {"content": "a"}}), (COMPLETIONS, {"text": "a"})):
+        capture = Capture(endpoint, keep_top_logprobs=True)
+        capture.add(_chunk(**choice, finish_reason="stop"))
+        [record] = capture.choices()
+        assert (record.text, record.top_logprobs) == ("a", None), endpoint
+
+
 
 def _stream(*chunks: dict) -> list[bytes]:
     return [json.dumps({"id": "c-1", "model": "m", "created": 5, **chunk}).encode()
