@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -176,7 +176,7 @@ class ModelCall(CallReview):
         return await self._relay_body(reply, settings.overhead_header, again)
 
     async def _relay_stream(self, request: web.Request, reply: Reply,
-                            reads: AsyncIterator[bytes]) -> web.StreamResponse:
+                            reads: AsyncGenerator[bytes, None]) -> web.StreamResponse:
         """The event stream to the client as it comes, through the relay (one hand-over);
         a cut on either side ends the call as cut."""
         response = web.StreamResponse(status=reply.status,
@@ -197,6 +197,10 @@ class ModelCall(CallReview):
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
+            # Left mid-stream (a cut, a bug), the reads are closed now, so their weight-
+            # sync cut leaves the gate now: an abandoned generator is closed only when
+            # the collector finds it, and a traceback's cycle can hold it for long.
+            await reads.aclose()
             if not reply.closed:  # read to its end, it closed itself
                 reply.close()
         return response

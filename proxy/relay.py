@@ -78,9 +78,9 @@ class HoldAll:
 class Relay:
     """One call's event stream: its parser, its client-side translator, what is held."""
 
-    __slots__ = ("api", "call", "capture", "done", "experts", "held", "hold", "injected",
-                 "parser", "rewrite", "strip", "timings", "token_counts", "translator",
-                 "versions")
+    __slots__ = ("api", "call", "capture", "done", "experts", "first_out", "held", "hold",
+                 "injected", "parser", "rewrite", "strip", "timings", "token_counts",
+                 "translator", "versions")
 
     def __init__(self, call: ModelCall, rewrite: bool, hold: Hold | None = None) -> None:
         self.call = call
@@ -102,6 +102,7 @@ class Relay:
             if translation is not None and call.request.stream else None
         )
         self.done = False  # the upstream sent its end-of-stream marker
+        self.first_out = False  # a read after the stream's first token: one piece
 
     async def pump(self, reads: AsyncIterable[bytes],
                    write: Callable[[bytes], Awaitable[object]]) -> bytes:
@@ -120,21 +121,30 @@ class Relay:
             self.timings.first_byte()
         if self.rewrite:  # one piece per read; journaled before it is returned if it ends
             events = self.parser.feed(data)
-            if self.timings.perf_first_content is None and len(events) > 1:
+            if not self.first_out and len(events) > 1:
                 return self._first_alone(events)
             return self._events(events)
         return self._as_received(data)
 
     def _first_alone(self, events: list[Event]) -> Iterator[bytes]:
-        """A read that holds the stream's first content and more (an engine that had
-        written ahead while the ~0.4 MB first chunk of a long prompt was in transit): each
-        event its own piece until the first content has gone out, so the agent's first
-        token waits for no later event of the read; the rest in one piece."""
+        """A read of several events before the stream's first token has gone out (an
+        engine that wrote ahead while the ~0.4 MB first chunk of a long prompt was in
+        transit): each event its own piece until the first token has been given out, so
+        it waits for no later event of the read; from there the rest in one piece."""
         for at, event in enumerate(events):
-            yield from self._events((event,))
-            if self.timings.perf_first_content is not None:
-                yield from self._events(events[at + 1:])
+            if self._token_seen():
+                self.first_out = True
+                yield from self._events(events[at:])
                 return
+            yield from self._events((event,))
+
+    def _token_seen(self) -> bool:
+        """Whether a token has arrived: vLLM's first chunk carries the role and no text,
+        so the first token is in a later event."""
+        counts = self.token_counts()
+        if counts is None:  # a capture that does not count tokens as they come
+            return self.timings.perf_first_content is not None
+        return any(counts.values())
 
     def end(self) -> bytes:
         """The upstream closed the stream: what is left for the client (an unterminated

@@ -410,16 +410,25 @@ def test_a_bug_mid_stream_cuts_the_clients_stream_and_is_stored_as_an_error(prox
 
     monkeypatch.setattr(Relay, "event", breaks_on_the_fourth)
     chunks = []
-    with _client(proxy, "midbug") as client, pytest.raises(openai.APIError):
-        for chunk in client.chat.completions.create(
-            model="mock-model",
-            messages=MESSAGES,
-            stream=True,
-            extra_body={"mock_completion_tokens": 20, "mock_chunk_delay_s": 0.01},
-        ):
-            chunks.append(chunk)
-    assert 0 < len(chunks) < 20
-    [call] = proxy.calls("midbug")
+    gc.collect()
+    gc.disable()  # what the bug left behind must go as the call ends, not when collected
+    try:
+        with _client(proxy, "midbug") as client, pytest.raises(openai.APIError):
+            for chunk in client.chat.completions.create(
+                model="mock-model",
+                messages=MESSAGES,
+                stream=True,
+                extra_body={"mock_completion_tokens": 20, "mock_chunk_delay_s": 0.01},
+            ):
+                chunks.append(chunk)
+        assert 0 < len(chunks) < 20
+        [call] = proxy.calls("midbug")
+        proxy.loop.run(asyncio.sleep(0.05))
+        # The stream's weight-sync cut left the gate: a pause would otherwise cut a
+        # call that is long over, and the gate would hold the call's buffers meanwhile.
+        assert not proxy.state.gate.cuts
+    finally:
+        gc.enable()
     assert call["status"] == "error" and "RuntimeError" in call["error"]
     assert call["http_status"] == 200  # the client's stream had begun
 

@@ -403,14 +403,18 @@ def test_events_before_done_in_its_read_go_out_before_the_journal(
 class AheadUpstream(SpacedUpstream):
     """Writes the whole stream at once: an engine that had written ahead while the first
     chunk (a long prompt's ids) was in transit, so the read that completes the first
-    chunk brings later events with it."""
+    chunk brings later events with it. The stream opens as vLLM's does, with a chunk
+    that carries the role and no token."""
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         asked = await request.json()
         self.received.append(asked)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await response.write(b"".join(stream_writes(asked)))
+        role = {**HEAD, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]}
+        await response.write(b"data: " + _dumps(role) + b"\n\n" + b"".join(stream_writes(asked)))
         await response.write_eof()
         return response
 
@@ -463,7 +467,7 @@ def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
     assert any(WORDS[0].encode() in read and WORDS[1].encode() in read for read in reads), \
         "no read carried the first content and a later event"
     first = order.index("first written")
-    assert order[:first].count("captured") == 1  # the first content only
+    assert order[:first].count("captured") == 2  # the role chunk and the first word only
     # then the other words and the usage chunk the proxy asked for
     assert order[first + 1:].count("captured") == len(WORDS) and order[-1] == "written"
     assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
