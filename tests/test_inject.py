@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
+from tracetap.proxy.errors import ProxyError
 
 
 def test_chat_stream_on_vllm_asks_for_everything():
@@ -95,3 +99,54 @@ def test_a_stream_chunk_with_content_is_never_dropped_for_its_usage():
     assert json.loads(strip_chunk(usage, own)) == json.loads(usage)
     assert json.loads(strip_chunk(b'{"choices":[],"usage":null}', own)) == {
         "choices": [], "usage": None}
+
+
+def _refusal(body: dict, endpoint: str = CHAT) -> ProxyError:
+    with pytest.raises(ProxyError) as raised:
+        prepare(body, endpoint, "vllm")
+    assert raised.value.status == 400 and raised.value.type == "invalid_request_error"
+    return raised.value
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("yes", "'yes'"), (1, "1"), (0.5, "0.5"), ({"a": 1}, "dict"), ([True], "list"),
+    ("x" * 60, repr("x" * 60)[:40]),  # a long value is shown cut, never whole
+])
+def test_a_logprobs_that_is_not_a_boolean_is_a_400_that_shows_what_was_sent(value, shown):
+    error = _refusal({"messages": [], "logprobs": value})
+    assert (error.message, error.code) == (f"logprobs must be a boolean, got {shown}",
+                                           "invalid_logprobs")
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    (-1, "-1"), (True, "True"), (1.0, "1.0"), ("3", "'3'"), ([2], "list")])
+@pytest.mark.parametrize(("endpoint", "key", "base"), [
+    (CHAT, "top_logprobs", {"messages": [], "logprobs": True}),
+    (COMPLETIONS, "logprobs", {"prompt": "x"})])
+def test_a_count_that_is_not_a_non_negative_integer_is_a_400(endpoint, key, base, value,
+                                                            shown):
+    """-1, a boolean (an int to Python), a float, a string, a list: each a clear 400 with
+    its own code, never a crash and never a value silently fixed."""
+    error = _refusal({**base, key: value}, endpoint)
+    assert (error.message, error.code) == (
+        f"{key} must be a non-negative integer, got {shown}", f"invalid_{key}")
+
+
+def test_the_routed_experts_asked_for_are_stripped_from_every_chunk():
+    """--routed-experts: the top-level prompt routing and each choice's routing go, the
+    rest of the chunk stays (the routing the client asked for itself is not this case)."""
+    injected = Injected(experts=True)
+    chunk = strip_chunk(b'{"id":"e","prompt_routed_experts":[[1,2]],"choices":[{"index":0,'
+                        b'"delta":{"content":"a"},"routed_experts":[[3]]}]}', injected)
+    assert json.loads(chunk) == {"id": "e", "choices": [{"index": 0,
+                                                         "delta": {"content": "a"}}]}
+
+
+def test_a_completions_chunk_loses_the_prompt_ids_inside_its_choice():
+    """Legacy completions stream the prompt's ids inside the choice (vLLM): gone from the
+    chunk with the completion's ids, and nothing else."""
+    injected = prepare({"prompt": "x", "stream": True}, COMPLETIONS, "vllm")
+    chunk = strip_chunk(b'{"id":"c","choices":[{"index":0,"text":"hi","logprobs":{"x":1},'
+                        b'"prompt_token_ids":[1,2],"token_ids":[3]}]}', injected)
+    assert json.loads(chunk) == {"id": "c", "choices": [
+        {"index": 0, "text": "hi", "logprobs": None}]}
