@@ -139,12 +139,11 @@ class Relay:
             yield from self._events((event,))
 
     def _token_seen(self) -> bool:
-        """Whether a token has arrived: vLLM's first chunk carries the role and no text,
-        so the first token is in a later event."""
+        """Whether a token has arrived (vLLM's first chunk carries the role and no text,
+        so the first token is in a later event); a capture that does not count tokens as
+        they come (native Responses) says yes: its reads go out one piece each."""
         counts = self.token_counts()
-        if counts is None:  # a capture that does not count tokens as they come
-            return self.timings.perf_first_content is not None
-        return any(counts.values())
+        return counts is None or any(counts.values())
 
     def end(self) -> bytes:
         """The upstream closed the stream: what is left for the client (an unterminated

@@ -401,10 +401,15 @@ def test_events_before_done_in_its_read_go_out_before_the_journal(
 
 
 class AheadUpstream(SpacedUpstream):
-    """Writes the whole stream at once: an engine that had written ahead while the first
-    chunk (a long prompt's ids) was in transit, so the read that completes the first
-    chunk brings later events with it. The stream opens as vLLM's does, with a chunk
-    that carries the role and no token."""
+    """An engine that had written ahead while the first chunk (a long prompt's ids) was in
+    transit, so one read brings the first token and later events with it: the whole
+    stream in one write (``"all"``), or the first two words in one write between pauses
+    (``"two"``). The stream opens as vLLM's does, with a chunk that carries the role and
+    no token."""
+
+    def __init__(self, loop_thread, together: str):
+        super().__init__(loop_thread)
+        self.together = together
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         asked = await request.json()
@@ -414,20 +419,29 @@ class AheadUpstream(SpacedUpstream):
         role = {**HEAD, "object": "chat.completion.chunk", "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]}
-        await response.write(b"data: " + _dumps(role) + b"\n\n" + b"".join(stream_writes(asked)))
+        events = _events(b"".join(stream_writes(asked)))
+        writes = [b"data: " + _dumps(role) + b"\n\n" + b"".join(events)]
+        if self.together == "two":  # the comment and the role, the two words, the rest
+            writes = [writes[0][:writes[0].index(events[1])], events[1] + events[2],
+                      b"".join(events[3:])]
+        for data in writes:
+            await response.write(data)
+            await asyncio.sleep(0.05)
         await response.write_eof()
         return response
 
 
+@pytest.mark.parametrize("together", ["all", "two"])
 def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
-        loop_thread, serve_app, db_url, tmp_path, monkeypatch):
+        loop_thread, serve_app, db_url, tmp_path, monkeypatch, together):
     """The order itself (issue 24: the first token waits for nothing else): when the
-    read that carries the stream's first content also carries later events, the client's
-    write of the first content comes before the relay captures the next event; the rest
-    of the read still goes out, byte for byte as the strip makes it, in one more write.
-    Kills the read handled whole before its first piece is written (the first token
-    then waits for every event behind it)."""
-    upstream = AheadUpstream(loop_thread)
+    read that carries the stream's first token also carries later events, the client's
+    write of the first token comes before the relay captures the next event, and the
+    rest of that read goes out in one more write, as every read after it does. Kills the
+    read handled whole before its first piece is written (the first token then waits
+    for every event behind it), the role-only chunk taken for the first token, and a
+    read after the first token written event by event."""
+    upstream = AheadUpstream(loop_thread, together)
     upstream.url = serve_app(upstream.app()) + "/v1"
     order: list[str] = []
     reads: list[bytes] = []
@@ -435,6 +449,7 @@ def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
 
     def spied_chunk(self, data):
         reads.append(data)
+        order.append("read")
         return chunk(self, data)
 
     def spied_add(self, data):
@@ -465,9 +480,14 @@ def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
         assert mine == theirs if not theirs.startswith(b"data: {") else (
             json.loads(mine[6:]) == json.loads(theirs[6:]))
     assert any(WORDS[0].encode() in read and WORDS[1].encode() in read for read in reads), \
-        "no read carried the first content and a later event"
+        "no read carried the first token and a later event"
     first = order.index("first written")
     assert order[:first].count("captured") == 2  # the role chunk and the first word only
     # then the other words and the usage chunk the proxy asked for
-    assert order[first + 1:].count("captured") == len(WORDS) and order[-1] == "written"
+    assert order[first + 1:].count("captured") == len(WORDS)
+    # each read from here on is one write at most (the rest of the first token's read
+    # is one; a read that completes no event has none)
+    writes = [segment.split().count("written")
+              for segment in " ".join(order[first + 1:]).split("read")]
+    assert writes[0] == 1 and max(writes) == 1, order
     assert call["status"] == "ok" and call["choices"][0]["completion_ids"] == IDS
