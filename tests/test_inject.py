@@ -140,6 +140,9 @@ def test_the_routed_experts_asked_for_are_stripped_from_every_chunk():
                         b'"delta":{"content":"a"},"routed_experts":[[3]]}]}', injected)
     assert json.loads(chunk) == {"id": "e", "choices": [{"index": 0,
                                                          "delta": {"content": "a"}}]}
+    # A chunk without routing (the role chunk, a finish) is left as it is.
+    bare = b'{"id":"e","choices":[{"index":0,"delta":{"role":"assistant"}}]}'
+    assert strip_chunk(bare, injected) == bare
 
 
 def test_a_completions_chunk_loses_the_prompt_ids_inside_its_choice():
