@@ -197,9 +197,7 @@ class ModelCall(CallReview):
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            # Left mid-stream (a cut, a bug), the reads are closed now, so their weight-
-            # sync cut leaves the gate now: an abandoned generator is closed only when
-            # the collector finds it, and a traceback's cycle can hold it for long.
+            # Closed now: left mid-way, they would hold their cut in the gate till collected.
             await reads.aclose()
             if not reply.closed:  # read to its end, it closed itself
                 reply.close()

@@ -106,8 +106,8 @@ def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
 
 
 def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
-    # Runs once per stream event: the flags are read once, and a stream chunk's fields
-    # are popped (one C call each) rather than tested and deleted.
+    # Runs once per stream event: the flags are read once (and _drop pops a stream
+    # chunk's fields in one C call each).
     token_ids, experts = injected.token_ids, injected.experts
     if token_ids:
         _drop(top, "prompt_token_ids", keep_null)
@@ -121,12 +121,8 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
         if logprobs and "logprobs" in choice:
             choice["logprobs"] = _NULL
         if token_ids:
-            if keep_null:
-                _drop(choice, "token_ids", True)
-                _drop(choice, "prompt_token_ids", True)
-            else:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
+            _drop(choice, "token_ids", keep_null)
+            _drop(choice, "prompt_token_ids", keep_null)
         if experts:
             choice.pop("routed_experts", None)
     top["choices"] = msgspec.Raw(_encode(choices))
