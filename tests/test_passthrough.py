@@ -170,13 +170,17 @@ def test_posted_passthroughs_are_recorded_in_their_episodes_order(start):
     [engine], proxy = start()
     chat = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
     json_type = {"Content-Type": "application/json"}
-    tagged = {**json_type, "X-Tracetap-Episode": "mix"}  # /tokenize has no episode path
+    # /tokenize has no episode path. The proxy asks the same engine's /tokenize itself
+    # (its probe, and ids for these replies that came without any: proxy.resolve), at
+    # times of its own, so the agent's requests are told apart by a header of theirs.
+    tagged = {**json_type, "X-Tracetap-Episode": "mix", "X-Sent-By": "agent"}
     for path in ("/v1/chat/completions", "/tokenize", "/v1/chat/completions", LONG_PATH):
         status, _, _ = _request(proxy, "POST", path, tagged,
                                 chat if "chat" in path else b'{"prompt": "hi"}')
         assert status == 200, path
-    assert [sent_body for _, p, _, sent_body in engine.seen if p == "/tokenize"] == [
-        b'{"prompt": "hi"}']
+    assert [(p, sent_body) for _, p, sent, sent_body in engine.seen
+            if sent.get("X-Sent-By") == "agent" and p != "/v1/chat/completions"] == [
+        ("/tokenize", b'{"prompt": "hi"}'), (LONG_PATH, b'{"prompt": "hi"}')]
     calls = proxy.calls("mix")
     assert [(c["seq"], c["status"]) for c in calls] == [
         (0, "ok"), (1, "passthrough"), (2, "ok"), (3, "passthrough")]
