@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -88,7 +88,7 @@ def continuable(call: ModelCall) -> bool:
 
 
 async def stream(call: ModelCall, reply: Reply, pool: Any,
-                 headers: dict[str, str]) -> AsyncIterator[bytes]:
+                 headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
     """The upstream's stream for ``call``, continued after a weight sync if it is cut (the
     continuation sent through ``pool`` with ``headers``, to the episode's upstream)."""
     gate = call.services.gate
