@@ -1,7 +1,7 @@
 # tracetap: the capture proxy as a container image.
 #   docker build -t tracetap .
 #   docker run -e TRACETAP_UPSTREAM=http://host:8000/v1 -e TRACETAP_ADMIN_TOKEN=... -p 8080:8080 tracetap
-# Every setting is a TRACETAP_* variable (see proxy/settings.py); docker-compose.yml shows a full stack.
+# Every setting is a TRACETAP_* variable (see proxy/runtime/settings.py); docker-compose.yml shows a full stack.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -50,7 +50,7 @@ def cpu_ns(pids: list[int]) -> int:
 
 def minor_faults(pids: list[int]) -> int:
     """Minor page faults of ``pids`` and their descendants so far: each is a page touched
-    for the first time, a few µs of CPU on a virtual machine (proxy/heap.py)."""
+    for the first time, a few µs of CPU on a virtual machine (proxy/server/heap.py)."""
     total = 0
     for root in pids:
         for pid in tree(root):

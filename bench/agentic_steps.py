@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print cProfile's top functions of the last turn's other events")
     args = parser.parse_args()
-    gc.freeze()  # as proxy/serve.py does
+    gc.freeze()  # as proxy/server/serve.py does
     gc.set_threshold(50_000)
     sizes = Sizes(1, max(args.turns) + 1, args.tool, args.out, args.system)
     engine = Engine(sizes, 1)

@@ -31,15 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
-from tracetap.proxy.arrivals import Arrivals  # noqa: E402
-from tracetap.proxy.call_record import call_record  # noqa: E402
-from tracetap.proxy.capture import ModelCall  # noqa: E402
-from tracetap.proxy.ids import uuid7  # noqa: E402
-from tracetap.proxy.metrics import Metrics  # noqa: E402
-from tracetap.proxy.model_map import ModelMap  # noqa: E402
-from tracetap.proxy.prompt_prefix import PromptPrefixes  # noqa: E402
-from tracetap.proxy.repair import Repair  # noqa: E402
-from tracetap.proxy.routing import Routing  # noqa: E402
+from tracetap.proxy.apis.routing import Routing  # noqa: E402
+from tracetap.proxy.call.driver import ModelCall  # noqa: E402
+from tracetap.proxy.call.record import call_outcome, call_record  # noqa: E402
+from tracetap.proxy.episodes.arrivals import Arrivals  # noqa: E402
+from tracetap.proxy.episodes.ids import uuid7  # noqa: E402
+from tracetap.proxy.episodes.model_map import ModelMap  # noqa: E402
+from tracetap.proxy.episodes.repair import Repair  # noqa: E402
+from tracetap.proxy.runtime.metrics import Metrics  # noqa: E402
+from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
@@ -138,7 +138,9 @@ def _steps(stream: bool, journal: Journal, repeat: int) -> dict[str, float]:
         "journal: encode + write(2)": _cpu_us(
             lambda: journal.append(Writer.encode(record)), repeat
         ),
-        "metrics": _cpu_us(lambda: state.metrics.observe_call(replied, 0.01), repeat),
+        "metrics": _cpu_us(
+            lambda: state.metrics.observe_call(call_outcome(replied, 0.01)), repeat
+        ),
     }
 
 

@@ -57,7 +57,7 @@ _DRIVER = [*_RELAY, "tests/test_faults.py", "tests/test_call_driver.py",
 #   upstream's faults, whole replies and a held stream (test_call_driver.py, and the three
 #   overlay tests whose hold lets text before the first tool call go out live), and one
 #   stream for each part of the call the relay is given (_RELAY_PARTS); not the weight
-#   syncs (proxy.continuation's, around the relay).
+#   syncs (proxy.call.continuation's, around the relay).
 # Both leave out (-k, _SLOW) the two slowest tests, 12 s of a 150 s run: the backpressure
 # test (aiohttp's buffers, no line of these modules) and fifty concurrent streams (the
 # same path fifty times).
@@ -115,17 +115,17 @@ MODULES = {
     "storage/quarantine_command.py": [*_QUARANTINE, _REFERENCE],
     "storage/retention.py": ["tests/test_prune.py", "tests/test_prune_blocks.py"],
     "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
-    "proxy/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
+    "proxy/episodes/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
-    "proxy/capture.py": _CAPTURE,
-    "proxy/relay.py": _RELAY_ONLY,
-    "proxy/call_review.py": ["tests/test_call_driver.py", "tests/test_overlays.py"],
+    "proxy/call/driver.py": _CAPTURE,
+    "proxy/call/relay.py": _RELAY_ONLY,
+    "proxy/call/review.py": ["tests/test_call_driver.py", "tests/test_overlays.py"],
     # The path checked and routed, the base-URL probe, the refusals, passthrough: the
     # exposure and hostile-request tests, the metrics' route labels, the passthrough
     # record (test_integrity.py), the episode paths (test_keys.py), a captured stream's
     # bytes (test_relay.py). Not _DRIVER: every test there goes through agent_request,
     # and none checks more of it than that the call arrived.
-    "proxy/handlers.py": ["tests/test_passthrough.py", "tests/test_exposure.py",
+    "proxy/call/handlers.py": ["tests/test_passthrough.py", "tests/test_exposure.py",
                           "tests/test_hostile_agent.py",
                           "tests/test_hostile_edge.py", "tests/test_hostile_episodes.py",
                           "tests/test_api_errors.py", "tests/test_integrity.py",
@@ -154,14 +154,14 @@ MODULES = {
     "proxy/apis/responses/translate.py": ["tests/test_translate_responses.py", _REPLIES],
     "proxy/apis/responses/capture.py": _CAPTURE_APIS,
     # Token ids recovered from the engine's tokenizer, or refused.
-    "proxy/resolve.py": _TOKEN_IDS,
-    "proxy/tokenizers.py": ["tests/test_tokenizers.py", *_TOKEN_IDS],
-    "proxy/admin_token.py": ["tests/test_admin.py", *(
+    "proxy/tokens/resolve.py": _TOKEN_IDS,
+    "proxy/tokens/engine_tokenizer.py": ["tests/test_tokenizers.py", *_TOKEN_IDS],
+    "proxy/admin/token.py": ["tests/test_admin.py", *(
         "tests/test_hostile_agent.py::" + name for name in (
             "test_an_empty_admin_token_file_never_opens_the_admin_api",
             "test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start"))],
-    "proxy/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
-    "proxy/budgets.py": ["tests/test_budgets.py", "tests/test_hostile_episodes.py",
+    "proxy/http/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
+    "proxy/episodes/budgets.py": ["tests/test_budgets.py", "tests/test_hostile_episodes.py",
                          "tests/test_hostile_agent.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
@@ -175,8 +175,8 @@ MODULES = {
 _SQLITE_ONLY = ["-k", "not postgres"]
 _SLOW = ["-k", "not postgres and not backpressure and not fifty_concurrent"]
 PYTEST_ARGS = {module: _SQLITE_ONLY for module in (
-    "proxy/call_review.py", "proxy/handlers.py", "proxy/apis/chat/capture.py")}
-PYTEST_ARGS |= {module: _SLOW for module in ("proxy/capture.py", "proxy/relay.py")}
+    "proxy/call/review.py", "proxy/call/handlers.py", "proxy/apis/chat/capture.py")}
+PYTEST_ARGS |= {module: _SLOW for module in ("proxy/call/driver.py", "proxy/call/relay.py")}
 # The top-level folders pyproject.toml installs as tracetap.<folder>. The scratch copy puts
 # them under tracetap/, so the tests' `tracetap.proxy...` imports find mutmut's mutated
 # copy (mutants/ comes first on sys.path, before the editable install's finder) under the

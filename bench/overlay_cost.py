@@ -35,8 +35,8 @@ from proxy_bench import free_port  # noqa: E402
 from tracetap.demo.agent import TOOLS  # noqa: E402
 from tracetap.demo.engine import EngineConfig, EngineServer  # noqa: E402
 from tracetap.migrations import upgrade  # noqa: E402
-from tracetap.proxy.app import build_app  # noqa: E402
-from tracetap.proxy.settings import Settings  # noqa: E402
+from tracetap.proxy.runtime.settings import Settings  # noqa: E402
+from tracetap.proxy.server.app import build_app  # noqa: E402
 
 # Seed 1 and this prompt: the mock engine writes a sentence before its tool call.
 BODY = {"model": "mock-model", "stream": True, "seed": 1, "tools": TOOLS,

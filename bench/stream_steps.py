@@ -24,7 +24,7 @@ from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT as CHAT_ENDPOINT
 from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.apis.chat.inject import strip_body, strip_chunk
-from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.http.sse import SSEParser
 
 READS = STREAMS[True, True, True][:-1]  # [DONE] left out: its read journals the call
 DATAS = [event.data for event in SSEParser().feed(b"".join(READS))]

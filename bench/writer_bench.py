@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
-from tracetap.proxy.ids import uuid7  # noqa: E402
+from tracetap.proxy.episodes.ids import uuid7  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402

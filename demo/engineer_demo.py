@@ -100,8 +100,8 @@ async def _demo(data_dir: Path | None):
     from tracetap.demo.engine import EngineConfig, EngineServer
     from tracetap.exporters import export_async
     from tracetap.migrations import upgrade_async
-    from tracetap.proxy.app import build_app
-    from tracetap.proxy.settings import Settings
+    from tracetap.proxy.runtime.settings import Settings
+    from tracetap.proxy.server.app import build_app
 
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="tracetap-engineer-"))
     data_dir.mkdir(parents=True, exist_ok=True)

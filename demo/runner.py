@@ -159,9 +159,9 @@ async def _demo(data_dir: Path, append_only: int, say, keep: bool, started: floa
     from tracetap.demo.engine import EngineConfig, EngineServer
     from tracetap.exporters import ExportError, export_async
     from tracetap.migrations import upgrade_async
-    from tracetap.proxy.app import build_app
-    from tracetap.proxy.keys import STATE
-    from tracetap.proxy.settings import Settings
+    from tracetap.proxy.runtime.keys import STATE
+    from tracetap.proxy.runtime.settings import Settings
+    from tracetap.proxy.server.app import build_app
 
     run_id = uuid.uuid4().hex[:6]
     phases = plan_episodes(run_id, append_only, variants)

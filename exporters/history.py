@@ -1,7 +1,7 @@
 """What a harness resent compared with the model's own earlier turn (chat messages).
 
 Pure functions on chat-completions messages, shared by drift explanation at export
-(``exporters.drift``) and opt-in history repair in the proxy (``proxy.repair``); here
+(``exporters.drift``) and opt-in history repair in the proxy (``proxy.episodes.repair``); here
 because the proxy may import the exporters and not the other way (docs/architecture.md).
 
 An assistant message is compared as a ``Turn``: its text (a string, or text parts joined),

@@ -8,7 +8,7 @@ turns become rows of their own instead of ``non_prefix`` splits of the main line
 A lineage's id is the call id of its first call (stable across export runs); its parent
 is the lineage that started it, None for a root. Calls are taken in arrival order:
 
-1. a call that names its lineage (``X-Tracetap-Lineage``, proxy.lineage) joins the
+1. a call that names its lineage (``X-Tracetap-Lineage``, proxy.episodes.lineage) joins the
    lineage of that name, or starts it; its parent is the lineage named by
    ``X-Tracetap-Parent``, else found as in 4;
 2. a call without a conversation hash (a completions prompt, a relayed count_tokens, a

@@ -58,7 +58,7 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_ids: list[int] | None = None
     # The prompt ids as int32 little-endian bytes (storage.codec.pack_ids) instead of
     # prompt_ids (then None), when the proxy packed them as it decoded them (in the new
-    # tokens only, proxy.prompt_prefix): no list of the whole prompt is made, journaled or
+    # tokens only, proxy.tokens.prompt_prefix): no list of the whole prompt is made, journaled or
     # packed again at each call. Read either with ``prompt_ids_of``.
     prompt_ids_packed: bytes | None = None
     # Where prompt_ids came from (PROMPT_SOURCES); None: "engine" if there are ids, else "none".
@@ -66,7 +66,7 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The body sent upstream when the engine rendered something else than the client's
     # request (a translated API, a repaired history): the model's view, kept beside it.
     upstream_request: str | None = None
-    # Why some of the call's token ids are missing (proxy.resolve.REMEDIES), if they are.
+    # Why some of the call's token ids are missing (proxy.tokens.resolve.REMEDIES), if they are.
     ids_missing: str | None = None
     # JSON: the overlay the call ran under, its events and what the harness received
     # when that was not the model's reply (docs/overlays.md); None without an overlay.
@@ -76,7 +76,7 @@ class CallRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     translation_dropped: str | None = None
     # Lineage (exporters.lineages): the harness's names for the conversation the call
     # belongs to and its parent (X-Tracetap-Lineage / X-Tracetap-Parent), when it sent
-    # them; ``conversation``: the hashes of the request's start (proxy.lineage).
+    # them; ``conversation``: the hashes of the request's start (proxy.episodes.lineage).
     lineage: str | None = None
     parent_lineage: str | None = None
     conversation: str | None = None
@@ -107,7 +107,7 @@ TOKEN_SOURCES = ("engine", "logprobs", "verified_retokenized", "local_tokenizer"
 # (rendered and tokenized by tracetap, kept only when its length equals the engine's
 # usage.prompt_tokens); none.
 PROMPT_SOURCES = ("engine", "request", "engine_tokenize", "local_tokenizer", "none")
-# Why a call's ids are missing (calls.ids_missing); the remedies are in proxy.resolve.
+# Why a call's ids are missing (calls.ids_missing); the remedies are in proxy.tokens.resolve.
 IDS_MISSING = ("no_tokenizer", "no_chat_template", "tokenize_failed", "count_mismatch",
                "no_token_strings", "unverified", "unsupported_request", "no_prompt_count",
                "engine_busy")
@@ -129,5 +129,5 @@ STATUSES = (
     "overlay_failed",  # an overlay hook failed under --overlay-fail closed
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
-    "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
+    "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.call.continuation)
 )

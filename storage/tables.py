@@ -86,7 +86,7 @@ class Call(Base):
     prompt_source: Mapped[str | None] = mapped_column(String(16))
     # What the engine was given when it differs from request (translated, repaired).
     upstream_request: Mapped[str | None] = mapped_column(Text)
-    # Why some token ids are missing, when they are (proxy.resolve.REMEDIES).
+    # Why some token ids are missing, when they are (proxy.tokens.resolve.REMEDIES).
     ids_missing: Mapped[str | None] = mapped_column(String(32))
     # JSON: overlay name, events, the reply the harness got when rewritten (0004).
     overlay: Mapped[str | None] = mapped_column(Text)

@@ -2,7 +2,7 @@
 (400/403/404/413/429/502/504), read by the real openai and anthropic SDKs.
 
 The client's API decides the shape, once per request from its route
-(``proxy.routing.client_errors``); ``proxy/apis/chat/errors.py`` and
+(``proxy.apis.routing.client_errors``); ``proxy/apis/chat/errors.py`` and
 ``proxy/apis/messages/errors.py`` are the one place each shape is written."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from tracetap.migrations import upgrade
 from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
 from tracetap.proxy.apis.messages import translate as messages_translate
 from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
-from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.routing import client_errors
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.apis.routing import client_errors
+from tracetap.proxy.http.errors import ProxyError
+from tracetap.proxy.runtime.settings import Settings
 
 APIS = ("chat", "completions", "responses", "messages")
 # Anthropic's error types by status, as the SDK's error models know them.

@@ -24,7 +24,7 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.demo.engine import EngineConfig, EngineServer, make_engine_app
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 TOOLS_RESPONSES = [{"type": "function", "name": "lookup", "description": "look a fact up",
                     "parameters": {"type": "object", "properties": {"step": {"type": "integer"}},
@@ -437,7 +437,7 @@ def test_reasoning_reaches_the_client_and_the_record_whichever_field(field, make
 ])
 def test_auto_picks_the_route_that_keeps_every_tokens_logprob(request_body, translated):
     from tracetap.proxy.apis.responses.capture import ResponsesApi
-    from tracetap.proxy.routing import Routing
+    from tracetap.proxy.apis.routing import Routing
 
     for translate, expect in (("auto", translated), ("none", False), ("all", True)):
         routing = Routing(translate, native={"responses": ResponsesApi()})
@@ -500,7 +500,7 @@ def _feed(capture, *events) -> None:
 
 def test_messages_capture_reassembles_a_stream_block_by_block():
     from tracetap.proxy.apis.messages.capture import MessagesApi, MessagesCapture
-    from tracetap.proxy.sse import Event
+    from tracetap.proxy.http.sse import Event
 
     api = MessagesApi()
     assert (api.endpoint, api.route, api.path, api.ends_with_done) == (
@@ -642,7 +642,7 @@ def test_responses_prepare_asks_for_logprobs_and_ids_only_when_the_client_did_no
 def test_responses_replies_lose_only_what_the_proxy_asked_for():
     from tracetap.proxy.apis import Injected
     from tracetap.proxy.apis.responses.capture import ResponsesApi
-    from tracetap.proxy.sse import Event
+    from tracetap.proxy.http.sse import Event
 
     api = ResponsesApi()
     both = Injected(logprobs=True, token_ids=True, top_logprobs_echo=True)

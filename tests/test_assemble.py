@@ -9,7 +9,7 @@ import pytest
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.capture import CHAT_API, Capture, OpenAIApi
-from tracetap.proxy.sse import Event
+from tracetap.proxy.http.sse import Event
 
 
 def _chunk(**choice) -> bytes:

@@ -10,7 +10,7 @@ from helpers.http import post
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 
 def _assert_openai_error(body: dict, code: str) -> None:

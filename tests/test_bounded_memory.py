@@ -8,7 +8,7 @@ import gc
 import openai
 import pytest
 
-from tracetap.proxy.arrivals import Arrivals
+from tracetap.proxy.episodes.arrivals import Arrivals
 
 
 def test_arrival_counters_keep_the_most_recent_episodes_only():
@@ -25,7 +25,7 @@ def test_arrival_counters_keep_the_most_recent_episodes_only():
 def _live_calls(episode_id: str) -> int:
     """This test's calls still alive (a call another test's proxy still holds, such as one
     a held upstream has not answered, is not this test's to count)."""
-    from tracetap.proxy.capture import ModelCall
+    from tracetap.proxy.call.driver import ModelCall
 
     return sum(1 for o in gc.get_objects()
                if isinstance(o, ModelCall) and o.episode_id == episode_id)

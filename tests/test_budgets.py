@@ -1,4 +1,4 @@
-"""proxy/budgets.py on its own, against a real (SQLite) ledger: which limit refuses a call
+"""proxy/episodes/budgets.py on its own, against a real (SQLite) ledger: which limit refuses a call
 and how, what a call holds and gives back, and what happens when the ledger is down.
 
 The end-to-end promises (parallel calls through several proxies, Postgres, a runaway
@@ -15,7 +15,7 @@ from helpers.loop import free_port
 from sqlalchemy import event
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.budgets import (
+from tracetap.proxy.episodes.budgets import (
     Budget,
     BudgetExceeded,
     BudgetHeld,
@@ -23,7 +23,7 @@ from tracetap.proxy.budgets import (
     Reservation,
     reservation_size,
 )
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 from tracetap.storage import budget_ledger
 from tracetap.storage.budget_ledger import Limits
 from tracetap.storage.engine import create_engine

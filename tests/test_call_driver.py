@@ -15,7 +15,7 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tests.test_overlays import QUESTION, SYSTEM, chat, register
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage import budget_ledger
 
 

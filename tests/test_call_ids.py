@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from tracetap.proxy.ids import uuid7
+from tracetap.proxy.episodes.ids import uuid7
 
 
 def test_call_ids_are_uuid7_strings_in_time_order():

@@ -1,4 +1,4 @@
-"""The driver's own promises about a call's life (``ModelCall.run``, proxy/capture.py),
+"""The driver's own promises about a call's life (``ModelCall.run``, proxy/call/driver.py),
 observed in the proxy's process: the in-flight gauge counts a call only while it runs,
 a refusal or a bug is the client's error and a stored record (never a bare 500, and a
 stream already begun is cut, not turned into an error), a call cancelled under it (the
@@ -24,10 +24,10 @@ from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.proxy.call_timings import Timings
-from tracetap.proxy.capture import ModelCall
-from tracetap.proxy.relay import Relay
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.call.driver import ModelCall
+from tracetap.proxy.call.relay import Relay
+from tracetap.proxy.call.timings import Timings
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage.integrity import cause_of
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -52,4 +52,4 @@ def test_each_subcommand_runs_its_own_packages_code():
         run = commands.choices[name].get_default("run")
         assert run.__module__.startswith(owner), (name, run.__module__)
     db = parser.parse_args(["db", "upgrade"])
-    assert db.run.__module__ == "tracetap.proxy.db_command" and db.db_command == "upgrade"
+    assert db.run.__module__ == "tracetap.proxy.server.db_command" and db.db_command == "upgrade"

@@ -1,4 +1,4 @@
-"""One function composes the proxy's state (proxy/compose.py): every part is given what
+"""One function composes the proxy's state (proxy/server/compose.py): every part is given what
 it reads when it is built, so what the app learns later (the upstream's flavor, found
 after the start) reaches every reader without anything being set on them."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from tracetap.proxy import app as app_module
-from tracetap.proxy.compose import compose_state
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
+from tracetap.proxy.server import app as app_module
+from tracetap.proxy.server.compose import compose_state
 
 
 def test_the_parts_share_what_they_read_from_one_composition(tmp_path):

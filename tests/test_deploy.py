@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"

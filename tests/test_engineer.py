@@ -19,7 +19,7 @@ from tracetap.demo.engine import EngineConfig
 from tracetap.demo.engineer_demo import CANDIDATES
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 HARNESS = f"{sys.executable} -m tracetap.demo.agent_command {{base_url}} {{task.id}} {{repeat}}"
 

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from tracetap import cli
 from tracetap.exporters import ExportError, export
-from tracetap.proxy.ids import uuid7
+from tracetap.proxy.episodes.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord

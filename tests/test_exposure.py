@@ -1,4 +1,4 @@
-"""proxy/exposure.py on its own: a path is decoded to a fixed point or refused, and what
+"""proxy/http/exposure.py on its own: a path is decoded to a fixed point or refused, and what
 the upstream is sent decodes to exactly the path that was checked."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
-from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.exposure import (
+from tracetap.proxy.http.errors import ProxyError
+from tracetap.proxy.http.exposure import (
     DEFAULT_RULES,
     Exposure,
     Rule,

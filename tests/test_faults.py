@@ -17,7 +17,7 @@ from helpers.loop import free_port
 from helpers.servers import Proxy, stored_calls
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 
 def _stream_request(port: int, path: str, body: dict) -> socket.socket:

@@ -34,7 +34,7 @@ from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.exporters.history import CAUSES
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 # A harness run is a few seconds; this is for a harness that hangs (waiting on a
 # prompt, or retrying a refused request with back-off).

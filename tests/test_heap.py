@@ -1,4 +1,4 @@
-"""proxy/heap.py: a growing conversation's buffers reuse the heap's pages turn after turn
+"""proxy/server/heap.py: a growing conversation's buffers reuse the heap's pages turn after turn
 instead of faulting fresh ones in (each a few µs on a virtual machine)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 # larger than the last (the request, a copy of it, the first chunk), then freed.
 TURNS = """
 import json, resource, sys
-from tracetap.proxy import heap
+from tracetap.proxy.server import heap
 kept = heap.keep_freed_memory()
 def turn(i):
     n = 550_000 + i * 20_000

@@ -22,9 +22,9 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
-from tracetap.proxy import admin_token
-from tracetap.proxy.admin_token import ensure_admin_token, read_admin_token
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.admin import token as admin_token
+from tracetap.proxy.admin.token import ensure_admin_token, read_admin_token
+from tracetap.proxy.runtime.settings import Settings
 
 # Real control endpoints that RL setups enable for weight sync.
 SGLANG_CONTROLS = ["/update_weights_from_disk", "/update_weights_from_tensor", "/flush_cache",
@@ -227,7 +227,7 @@ def test_serve_generates_an_owner_only_admin_token_and_the_cli_reads_it(
 @pytest.mark.parametrize("content", ["", " \n\t \n"], ids=["empty", "whitespace"])
 def test_an_empty_admin_token_file_never_opens_the_admin_api(upstream, tmp_path, content):
     """DATA_DIR/admin-token empty or whitespace only: ``serve`` refuses to start with a
-    message naming the file (documented in proxy/admin_token.py); the file is left as it
+    message naming the file (documented in proxy/admin/token.py); the file is left as it
     was. Kills ``read_admin_token`` returning the
     empty string (then ``ensure_admin_token`` hands ``""`` back, and a request without
     any token matches it: the admin API open to anyone), and ``ensure_admin_token``

@@ -27,7 +27,7 @@ from helpers.servers import Proxy, ProxyProcess
 
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHAT = json.dumps({"model": "mock-model", "messages": MESSAGES, "max_tokens": 2}).encode()

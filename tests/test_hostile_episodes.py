@@ -25,8 +25,8 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.budgets import Budget, Budgets, reservation_size
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.episodes.budgets import Budget, Budgets, reservation_size
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage import budget_ledger
 
 

@@ -21,8 +21,8 @@ from helpers.http import fetch, get_page
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracetap.proxy import failures
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.http import failures
+from tracetap.proxy.runtime.settings import Settings
 
 # ---- 7. secrets stay secret -------------------------------------------------------------------
 

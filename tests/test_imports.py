@@ -16,8 +16,7 @@ LAYERS = (*PACKAGES, TOP)
 
 
 def allowed_by_the_page() -> dict[str, set[str]]:
-    page = (ROOT / "docs" / "architecture.md").read_text()
-    rows = re.findall(r"^\| `(\w+)/` \|[^|]*\|([^|]*)\|$", page, flags=re.M)
+    rows = re.findall(r"^\| `(\w+)/` \|[^|]*\|([^|]*)\|$", _table_section(), flags=re.M)
     allowed = {}
     for package, may_import in rows:
         named = {n for n in re.findall(r"`(\w+)`", may_import) if n in LAYERS}
@@ -140,7 +139,7 @@ def test_the_page_has_a_row_for_every_package():
 
 def _table_section() -> str:
     page = (ROOT / "docs" / "architecture.md").read_text()
-    return page.split("## Packages", 1)[1].split("\n## ", 1)[0]
+    return page.split("## Packages (", 1)[1].split("\n## ", 1)[0]
 
 
 def test_the_table_has_no_cycle_so_every_import_points_down():
@@ -171,18 +170,18 @@ def test_the_cycle_check_finds_a_cycle_through_lazy_imports_only(tmp_path):
     assert cycles(graph) == [["a", "b", "c"]]
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from tracetap.proxy.capture import ModelCall\n"
-                      "def f():\n    from tracetap.proxy import workers\n")
+                      "    from tracetap.proxy.call.driver import ModelCall\n"
+                      "def f():\n    from tracetap.proxy.server import workers\n")
     run_time = imported_names(module, run_time_only=True)
-    assert "tracetap.proxy.workers" in run_time
-    assert "tracetap.proxy.capture.ModelCall" not in run_time
-    assert "tracetap.proxy.capture.ModelCall" in imported_names(module)
+    assert "tracetap.proxy.server.workers" in run_time
+    assert "tracetap.proxy.call.driver.ModelCall" not in run_time
+    assert "tracetap.proxy.call.driver.ModelCall" in imported_names(module)
 
 
 def test_the_top_is_told_apart_from_the_version():
     assert layer_of("tracetap.cli") == TOP
     assert layer_of("tracetap.__version__") is None
-    assert layer_of("tracetap.proxy.workers") == "proxy"
+    assert layer_of("tracetap.proxy.server.workers") == "proxy"
 
 
 def test_the_check_sees_lazy_imports(tmp_path):
@@ -213,3 +212,93 @@ def test_code_cites_the_architecture_page_not_a_missing_design_file():
         if "DESIGN.md" in p.read_text() and p.name != "test_imports.py"
     ]
     assert citing == []
+
+
+# --- proxy/'s wings ---------------------------------------------------------------------
+PROXY = ROOT / "proxy"
+# Imports for annotations only that point up a wing: the overlay review hook reads the
+# call it reviews (its docstring says so); the rest are lower wings still handed the whole
+# call, each pinned here so that no new one creeps in.
+TYPE_ONLY_UP = {
+    ("overlays", "call"), ("overlays", "runtime"),
+}
+
+
+def wings() -> dict[str, set[str]]:
+    """wing -> the wings its __init__ docstring says it may import."""
+    found = {}
+    for init in sorted(PROXY.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        may = re.search(r"^May import: (.*?)(?:\.$|\.\n)", doc, flags=re.M | re.S)
+        assert may, f"{init.relative_to(ROOT)}: no 'May import:' line"
+        found[init.parent.name] = set(re.findall(r"`(\w+)`", may.group(1)))
+    return found
+
+
+def wing_of(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[:2] != ["tracetap", "proxy"] or len(parts) < 3:
+        return None
+    return parts[2] if (PROXY / parts[2]).is_dir() else None
+
+
+def test_proxy_top_holds_wings_and_nothing_else():
+    top = sorted(p.name for p in PROXY.iterdir() if p.name != "__pycache__")
+    assert [p for p in top if p.endswith(".py")] == ["__init__.py"]
+    assert len(top) <= 12
+    for wing in wings():
+        doc = ast.get_docstring(ast.parse((PROXY / wing / "__init__.py").read_text()))
+        owned = {p.stem for p in (PROXY / wing).glob("*.py")} - {"__init__"}
+        owned |= {p.name for p in (PROXY / wing).iterdir() if (p / "__init__.py").exists()}
+        said = re.search(r"^Owns: (.*?)\.$", doc, flags=re.M | re.S)
+        assert said, f"proxy/{wing}: no 'Owns:' line"
+        named = {n.rstrip("/") for n in re.findall(r"`([\w/]+)`", said.group(1))}
+        assert named == owned, f"proxy/{wing}/__init__.py's Owns line: {named ^ owned}"
+
+
+def test_the_wings_form_no_cycle():
+    assert set(wings()) == {p.parent.name for p in PROXY.glob("*/__init__.py")}
+    assert cycles(wings()) == []
+    assert all(set(may) <= set(wings()) for may in wings().values())
+
+
+def wing_imports_not_allowed(path: Path, wing: str, may: set[str]) -> list[str]:
+    """What a module of `wing` imports that its wing may not: run-time imports (lazy ones
+    too) only down; imports for annotations only up where TYPE_ONLY_UP pins them."""
+    run_time = {wing_of(n) for n in imported_names(path, run_time_only=True)} - {None}
+    every = {wing_of(n) for n in imported_names(path)} - {None}
+    wrong = [f"imports {other}" for other in sorted(run_time - may - {wing})]
+    return wrong + [f"imports {other} (for annotations)"
+                    for other in sorted(every - run_time - may - {wing})
+                    if (wing, other) not in TYPE_ONLY_UP]
+
+
+def test_each_wing_imports_only_the_wings_it_may():
+    may = wings()
+    wrong = []
+    for path in sorted(PROXY.rglob("*.py")):
+        parts = path.relative_to(PROXY).parts
+        if len(parts) >= 2:
+            wrong += [f"{path.relative_to(ROOT)} {w}"
+                      for w in wing_imports_not_allowed(path, parts[0], may[parts[0]])]
+    assert wrong == []
+
+
+def test_the_wing_check_sees_upward_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from tracetap.proxy.runtime.state import ProxyState\n"
+                      "def f():\n    from tracetap.proxy.call import driver\n")
+    assert wing_imports_not_allowed(module, "http", set()) == [
+        "imports call", "imports runtime (for annotations)"]
+    assert wing_imports_not_allowed(module, "overlays", {"http"}) == ["imports call"]
+    assert wing_imports_not_allowed(module, "admin", wings()["admin"]) == []
+
+
+def test_the_architecture_page_lists_the_wings_in_their_order():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("## proxy/'s wings", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)/` \|", section, flags=re.M)
+    assert set(listed) == set(wings())
+    for i, wing in enumerate(listed):  # each may import only wings listed before it
+        assert wings()[wing] <= set(listed[:i]), wing

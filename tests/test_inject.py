@@ -9,7 +9,7 @@ import pytest
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 
 def test_chat_stream_on_vllm_asks_for_everything():

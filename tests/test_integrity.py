@@ -17,7 +17,7 @@ from helpers.servers import Proxy
 from tracetap import cli
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage.engine import create_engine
 from tracetap.storage.integrity import cause_of, verdicts_of
 from tracetap.storage.journal import Journal

@@ -7,7 +7,7 @@ import asyncio
 
 import msgspec
 
-from tracetap.proxy.ids import uuid7
+from tracetap.proxy.episodes.ids import uuid7
 from tracetap.storage import journal_record, queries
 from tracetap.storage.codec import pack_ids
 from tracetap.storage.engine import create_engine

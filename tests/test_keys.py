@@ -13,9 +13,9 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 from sqlalchemy import text
 
-from tracetap.proxy import tagging
-from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.tagging import Tagger, hash_key, validate_episode_id
+from tracetap.proxy.episodes import tagging
+from tracetap.proxy.episodes.tagging import Tagger, hash_key, validate_episode_id
+from tracetap.proxy.http.errors import ProxyError
 from tracetap.storage.engine import create_engine
 
 MESSAGES = [{"role": "user", "content": "hello"}]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.test_trajectories import make_call
 from tracetap.exporters.lineages import CallView, assign
 from tracetap.exporters.trajectories import build_trajectories
-from tracetap.proxy.lineage import conversation, names
+from tracetap.proxy.episodes.lineage import conversation, names
 
 MAIN = "s1:f1"
 SUB = "s2:f2"
@@ -186,7 +186,7 @@ def test_a_sub_agent_registered_as_an_episode_names_its_parent(proxy, tmp_path):
 
 
 def test_the_lineage_headers_never_reach_the_upstream():
-    from tracetap.proxy.headers import upstream_request_headers
+    from tracetap.proxy.http.headers import upstream_request_headers
 
     sent = upstream_request_headers(
         {"X-Tracetap-Lineage": "sub", "X-Tracetap-Parent": "main", "Accept": "*/*"},

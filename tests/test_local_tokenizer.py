@@ -20,8 +20,8 @@ from helpers.servers import Proxy
 from tests.test_token_ids import TOOLS, chat_loop, export_rows, missing_metric
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
-from tracetap.proxy import local_tokenizer
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
+from tracetap.proxy.tokens import local_tokenizer
 
 TEMPLATE = (
     "{% if tools %}<|im_start|>tools\n"

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tracetap.demo.engine import EngineServer
 from tracetap.migrations import upgrade
-from tracetap.proxy.metrics import OTHER, Metrics
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.metrics import OTHER, Metrics
+from tracetap.proxy.runtime.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 Samples = dict[tuple[str, frozenset], float]

@@ -20,7 +20,7 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 
 def _sse(kind: str, data: dict) -> bytes:

@@ -20,8 +20,8 @@ from helpers.servers import Proxy
 
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
-from tracetap.proxy.ids import uuid7
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.episodes.ids import uuid7
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal

@@ -17,7 +17,7 @@ from helpers.servers import Proxy
 
 from tracetap.demo.engine import EngineConfig
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 PATCH = """
 async def before_model(request, state):

@@ -22,7 +22,7 @@ from tracetap.demo.engine import EngineConfig
 from tracetap.migrations import upgrade
 from tracetap.proxy.overlays import frames
 from tracetap.proxy.overlays.workers import Limits, Worker, WorkerDied
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 NOTE = "Patched: answer in one word."
 GOOD = f'''

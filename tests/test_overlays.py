@@ -23,7 +23,7 @@ from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.proxy.overlays.loader import load_overlays
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 BAD_ARGS = 0.4  # the engine's seeded fraction of tool calls with invalid arguments
 OVERLAYS = [

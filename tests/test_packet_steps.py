@@ -18,7 +18,7 @@ from tests.overlay_fixtures import NOTE
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE, Options, build
 from tracetap.analysis.steps import CallBodies, read_steps
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage.scan import EpisodeFilter
 
 SYSTEM = {"role": "system", "content": "Be an agent."}

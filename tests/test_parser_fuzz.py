@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.capture import Capture
-from tracetap.proxy.capture import ModelCall
-from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.model_map import ModelMap
-from tracetap.proxy.prompt_prefix import PromptPrefixes
-from tracetap.proxy.repair import Repair
-from tracetap.proxy.routing import Routing
-from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.apis.routing import Routing
+from tracetap.proxy.call.driver import ModelCall
+from tracetap.proxy.episodes.model_map import ModelMap
+from tracetap.proxy.episodes.repair import Repair
+from tracetap.proxy.http.errors import ProxyError
+from tracetap.proxy.http.sse import SSEParser
+from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 
 _STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False),
                          routing=Routing("auto", native={}), prompt_prefixes=PromptPrefixes(),

@@ -1,4 +1,4 @@
-"""What the agent may reach besides the model API (``proxy.handlers``): the base-URL probe,
+"""What the agent may reach besides the model API (``proxy.call.handlers``): the base-URL probe,
 answered by the proxy; the exposed paths that are not captured (the models list,
 tokenize, ``--allow-path``), relayed untouched and recorded in their episode.
 
@@ -21,7 +21,7 @@ from helpers.http import fetch, metrics_text
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 # An allowed path longer than the record's 32-character endpoint column.
 LONG_PATH = "/v1/embeddings/of/a/path/longer/than/the/column"

@@ -27,8 +27,8 @@ from helpers.servers import Proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.metrics import Metrics
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.metrics import Metrics
+from tracetap.proxy.runtime.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 PROM_DIR = REPO / "deploy" / "prometheus"

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.capture import Capture
-from tracetap.proxy.prompt_cut import cut_prompt_ids
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.apis.chat.prompt_cut import cut_prompt_ids
+from tracetap.proxy.runtime.settings import Settings
 
 IDS = list(range(100, 140))
 CHOICES = [{"index": 0, "delta": {"role": "assistant", "content": "Hé"}, "logprobs": None,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracetap.proxy.prompt_prefix import PromptPrefixes
+from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 from tracetap.storage.codec import pack_ids
 
 

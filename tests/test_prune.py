@@ -252,7 +252,7 @@ def test_an_episode_finished_again_while_a_prune_reads_it_is_kept(db_url):
 def test_an_episode_outside_the_proof_or_given_a_call_meanwhile_is_kept(db_url, monkeypatch):
     """Only the proven episodes go, and not one that got a call between the prune's reads
     and its deletes (SQLite has no row lock: the delete itself checks)."""
-    from tracetap.proxy.ids import uuid7
+    from tracetap.proxy.episodes.ids import uuid7
     from tracetap.storage import queries, retention
     from tracetap.storage.records import CallRecord
     from tracetap.storage.rows import insert_calls

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tracetap.proxy.ids import uuid7
+from tracetap.proxy.episodes.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal

@@ -175,7 +175,7 @@ def _outage_kill_replay(forwarder, engine, fresh_postgres, run_proxy, tmp_path, 
 
 
 def _journal_one(data_dir, episode_id: str) -> None:
-    from tracetap.proxy.ids import uuid7
+    from tracetap.proxy.episodes.ids import uuid7
     from tracetap.storage.journal import Journal
     from tracetap.storage.records import CallRecord
     from tracetap.storage.writer import Writer

@@ -19,8 +19,8 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.proxy.apis.chat.capture import Capture
-from tracetap.proxy.relay import Relay
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.call.relay import Relay
+from tracetap.proxy.runtime.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WORDS = ["Hé", " there", ",  friend"]  # a double space: re-encoding would not keep it

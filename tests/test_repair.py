@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from tracetap.exporters import export
 from tracetap.proxy.apis.chat import CHAT
-from tracetap.proxy.repair import Repair
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.episodes.repair import Repair
+from tracetap.proxy.runtime.settings import Settings
 
 REPAIRED = {"langchain": h.reserialized, "strip": h.stripped, "smolagents": h.text_parts}
 EXPLAINED = {"dropper": (h.dropped, "assistant_turn_dropped"),
@@ -155,8 +155,7 @@ def remembered(episode: str, originals: list[dict]) -> Repair:
     for message in originals:
         capture = SimpleNamespace(reassembled=lambda with_logprobs, m=message: {
             "choices": [{"message": m}]})
-        repair.remember(SimpleNamespace(episode_id=episode, api=SimpleNamespace(endpoint=CHAT),
-                                        status="ok", http_status=200, capture=capture))
+        repair.remember(episode, CHAT, True, capture)
     return repair
 
 

@@ -1,4 +1,4 @@
-"""proxy/resolve.py on its own: which records are resolved, why each missing id is missing,
+"""proxy/tokens/resolve.py on its own: which records are resolved, why each missing id is missing,
 when an engine that cuts streams is asked, and what is counted and logged.
 
 The engine's tokenize endpoints are played in-process (helpers.tokenize_engine: one id
@@ -14,9 +14,9 @@ import logging
 import pytest
 from helpers.tokenize_engine import BOS, TokenizeEngine, ids_of, render
 
-from tracetap.proxy.resolve import REMEDIES, TokenResolver
-from tracetap.proxy.tokenizers import TokenizeFailed
-from tracetap.proxy.traffic import Traffic
+from tracetap.proxy.tokens.engine_tokenizer import TokenizeFailed
+from tracetap.proxy.tokens.resolve import REMEDIES, TokenResolver
+from tracetap.proxy.upstream.traffic import Traffic
 from tracetap.storage.records import CallRecord, ChoiceRecord
 
 UPSTREAM = "http://engine:8000/v1"

@@ -16,7 +16,7 @@ from helpers.servers import Forwarder, Proxy, stored_calls
 
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 SECRET = "sk-upstream-SECRET-3f9a1c"
 CONTENT = "what the lighthouse keeper said, 41c7"  # findable in any dump

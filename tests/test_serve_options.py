@@ -15,7 +15,7 @@ from helpers.servers import Proxy, stored_calls
 
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -25,8 +25,8 @@ from tracetap import cli
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.exporters import export
-from tracetap.proxy.resolve import REMEDIES
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
+from tracetap.proxy.tokens.resolve import REMEDIES
 from tracetap.storage.records import IDS_MISSING
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {

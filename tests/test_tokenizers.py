@@ -1,4 +1,4 @@
-"""proxy/tokenizers.py on its own: which family an engine is, and exactly what each
+"""proxy/tokens/engine_tokenizer.py on its own: which family an engine is, and exactly what each
 family's tokenize endpoints are asked and how their answers are read.
 
 The engines are played in-process (helpers.tokenize_engine); test_token_ids.py runs the
@@ -11,8 +11,8 @@ import asyncio
 import pytest
 from helpers.tokenize_engine import BOS, TokenizeEngine, ids_of, render
 
-from tracetap.proxy import tokenizers
-from tracetap.proxy.tokenizers import (
+from tracetap.proxy.tokens import engine_tokenizer as tokenizers
+from tracetap.proxy.tokens.engine_tokenizer import (
     LlamaCppPython,
     LlamaServer,
     NoChatTemplate,

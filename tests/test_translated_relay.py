@@ -20,7 +20,7 @@ from helpers.http import fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 WORDS = ["Hello", " there", " friend"]
 LOGPROBS = [-0.5, -0.25, -0.125]

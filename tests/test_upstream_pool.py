@@ -13,9 +13,9 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.demo.engine import EngineConfig, EngineServer
-from tracetap.proxy.pool import Pool
-from tracetap.proxy.settings import Settings
-from tracetap.proxy.upstream_specs import UpstreamSpec, parse_upstreams
+from tracetap.proxy.runtime.settings import Settings
+from tracetap.proxy.upstream.pool import Pool
+from tracetap.proxy.upstream.specs import UpstreamSpec, parse_upstreams
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

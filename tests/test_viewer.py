@@ -275,7 +275,7 @@ def test_with_an_admin_listener_the_agent_port_has_no_viewer(loop_thread, engine
     from aiohttp import web
     from helpers.servers import Proxy
 
-    from tracetap.proxy.settings import Settings
+    from tracetap.proxy.runtime.settings import Settings
 
     admin_port = free_port()
     settings = Settings(upstream=engine.url, data_dir=str(tmp_path), port=free_port(),

@@ -19,21 +19,22 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x100 | 0x200  # generator, coroutine, async generator
 # Rooms of the walk that do a step's work: each at most twice (docs/architecture.md).
 # The request is made empty as the call starts and filled by the parse (the record reads
 # its bytes); the upstream's reply is sent, then read to its end, which closes it.
-WALK_ROOMS = {"handlers": 1, "exposure": 2, "routing": 2, "capture": 2, "tagging": 1,
-              "bodies": 1, "call_request": 2, "overlays/runner": 1, "continuation": 2,
-              "pool": 2, "upstream": 2, "relay": 2, "call_record": 1, "storage/writer": 1}
+WALK_ROOMS = {"call/handlers": 1, "http/exposure": 2, "apis/routing": 2, "call/driver": 2,
+              "episodes/tagging": 1, "http/bodies": 1, "call/request": 2,
+              "overlays/runner": 1, "call/continuation": 2, "upstream/pool": 2,
+              "upstream/client": 2, "call/relay": 2, "call/record": 1, "storage/writer": 1}
 
 
 def room_of(filename: str) -> str | None:
-    """The room of a tracetap source file: its module under proxy/ (an API's package
-    counted as one room), or storage/<module>; None for anything else."""
+    """The room of a tracetap source file: its module under proxy/ (wing/module; an API's
+    package counted as one room), or storage/<module>; None for anything else."""
     if not filename.startswith(ROOT):
         return None
     parts = filename[len(ROOT):].removesuffix(".py").split("/")
@@ -127,9 +128,11 @@ def test_the_driver_is_entered_once_and_visited_again_only_at_the_end(proxy, cas
                                **body})
     [call] = proxy.calls("walk")
     assert (call["endpoint"], call["status"]) == (endpoint, "ok")
-    into_driver = [(name, caller) for room, name, caller in walk.entries if room == "capture"]
-    assert into_driver == [("ModelCall.run", "handlers"), ("ModelCall.end_reached", "relay")]
-    assert {name for room, name, _ in walk.entries if room == "relay"} == {
+    into_driver = [(name, caller) for room, name, caller in walk.entries
+                   if room == "call/driver"]
+    assert into_driver == [("ModelCall.run", "call/handlers"),
+                           ("ModelCall.end_reached", "call/relay")]
+    assert {name for room, name, _ in walk.entries if room == "call/relay"} == {
         "Relay.__init__", "Relay.pump"}
     visits = walk.visits()
     assert {room: visits[room] for room in WALK_ROOMS} == WALK_ROOMS

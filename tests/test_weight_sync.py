@@ -20,7 +20,7 @@ from helpers.servers import Proxy
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.tokenizer import EOS
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]

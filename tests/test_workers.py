@@ -19,7 +19,7 @@ from helpers.servers import stored_calls
 from prometheus_client.parser import text_string_to_metric_families
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.app import WORKER_HEADER
+from tracetap.proxy.server.app import WORKER_HEADER
 
 TRIES = 60  # calls it may take the kernel to hand connections to both workers
 

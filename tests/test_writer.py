@@ -16,7 +16,7 @@ from helpers.servers import Forwarder
 from sqlalchemy.exc import DBAPIError
 
 from tracetap.migrations import upgrade
-from tracetap.proxy.ids import uuid7
+from tracetap.proxy.episodes.ids import uuid7
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import Journal, read_segment

@@ -19,7 +19,9 @@ from tracetap.demo import engine_command
 from tracetap.demo import runner as demo_runner
 from tracetap.exporters import command as export_command
 from tracetap.exporters import drift_command, prune_command
-from tracetap.proxy import admin_token_command, db_command, serve_command, ui_command
+from tracetap.proxy.admin import token_command as admin_token_command
+from tracetap.proxy.admin import ui_command
+from tracetap.proxy.server import db_command, serve_command
 from tracetap.storage import config, quarantine_command
 
 # (name, what it does, the module with add_arguments and run), in --help's order.

@@ -21,7 +21,7 @@ from aiohttp import web
 
 COOKIE = "tracetap_ui"
 SESSION_SECONDS = 12 * 3600
-EPISODE_KEY_PREFIX = "tt-"  # proxy.tagging.KEY_PREFIX; not imported: the viewer runs alone
+EPISODE_KEY_PREFIX = "tt-"  # proxy.episodes.tagging.KEY_PREFIX; not imported: the viewer runs alone
 
 
 class Access:

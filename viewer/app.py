@@ -1,6 +1,6 @@
 """The viewer's aiohttp application: routes, the access gate, security headers, lifecycle.
 
-Mounted by the proxy under ``/tracetap/ui`` (proxy/ui.py) or served alone by
+Mounted by the proxy under ``/tracetap/ui`` (proxy/admin/ui.py) or served alone by
 ``tracetap ui``; either way every path is under PREFIX, so links and cookies are the same.
 """
 

@@ -5,7 +5,12 @@ what capture needs (``prepare``), how to take that out again (``strip_body``,
 ``strip_event``), when a stream has ended (``is_end``) and how to reassemble a reply
 into choice records (``capture``). A client API the upstream cannot serve token-exact is
 translated to chat completions (``responses/translate.py``, ``messages/translate.py``).
-Handlers and ``ModelCall`` never branch on the API.
+Handlers and ``ModelCall`` never branch on the API. ``routing`` says which API (native
+or translated) captures a path.
+
+Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `routing`, `dropped`,
+`translate_errors`, `wire_out`, `reasoning_options`.
+May import: `http`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tracetap.proxy.sse import Event
+from tracetap.proxy.http.sse import Event
 from tracetap.storage.records import ChoiceRecord
 
 
@@ -28,7 +33,7 @@ class Injected(msgspec.Struct, kw_only=True):
     client_top_logprobs: int = 0
     # Responses echo ``top_logprobs``: null again when the client did not set it.
     top_logprobs_echo: bool = False
-    # MoE routing (--routed-experts, proxy.experts): removed from every reply.
+    # MoE routing (--routed-experts, proxy.call.routed_experts): removed from every reply.
     experts: bool = False
 
     @property

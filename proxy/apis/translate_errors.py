@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 _MAX_MESSAGE_CHARS = 2000
 

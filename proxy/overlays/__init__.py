@@ -9,4 +9,9 @@ client's API, and ``examples`` holds the three shipped overlays. Runtime patches
 (untrusted code installed through the admin API): ``patches`` keeps them (stored in the
 database), ``workers`` runs each in a process of its own, ``patch_worker`` is that
 process, ``sandbox`` confines it, ``frames`` is the wire between the two.
+
+Owns: `hooks`, `loader`, `runner`, `context`, `review`, `deliver`, `live`, `frames`, `replay`,
+`examples`, `patches`, `workers`, `patch_worker`, `sandbox`.
+May import: `http`, `upstream`, `apis`; and, for annotations only, the call it reviews
+(`call.driver`) and the metrics it counts into (`runtime.metrics`).
 """

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tracetap.proxy.apis.chat.wire import encode
+from tracetap.proxy.http.sse import encode_event
 from tracetap.proxy.overlays.hooks import Rewrite
-from tracetap.proxy.sse import encode_event
 
 if TYPE_CHECKING:
-    from tracetap.proxy.capture import ModelCall
+    from tracetap.proxy.call.driver import ModelCall
 
 _ENGINE_ONLY = ("prompt_token_ids", "prompt_logprobs", "kv_transfer_params")
 

@@ -6,7 +6,7 @@ that delta on (and the stream's end marker, so the call is journaled before the 
 sees its end) the client's bytes are held for the hook. The client stream's translator is
 kept as it was before the first tool call, so a replaced ending (a re-sample's tool calls,
 a rewrite) continues the same well-formed stream in the client's API. The stream is read,
-captured and rewritten by the call's own relay (``ModelCall.hold``, ``proxy.relay``):
+captured and rewritten by the call's own relay (``ModelCall.hold``, ``proxy.call.relay``):
 this only says which events wait, and writes the others.
 """
 
@@ -19,14 +19,14 @@ import msgspec
 from aiohttp import web
 
 from tracetap.proxy.apis.chat.wire import Message, decode_chat_text
-from tracetap.proxy.headers import response_headers
-from tracetap.proxy.sse import Event
-from tracetap.proxy.upstream import Reply
+from tracetap.proxy.http.headers import response_headers
+from tracetap.proxy.http.sse import Event
+from tracetap.proxy.upstream.client import Reply
 
 
 class LiveStream:
     """The client's stream of one reviewed call: what went out live, and what is held.
-    It is the ``proxy.relay.Hold`` that ``ModelCall.hold`` reads the first attempt with:
+    It is the ``proxy.call.relay.Hold`` that ``ModelCall.hold`` reads the first attempt with:
     the call's relay asks it which events wait, and gives it the rest to write."""
 
     def __init__(self, request: web.Request) -> None:
@@ -47,7 +47,7 @@ class LiveStream:
         """Whether the client's stream has begun (it cannot become an error reply)."""
         return self.response is not None
 
-    # -- proxy.relay.Hold ---------------------------------------------------------------
+    # -- proxy.call.relay.Hold ---------------------------------------------------------------
     def held(self, event: Event, translator: Any) -> bool:
         if not self.tool_calls and _tool_call_delta(event.data):
             self.tool_calls = True

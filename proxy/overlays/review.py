@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from tracetap.proxy.apis.chat.reply import read_reply
-from tracetap.proxy.errors import ProxyError
-from tracetap.proxy.headers import response_headers
+from tracetap.proxy.http.errors import ProxyError
+from tracetap.proxy.http.headers import response_headers
 from tracetap.proxy.overlays import deliver
 from tracetap.proxy.overlays.hooks import ModelReply, OverlayLog, Rewrite, ToolCall, Veto
 from tracetap.proxy.overlays.live import LiveStream
-from tracetap.proxy.upstream import Reply
+from tracetap.proxy.upstream.client import Reply
 
 if TYPE_CHECKING:
-    from tracetap.proxy.capture import ModelCall
+    from tracetap.proxy.call.driver import ModelCall
     from tracetap.proxy.overlays.runner import Session
 
 Send = Callable[["ModelCall", bytes], Awaitable[tuple[Any, Reply]]]

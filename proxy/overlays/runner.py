@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tracetap.proxy.apis.chat import CHAT
-from tracetap.proxy.errors import ProxyError, bad_request
-from tracetap.proxy.headers import OVERLAY_HEADER
+from tracetap.proxy.http.errors import ProxyError, bad_request
+from tracetap.proxy.http.headers import OVERLAY_HEADER
 from tracetap.proxy.overlays.context import Context, leading_system
 from tracetap.proxy.overlays.hooks import (
     EpisodeInfo,
@@ -28,9 +28,9 @@ from tracetap.proxy.overlays.hooks import (
 )
 
 if TYPE_CHECKING:
-    from tracetap.proxy.capture import ModelCall
-    from tracetap.proxy.metrics import Metrics
+    from tracetap.proxy.call.driver import ModelCall
     from tracetap.proxy.overlays.patches import Patches
+    from tracetap.proxy.runtime.metrics import Metrics
 
 log = logging.getLogger("tracetap.overlays")
 

@@ -7,7 +7,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from tracetap.proxy.sse import SSEParser
+from tracetap.proxy.http.sse import SSEParser
 
 
 def translating_app(api, upstream: str, *, model_map=None, sent: list | None = None):

@@ -13,7 +13,7 @@ from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy, ProxyProcess
 from tracetap.demo.engine import EngineConfig, make_engine_app
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 SECRET = "sk-upstream-SECRET-77c1"  # the proxy's key for the upstream: never the agent's
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -23,11 +23,11 @@ from aiohttp import web
 from helpers.http import BASE_URLS, admin_call, episode_url
 from helpers.loop import LoopThread, free_port
 from tracetap.demo.engine import EngineConfig, EngineServer
-from tracetap.proxy import connections, serve
-from tracetap.proxy.admin_token import read_admin_token
-from tracetap.proxy.app import build_app
-from tracetap.proxy.keys import STATE
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.admin.token import read_admin_token
+from tracetap.proxy.runtime.keys import STATE
+from tracetap.proxy.runtime.settings import Settings
+from tracetap.proxy.server import connections, serve
+from tracetap.proxy.server.app import build_app
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
 

@@ -1,4 +1,5 @@
-"""An engine's tokenize endpoints in-process, for proxy/tokenizers.py and proxy/resolve.py.
+"""An engine's tokenize endpoints in-process, for proxy/tokens/engine_tokenizer.py and
+proxy/tokens/resolve.py.
 
 ``TokenizeEngine`` stands where ``UpstreamClient`` does (its ``post_json``) and answers
 the endpoints of one family as that engine does, with a tokenizer of one id per

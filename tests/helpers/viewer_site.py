@@ -30,7 +30,7 @@ from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.demo.runner import MODEL, plan_episodes
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
-from tracetap.proxy.settings import Settings
+from tracetap.proxy.runtime.settings import Settings
 
 TOKEN = "viewer-test-admin-token"
 RUN = "v1"

@@ -15,6 +15,7 @@ import msgspec
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
+from tracetap.proxy.apis.chat.prompt_cut import decode_ids
 from tracetap.proxy.apis.chat.wire import (
     ChatChoice,
     CompletionChoice,
@@ -22,8 +23,7 @@ from tracetap.proxy.apis.chat.wire import (
     decode_chat,
     decode_completion,
 )
-from tracetap.proxy.prompt_cut import decode_ids
-from tracetap.proxy.sse import Event, encode_event
+from tracetap.proxy.http.sse import Event, encode_event
 from tracetap.storage.codec import unpack_ids
 from tracetap.storage.records import ChoiceRecord
 
@@ -137,7 +137,7 @@ class Capture:
 
     def add_prompt_ids(self, raw: bytes, decode: _PromptDecoder = _decode_whole) -> None:
         """The bytes of a ``prompt_token_ids`` array cut out of a chunk
-        (``proxy.prompt_cut``): kept as they are until read, then given to ``decode``
+        (``proxy.apis.chat.prompt_cut``): kept as they are until read, then given to ``decode``
         (``PromptPrefixes.decode_packed``: in the new tokens only), which returns
         ``(ids, None)`` or ``(None, packed ids)``."""
         self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
@@ -222,7 +222,7 @@ class Capture:
             acc.finish_reason = finish
 
     def continuable(self) -> bool:
-        """Whether the reply so far can be continued token for token (proxy.continuation):
+        """Whether the reply so far can be continued token for token (proxy.call.continuation):
         one unfinished choice with the engine's ids, no tool call or reasoning text, and
         the prompt's ids known."""
         if len(self._choices) != 1 or self.prompt_ids is None:
@@ -232,7 +232,7 @@ class Capture:
                 and c.finish_reason is None)
 
     def token_counts(self) -> dict[int, int]:
-        """Completion tokens received so far, per choice (proxy.versions follows a stream
+        """Completion tokens received so far, per choice (proxy.policy.versions follows a stream
         by them): engine ids, else logprob entries."""
         return {i: len(c.engine_ids) if c.engine_ids is not None else len(c.tokens)
                 for i, c in self._choices.items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from tracetap.proxy.apis.translate_errors import read_upstream_error
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 _encode = msgspec.json.encode
 

@@ -12,7 +12,7 @@ import msgspec
 
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT
-from tracetap.proxy.errors import bad_request
+from tracetap.proxy.http.errors import bad_request
 
 TOKEN_ID_FLAVORS = ("vllm", "sglang")
 

@@ -14,7 +14,7 @@ import msgspec
 
 from tracetap.proxy.apis import CaptureBase, Injected
 from tracetap.proxy.apis.chat.wire import decode_event
-from tracetap.proxy.sse import Event
+from tracetap.proxy.http.sse import Event
 from tracetap.storage.records import ChoiceRecord
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",

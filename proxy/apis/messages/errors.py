@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from tracetap.proxy.apis.translate_errors import read_upstream_error
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 # Anthropic's error types by HTTP status (docs/translation.md, "Upstream errors"): only
 # types the SDKs' error models know (413 reads as invalid_request_error there).

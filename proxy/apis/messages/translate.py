@@ -18,7 +18,7 @@ from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
 from tracetap.proxy.apis.messages.request import to_chat
 from tracetap.proxy.apis.translate_errors import Untranslatable
 from tracetap.proxy.apis.wire_out import new_id, sse_event
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 __all__ = ["ERRORS", "StreamTranslator", "Untranslatable", "error_from_chat", "from_chat",
            "to_chat", "untranslatable"]

@@ -16,7 +16,7 @@ import msgspec
 from tracetap.proxy.apis import CaptureBase, Injected
 from tracetap.proxy.apis.chat.inject import count_field
 from tracetap.proxy.apis.chat.wire import decode_event, decode_object, encode
-from tracetap.proxy.sse import Event
+from tracetap.proxy.http.sse import Event
 from tracetap.storage.records import ChoiceRecord
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -28,7 +28,7 @@ from tracetap.proxy.apis.responses.request import to_chat, wants_logprobs
 from tracetap.proxy.apis.responses.stream import StreamTranslator
 from tracetap.proxy.apis.translate_errors import Untranslatable
 from tracetap.proxy.apis.wire_out import new_id
-from tracetap.proxy.errors import ProxyError
+from tracetap.proxy.http.errors import ProxyError
 
 __all__ = ["ERRORS", "StreamTranslator", "Untranslatable", "error_from_chat", "from_chat",
            "to_chat", "untranslatable", "wants_logprobs"]

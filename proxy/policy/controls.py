@@ -1,0 +1,153 @@
+"""Pause and policy version, shared by every proxy process on one database.
+
+An admin call stores the change (``storage.controls``), applies it in its own process at
+once, and returns; every other process (``--workers``, replicas) reads the table every
+POLL_SECONDS in the background and applies what changed, so a change reaches them within
+about POLL_SECONDS plus one query. Both survive a restart: a process starts with what the
+table says. Each process also writes a heartbeat (whether it holds the pause, how many
+calls it has in flight), which is how a pause waits for every process to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tracetap.proxy.policy.gate import Gate
+from tracetap.storage import controls as table
+
+log = logging.getLogger("tracetap")
+
+POLICY = "policy_version"
+PAUSED = "paused"
+ABORT = "abort"  # the paused row's value for a pause that cuts calls in flight (issue 27)
+POLL_SECONDS = 0.2
+HEARTBEAT_SECONDS = 1.0
+LIVE_SECONDS = 5.0  # a process whose heartbeat is older is taken for gone
+FORGET_SECONDS = 60.0
+
+
+class Heartbeat(msgspec.Struct):
+    paused: int | None  # the serial of the pause this process holds, None when running
+    inflight: int
+
+
+class Controls:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        gate: Gate,
+        instance: str,
+        on_pause: Callable[[bool], None] = lambda paused: None,
+    ):
+        self.engine = engine
+        self.gate = gate
+        self.instance = instance
+        self.on_pause = on_pause
+        self.policy_version: str | None = None
+        self._applied = {POLICY: 0, PAUSED: 0}
+        # Grows with every change applied here (pause, resume, version): a call whose
+        # tokens arrived across a change knows it (proxy.policy.versions, which reads it for
+        # every streamed token: a plain attribute, not a property).
+        self.serial = 0
+        self._beat_at = 0.0
+        self._failing = False
+
+    def _apply(self, name: str, value: str | None, serial: int) -> None:
+        """Apply a stored change unless a newer one is applied already (a poll that read
+        the table before an admin call of this process stored its change comes later)."""
+        if serial <= self._applied[name]:
+            return
+        self._applied[name] = serial
+        self.serial = self._applied[POLICY] + self._applied[PAUSED]
+        if name == POLICY:
+            self.policy_version = value
+        elif value in ("1", ABORT):
+            self.gate.close()
+            self.on_pause(True)
+            if value == ABORT:
+                self.gate.cut_all()  # issue 27: cut in-flight calls (proxy.call.continuation)
+        else:
+            self.gate.open()
+            self.on_pause(False)
+
+    async def refresh(self) -> None:
+        found = await table.read(self.engine, (POLICY, PAUSED))
+        for name in (POLICY, PAUSED):  # the version first: calls a resume releases get it
+            if name in found:
+                self._apply(name, *found[name])
+        now = time.monotonic()
+        if self.gate.paused or now - self._beat_at >= HEARTBEAT_SECONDS:
+            self._beat_at = now
+            beat = Heartbeat(
+                self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
+            )
+            await table.store(
+                self.engine, table.HEARTBEAT + self.instance, msgspec.json.encode(beat).decode()
+            )
+
+    async def set_policy(self, version: str) -> None:
+        self._apply(POLICY, version, await table.store(self.engine, POLICY, version))
+
+    async def pause(self, abort: bool = False) -> int:
+        """Hold new calls in every process; returns the pause's serial. ``abort``: also
+        cut the calls in flight, to be continued after the resume (proxy.call.continuation)."""
+        value = ABORT if abort else "1"
+        serial = await table.store(self.engine, PAUSED, value)
+        self._apply(PAUSED, value, serial)
+        return serial
+
+    async def resume(self, version: str | None) -> None:
+        if version is not None:
+            await self.set_policy(version)
+        self._apply(PAUSED, "0", await table.store(self.engine, PAUSED, "0"))
+
+    async def drained(self, serial: int, timeout: float) -> bool:
+        """Whether every live process held pause ``serial`` with no call in flight, within
+        ``timeout`` seconds (False once a resume came first)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            await asyncio.wait_for(self.gate.drained(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        while self.gate.paused:
+            beats = await table.peers(self.engine, time.time() - LIVE_SECONDS, self.instance)
+            if all(_drained(beat, serial) for beat in beats):
+                return self.gate.idle
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(POLL_SECONDS)  # the other processes report every poll
+        return False
+
+    async def run(self) -> None:
+        """Follow the table until cancelled; a database outage is logged, not fatal."""
+        while True:
+            try:
+                await self.refresh()
+                if self._failing:
+                    log.info("shared controls readable again")
+                self._failing = False
+            except Exception as exc:  # the database is down: keep what was applied
+                if not self._failing:
+                    log.warning("cannot read the shared controls (pause, policy version): %s", exc)
+                self._failing = True
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):  # stale heartbeats are ignored anyway
+            await table.forget(self.engine, self.instance, time.time() - FORGET_SECONDS)
+
+
+def _drained(value: str | None, serial: int) -> bool:
+    try:
+        beat = msgspec.json.decode(value or b"", type=Heartbeat)
+    except msgspec.DecodeError:
+        return False
+    return beat.paused is not None and beat.paused >= serial and beat.inflight == 0

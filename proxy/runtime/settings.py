@@ -1,0 +1,367 @@
+"""Configuration for ``tracetap serve``, read once from flags and TRACETAP_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from pathlib import Path
+
+import msgspec
+
+from tracetap.proxy.apis.routing import parse_translate
+from tracetap.proxy.episodes.budgets import Budget
+from tracetap.proxy.episodes.model_map import ModelMap
+from tracetap.proxy.http.exposure import Exposure
+from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
+from tracetap.proxy.upstream.specs import UpstreamSpec, parse_upstreams
+from tracetap.storage import config
+from tracetap.storage.config import env as _env
+from tracetap.storage.config import env_flag as _env_bool
+
+FLAVORS = ("auto", "openai", "vllm", "sglang", "llamacpp")
+MAX_WORKERS = 256
+
+
+class Worker(msgspec.Struct, frozen=True):
+    """Which of ``serve --workers N`` processes this is (``proxy.server.workers``)."""
+
+    index: int
+    count: int
+    metrics_dir: str  # prometheus_client's multiprocess directory, shared by the workers
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    upstream: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    upstream_api_key: str | None = None
+    upstream_flavor: str = "auto"
+    upstream_timeout: float = 600.0
+    connect_timeout: float = 10.0
+    max_connections: int = 1024
+    forward_client_auth: bool = False
+    db: str | None = None
+    data_dir: str = config.DEFAULT_DATA_DIR
+    max_body: int = 64 << 20
+    body_timeout: float = 60.0
+    idle_timeout: float = 75.0
+    max_peer_connections: int = 1024
+    journal_max_bytes: int = 1 << 30
+    drain_timeout: float = 30.0
+    admin_token: str | None = None
+    require_episode: bool = False
+    require_registered: bool = False
+    overhead_header: bool = True
+    public_url: str | None = None
+    pause_timeout: float = 120.0
+    allow_path: list[str] = []
+    admin_port: int | None = None
+    admin_socket: str | None = None
+    episode_max_calls: int | None = None
+    episode_max_tokens: int | None = None
+    episode_max_seconds: float | None = None
+    translate: str = "auto"
+    model_map: list[str] = []
+    repair_history: bool = False
+    overlay: list[str] = []
+    overlay_fail: str = "open"
+    overlay_timeout: float = 2.0
+    overlay_max_resamples: int = 2
+    overlay_patch_memory: int = 512  # MiB of address space for a runtime patch's worker
+    overlay_patch_cpu: int = 10  # CPU seconds a runtime patch's hook may use (a backstop)
+    workers: int = 1
+    tokenizer: str | None = None
+    routed_experts: bool = False  # ask for MoE routing, store it (proxy.call.routed_experts)
+    search_index: bool = True  # index calls for the viewer's search (storage.search_index)
+
+    def local_tokenizer(self):
+        """The tokenizer --tokenizer names (proxy.tokens.local_tokenizer), loaded; None without."""
+        if self.tokenizer is None:
+            return None
+        from tracetap.proxy.tokens import local_tokenizer
+        return local_tokenizer.load(self.tokenizer)
+
+    @property
+    def upstreams(self) -> list[UpstreamSpec]:
+        return parse_upstreams(self.upstream)
+
+    @property
+    def database_url(self) -> str:
+        return config.database_url(self.db, self.data_dir)
+
+    @property
+    def default_budget(self) -> Budget:
+        return Budget(max_calls=self.episode_max_calls, max_tokens=self.episode_max_tokens,
+                      max_seconds=self.episode_max_seconds)
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.worker_journal(0)
+
+    def worker_journal(self, index: int) -> Path:
+        """Worker 0 (and a single process) keeps DATA_DIR/journal; worker i, journal-i.
+        Worker i keeps index i across restarts, so its journal is replayed by itself."""
+        return Path(self.data_dir) / ("journal" if index == 0 else f"journal-{index}")
+
+    @property
+    def admin_listener(self) -> bool:
+        """Whether the admin API has a listener of its own (and so not the agent port)."""
+        return self.admin_port is not None or self.admin_socket is not None
+
+    @property
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def __post_init__(self) -> None:
+        # Checked in this order, so that a command line with several mistakes names the
+        # same one first whatever is refactored here.
+        self._check_listening()
+        self._check_behaviour()
+        self._check_reaching()
+
+    def _check_listening(self) -> None:
+        """The upstreams, ports, timeouts and processes."""
+        if isinstance(self.upstream, str):
+            self.upstream = [self.upstream]
+        parse_upstreams(self.upstream)  # fail at start, with the flag's name
+        if not 0 < self.port < 65536:
+            # Episode base URLs carry the port, so it must be the one agents will use.
+            raise ValueError(f"--port must be 1-65535, got {self.port}")
+        if self.admin_port is not None and not (
+                0 < self.admin_port < 65536 and self.admin_port != self.port):
+            raise ValueError(f"--admin-port must be 1-65535 and not --port, got {self.admin_port}")
+        for name in ("body_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_peer_connections < 0:
+            raise ValueError("--max-peer-connections must be 0 (no cap) or more")
+        if not 0 < self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be 1-{MAX_WORKERS}, got {self.workers}")
+
+    def _check_behaviour(self) -> None:
+        """What the proxy does to calls: paths, models, translation, overlays, budgets."""
+        Exposure(self.allow_path)  # fail at start on a bad --allow-path
+        ModelMap(self.model_map)
+        parse_translate(self.translate)
+        parse_specs(self.overlay)
+        if self.overlay_fail not in FAIL_MODES:
+            raise ValueError(f"--overlay-fail must be one of {', '.join(FAIL_MODES)}")
+        if not self.overlay_timeout > 0:
+            raise ValueError(f"--overlay-timeout must be positive, got {self.overlay_timeout}")
+        if self.overlay_max_resamples < 0:
+            raise ValueError("--overlay-max-resamples must be 0 or more")
+        if self.overlay_patch_memory < 64 or self.overlay_patch_cpu < 1:
+            raise ValueError("--overlay-patch-memory is 64 MiB or more, "
+                             "--overlay-patch-cpu 1 s or more")
+        self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
+
+    def _check_reaching(self) -> None:
+        """How the proxy reaches the engine, and who may reach the proxy's admin API."""
+        if self.upstream_flavor not in FLAVORS:
+            raise ValueError(f"--upstream-flavor must be one of {', '.join(FLAVORS)}")
+        if self.tokenizer is not None:
+            from tracetap.proxy.tokens import local_tokenizer
+            local_tokenizer.check(self.tokenizer)  # the path, and the optional package
+        if any(spec.has_credentials for spec in self.upstreams) and (
+                self.upstream_api_key or self.forward_client_auth):
+            # Both would be the upstream's Authorization header: say so now, rather than
+            # fail every call.
+            raise ValueError(
+                "an --upstream URL with user:password@ authenticates with HTTP Basic, which "
+                "takes the Authorization header that --upstream-api-key (or "
+                "--forward-client-auth) also sets: use one or the other")
+        if not is_loopback(self.host) and not self.admin_token:
+            raise ValueError(
+                f"refusing to listen on {self.host} without --admin-token: the admin API "
+                "would be open to the network"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _int_env(name: str) -> int | None:
+    value = _env(name)
+    return None if value is None else int(value)
+
+
+def _float_env(name: str) -> float | None:
+    value = _env(name)
+    return None if value is None else float(value)
+
+
+def _documented(parser: argparse.ArgumentParser, defaults: Settings):
+    """``add_argument`` that ends each help text with its variable and default."""
+
+    def add(flag: str, **kw):
+        name = flag.lstrip("-").replace("-", "_")
+        action = kw.get("action")
+        shown = {"store_true": "off", "store_false": "on"}.get(
+            action, getattr(defaults, kw.get("dest", name), None))
+        if shown == ["http://unset"]:
+            shown = None
+        var = kw.pop("var", None) or config.variable(flag)  # --no-X may be read as X=0
+        kw["help"] = config.described(kw.get("help", ""), var=var, default=shown)
+        return parser.add_argument(flag, **kw)
+
+    return add
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Settings(upstream=["http://unset"])  # defaults, one place
+    a = _documented(parser, d)
+    a("--upstream", action="append", default=None,
+      help="model server base URL, e.g. http://127.0.0.1:8000/v1; repeat for several, or "
+           "model=NAME,url=URL to send one model to its own server")
+    a("--host", default=_env("host", d.host),
+      help="address to listen on; a non-loopback address needs --admin-token")
+    a("--port", type=int, default=int(_env("port", d.port)), help="port agents connect to")
+    a("--upstream-api-key", default=_env("upstream_api_key"),
+      help="sent upstream; never stored (prefer the variable: a flag shows in the process list)")
+    a("--upstream-flavor", default=_env("upstream_flavor", d.upstream_flavor), choices=FLAVORS,
+      help="what the engine is, for what to ask it (auto: detected from /v1/models, /version)")
+    a("--tokenizer", default=_env("tokenizer"), metavar="PATH",
+      help="the model's tokenizer, for engines that return no token ids and cannot render "
+           "a chat (llama-cpp-python): a Hugging Face tokenizer directory or tokenizer.json "
+           "with its chat template, or the engine's GGUF file (best effort); tracetap renders "
+           "and tokenizes with it instead of asking the engine, and keeps only ids that match "
+           "the engine's usage.prompt_tokens and its per-token strings (token source "
+           "local_tokenizer). Needs pip install 'tracetap[tokenizer]'")
+    a("--upstream-timeout", type=float, default=float(_env("upstream_timeout", d.upstream_timeout)),
+      help="seconds to wait for each upstream read (no total limit on streams)")
+    a("--connect-timeout", type=float, default=float(_env("connect_timeout", d.connect_timeout)),
+      help="seconds to connect to the upstream")
+    a("--max-connections", type=int, default=int(_env("max_connections", d.max_connections)),
+      help="pooled upstream connections")
+    a("--forward-client-auth", action="store_true", default=_env_bool("forward_client_auth"),
+      help="pass the client's own Authorization header upstream")
+    a("--db", default=_env("db"), metavar="URL",
+      help=config.db_help("to store into"))
+    a("--data-dir", default=_env("data_dir", d.data_dir), metavar="DIR",
+      help=config.DATA_DIR_HELP)
+    a("--max-body", type=int, default=int(_env("max_body", d.max_body)),
+      help="request body limit in bytes on every agent path, counted after gzip or "
+           "deflate is inflated (413 above)")
+    a("--body-timeout", type=float, default=float(_env("body_timeout", d.body_timeout)),
+      help="seconds a request body may stall between bytes before a 408")
+    a("--idle-timeout", type=float, default=float(_env("idle_timeout", d.idle_timeout)),
+      help="seconds a client connection may go without sending a whole request's headers "
+           "(idle keep-alive, or headers sent slowly) before it is closed")
+    a("--max-peer-connections", type=int,
+      default=int(_env("max_peer_connections", d.max_peer_connections)),
+      help="open connections one client address may hold; past it a 429 and close "
+           "(0: no cap)")
+    a("--journal-max-bytes", type=int, default=int(_env("journal_max_bytes", d.journal_max_bytes)),
+      help="journal bound; past it records are dropped and counted")
+    a("--drain-timeout", type=float, default=float(_env("drain_timeout", d.drain_timeout)),
+      help="seconds to finish in-flight calls on SIGTERM")
+    a("--admin-token", default=_env("admin_token"),
+      help="bearer token for the admin API (default: generated once into DATA_DIR/admin-token); "
+           "a flag's value shows in the process list: prefer --admin-token-file or the variable")
+    a("--admin-token-file", metavar="PATH", default=_env("admin_token_file"),
+      help="read the admin API's bearer token from this file (kept out of the process list)")
+    a("--admin-port", type=int, default=_int_env("admin_port"),
+      help="serve the admin API on this port only (same --host), not on the agent port")
+    a("--admin-socket", default=_env("admin_socket"),
+      help="serve the admin API on this Unix socket only, not on the agent port")
+    a("--allow-path", action="append", default=None, metavar="RULE",
+      help="also expose '/path', '/prefix/*' or 'METHOD /path' to agents (repeatable; "
+           "TRACETAP_ALLOW_PATH takes a comma-separated list)")
+    a("--translate", default=_env("translate", d.translate),
+      help="which client APIs to translate to chat completions upstream: auto (Messages "
+           "always, Responses unless the upstream is vLLM), none, all, or a list such as "
+           "'responses,messages'")
+    a("--model-map", action="append", default=None, metavar="PATTERN=MODEL",
+      help="send MODEL upstream when a client names a model matching PATTERN, e.g. "
+           "'claude-*=qwen3-8b' (repeatable; TRACETAP_MODEL_MAP takes a comma-separated list)")
+    a("--repair-history", action="store_true", default=_env_bool("repair_history"),
+      help="send the engine the model's own earlier turns when a harness resends them "
+           "reformatted (equal after normalisation; docs/fidelity.md); per episode: "
+           '"repair_history" at registration')
+    a("--overlay", action="append", default=None, metavar="NAME=MODULE:FACTORY",
+      help="load an overlay (lifecycle hooks at the model boundary; docs/overlays.md) from "
+           "your own code: package.module:factory, options as ,key=value; episodes opt in "
+           'with "overlay": NAME at registration or the X-Tracetap-Overlay header '
+           "(repeatable; TRACETAP_OVERLAY takes a space-separated list)")
+    a("--overlay-fail", default=_env("overlay_fail", d.overlay_fail), choices=FAIL_MODES,
+      help="when a hook raises or runs over --overlay-timeout: open leaves the call as it "
+           "was, closed fails it with a clear error; both log and count it")
+    a("--overlay-timeout", type=float,
+      default=float(_env("overlay_timeout", d.overlay_timeout)),
+      help="seconds each hook may run")
+    a("--overlay-max-resamples", type=int,
+      default=int(_env("overlay_max_resamples", d.overlay_max_resamples)),
+      help="times a vetoed reply is sampled again before the last one is delivered")
+    a("--overlay-patch-memory", type=int, metavar="MIB",
+      default=int(_env("overlay_patch_memory", d.overlay_patch_memory)),
+      help="address space (RLIMIT_AS) of each runtime patch's worker process "
+           "(PUT /tracetap/overlays/NAME; docs/overlays.md)")
+    a("--overlay-patch-cpu", type=int, metavar="SECONDS",
+      default=int(_env("overlay_patch_cpu", d.overlay_patch_cpu)),
+      help="CPU seconds (RLIMIT_CPU) a runtime patch's hook may use before its worker is "
+           "ended: a backstop behind --overlay-timeout")
+    a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
+      help="default per-episode budget: model calls")
+    a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),
+      help="default per-episode budget: prompt + completion tokens")
+    a("--episode-max-seconds", type=float, default=_float_env("episode_max_seconds"),
+      help="default per-episode budget: seconds from registration or first call")
+    a("--require-episode", action="store_true", default=_env_bool("require_episode"),
+      help="refuse calls that carry no episode (400)")
+    a("--require-registered", action="store_true", default=_env_bool("require_registered"),
+      help="refuse episode ids not created through the admin API")
+    a("--no-overhead-header", dest="overhead_header", action="store_false",
+      default=not _env_bool("no_overhead_header"),
+      help="do not add x-tracetap-overhead-ms to non-streaming replies")
+    a("--public-url", default=_env("public_url"), help="base URL agents reach the proxy at")
+    a("--workers", type=int, default=int(_env("workers", d.workers)),
+      help="processes serving the port (SO_REUSEPORT; Linux, BSD, macOS), each with its own "
+           "journal (DATA_DIR/journal, journal-1, ...); a crashed one is restarted "
+           "(docs/scaling.md)")
+    a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
+      help="seconds a call waits while paused (POST /tracetap/pause) before a 503")
+    a("--routed-experts", action="store_true", default=_env_bool("routed_experts"),
+      help="ask the engine for the MoE experts it routed each completion token to "
+           "(return_routed_experts; vLLM: serve with --enable-return-routed-experts), keep "
+           "them from the agent, store and export them for router replay (docs/export.md)")
+    a("--no-search-index", dest="search_index", action="store_false",
+      var=config.SEARCH_INDEX_VARIABLE, default=config.search_index(),
+      help="do not index calls for the viewer's full-text search (the search page then "
+           "finds episodes by id), for a smaller database and a faster writer "
+           "(docs/scaling.md, Storage per token); the variable turns it off with 0")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    if not args.upstream and _env("upstream"):
+        args.upstream = [_env("upstream")]  # flags win over the environment
+    if not args.upstream:
+        raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
+    if args.allow_path is None:
+        args.allow_path = config.env_list("allow_path")
+    if args.model_map is None:
+        args.model_map = config.env_list("model_map")
+    if args.overlay is None:
+        args.overlay = (config.env("overlay") or "").split()
+    token_file = getattr(args, "admin_token_file", None)
+    if token_file:
+        if args.admin_token:
+            raise ValueError("--admin-token and --admin-token-file: give one")
+        args.admin_token = read_token_file(token_file)
+    fields = {f: getattr(args, f) for f in Settings.__struct_fields__ if hasattr(args, f)}
+    return Settings(**fields)
+
+
+def read_token_file(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--admin-token-file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"--admin-token-file {path} is empty")
+    return token
