@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
+from tracetap.proxy.apis.registry import APIS, exposed_paths
 from tracetap.proxy.http.errors import ProxyError
 from tracetap.proxy.http.exposure import (
     DEFAULT_RULES,
@@ -118,12 +119,13 @@ def test_a_rule_matches_its_method_and_exactly_its_path_or_below_its_prefix():
     assert str(prefix) == "GET /v1/files/*"
 
 
-def test_the_exposure_in_force_is_the_defaults_then_the_operators_rules():
-    exposure = Exposure(["POST /v1/embeddings", "/v1/files/*"])
-    assert exposure.rules == (*DEFAULT_RULES, Rule("POST", "/v1/embeddings"),
-                              Rule("*", "/v1/files/*"))
+def test_the_exposure_in_force_is_the_model_apis_then_the_defaults_then_the_operators():
+    exposure = Exposure(["POST /v1/embeddings", "/v1/files/*"], ("/v1/chat/completions",))
+    assert exposure.rules == (Rule("POST", "/v1/chat/completions"), *DEFAULT_RULES,
+                              Rule("POST", "/v1/embeddings"), Rule("*", "/v1/files/*"))
     assert exposure.describe() == ", ".join(
-        [f"{r.method} {r.path}" for r in DEFAULT_RULES] + ["POST /v1/embeddings", "* /v1/files/*"])
+        ["POST /v1/chat/completions"] + [f"{r.method} {r.path}" for r in DEFAULT_RULES]
+        + ["POST /v1/embeddings", "* /v1/files/*"])
     assert exposure.allows("POST", "/v1/embeddings") and exposure.allows("PUT", "/v1/files/f")
     assert not exposure.allows("GET", "/v1/embeddings")
     assert not Exposure().allows("POST", "/v1/embeddings")
@@ -164,3 +166,13 @@ def test_the_query_is_not_checked_as_the_path_and_refusals_say_why():
     assert error.message == ("DELETE /v1/models/m is not exposed by this proxy: agents reach "
                              "only the model API (the operator can allow more with "
                              "--allow-path)")
+
+
+def test_the_model_apis_paths_come_from_the_registry():
+    """Every captured path of every registered API is reachable, POST only; nothing else
+    of them is (a new API's paths are its ClientApi's, not a table here)."""
+    exposure = Exposure((), exposed_paths())
+    for api in APIS:
+        assert exposure.allows("POST", api.path) and not exposure.allows("GET", api.path)
+    assert exposure.allows("POST", "/v1/messages/count_tokens")
+    assert not Exposure().allows("POST", "/v1/chat/completions")

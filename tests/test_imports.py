@@ -302,3 +302,31 @@ def test_the_architecture_page_lists_the_wings_in_their_order():
     assert set(listed) == set(wings())
     for i, wing in enumerate(listed):  # each may import only wings listed before it
         assert wings()[wing] <= set(listed[:i]), wing
+
+
+def test_every_api_package_has_the_same_files():
+    apis = PROXY / "apis"
+    common = {"__init__.py", "api.py", "capture.py", "errors.py", "request.py"}
+    for package in (p for p in apis.iterdir() if (p / "__init__.py").exists()):
+        files = {p.name for p in package.glob("*.py")}
+        assert common <= files, f"{package.name}: missing {common - files}"
+
+
+def test_the_registry_lists_every_api_package_and_routing_follows_it():
+    from tracetap.proxy.apis.registry import APIS, BY_NAME, TRANSLATABLE
+    from tracetap.proxy.apis.routing import Routing, parse_translate
+
+    packages = {p.name for p in (PROXY / "apis").iterdir() if (p / "__init__.py").exists()}
+    listed = {api.native().__class__.__module__.split(".")[3] if api.native else None
+              for api in APIS} | {api.translation.__name__.split(".")[3]
+                                  for api in APIS if api.translation}
+    assert listed - {None} == packages
+    assert parse_translate("all") == TRANSLATABLE == ("responses", "messages")
+    routing = Routing("auto")
+    for api in APIS:
+        route = routing.route(api.path, "vllm")
+        assert route is not None and route.errors is api.errors
+        translated = api.translation is not None and "vllm" not in api.native_flavors
+        assert (route.translation is not None) == translated, api.name
+    assert routing.route("/v1/embeddings", "vllm") is None
+    assert BY_NAME["messages"].translation is not None

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetap.exporters import export
-from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.episodes.repair import Repair
 from tracetap.proxy.runtime.settings import Settings
 
@@ -155,7 +154,7 @@ def remembered(episode: str, originals: list[dict]) -> Repair:
     for message in originals:
         capture = SimpleNamespace(reassembled=lambda with_logprobs, m=message: {
             "choices": [{"message": m}]})
-        repair.remember(episode, CHAT, True, capture)
+        repair.remember(episode, True, True, capture)
     return repair
 
 
@@ -169,7 +168,7 @@ def test_repair_never_changes_a_request_whose_history_matches(originals, others)
         messages.append({"role": "user", "content": others[i] if i < len(others) else "next"})
     payload = {"model": "m", "messages": messages}
     before = copy.deepcopy(payload)
-    assert repair.apply("ep", CHAT, payload) is False
+    assert repair.apply("ep", True, payload) is False
     assert payload == before
 
 
@@ -186,7 +185,7 @@ def test_repair_never_puts_back_a_turn_whose_meaning_changed(original, other):
     else:
         edited["content"] = (edited["content"] or "") + " and more"
     payload = {"messages": [{"role": "user", "content": "u"}, edited]}
-    assert repair.apply("ep", CHAT, payload) is False and payload["messages"][1] == edited
+    assert repair.apply("ep", True, payload) is False and payload["messages"][1] == edited
 
 
 def test_two_turns_that_normalise_alike_are_not_guessed_between():
@@ -194,6 +193,6 @@ def test_two_turns_that_normalise_alike_are_not_guessed_between():
     b = {"role": "assistant", "content": "Done. "}
     repair = remembered("ep", [a, b])
     payload = {"messages": [{"role": "assistant", "content": "Done."}]}
-    assert repair.apply("ep", CHAT, payload) is False
+    assert repair.apply("ep", True, payload) is False
     single = remembered("ep", [a])
-    assert single.apply("ep", CHAT, payload) is True and payload["messages"][0] == a
+    assert single.apply("ep", True, payload) is True and payload["messages"][0] == a

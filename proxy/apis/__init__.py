@@ -8,17 +8,20 @@ translated to chat completions (``responses/translate.py``, ``messages/translate
 Handlers and ``ModelCall`` never branch on the API. ``routing`` says which API (native
 or translated) captures a path.
 
-Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `routing`, `dropped`,
-`translate_errors`, `wire_out`, `reasoning_options`.
+Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `registry` (the
+APIs, one line each), `routing`, `dropped`, `translate_errors`, `wire_out`,
+`reasoning_options`.
 May import: `http`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from tracetap.proxy.http.errors import ErrorShape
 from tracetap.proxy.http.sse import Event
 from tracetap.storage.records import ChoiceRecord
 
@@ -76,9 +79,54 @@ class WireApi(Protocol):
     route: str  # the metrics label
     path: str  # the upstream path, under /v1
     ends_with_done: bool  # streams end with ``data: [DONE]`` (else with a terminal event)
+    # What the call's spine may do with this API's calls (chat's; False for the others):
+    # a stream cut by a weight sync continued token for token (call/continuation.py); the
+    # prompt's ids cut out of the first chunk by their bytes (apis/chat/prompt_cut.py);
+    # MoE routing asked for (call/routed_experts.py); the prompt's ids read from the
+    # request when the engine returns none (a legacy completions prompt of token ids).
+    speaks_chat: bool  # the upstream is sent chat messages: what repair and overlays read
+    continuable: bool
+    cuts_prompt_ids: bool
+    routed_experts: bool
+    prompt_in_request: bool
 
     def prepare(self, payload: dict[str, Any], flavor: str) -> Injected: ...
     def strip_body(self, body: bytes, injected: Injected) -> bytes: ...
     def strip_event(self, event: Event, injected: Injected) -> bytes: ...
     def is_end(self, data: bytes) -> bool: ...
     def capture(self, injected: Injected) -> Reassembly: ...
+
+
+class StreamTranslating(Protocol):
+    """Writes a translated stream's client events from chat chunks."""
+
+    wants_logprobs: bool  # the client asked for logprobs (they stay in its events)
+
+    def feed(self, chunk: Any) -> list[bytes]: ...
+    def finish(self) -> list[bytes]: ...
+
+
+class Translation(Protocol):
+    """A client API spoken to the upstream as chat completions: its package's
+    ``translate`` module (``responses/translate.py``, ``messages/translate.py``)."""
+
+    def StreamTranslator(self, request: dict[str, Any], *,
+                         response_id: str | None = None) -> StreamTranslating: ...
+    def to_chat(self, request: dict[str, Any], **options: Any) -> dict[str, Any]: ...
+    def from_chat(self, chat: dict[str, Any], request: dict[str, Any], *,
+                  response_id: str | None = None) -> dict[str, Any]: ...
+    def error_from_chat(self, status: int, body: bytes) -> bytes: ...
+    def untranslatable(self, exc: Exception) -> Exception: ...
+
+
+class ClientApi(NamedTuple):
+    """One wire API a client may speak, as the registry (``apis/registry.py``) lists it:
+    each API package's ``api.py`` makes its own."""
+
+    name: str  # the key of --translate, and of the tables that follow from this one
+    path: str  # the captured path
+    exposed: tuple[str, ...]  # the paths an agent may POST for it (the captured one first)
+    errors: ErrorShape  # the error body its clients read
+    native: Callable[[], WireApi] | None  # its capture when spoken to the upstream as is
+    native_flavors: tuple[str, ...]  # engines that serve it token-exact natively
+    translation: Translation | None  # spoken to the upstream as chat instead, when set

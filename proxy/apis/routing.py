@@ -11,30 +11,19 @@ could get output native Responses have no logprobs for (``for_request``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import ModuleType
 from typing import Any, NamedTuple
 
-from tracetap.proxy.apis import WireApi
-from tracetap.proxy.apis.chat.capture import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis import Translation, WireApi
+from tracetap.proxy.apis.chat.capture import CHAT_API
 from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
-from tracetap.proxy.apis.messages import translate as messages_translate
 from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
-from tracetap.proxy.apis.responses import translate as responses_translate
+from tracetap.proxy.apis.registry import APIS, BY_NAME, BY_PATH, TRANSLATABLE
 from tracetap.proxy.http.errors import ErrorShape
-
-TRANSLATABLE = ("responses", "messages")
-CAPTURED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                  "/v1/responses": "responses", "/v1/messages": "messages"}
-_TRANSLATIONS = {"responses": responses_translate, "messages": messages_translate}
-_NATIVE_FLAVORS = {"responses": ("vllm",), "messages": ()}
-# The error shape each client API reads: Responses is an OpenAI API too.
-_ERRORS: dict[str, ErrorShape] = {"chat": OPENAI_ERRORS, "completions": OPENAI_ERRORS,
-                                  "responses": OPENAI_ERRORS, "messages": ANTHROPIC_ERRORS}
 
 
 class Route(NamedTuple):
     api: WireApi  # what the upstream is spoken to in
-    translation: ModuleType | None  # the client's API ⇄ chat, when translated
+    translation: Translation | None  # the client's API ⇄ chat, when translated
     endpoint: str  # stored in calls.endpoint: the client's API, ":chat" when translated
     label: str  # the metrics route label
     errors: ErrorShape  # the client's API's error body, whatever the upstream speaks
@@ -45,9 +34,9 @@ def client_errors(path: str, headers: Mapping[str, str]) -> ErrorShape:
     path's own API's (the one its ``Route`` carries); for any other path Anthropic's when
     it is under ``/v1/messages`` (``count_tokens``, batches) or the client sends
     ``anthropic-version`` (Anthropic's SDKs read only their own shape), else OpenAI's."""
-    name = CAPTURED_PATHS.get(path.rstrip("/"))
-    if name is not None:
-        return _ERRORS[name]
+    api = BY_PATH.get(path.rstrip("/"))
+    if api is not None:
+        return api.errors
     if path.startswith("/v1/messages/") or "anthropic-version" in headers:
         return ANTHROPIC_ERRORS
     return OPENAI_ERRORS
@@ -71,21 +60,26 @@ def parse_translate(value: str) -> tuple[str, ...] | None:
 
 
 class Routing:
-    def __init__(self, translate: str, native: dict[str, WireApi]):
+    def __init__(self, translate: str, native: dict[str, WireApi] | None = None):
+        """``native``: the translatable APIs' native captures (default: each API's own;
+        an API left out is always translated). Chat and completions are always native."""
         self.translate = parse_translate(translate)
-        self.native: dict[str, WireApi] = {"chat": CHAT_API, "completions": COMPLETIONS_API,
-                                           **native}
+        self.native: dict[str, WireApi] = {
+            api.name: api.native() for api in APIS if api.native is not None
+            and (native is None or api.translation is None)}
+        self.native.update(native or {})
         self._missing: set[str] = set()  # APIs the upstream answered 404 for (auto)
 
     def route(self, path: str, flavor: str) -> Route | None:
         """How ``path`` is captured, or None if it is not a captured path."""
-        name = CAPTURED_PATHS.get(path.rstrip("/"))
-        if name is None:
+        client = BY_PATH.get(path.rstrip("/"))
+        if client is None:
             return None
+        name = client.name
         if name in TRANSLATABLE and self.translates(name, flavor):
             return _translated(name)
         api = self.native.get(name)
-        return None if api is None else Route(api, None, api.endpoint, api.route, _ERRORS[name])
+        return None if api is None else Route(api, None, api.endpoint, api.route, client.errors)
 
     def fallback(self, route: Route) -> Route | None:
         """Under ``auto``, a native call the upstream answered 404: translate it, and
@@ -110,13 +104,14 @@ class Routing:
     def translates(self, name: str, flavor: str) -> bool:
         if self.translate is not None:
             return name in self.translate
-        return (flavor not in _NATIVE_FLAVORS[name] or name not in self.native
+        return (flavor not in BY_NAME[name].native_flavors or name not in self.native
                 or name in self._missing)
 
 
 def _translated(name: str) -> Route:
     """The client's API ``name`` spoken to the upstream as chat completions."""
-    return Route(CHAT_API, _TRANSLATIONS[name], f"{name}:chat", name, _ERRORS[name])
+    client = BY_NAME[name]
+    return Route(CHAT_API, client.translation, f"{name}:chat", name, client.errors)
 
 
 def native_loses_logprobs(payload: dict[str, Any]) -> bool:

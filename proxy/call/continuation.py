@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.call.record import client_text
 from tracetap.proxy.call.relay import broken_error
@@ -80,7 +79,7 @@ def sender(pool: Any, call: ModelCall, headers: dict[str, str]) -> Send:
 def continuable(call: ModelCall) -> bool:
     """Whether a chat stream cut now can be continued token for token (module doc)."""
     capture = call.capture
-    if not isinstance(capture, Capture) or capture.endpoint != CHAT:
+    if not call.api.continuable or not isinstance(capture, Capture):
         return False
     if call.request.payload.get("tools") or (call.request.payload.get("n") or 1) != 1:
         return False

@@ -64,7 +64,7 @@ class ModelCall(CallReview):
         self.services = services
         self.route = route
         self.api = route.api
-        self.translation = route.translation  # a translate module, or None when native
+        self.translation = route.translation  # a Translation, or None when native
         self.endpoint = route.endpoint
         self.label = route.label  # the metrics route label
         self.call_id = call_id
@@ -85,9 +85,7 @@ class ModelCall(CallReview):
         self.client_body: bytes | None = None  # a whole reply as the client got it
         self.reservation: Reservation | None = None  # what the episode's budget holds for it
         self.relay: Relay | None = None  # set as a stream's relay starts (or a hold's)
-        self._admitted = False
-        self._journaled = False
-        self._spent = False
+        self._admitted = self._journaled = self._spent = False
 
     # -- the driver -------------------------------------------------------------------
     @classmethod
@@ -383,7 +381,7 @@ class ModelCall(CallReview):
             self._journaled = True
             self.services.submit(call_record(self))
             ok = self.status == "ok" and self.http_status == 200
-            self.services.repair.remember(self.episode_id, self.api.endpoint, ok, self.capture)
+            self.services.repair.remember(self.episode_id, self.api.speaks_chat, ok, self.capture)
 
     def _spend(self) -> None:
         """This attempt's tokens, from the episode's budget, exactly once. The first

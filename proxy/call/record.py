@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tracetap.proxy.apis.chat import COMPLETIONS
 from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.episodes.lineage import conversation
 from tracetap.proxy.runtime.metrics import CallOutcome
@@ -52,7 +51,7 @@ def call_record(call: ModelCall) -> CallRecord:
     prompt_packed = getattr(capture, "prompt_packed", None)
     prompt_ids = None if prompt_packed is not None else capture.prompt_ids
     prompt_source = None
-    if prompt_ids is None and prompt_packed is None and call.endpoint == COMPLETIONS:
+    if prompt_ids is None and prompt_packed is None and call.api.prompt_in_request:
         prompt_ids = _token_prompt(request.payload.get("prompt"))
         prompt_source = None if prompt_ids is None else "request"
     model = capture.model or request.model

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.apis.chat.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.apis.chat.reply import read_chunk_bytes
 from tracetap.proxy.apis.chat.wire import decode_object, encode
@@ -213,7 +212,7 @@ class Relay:
             self.timings.first_content()
         capture, injected = self.capture, self.injected
         stripped = event  # what strip_event reads: without the ids the proxy asked for
-        if len(data) > _CUT_ABOVE and KEY in data and getattr(capture, "endpoint", "") == CHAT:
+        if len(data) > _CUT_ABOVE and KEY in data and self.api.cuts_prompt_ids:
             cut = cut_prompt_ids(data)  # the prompt's ids (vLLM's first chunk), as bytes
             if cut is not None:
                 data, prompt_ids = cut

@@ -99,12 +99,12 @@ class CallRequest:
             except translation.Untranslatable as exc:
                 raise translation.untranslatable(exc) from exc
             rewritten = True
-        self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
+        self.repaired = services.repair.apply(episode_id, route.api.speaks_chat, payload)
         self.payload = payload
         model = payload.get("model")
         self.model = model if isinstance(model, str) else None
         self.injected = route.api.prepare(payload, services.flavor)
-        self.experts = experts.ask(self, route.api.endpoint, services.routed_experts)
+        self.experts = experts.ask(self, route.api, services.routed_experts)
         if self.injected.any or rewritten or self.repaired:
             body = encode(payload)
         if translation is not None or self.repaired:

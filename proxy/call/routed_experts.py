@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.storage.experts import BadRouting, pack
 from tracetap.storage.records import ChoiceRecord
 
 if TYPE_CHECKING:
+    from tracetap.proxy.apis import WireApi
     from tracetap.proxy.call.request import CallRequest
 
 FIELD = "return_routed_experts"
@@ -72,10 +72,10 @@ class CallExperts:
                 self.errors.append(f"routed_experts not stored: {exc}")
 
 
-def ask(request: CallRequest, endpoint: str, enabled: bool) -> CallExperts | None:
+def ask(request: CallRequest, api: WireApi, enabled: bool) -> CallExperts | None:
     """Ask for the routing when the proxy is configured to (--routed-experts; call after
     the API's prepare, before the body is encoded)."""
-    if not enabled or endpoint not in (CHAT, COMPLETIONS):
+    if not enabled or not api.routed_experts:
         return None
     request.payload.setdefault(FIELD, True)
     request.injected.experts = True

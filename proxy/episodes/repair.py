@@ -27,7 +27,6 @@ from typing import Any
 
 from tracetap.exporters.history import Turn, equivalent, turn, turn_cause
 from tracetap.proxy.apis import Reassembly
-from tracetap.proxy.apis.chat import CHAT
 
 MAX_EPISODES = 10_000  # episodes remembered; the least recently used are forgotten
 MAX_TURNS = 1024  # remembered replies per episode
@@ -83,10 +82,10 @@ class Repair:
     def enabled(self, episode_id: str | None) -> bool:
         return episode_id is not None and self._enabled.get(episode_id, self.default)
 
-    def apply(self, episode_id: str | None, endpoint: str, payload: dict[str, Any]) -> bool:
-        """Replace reformatted copies of the model's turns in ``payload`` (a chat request,
-        in place); True if any was replaced."""
-        if endpoint != CHAT or not self.enabled(episode_id):
+    def apply(self, episode_id: str | None, chat: bool, payload: dict[str, Any]) -> bool:
+        """Replace reformatted copies of the model's turns in ``payload`` (in place, when
+        it is ``chat``: sent to the engine as chat messages); True if any was replaced."""
+        if not chat or not self.enabled(episode_id):
             return False
         memory = self._memory.get(episode_id)
         messages = payload.get("messages")
@@ -106,11 +105,11 @@ class Repair:
                 self.on_repaired(turn_cause(original, resent) or "unknown")
         return changed
 
-    def remember(self, episode_id: str | None, endpoint: str, ok: bool,
+    def remember(self, episode_id: str | None, chat: bool, ok: bool,
                  capture: Reassembly) -> None:
         """Keep the replies of a finished call of a repairing episode: its reassembled
         choices, read only when they are kept (a chat call that succeeded)."""
-        if not self.enabled(episode_id) or endpoint != CHAT or not ok:
+        if not self.enabled(episode_id) or not chat or not ok:
             return
         memory = self._memory.pop(episode_id, None) or _Memory()
         self._memory[episode_id] = memory  # most recently used last

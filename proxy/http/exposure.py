@@ -38,14 +38,10 @@ class Rule(msgspec.Struct, frozen=True):
         return f"{self.method} {self.path}"
 
 
-# The model API surface of vLLM, SGLang, llama.cpp and OpenAI-compatible servers, plus
-# read-only helpers that change nothing on the engine.
+# Besides the model APIs' own paths (each API's, from ``apis/registry.py``, given by
+# whoever builds the allowlist): read-only helpers of vLLM, SGLang, llama.cpp and
+# OpenAI-compatible servers that change nothing on the engine.
 DEFAULT_RULES = (
-    Rule("POST", "/v1/chat/completions"),
-    Rule("POST", "/v1/completions"),
-    Rule("POST", "/v1/responses"),
-    Rule("POST", "/v1/messages"),
-    Rule("POST", "/v1/messages/count_tokens"),
     Rule("GET", "/v1/models"),
     Rule("GET", "/v1/models/*"),
     Rule("POST", "/tokenize"),
@@ -114,10 +110,13 @@ def parse_rule(text: str) -> Rule:
 
 
 class Exposure:
-    """The allowlist in force: the defaults plus the operator's ``--allow-path`` rules."""
+    """The allowlist in force: the model APIs' paths (POST), the defaults, and the
+    operator's ``--allow-path`` rules."""
 
-    def __init__(self, extra: list[str] | tuple[str, ...] = ()):
-        self.rules = (*DEFAULT_RULES, *(parse_rule(t) for t in extra))
+    def __init__(self, extra: list[str] | tuple[str, ...] = (),
+                 model_paths: tuple[str, ...] = ()):
+        self.rules = (*(Rule("POST", path) for path in model_paths), *DEFAULT_RULES,
+                      *(parse_rule(t) for t in extra))
 
     def allows(self, method: str, path: str) -> bool:
         """``path`` as ``checked_path`` returned it (less any episode prefix)."""

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.http.errors import ProxyError, bad_request
 from tracetap.proxy.http.headers import OVERLAY_HEADER
 from tracetap.proxy.overlays.context import Context, leading_system
@@ -245,7 +244,7 @@ class Session:
 
     def chat_shaped(self, call: ModelCall) -> bool:
         """Chat completions, or an API translated to chat: what the hooks read."""
-        return call.api.endpoint == CHAT and isinstance(call.request.payload.get("messages"), list)
+        return call.api.speaks_chat and isinstance(call.request.payload.get("messages"), list)
 
     @property
     def reviews(self) -> bool:

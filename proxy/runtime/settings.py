@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 
+from tracetap.proxy.apis.registry import exposed_paths
 from tracetap.proxy.apis.routing import parse_translate
 from tracetap.proxy.episodes.budgets import Budget
 from tracetap.proxy.episodes.model_map import ModelMap
@@ -140,7 +141,7 @@ class Settings(msgspec.Struct, kw_only=True):
 
     def _check_behaviour(self) -> None:
         """What the proxy does to calls: paths, models, translation, overlays, budgets."""
-        Exposure(self.allow_path)  # fail at start on a bad --allow-path
+        Exposure(self.allow_path, exposed_paths())  # fail at start on a bad --allow-path
         ModelMap(self.model_map)
         parse_translate(self.translate)
         parse_specs(self.overlay)

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tracetap.proxy.admin.token import ensure_admin_token
-from tracetap.proxy.apis.messages.capture import MessagesApi
-from tracetap.proxy.apis.responses.capture import ResponsesApi
+from tracetap.proxy.apis.registry import exposed_paths
 from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.episodes.arrivals import Arrivals
 from tracetap.proxy.episodes.budgets import Budgets
@@ -83,7 +82,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
             require_registered=settings.require_registered,
         ),
         metrics=metrics,
-        exposure=Exposure(settings.allow_path),
+        exposure=Exposure(settings.allow_path, exposed_paths()),
         budgets=Budgets(settings.default_budget, engine),
         failures=Failures(metrics.internal_errors),
         repair=Repair(settings.repair_history, metrics.repaired),
@@ -95,8 +94,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
                           patches=Patches(engine, Limits(settings.overlay_patch_memory,
                                                          settings.overlay_patch_cpu),
                                           reserved=frozenset(overlays))),
-        routing=Routing(settings.translate, native={
-            "responses": ResponsesApi(), "messages": MessagesApi()}),
+        routing=Routing(settings.translate),
         instance=instance,
         upstream_kind=upstream_kind,
         arrivals=Arrivals(),

@@ -33,11 +33,17 @@ DONE = b"[DONE]"
 
 class OpenAIApi:
     ends_with_done = True  # so a stream needing no rewrite can be relayed as raw bytes
+    routed_experts = True  # vLLM returns MoE routing for both (call/routed_experts.py)
 
     def __init__(self, endpoint: str, route: str, path: str):
         self.endpoint = endpoint
         self.route = route
         self.path = path
+        chat = endpoint == CHAT
+        # Chat streams continue after a weight sync and carry their prompt's ids in the
+        # first chunk; a legacy completions prompt may be the token ids themselves.
+        self.speaks_chat = self.continuable = self.cuts_prompt_ids = chat
+        self.prompt_in_request = not chat
 
     def prepare(self, payload: dict[str, Any], flavor: str) -> Injected:
         return prepare(payload, self.endpoint, flavor)

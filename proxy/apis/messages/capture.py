@@ -26,6 +26,7 @@ class MessagesApi:
     route = "messages"
     path = "/v1/messages"
     ends_with_done = False  # the end is an event with data, not [DONE]
+    speaks_chat = continuable = cuts_prompt_ids = routed_experts = prompt_in_request = False
 
     def prepare(self, payload: dict[str, Any], flavor: str) -> Injected:
         return Injected()

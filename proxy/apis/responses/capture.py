@@ -29,6 +29,7 @@ class ResponsesApi:
     route = "responses"
     path = "/v1/responses"
     ends_with_done = False  # the end is an event with data, not [DONE]
+    speaks_chat = continuable = cuts_prompt_ids = routed_experts = prompt_in_request = False
 
     def prepare(self, payload: dict[str, Any], flavor: str) -> Injected:
         injected = Injected()
