@@ -297,7 +297,7 @@ def test_the_overhead_header_is_on_a_whole_reply_unless_turned_off(
     proxy = _start(loop_thread, engine.url, db_url, tmp_path, overhead_header=header)
     # The proxy's own time, fixed (what it is cannot be known from outside): the header
     # is it in milliseconds.
-    monkeypatch.setattr(Timings, "overhead", lambda self: 0.0123456)
+    monkeypatch.setattr(Timings, "overhead", lambda self, elapsed=None: 0.0123456)
     try:
         with _client(proxy, "overhead") as client:
             raw = client.chat.completions.with_raw_response.create(

@@ -364,8 +364,9 @@ class ModelCall(CallReview):
             # for the cyclic collector (50,000 allocations, serve._tune_gc) instead of
             # being freed now: at 60k context, 400+ fresh page faults a turn and 2x the RSS.
             self.relay.call = None
-        outcome = call_outcome(self, self.timings.elapsed())  # values: the call is freed
-        asyncio.get_running_loop().call_soon(services.metrics.observe_call, outcome)
+        # After the reply: bookkeeping, whose own failure never reaches the client.
+        outcome = functools.partial(call_outcome, self, self.timings.elapsed())
+        asyncio.get_running_loop().call_soon(lambda: services.metrics.observe_call(outcome()))
 
     def _attempt_over(self) -> None:
         """This attempt's record is final: journaled, and a re-sample's tokens spent (the
