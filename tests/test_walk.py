@@ -1,10 +1,10 @@
 """The walk of one request through the rooms (docs/architecture.md): a chat stream, a
 Responses stream, native and translated, and an Anthropic Messages stream (translated to
-chat), traced through the in-process proxy. A room is a module; each entry into a room from another is counted (a coroutine
-or generator resumed is not an entry; a return to the caller is not one either). The
-driver (``ModelCall.run``) must be entered once by the handler and come back to only
-once, as the relay sees the end (``end_reached``): no per-read or per-event work may
-call back into it, and the handler is entered once."""
+chat), traced through the in-process proxy. A room is a module; each entry into a room
+from another is counted (a coroutine or generator resumed is not an entry; a return to
+the caller is not one either). The driver (``ModelCall.run``) must be entered once by
+the handler and come back to only once, as the relay sees the end (``end_reached``): no
+per-read or per-event work may call back into it, and the handler is entered once."""
 
 from __future__ import annotations
 
