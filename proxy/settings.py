@@ -71,7 +71,7 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_patch_cpu: int = 10  # CPU seconds a runtime patch's hook may use (a backstop)
     workers: int = 1
     tokenizer: str | None = None
-    routed_experts: bool = False  # issue 27: ask for MoE routing, store it (proxy.experts)
+    routed_experts: bool = False  # ask for MoE routing, store it (proxy.experts)
     search_index: bool = True  # index calls for the viewer's search (storage.search_index)
 
     def local_tokenizer(self):
