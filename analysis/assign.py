@@ -191,28 +191,10 @@ class _State:
 def assign(space: Space, tasks: list[str], per_task: int, prior: list[Prior]) -> Assignment:
     """``per_task`` configurations for each task (in the tasks' order), on top of
     ``prior``; deterministic: the same inputs give the same assignment."""
-    if per_task < 1:
-        raise AnalysisError("--configs-per-task must be at least 1")
-    size = 1
-    for levels in space.factors.values():
-        size *= len(levels)
-    if per_task > size:
-        raise AnalysisError(
-            f"--configs-per-task {per_task}: the space holds only {size} configurations"
-        )
+    size = _space_size(space, per_task)
     state = _State(space, tasks, prior)
     before = state.spread()
-    seeds = _seeds(space, state, len(tasks) * per_task)
-    for c in seeds:  # counted up front, so the targets make room for them
-        state.add(c)
-    # A level can be in at most size / levels of a task's distinct configurations.
-    caps = [
-        {v: len(tasks) * (size // len(levels)) - sum(c[i] == v for c in seeds) for v in levels}
-        for i, levels in enumerate(state.levels)
-    ]
-    state.aim(len(tasks) * per_task - len(seeds), caps)
-    for c in seeds:  # added again as their slots come
-        state.add(c, -1)
+    seeds = _aim_with_seeds(space, state, len(tasks), per_task, size)
     rng = random.Random(0)  # fixed: the same inputs give the same assignment
     slots: list[tuple[str, Config]] = []
     has: dict[str, set[Config]] = {t: set() for t in tasks}
@@ -237,11 +219,8 @@ def assign(space: Space, tasks: list[str], per_task: int, prior: list[Prior]) ->
             state.mark(task, given, 1)
             if covered_after is None and state.covered():
                 covered_after = len(slots)
-    out: dict[str, list[dict[str, Any]]] = {t: [] for t in tasks}
-    for task, config in slots:
-        out[task].append({f: space.value(f, v) for f, v in zip(state.names, config, strict=True)})
     return Assignment(
-        configs=out,
+        configs=_configs(space, state, tasks, slots),
         assignments=len(slots),
         prior=state.prior,
         pairs=len(state.pairs),
@@ -251,6 +230,49 @@ def assign(space: Space, tasks: list[str], per_task: int, prior: list[Prior]) ->
         level_spread_after=state.spread(),
         swaps=swaps,
     )
+
+
+def _space_size(space: Space, per_task: int) -> int:
+    """How many configurations the space holds; an error when ``per_task`` is below one
+    or above that (a task's configurations are distinct)."""
+    if per_task < 1:
+        raise AnalysisError("--configs-per-task must be at least 1")
+    size = 1
+    for levels in space.factors.values():
+        size *= len(levels)
+    if per_task > size:
+        raise AnalysisError(
+            f"--configs-per-task {per_task}: the space holds only {size} configurations"
+        )
+    return size
+
+
+def _aim_with_seeds(space: Space, state: _State, tasks: int, per_task: int,
+                    size: int) -> list[Config]:
+    """The seed rows (``_seeds``), with balance's targets set so that they fit: the seeds
+    are counted while the targets are aimed, then taken out again to be added as their
+    slots come."""
+    seeds = _seeds(space, state, tasks * per_task)
+    for c in seeds:  # counted up front, so the targets make room for them
+        state.add(c)
+    # A level can be in at most size / levels of a task's distinct configurations.
+    caps = [
+        {v: tasks * (size // len(levels)) - sum(c[i] == v for c in seeds) for v in levels}
+        for i, levels in enumerate(state.levels)
+    ]
+    state.aim(tasks * per_task - len(seeds), caps)
+    for c in seeds:  # added again as their slots come
+        state.add(c, -1)
+    return seeds
+
+
+def _configs(space: Space, state: _State, tasks: list[str],
+             slots: list[tuple[str, Config]]) -> dict[str, list[dict[str, Any]]]:
+    """Each task's new configurations, in slot order, as harness config values."""
+    out: dict[str, list[dict[str, Any]]] = {t: [] for t in tasks}
+    for task, config in slots:
+        out[task].append({f: space.value(f, v) for f, v in zip(state.names, config, strict=True)})
+    return out
 
 
 def _seeds(space: Space, state: _State, new: int) -> list[Config]:

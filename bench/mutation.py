@@ -12,10 +12,10 @@ mutmut only sees the functions called in its own process.
     python bench/mutation.py --show                          # also print each survivor's diff
 
 For each module it prints the mutants, how many the tests killed, and every survivor:
-either one that docs/testing.md lists as equivalent (with why), or UNEXPLAINED, which a new
-test should kill. The exit status is 1 when a module scores under --target or any survivor
-is unexplained. Do not edit the repository while it runs: each module's scratch copy is
-taken when that module starts.
+either one that bench/mutation-equivalents.md lists as equivalent (with why), or
+UNEXPLAINED, which a new test should kill. The exit status is 1 when a module scores
+under --target or any survivor is unexplained. Do not edit the repository while it runs:
+each module's scratch copy is taken when that module starts.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "testing.md"
+DOC = ROOT / "bench" / "mutation-equivalents.md"  # the equivalent mutants, with why
 
 # module -> the fast tests that exercise it
 _RELAY = ["tests/test_relay.py", "tests/test_capture.py", "tests/test_prompt_cut.py"]
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: report the last run's results in --workdir against "
-                             "docs/testing.md as it is now (after listing equivalents)")
+                             "bench/mutation-equivalents.md as it is now (after listing "
+                             "equivalents)")
     args = parser.parse_args(argv)
     unknown = set(args.modules) - set(MODULES)
     if unknown:

@@ -15,7 +15,7 @@ Postgres, through HTTP as a browser asks for it.
 2. Serves the viewer alone and times each query --rounds times after one warm-up:
    p50, p95 and max in milliseconds. The load average is printed with the figures.
 
-Target (issue 29): every query under 300 ms p95.
+Target: every query under 300 ms p95.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ episode of 200 calls whose merged trajectory holds 200,000 tokens.
    /detokenize) and times HTTP requests from a client in this process: each page
    --rounds times after one warm-up request; p50, p95 and max in milliseconds.
 
-Targets: the episodes page under 200 ms (issue 13); the big episode's first open under
-500 ms and each later window under 150 ms at low load (issue 29). ``cpu1st``/``cpu``: this
+Targets: the episodes page under 200 ms; the big episode's first open under
+500 ms and each later window under 150 ms at low load. ``cpu1st``/``cpu``: this
 process's CPU per request (viewer, client, mock engine), which load does not inflate.
 """
 
@@ -224,7 +224,7 @@ def main() -> int:
     big_first = results[next(n for n in results if n.startswith("big episode: first"))]["first"]
     print(f"\nepisodes pages: worst p95 {episodes_p95:.0f} ms (target < 200 ms)")
     print(f"big episode: worst p95 {big_p95:.0f} ms, first open {big_first:.0f} ms "
-          "(targets, issue 29: first open < 500 ms, later windows < 150 ms at low load)")
+          "(targets: first open < 500 ms, later windows < 150 ms at low load)")
     print(json.dumps({"episodes": args.episodes, "results": results}))
     return 0
 

@@ -160,25 +160,42 @@ def schema_value(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         options = schema.get(key)
         if isinstance(options, list) and options:
             return schema_value(options[0], rng, depth)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind is None and isinstance(schema.get("properties"), Mapping):
-        kind = "object"
+    kind = _schema_type(schema)
     if kind == "object":
-        properties = schema.get("properties")
-        properties = properties if isinstance(properties, Mapping) else {}
-        required = set(schema.get("required") or ())
-        return {
-            name: schema_value(sub, rng, depth + 1)
-            for name, sub in properties.items()
-            if name in required or (depth < 3 and rng.random() < 0.5)
-        }
+        return _object_value(schema, rng, depth)
     if kind == "array":
         low = max(int(schema.get("minItems", 1)), 0)
         high = max(low, min(int(schema.get("maxItems", low + 1)), low + 2))
         items = schema.get("items")
         return [schema_value(items, rng, depth + 1) for _ in range(rng.randint(low, high))]
+    return _scalar_value(schema, kind, rng)
+
+
+def _schema_type(schema: Mapping) -> Any:
+    """The type a value is made for: the first non-null one of a list; an object when
+    the schema only lists properties."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None and isinstance(schema.get("properties"), Mapping):
+        kind = "object"
+    return kind
+
+
+def _object_value(schema: Mapping, rng: random.Random, depth: int) -> dict[str, Any]:
+    """Every required property; each optional one half the time (from depth 3 on, none)."""
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, Mapping) else {}
+    required = set(schema.get("required") or ())
+    return {
+        name: schema_value(sub, rng, depth + 1)
+        for name, sub in properties.items()
+        if name in required or (depth < 3 and rng.random() < 0.5)
+    }
+
+
+def _scalar_value(schema: Mapping, kind: Any, rng: random.Random) -> Any:
+    """A number within the schema's bounds, a boolean, null, or (any other type) a word."""
     if kind == "integer":
         low = int(schema.get("minimum", 1))
         return rng.randint(low, max(low, int(schema.get("maximum", low + 8))))

@@ -73,8 +73,9 @@ CALLS = pa.schema([
     ("integrity_cause", pa.string()),
     ("lineage_id", pa.string()),
     ("parent_lineage_id", pa.string()),
-    # issue 27: the policy version of each completion token, as [start, version) runs
-    # (exporters.policy); null for a call without a choice.
+    # The policy version of each completion token, as [start, version) runs
+    # (exporters.policy): a trainer drops or reweights off-policy tokens; null for a
+    # call without a choice.
     ("policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
     ("routed_experts", ROUTING),  # aligned with completion_ids (--routed-experts)
@@ -117,8 +118,9 @@ TRAJECTORIES = pa.schema([
     ("integrity_causes", _CAUSES),  # [{cause, calls}], empty when clean
     ("lineage_id", pa.string()),  # the conversation inside the episode (exporters.lineages)
     ("parent_lineage_id", pa.string()),
-    # issue 27: the policy version of each response token as runs (exporters.policy);
-    # whether the trained tokens are not all from one known version.
+    # The policy version of each response token as runs (exporters.policy), and
+    # whether the trained tokens are not all from one known version (a weight sync
+    # landed mid-trajectory).
     ("response_policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
     ("response_routed_experts", ROUTING),  # aligned with response_ids (--routed-experts)

@@ -99,8 +99,9 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     # The conversation inside the episode the row belongs to (exporters.lineages).
     lineage_id: str | None = None
     parent_lineage_id: str | None = None
-    # issue 27: [start, end) runs of the completions' tokens in response_ids with their
-    # policy version (None: unknown); whether the trained ones mix versions (exporters.policy).
+    # Off-policy tokens told apart: [start, end) runs of the completions' tokens in
+    # response_ids with their policy version (None: unknown); whether the trained ones
+    # mix versions (exporters.policy).
     response_policy_spans: list[dict] = []
     mixed_policy: bool = False
     # response_ids-aligned MoE routing, None without any (exporters.experts).

@@ -155,7 +155,7 @@ def test_responses_translated_to_chat_tool_loop_is_token_exact(engine, llamacpp,
     assert {c["endpoint"] for c in stored} == {"responses:chat"}
     assert all(c["choices"][0]["completion_ids"] for c in stored)
     if translate == "auto":
-        return  # llama.cpp gives no prompt ids and no logprobs at top_logprobs 0 (issue 17)
+        return  # llama.cpp gives no prompt ids and no logprobs at top_logprobs 0
     assert all(c["choices"][0]["completion_logprobs"] for c in stored)
     _assert_one_token_sequence(stored)
 

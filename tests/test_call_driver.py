@@ -1,4 +1,4 @@
-"""ModelCall as the one driver of a call (issue 31): an overlay's review re-samples through
+"""ModelCall as the one driver of a call: an overlay's review re-samples through
 the call's own API, so the budget and journal rules hold for every attempt. Each test
 spies on the proxy's own objects (the budgets, the writer, the client's writes) and
 observes the order or the count, which reading the stored records afterwards cannot."""

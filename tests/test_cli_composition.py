@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# `tracetap --help` before the command line moved out of proxy/ (issue 31), in its order,
-# and the commands added since where they were added (`run`, `engineer`: issue 28, after
+# `tracetap --help` before the command line moved out of proxy/, in its order,
+# and the commands added since where they were added (`run`, `engineer`: after
 # harnesses).
 BEFORE = ["serve", "admin-token", "db", "export", "prune", "drift", "quarantine", "packets",
           "compare", "harnesses", "run", "engineer", "ui", "demo", "mock-engine"]

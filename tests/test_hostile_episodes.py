@@ -1,4 +1,4 @@
-"""The untrusted agent against episodes and budgets (issue 25, points 3 and 4): each
+"""The untrusted agent against episodes and budgets: each
 attack runs against a logging upstream that records what reaches it.
 
 - A registered episode takes calls only from whoever holds its key (in its base URL or

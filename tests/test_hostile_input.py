@@ -1,4 +1,4 @@
-"""The untrusted agent against secrets and bad input (issue 25, points 7 and 8), with the
+"""The untrusted agent against secrets and bad input, with the
 logging upstream of tests/test_hostile_agent.py:
 
 - Credentials in an --upstream URL never show, and work.

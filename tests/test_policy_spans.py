@@ -1,4 +1,4 @@
-"""Policy version per token (issue 27): a weight sync during a call is recorded as spans,
+"""Policy version per token: a weight sync during a call is recorded as spans,
 tokens of the sync window as unknown, exported with ``mixed_policy``, masked on request."""
 
 from __future__ import annotations

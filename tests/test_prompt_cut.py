@@ -148,7 +148,7 @@ def test_a_long_prompts_ids_are_cut_from_the_first_chunk_and_stored_exactly(prox
 
 def test_the_first_chunk_reaches_the_client_before_its_prompt_ids_are_decoded(
         proxy, monkeypatch):
-    """The order itself (issue 24: the first token is not held by the prompt's ids): the
+    """The order itself (the first token is not held by the prompt's ids): the
     relay cuts a long prompt's ids out of vLLM's first chunk as bytes, the client's
     write of that chunk goes out, and only then are the ids decoded (when the record is
     made). Observed in the proxy's process: the cut, the proxy's writes to its client

@@ -434,7 +434,7 @@ class AheadUpstream(SpacedUpstream):
 @pytest.mark.parametrize("together", ["all", "two"])
 def test_the_first_token_goes_out_before_the_rest_of_its_read_is_captured(
         loop_thread, serve_app, db_url, tmp_path, monkeypatch, together):
-    """The order itself (issue 24: the first token waits for nothing else): when the
+    """The order itself (the first token waits for nothing else): when the
     read that carries the stream's first token also carries later events, the client's
     write of the first token comes before the relay captures the next event, and the
     rest of that read goes out in one more write, as every read after it does. Kills the

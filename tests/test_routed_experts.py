@@ -1,4 +1,4 @@
-"""Routed experts for MoE router replay (issue 27): with --routed-experts the proxy asks
+"""Routed experts for MoE router replay: with --routed-experts the proxy asks
 for each token's routing, keeps it from the agent, stores it and exports it aligned with
 the tokens. Real openai SDK, proxy and mock engine (demo/experts.py routes by token id)."""
 

@@ -1,10 +1,10 @@
-"""The walk of one request through the rooms (docs/architecture.md, issue 31): a chat
-stream and a Responses stream, native and translated, traced through the in-process
-proxy. A room is a module; each entry into a room from another is counted (a coroutine
-or generator resumed is not an entry; a return to the caller is not one either). The
-driver (``ModelCall.run``) must be entered once by the handler and come back to only
-once, as the relay sees the end (``end_reached``): no per-read or per-event work may
-call back into it, and the handler is entered once."""
+"""The walk of one request through the rooms (docs/architecture.md): a chat stream, a
+Responses stream, native and translated, and an Anthropic Messages stream (translated to
+chat), traced through the in-process proxy. A room is a module; each entry into a room
+from another is counted (a coroutine or generator resumed is not an entry; a return to
+the caller is not one either). The driver (``ModelCall.run``) must be entered once by
+the handler and come back to only once, as the relay sees the end (``end_reached``): no
+per-read or per-event work may call back into it, and the handler is entered once."""
 
 from __future__ import annotations
 
@@ -115,6 +115,8 @@ CASES = {
     "responses, native": ("/responses", "responses", {"input": "hello"}),
     "responses, translated (tools)": ("/responses", "responses:chat", {
         "input": "hello", "tools": _TOOLS}),
+    "messages, translated": ("/messages", "messages:chat", {
+        "messages": [{"role": "user", "content": "hello"}]}),
 }
 
 
@@ -136,3 +138,24 @@ def test_the_driver_is_entered_once_and_visited_again_only_at_the_end(proxy, cas
         "Relay.__init__", "Relay.pump"}
     visits = walk.visits()
     assert {room: visits[room] for room in WALK_ROOMS} == WALK_ROOMS
+
+
+def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_record(proxy):
+    """Messages has no native path: its package is entered to translate the request in
+    the parse, by the relay to make the client's stream (its translator made once, fed
+    per chat chunk, finished at the end) and by the record for the client's reply, and
+    from nowhere else. Kills a translator made per read or per event, a translation the
+    driver or the handler does itself, and a record that skips the client's shape."""
+    walk = _walk(proxy, "/messages", {"model": "mock-model", "stream": True,
+                                      "max_tokens": 8, **CASES["messages, translated"][2]})
+    [call] = proxy.calls("walk")
+    assert (call["endpoint"], call["status"]) == ("messages:chat", "ok")
+    into_messages = [(name, caller) for room, name, caller in walk.entries
+                     if room == "apis/messages"]
+    feeds = into_messages.count(("StreamTranslator.feed", "call/relay"))
+    assert feeds >= 2, into_messages
+    assert into_messages == [
+        ("to_chat", "call/request"), ("StreamTranslator.__init__", "call/relay"),
+        *[("StreamTranslator.feed", "call/relay")] * feeds,
+        ("StreamTranslator.finish", "call/relay"),
+        ("from_chat", "call/record")]

@@ -1,4 +1,4 @@
-"""A weight sync loses no rollout (issue 27): a pause in abort mode cuts the calls in
+"""A weight sync loses no rollout: a pause in abort mode cuts the calls in
 flight at the engine, holds them, and after the resume continues a stream token for
 token (one answer, one stored completion with its version spans) or sends a body again
 (the cut attempt stored apart, never trained). Real openai SDK, proxy and mock engine."""

@@ -61,7 +61,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r.add_get(base + "/episodes/{episode}", pages.episode)
     r.add_get(base + "/calls/{call}", pages.call)
     r.add_get(base + "/calls/{call}/{body:request|response}.json", pages.call_body)
-    # issue 29 (h29a): side-by-side comparison, harness variants, coverage heatmap
+    # Side-by-side comparison, harness variants, coverage heatmap
     r.add_get(base + "/compare", compare.episodes_page)
     r.add_get(base + "/compare/calls", compare.calls_page)
     r.add_get(base + "/variants", variants.variants_page)

@@ -92,7 +92,7 @@ async def episode(request: web.Request) -> web.Response:
         at = _bounded(request, "at", 0, 0, max(row.total - 1, 0))
         shown = row.ids[at:at + size]
         split = row.split
-        # issue 29 (h29a): the row's low-probability tokens (their texts are asked for too)
+        # The row's low-probability tokens (their texts are asked for too)
         low = lowp.summary(row, at, at + size, *lowp.options(request.query))
         texts = await request.app[DETOKENIZER].texts(
             [*shown, *(split.expected if split else ()), *(split.received if split else ()),
@@ -120,7 +120,7 @@ async def episode(request: web.Request) -> web.Response:
                 integrity=(await verdicts_of(engine, [episode_id]))[episode_id],
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
-                low=low, low_href=lowp.linker(request.query, size))  # issue 29 (h29a)
+                low=low, low_href=lowp.linker(request.query, size))
 
 
 def _pretty(value) -> str | None:

@@ -80,7 +80,7 @@ def shoot(ui: str, token: str, split: str) -> None:
 
 
 def shoot_compare(page, ui: str, split: str) -> None:
-    """The compare pages, the coverage heatmap and the low-probability panel (issue 29)."""
+    """The compare pages, the coverage heatmap and the low-probability panel."""
     episode = split.split("/episodes/")[1].split("?")[0]
     page.goto(split.replace("#tokens", "#lowp"))
     page.locator("#lowest tbody a").first.click()

@@ -257,7 +257,7 @@ class Pause(msgspec.Struct, forbid_unknown_fields=True):
     wait: bool = True  # return once the calls in flight have finished
     timeout: float = 60.0
     # "drain": calls in flight finish; "abort": they are cut at the engine, held, and
-    # continued after the resume (proxy.call.continuation, issue 27).
+    # continued after the resume (proxy.call.continuation), so a weight sync need not wait.
     mode: str = "drain"
 
 

@@ -144,7 +144,7 @@ class ModelCall(CallReview):
 
         def send(attempt: ModelCall, b: bytes):  # the attempt's route as it is when called
             target = path if attempt.translation is None else attempt.api.path
-            # issue 27 hook: a body awaited when a weight sync cuts it is sent again
+            # A body awaited when a weight sync cuts it is sent again (not the agent's fault)
             return continuation.cuttable(attempt, functools.partial(
                 front.pool.send, "POST", upstream_path(target, query), headers, b,
                 episode_id=attempt.episode_id, model=attempt.request.model))
@@ -164,11 +164,11 @@ class ModelCall(CallReview):
             target, reply = await send(self, upstream_body)
         self.replied(target.base_url, reply.status)
         if self.stream and reply.content_type == "text/event-stream":
-            # issue 27 hook: a weight sync in abort mode continues the stream
+            # A weight sync in abort mode cuts the stream; it is continued, not lost.
             reads = continuation.stream(self, reply, front.pool, headers)
             return await self._relay_stream(request, reply, reads)
 
-        async def again():  # issue 27 hook: a body cut by a weight sync is sent again
+        async def again():  # a body cut by a weight sync is sent again
             return (await send(self, upstream_body))[1]
 
         return await self._relay_body(reply, settings.overhead_header, again)
@@ -206,7 +206,7 @@ class ModelCall(CallReview):
         """A whole reply, read (sent again if a weight sync cut it), captured, and
         rewritten for the client."""
         try:
-            reply = await continuation.whole(self, reply, again)  # issue 27 hook
+            reply = await continuation.whole(self, reply, again)
             body = await reply.read()
         except UpstreamBroken as exc:
             raise broken_error(exc) from exc

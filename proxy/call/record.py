@@ -33,8 +33,8 @@ def call_record(call: ModelCall) -> CallRecord:
     request = call.request
     capture = call.capture
     choices = capture.choices()
-    call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
-    if request.experts is not None:  # issue 27 hook: MoE routing per completion token
+    call.versions.stamp(choices)  # per-token policy versions, for off-policy tokens
+    if request.experts is not None:  # MoE routing per completion token, for replay
         request.experts.stamp(choices)
         capture.errors.extend(request.experts.errors)
     if capture.errors and call.error is None:

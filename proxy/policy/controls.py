@@ -26,7 +26,7 @@ log = logging.getLogger("tracetap")
 
 POLICY = "policy_version"
 PAUSED = "paused"
-ABORT = "abort"  # the paused row's value for a pause that cuts calls in flight (issue 27)
+ABORT = "abort"  # the paused row's value for a pause that cuts calls in flight
 POLL_SECONDS = 0.2
 HEARTBEAT_SECONDS = 1.0
 LIVE_SECONDS = 5.0  # a process whose heartbeat is older is taken for gone
@@ -72,7 +72,8 @@ class Controls:
             self.gate.close()
             self.on_pause(True)
             if value == ABORT:
-                self.gate.cut_all()  # issue 27: cut in-flight calls (proxy.call.continuation)
+                self.gate.cut_all()  # cut in-flight calls; each is continued
+                # (proxy.call.continuation)
         else:
             self.gate.open()
             self.on_pause(False)

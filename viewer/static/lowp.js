@@ -1,5 +1,5 @@
 // tracetap viewer: select a token named in the URL (?sel=) and jump between low-probability
-// tokens (issue 29). Loaded after app.js on every page; acts only where there is a token
+// tokens. Loaded after app.js on every page; acts only where there is a token
 // view. Selecting goes through the token box's own click handler (app.js), so the detail
 // panel shows the token as if it had been clicked.
 (function () {
