@@ -101,6 +101,11 @@ class Metrics(WriterObserver):
             "tracetap_translation_dropped_total",
             "Request fields and blocks translation to chat left out, by client API and field "
             "(a fixed set of names; others count as 'other')", ["api", "field"], registry=r)
+        self.request_fields_dropped = Counter(
+            "tracetap_request_fields_dropped_total",
+            "Request fields kept from the engine (engine controls, anything off the API's "
+            "allowlist), by route and field (a fixed set of names; others count as 'other')",
+            ["route", "field"], registry=r)
         self.unknown_events = Counter("tracetap_unknown_stream_events_total",
                                       "Stream events of a type capture does not know, relayed "
                                       "untouched", ["route"], registry=r)
@@ -228,6 +233,8 @@ class Metrics(WriterObserver):
             child(metrics.ttft, route).observe(ttft)
         for field, n in call.request.dropped.counts.items():
             child(metrics.translation_dropped, route, field).inc(n)
+        for field, n in call.request.fields_dropped.items():
+            child(metrics.request_fields_dropped, route, field).inc(n)
         capture = call.capture
         if capture.logprobs_missing:
             metrics.logprobs_missing.inc(capture.logprobs_missing)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.proxy.apis.fields import RequestFields
 from tracetap.proxy.arrivals import Arrivals
 from tracetap.proxy.budgets import Budgets
 from tracetap.proxy.controls import Controls
@@ -51,6 +52,7 @@ class ProxyState:
     failures: Failures
     repair: Repair
     model_map: ModelMap
+    request_fields: RequestFields
     overlays: Overlays
     routing: Routing
     instance: str
