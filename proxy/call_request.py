@@ -94,7 +94,11 @@ class CallRequest:
         body = self.body
         rewritten = services.model_map.apply(payload)
         translation = route.translation
+        fields = services.request_fields
         if translation is not None:
+            # Translation builds the chat body from the fields it maps (and counts the
+            # rest): the engine controls among them are named in the same count as native.
+            self.fields_dropped = fields.drop_controls(payload)
             self.client_payload = payload
             try:
                 payload = translation.to_chat(payload, dropped=self.dropped,
@@ -104,7 +108,8 @@ class CallRequest:
             rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.endpoint, payload)
         # Before capture's additions: what the agent sent that is not a sampling field.
-        self.fields_dropped = services.request_fields.drop(route.api.endpoint, payload)
+        for name, n in fields.drop(route.api.endpoint, payload).items():
+            self.fields_dropped[name] = self.fields_dropped.get(name, 0) + n
         self.payload = payload
         model = payload.get("model")
         self.model = model if isinstance(model, str) else None

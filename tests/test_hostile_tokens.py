@@ -10,17 +10,13 @@ Every request runs against a logging upstream that records the bodies it receive
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pyarrow.parquet as pq
 import pytest
-from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.demo import tokenizer as tok
-from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.exporters import export
 from tracetap.proxy.settings import Settings
 
@@ -30,22 +26,8 @@ SAMPLED = 8
 
 
 @pytest.fixture
-def bodies() -> list[tuple[str, dict]]:
-    """(path, JSON body) of every model request the upstream received."""
-    return []
-
-
-@pytest.fixture
-def hostile(loop_thread, serve_app, bodies, tmp_path, migrated_sqlite):
-    @web.middleware
-    async def record(request, handler):
-        if request.method == "POST" and request.path.startswith("/v1/"):
-            bodies.append((request.path, json.loads(await request.read())))
-        return await handler(request)
-
-    app = make_engine_app(EngineConfig(flavor="vllm"))
-    app.middlewares.append(record)
-    settings = Settings(upstream=serve_app(app) + "/v1",
+def hostile(loop_thread, recording_engine, tmp_path, migrated_sqlite):
+    settings = Settings(upstream=recording_engine,
                         db=migrated_sqlite(tmp_path / "t.db"),
                         data_dir=str(tmp_path / "data"), port=free_port(),
                         upstream_flavor="vllm")

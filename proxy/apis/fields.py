@@ -73,6 +73,7 @@ CONTROLS = frozenset({
     "mm_processor_kwargs", "use_beam_search", "best_of", "return_routed_experts",
     "session_params", "other",
 })
+OTHER = "other"
 _TEST_PREFIX = "mock_"
 
 
@@ -89,13 +90,23 @@ class RequestFields:
         if allowed is None:
             return {}
         extra = self.extra
-        dropped: dict[str, int] = {}
-        for key in [k for k in payload if k not in allowed and k not in extra
-                    and not k.startswith(_TEST_PREFIX)]:
-            del payload[key]
-            name = key if key in CONTROLS else "other"
-            dropped[name] = dropped.get(name, 0) + 1
-        return dropped
+        return _remove(payload, [k for k in payload if k not in allowed and k not in extra
+                                 and not k.startswith(_TEST_PREFIX)])
+
+    def drop_controls(self, payload: dict[str, Any]) -> dict[str, int]:
+        """Remove the named engine controls only (a request about to be translated: its
+        other fields are translation's to map or count)."""
+        return _remove(payload, [k for k in payload if k in CONTROLS and k != OTHER
+                                 and k not in self.extra])
+
+
+def _remove(payload: dict[str, Any], keys: list[str]) -> dict[str, int]:
+    dropped: dict[str, int] = {}
+    for key in keys:
+        del payload[key]
+        name = key if key in CONTROLS else OTHER
+        dropped[name] = dropped.get(name, 0) + 1
+    return dropped
 
 
 def check_name(name: str) -> str:
