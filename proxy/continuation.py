@@ -201,6 +201,10 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
     """The continuation's events, rewritten as chat chunks of the cut reply."""
     capture: Capture = call.capture
     [choice] = capture.choices()
+    # Counted now: the choice's ids are the capture's own list, which the continuation's
+    # events go on extending (read later, the usage would count the cut's tokens twice).
+    partial = len(choice.completion_ids or ())
+    top = call.request.injected.client_top_logprobs
     reply = await send(COMPLETIONS_PATH, msgspec.json.encode(_request(call, choice)))
     call.replied(call.upstream_url or "", reply.status)
     if reply.status != 200:
@@ -210,7 +214,7 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
     try:
         async for data in reply.iter_chunks():
             for event in parser.feed(data):
-                out = _chat_event(capture, event.data, len(choice.completion_ids or ()))
+                out = _chat_event(capture, event.data, partial, top)
                 if out:
                     yield out
     finally:
@@ -234,7 +238,7 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     return body
 
 
-def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
+def _chat_event(capture: Capture, data: bytes | None, partial: int, top: int) -> bytes:
     """One completions SSE event as the chat chunk the cut stream would have sent."""
     if not data:
         return b""
@@ -250,7 +254,7 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
     chunk = {"id": capture.response_id, "object": "chat.completion.chunk",
              "created": capture.created, "model": capture.model, "choices": []}
     for c in body.get("choices") or ():
-        chunk["choices"].append(_chat_choice(c))
+        chunk["choices"].append(_chat_choice(c, top))
     usage = body.get("usage")
     if usage:
         completion = (usage.get("completion_tokens") or 0) + partial
@@ -260,7 +264,7 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
     return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
-def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
+def _chat_choice(c: dict[str, Any], k: int) -> dict[str, Any]:
     out: dict[str, Any] = {"index": 0, "delta": {"content": c.get("text") or ""},
                            "finish_reason": c.get("finish_reason")}
     lp = c.get("logprobs")
@@ -268,7 +272,7 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
         out["logprobs"] = {"content": [
             {"token": t, "logprob": v,
-             "top_logprobs": [{"token": k, "logprob": x} for k, x in (top or {}).items()]}
+             "top_logprobs": _top(top, k)}
             for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops,
                                  strict=False)]}
     else:
@@ -278,3 +282,10 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
     if c.get("routed_experts") is not None:
         out["routed_experts"] = c["routed_experts"]
     return out
+
+
+def _top(top: dict[str, float] | None, k: int) -> list[dict[str, Any]]:
+    """A completions entry's alternatives (the sampled token plus the top k, vLLM's
+    legacy shape) as chat's: the k most likely, as the cut stream gave them."""
+    best = sorted((top or {}).items(), key=lambda item: -item[1])[:k]
+    return [{"token": token, "logprob": value} for token, value in best]

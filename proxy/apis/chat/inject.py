@@ -19,6 +19,9 @@ TOKEN_ID_FLAVORS = ("vllm", "sglang")
 # ``echo``; vLLM's ``prompt_logprobs``): refused, so the agent's own text can never come
 # back as completion tokens (docs/apis.md).
 _PROMPT_ECHOES = ("echo", "prompt_logprobs")
+# Counts the proxy reads itself (budgets reserve by the cap; a weight sync's continuation
+# sends what is left of it): integers or a 400 now, never a failure mid-stream later.
+_COUNTS = ("max_tokens", "max_completion_tokens", "n")
 
 
 def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
@@ -28,6 +31,8 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
     are asked whatever the request said (``false`` included) and taken out again of the
     client's reply when it did not ask for them itself."""
     _refuse_echo(body)
+    for key in _COUNTS:
+        count_field(body, key)
     injected = Injected()
     if endpoint == CHAT:
         logprobs = body.get("logprobs")
