@@ -19,7 +19,8 @@ answer:
 
 A stream that cannot be continued exactly (a request with tools, whose calls the
 engine's tool parser turns into ``tool_calls`` that a raw continuation would not parse;
-reasoning text; ``n`` > 1; an engine without ids; nothing sampled yet) is not cut: its
+structured output, whose grammar would start again at the cut; reasoning text; ``n`` > 1;
+an engine without ids; nothing sampled yet) is not cut: its
 client may hold part of the answer, which a retry could not match. It finishes on the
 old weights as a drain-mode pause would let it, and proxy.versions marks its tokens.
 """
@@ -50,7 +51,11 @@ COMPLETIONS_PATH = "/v1/completions"
 # Request fields a continuation keeps: sampling, and the mock engine's own controls.
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
              "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+             "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+             "logit_bias", "bad_words", "allowed_token_ids", "include_stop_str_in_output")
+# Constraints a token-id prompt cannot resume mid-way (the grammar would start again).
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "regex", "ebnf", "json_schema")
 Send = Callable[[str, bytes], Awaitable[Reply]]  # (upstream path, body) → the reply
 
 
@@ -82,7 +87,10 @@ def continuable(call: ModelCall) -> bool:
     capture = call.capture
     if not isinstance(capture, Capture) or capture.endpoint != CHAT:
         return False
-    if call.request.payload.get("tools") or (call.request.payload.get("n") or 1) != 1:
+    payload = call.request.payload
+    if payload.get("tools") or (payload.get("n") or 1) != 1:
+        return False
+    if any(payload.get(k) not in (None, {"type": "text"}) for k in _STRUCTURED):
         return False
     return capture.continuable()
 
@@ -231,6 +239,9 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     cap = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if cap is not None:
         body["max_tokens"] = max(cap - len(ids), 1)
+    floor = payload.get("min_tokens")
+    if type(floor) is int and floor > 0:  # what is left of the floor, as of the cap
+        body["min_tokens"] = max(floor - len(ids), 0)
     if call.request.injected.experts:
         body["return_routed_experts"] = True
     if call.request.injected.logprobs or payload.get("logprobs"):

@@ -23,7 +23,9 @@ TOKENS = len(CONTENT) + 1  # one byte token each, then the end of the turn
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 5,
             "stop": ["zzz"], "stop_token_ids": [3], "presence_penalty": 0.1,
             "frequency_penalty": 0.2, "repetition_penalty": 1.05, "ignore_eos": False,
-            "skip_special_tokens": True, "spaces_between_special_tokens": False}
+            "skip_special_tokens": True, "spaces_between_special_tokens": False,
+            "logit_bias": {"300": -1}, "bad_words": ["zebra"], "allowed_token_ids": None,
+            "include_stop_str_in_output": False}
 
 
 @pytest.fixture
@@ -95,20 +97,21 @@ def test_usage_after_a_continuation_counts_each_id_once(proxy, bodies):
 
 def test_the_continuation_body_field_by_field(proxy, bodies):
     chunks = _cut(proxy, "b", max_tokens=200, logprobs=True, top_logprobs=2,
-                  extra_body=SAMPLING)
+                  extra_body={**SAMPLING, "min_tokens": 40})
     assert _text(chunks) == CONTENT
     [call] = proxy.calls("b")
     first, continued, cut = _split(bodies, call)
     assert first == {"model": "mock-model", "messages": MESSAGES, "max_tokens": 200,
                      "stream": True, "logprobs": True, "top_logprobs": 2,
                      "mock_content": CONTENT, "mock_chunk_delay_s": 0.03, **SAMPLING,
-                     "stream_options": {"include_usage": True}, "return_token_ids": True}
+                     "min_tokens": 40, "stream_options": {"include_usage": True}, "return_token_ids": True}
     assert continued == {
         "model": "mock-model", **SAMPLING,
         "mock_content": CONTENT, "mock_chunk_delay_s": 0.03,
         "prompt": continued["prompt"],  # checked in _split: the prompt ids + the partial
         "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
         "max_tokens": 200 - cut,  # what is left of the cap
+        "min_tokens": 40 - cut,  # and of the floor
         "logprobs": 2,  # the client's top_logprobs, as completions spell it
     }
     # The client's logprobs: one entry per token, with its 2 alternatives, all along.
@@ -145,9 +148,21 @@ def test_a_request_with_tools_is_never_continued(proxy, bodies):
     assert call["choices"][0]["completion_ids"] == [*CONTENT.encode(), EOS]
 
 
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"guided_regex": ".*"}, {"structured_outputs": {"regex": ".*"}},
+])
+def test_structured_output_is_never_continued(proxy, bodies, constraint):
+    """A token-id prompt would start the grammar again at the cut."""
+    chunks = _cut(proxy, "s", max_tokens=200, extra_body=constraint)
+    assert _text(chunks) == CONTENT
+    assert [p for p, _ in bodies] == ["/v1/chat/completions"]  # finished, not cut
+
+
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "100"), ("max_tokens", 12.5), ("max_tokens", -1), ("max_tokens", True),
     ("max_completion_tokens", "100"), ("max_completion_tokens", [1]), ("n", "1"),
+    ("min_tokens", "4"),
     ("top_logprobs", "2"),
 ])
 def test_a_bad_typed_field_the_continuation_reads_is_refused_at_parse_time(

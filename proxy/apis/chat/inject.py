@@ -21,7 +21,7 @@ TOKEN_ID_FLAVORS = ("vllm", "sglang")
 _PROMPT_ECHOES = ("echo", "prompt_logprobs")
 # Counts the proxy reads itself (budgets reserve by the cap; a weight sync's continuation
 # sends what is left of it): integers or a 400 now, never a failure mid-stream later.
-_COUNTS = ("max_tokens", "max_completion_tokens", "n")
+_COUNTS = ("max_tokens", "max_completion_tokens", "min_tokens", "n")
 
 
 def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
