@@ -10,13 +10,17 @@ Every request runs against a logging upstream that records the bodies it receive
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pyarrow.parquet as pq
 import pytest
+from aiohttp import web
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.exporters import export
 from tracetap.proxy.settings import Settings
 
@@ -83,16 +87,23 @@ def test_chat_with_ids_and_logprobs_switched_off_trains_only_sampled_tokens(
         out = client.chat.completions.create(
             model="mock-model", messages=[{"role": "user", "content": PROMPT}],
             max_tokens=SAMPLED, logprobs=False, stream=stream,
+            **({"stream_options": {"include_usage": False}} if stream else {}),
             extra_body={"return_token_ids": False, "mock_content": "abcdefgh" * 3})
         if stream:
             chunks = list(out)
             assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
             assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks)
+            assert all(getattr(c.choices[0], "token_ids", None) is None
+                       for c in chunks if c.choices)
+            assert all(c.usage is None for c in chunks)
         else:
             assert out.choices[0].logprobs is None
             assert getattr(out, "prompt_token_ids", None) is None
     [(_, sent)] = bodies
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
+    if stream:  # the usage the budget settles on, asked for over the client's false
+        assert sent["stream_options"] == {"include_usage": True}
+        assert hostile.calls("e2")[0]["completion_tokens"] == SAMPLED
     rows = _trained(hostile, tmp_path, "e2")
     assert [sum(r["response_mask"]) for r in rows] == [SAMPLED]
     assert bytes(rows[0]["response_ids"][-SAMPLED:]) == b"abcdefgh"
@@ -123,3 +134,40 @@ def test_echo_false_and_null_prompt_logprobs_are_plain_calls(hostile, bodies):
                                           echo=False, extra_body={"prompt_logprobs": None})
     assert not reply.choices[0].text.startswith(PROMPT)
     assert len(bodies) == 1
+
+
+@pytest.fixture
+def echoing(loop_thread, serve_app, tmp_path, migrated_sqlite):
+    """A proxy in front of an engine that echoes the prompt whatever it is asked (a
+    server-side default the proxy cannot see), reporting no ids: what comes back has more
+    token strings than the engine's usage says it sampled."""
+
+    @web.middleware
+    async def echo(request, handler):
+        if request.path == "/v1/completions":
+            body = json.loads(await request.read())
+            body.pop("return_token_ids", None)
+            request._read_bytes = json.dumps({**body, "echo": True}).encode()
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig(flavor="vllm"))
+    app.middlewares.append(echo)
+    settings = Settings(upstream=serve_app(app) + "/v1", db=migrated_sqlite(tmp_path / "e.db"),
+                        data_dir=str(tmp_path / "echo"), port=free_port(),
+                        upstream_flavor="vllm")
+    proxy = Proxy(loop_thread, settings).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_token_strings_beyond_what_the_engine_sampled_are_never_trained(echoing, tmp_path):
+    with _client(echoing, "e5") as client:
+        reply = client.completions.create(model="mock-model", prompt=PROMPT,
+                                          max_tokens=SAMPLED)
+    assert reply.usage.completion_tokens == SAMPLED
+    assert reply.choices[0].text.startswith(PROMPT)  # the engine did echo
+    [call] = echoing.calls("e5")
+    [choice] = call["choices"]
+    assert choice["completion_ids"] is None and call["ids_missing"] == "unverified"
+    # Left out of training rather than trained as 68 sampled tokens.
+    assert _trained(echoing, tmp_path, "e5") == []
