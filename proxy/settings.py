@@ -8,7 +8,6 @@ from pathlib import Path
 
 import msgspec
 
-from tracetap.proxy.apis.fields import check_name
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.model_map import ModelMap
@@ -144,8 +143,9 @@ class Settings(msgspec.Struct, kw_only=True):
     def _check_behaviour(self) -> None:
         """What the proxy does to calls: paths, models, translation, overlays, budgets."""
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
-        for name in self.allow_request_field:
-            check_name(name)
+        for name in self.allow_request_field:  # proxy.apis.fields lets them through
+            if not name or not all(c.isalnum() or c in "_-." for c in name):
+                raise ValueError(f"--allow-request-field {name!r}: give a request field's name")
         ModelMap(self.model_map)
         parse_translate(self.translate)
         parse_specs(self.overlay)
