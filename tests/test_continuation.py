@@ -15,6 +15,7 @@ from helpers.servers import Proxy
 
 from tracetap.demo.tokenizer import EOS
 from tracetap.proxy.settings import Settings
+from tracetap.storage import budget_ledger
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
@@ -32,7 +33,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed"
 def proxy(loop_thread, recording_engine, tmp_path, migrated_sqlite):
     settings = Settings(upstream=recording_engine, upstream_flavor="vllm",
                         db=migrated_sqlite(tmp_path / "c.db"), data_dir=str(tmp_path / "d"),
-                        port=free_port())
+                        port=free_port(), episode_max_tokens=1_000_000)  # a ledger row each
     proxy = Proxy(loop_thread, settings).start()
     assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
     yield proxy
@@ -92,6 +93,9 @@ def test_usage_after_a_continuation_counts_each_id_once(proxy, bodies):
     assert usage.total_tokens == usage.prompt_tokens + TOKENS
     metrics = proxy.state.metrics.render().decode()
     assert f'tracetap_tokens_total{{model="mock-model",type="completion"}} {TOKENS}.0' in metrics
+    proxy.loop.run(proxy.state.budgets.settled())
+    spent = proxy.loop.run(budget_ledger.spent(proxy.state.engine, "u"))
+    assert (spent.tokens_used, spent.tokens_reserved) == (call["prompt_tokens"] + TOKENS, 0)
     _split(bodies, call)
 
 
@@ -104,7 +108,8 @@ def test_the_continuation_body_field_by_field(proxy, bodies):
     assert first == {"model": "mock-model", "messages": MESSAGES, "max_tokens": 200,
                      "stream": True, "logprobs": True, "top_logprobs": 2,
                      "mock_content": CONTENT, "mock_chunk_delay_s": 0.03, **SAMPLING,
-                     "min_tokens": 40, "stream_options": {"include_usage": True}, "return_token_ids": True}
+                     "min_tokens": 40, "stream_options": {"include_usage": True},
+                     "return_token_ids": True}
     assert continued == {
         "model": "mock-model", **SAMPLING,
         "mock_content": CONTENT, "mock_chunk_delay_s": 0.03,
