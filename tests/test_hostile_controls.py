@@ -196,3 +196,27 @@ def test_allow_request_field_flag_and_environment():
     assert out.strip() == "['lora_request']"
     with pytest.raises(ValueError, match="--allow-request-field"):
         Settings(upstream=["http://127.0.0.1:9"], allow_request_field=["a b"])
+
+
+def test_docs_list_exactly_the_fields_that_reach_the_engine():
+    """docs/apis.md's allowlist table and its list of named controls are the code's."""
+    from pathlib import Path
+
+    from tracetap.proxy.apis import fields
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "apis.md").read_text()
+    section = page[page.index("## What the agent can ask of the engine"):]
+    rows = {cells[1].strip(): set(re.findall(r"`([a-z_]+)`", cells[2]))
+            for cells in (line.split("|") for line in section.splitlines())
+            if len(cells) > 3 and cells[1].strip() in (
+                "chat completions", "completions", "Responses (native)",
+                "Messages (native, `--translate none`)",
+                "engine sampling fields (chat and completions)")}
+    engine = rows.pop("engine sampling fields (chat and completions)")
+    assert rows["chat completions"] | engine == fields.ALLOWED["chat.completions"]
+    assert rows["completions"] | engine == fields.ALLOWED["completions"]
+    assert rows["Responses (native)"] == fields.ALLOWED["responses"]
+    assert rows["Messages (native, `--translate none`)"] == fields.ALLOWED["messages"]
+    named = section[section.index("Engine controls named"):]
+    assert set(re.findall(r"`([a-z_]+)`", named.split("The operator")[0])) == (
+        fields.CONTROLS - {fields.OTHER})

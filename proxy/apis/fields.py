@@ -5,7 +5,7 @@ rather than the sample (scheduling priority, request ids, KV-transfer peers, LoR
 serialized logit processors, hidden states, engine-specific extra args) is something it
 could learn to use. Per wire API spoken to the upstream, only the documented
 sampling/chat fields below go through; every other top-level field is dropped before the
-request is sent, and counted in ``tracetap_request_fields_dropped_total{api,field}``
+request is sent, and counted in ``tracetap_request_fields_dropped_total{route,field}``
 (the names in ``CONTROLS``; anything else counts as ``other``, so the label set stays
 small). The operator lets a field through by name (``serve --allow-request-field NAME``).
 Fields named ``mock_*`` (the demo engine's fault injection, read by no real engine) go
@@ -107,4 +107,3 @@ def _remove(payload: dict[str, Any], keys: list[str]) -> dict[str, int]:
         name = key if key in CONTROLS else OTHER
         dropped[name] = dropped.get(name, 0) + 1
     return dropped
-
