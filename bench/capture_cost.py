@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.fields import RequestFields  # noqa: E402
 from tracetap.proxy.apis.routing import Routing  # noqa: E402
 from tracetap.proxy.call.driver import ModelCall  # noqa: E402
 from tracetap.proxy.call.record import call_outcome, call_record  # noqa: E402
@@ -63,6 +64,7 @@ def _state() -> SimpleNamespace:
         repair=Repair(False),
         routing=Routing("auto", native={}),
         prompt_prefixes=PromptPrefixes(),
+        request_fields=RequestFields(),
         routed_experts=False,
         submit=lambda record: None,
     )  # journaling is a step of its own

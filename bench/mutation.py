@@ -114,7 +114,12 @@ MODULES = {
     # Its help is the documented reference (docs/reference.md, generated from it).
     "storage/quarantine_command.py": [*_QUARANTINE, _REFERENCE],
     "storage/retention.py": ["tests/test_prune.py", "tests/test_prune_blocks.py"],
-    "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py"],
+    "proxy/apis/chat/inject.py": ["tests/test_inject.py", "tests/test_relay.py",
+                                  "tests/test_hostile_tokens.py"],
+    # A weight sync's continuation: its upstream body field by field, usage = ids.
+    "proxy/call/continuation.py": ["tests/test_continuation.py", "tests/test_weight_sync.py"],
+    # What of a request reaches the engine: the body the recording engine got, per API.
+    "proxy/apis/fields.py": ["tests/test_hostile_controls.py"],
     "proxy/episodes/tagging.py": ["tests/test_keys.py", "tests/test_security.py"],
     # One call's capture and the relay: journaled before [DONE], the client's bytes.
     "proxy/call/driver.py": _CAPTURE,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -53,6 +54,7 @@ class ChatRequest(EngineRequest, kw_only=True):
 class CompletionRequest(EngineRequest, kw_only=True):
     prompt: Any
     logprobs: int | None = None
+    echo: bool | None = None  # the prompt sent back before the answer, as vLLM does
 
 
 # What the real OpenAI API accepts; anything else is "Unrecognized request argument".
@@ -300,6 +302,8 @@ def _text_choice(
     last = events[-1] is c.events[-1]
     text = "".join(e.text for e in events)
     logprobs = completion_logprobs(shape, c, start, ids)
+    if prompt is not None and getattr(shape.req, "echo", None):
+        text, logprobs = _echoed(shape, prompt, text, logprobs)
     choice = {"index": index, "text": text, "logprobs": logprobs}
     choice["finish_reason"] = c.finish_reason if last else None
     if shape.vllm:
@@ -311,6 +315,25 @@ def _text_choice(
     elif shape.want_ids:
         choice |= ({"prompt_token_ids": prompt} if prompt is not None else {}) | {"token_ids": ids}
     return choice
+
+
+def _echoed(shape: Shape, prompt: list[int], text: str,
+            logprobs: dict | None) -> tuple[str, dict | None]:
+    """``echo``: vLLM puts the prompt before the answer, in the text and in the logprob
+    entries (the first prompt token has no logprob: null)."""
+    tokens = [shape.token_text(t) for t in prompt]
+    text = "".join(tokens) + text
+    if logprobs is None:
+        return text, None
+    values = [None, *(-0.5 for _ in prompt[1:])]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    shift = sum(len(t) for t in tokens)
+    return text, {
+        "text_offset": offsets + [o + shift for o in logprobs["text_offset"]],
+        "token_logprobs": values + logprobs["token_logprobs"],
+        "tokens": tokens + logprobs["tokens"],
+        "top_logprobs": [None, *({t: -0.5} for t in tokens[1:])] + logprobs["top_logprobs"],
+    }
 
 
 def completion_body(shape: Shape, results: list[tuple[list[int], Completion]], prompt_tokens: int):

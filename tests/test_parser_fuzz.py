@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.apis.fields import RequestFields
 from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.call.driver import ModelCall
 from tracetap.proxy.episodes.model_map import ModelMap
@@ -22,7 +23,7 @@ from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 
 _STATE = SimpleNamespace(flavor="vllm", model_map=ModelMap(), repair=Repair(False),
                          routing=Routing("auto", native={}), prompt_prefixes=PromptPrefixes(),
-                         routed_experts=False)
+                         request_fields=RequestFields(), routed_experts=False)
 _CHAT_ROUTE = Routing("auto", native={}).route("/v1/chat/completions", "vllm")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

@@ -9,8 +9,8 @@ Handlers and ``ModelCall`` never branch on the API. ``routing`` says which API (
 or translated) captures a path.
 
 Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `registry` (the
-APIs, one line each), `routing`, `dropped`, `translate_errors`, `wire_out`,
-`reasoning_options`.
+APIs, one line each), `routing`, `fields` (what may reach the engine), `dropped`,
+`translate_errors`, `wire_out`, `reasoning_options`.
 May import: `http`.
 """
 

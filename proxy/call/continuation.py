@@ -19,7 +19,8 @@ answer:
 
 A stream that cannot be continued exactly (a request with tools, whose calls the
 engine's tool parser turns into ``tool_calls`` that a raw continuation would not parse;
-reasoning text; ``n`` > 1; an engine without ids; nothing sampled yet) is not cut: its
+structured output, whose grammar would start again at the cut; reasoning text; ``n`` > 1;
+an engine without ids; nothing sampled yet) is not cut: its
 client may hold part of the answer, which a retry could not match. It finishes on the
 old weights as a drain-mode pause would let it, and proxy.policy.versions marks its tokens.
 """
@@ -49,7 +50,11 @@ COMPLETIONS_PATH = "/v1/completions"
 # Request fields a continuation keeps: sampling, and the mock engine's own controls.
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
              "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+             "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+             "logit_bias", "bad_words", "allowed_token_ids", "include_stop_str_in_output")
+# Constraints a token-id prompt cannot resume mid-way (the grammar would start again).
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "regex", "ebnf", "json_schema")
 Send = Callable[[str, bytes], Awaitable[Reply]]  # (upstream path, body) → the reply
 
 
@@ -81,7 +86,10 @@ def continuable(call: ModelCall) -> bool:
     capture = call.capture
     if not call.api.continuable or not isinstance(capture, Capture):
         return False
-    if call.request.payload.get("tools") or (call.request.payload.get("n") or 1) != 1:
+    payload = call.request.payload
+    if payload.get("tools") or (payload.get("n") or 1) != 1:
+        return False
+    if any(payload.get(k) not in (None, {"type": "text"}) for k in _STRUCTURED):
         return False
     return capture.continuable()
 
@@ -200,6 +208,10 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
     """The continuation's events, rewritten as chat chunks of the cut reply."""
     capture: Capture = call.capture
     [choice] = capture.choices()
+    # Counted now: the choice's ids are the capture's own list, which the continuation's
+    # events go on extending (read later, the usage would count the cut's tokens twice).
+    partial = len(choice.completion_ids or ())
+    top = call.request.injected.client_top_logprobs
     reply = await send(COMPLETIONS_PATH, msgspec.json.encode(_request(call, choice)))
     call.replied(call.upstream_url or "", reply.status)
     if reply.status != 200:
@@ -209,7 +221,7 @@ async def _continued(call: ModelCall, send: Send) -> AsyncIterator[bytes]:
     try:
         async for data in reply.iter_chunks():
             for event in parser.feed(data):
-                out = _chat_event(capture, event.data, len(choice.completion_ids or ()))
+                out = _chat_event(capture, event.data, partial, top)
                 if out:
                     yield out
     finally:
@@ -226,6 +238,9 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     cap = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if cap is not None:
         body["max_tokens"] = max(cap - len(ids), 1)
+    floor = payload.get("min_tokens")
+    if type(floor) is int and floor > 0:  # what is left of the floor, as of the cap
+        body["min_tokens"] = max(floor - len(ids), 0)
     if call.request.injected.experts:
         body["return_routed_experts"] = True
     if call.request.injected.logprobs or payload.get("logprobs"):
@@ -233,7 +248,7 @@ def _request(call: ModelCall, choice: Any) -> dict[str, Any]:
     return body
 
 
-def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
+def _chat_event(capture: Capture, data: bytes | None, partial: int, top: int) -> bytes:
     """One completions SSE event as the chat chunk the cut stream would have sent."""
     if not data:
         return b""
@@ -249,7 +264,7 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
     chunk = {"id": capture.response_id, "object": "chat.completion.chunk",
              "created": capture.created, "model": capture.model, "choices": []}
     for c in body.get("choices") or ():
-        chunk["choices"].append(_chat_choice(c))
+        chunk["choices"].append(_chat_choice(c, top))
     usage = body.get("usage")
     if usage:
         completion = (usage.get("completion_tokens") or 0) + partial
@@ -259,7 +274,7 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int) -> bytes:
     return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
-def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
+def _chat_choice(c: dict[str, Any], k: int) -> dict[str, Any]:
     out: dict[str, Any] = {"index": 0, "delta": {"content": c.get("text") or ""},
                            "finish_reason": c.get("finish_reason")}
     lp = c.get("logprobs")
@@ -267,7 +282,7 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
         out["logprobs"] = {"content": [
             {"token": t, "logprob": v,
-             "top_logprobs": [{"token": k, "logprob": x} for k, x in (top or {}).items()]}
+             "top_logprobs": _top(top, k)}
             for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops,
                                  strict=False)]}
     else:
@@ -277,3 +292,10 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
     if c.get("routed_experts") is not None:
         out["routed_experts"] = c["routed_experts"]
     return out
+
+
+def _top(top: dict[str, float] | None, k: int) -> list[dict[str, Any]]:
+    """A completions entry's alternatives (the sampled token plus the top k, vLLM's
+    legacy shape) as chat's: the k most likely, as the cut stream gave them."""
+    best = sorted((top or {}).items(), key=lambda item: -item[1])[:k]
+    return [{"token": token, "logprob": value} for token, value in best]

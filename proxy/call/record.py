@@ -23,7 +23,8 @@ def call_outcome(call: ModelCall, elapsed: float) -> CallOutcome:
         route=call.label, stream=call.stream, http_status=call.http_status or 0,
         client_gone=call.status == "client_disconnected", elapsed=elapsed,
         upstream_latency=timings.upstream_latency, overhead=timings.overhead(elapsed),
-        ttft=timings.ttft, dropped=call.request.dropped.counts, capture=call.capture)
+        ttft=timings.ttft, dropped=call.request.dropped.counts,
+        fields_dropped=call.request.fields_dropped, capture=call.capture)
 
 
 def call_record(call: ModelCall) -> CallRecord:

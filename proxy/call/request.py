@@ -1,9 +1,10 @@
 """One model call's request: as the client sent it, and as it goes to the upstream.
 
 ``CallRequest`` is the request side of a call: ``decode`` (validation), then ``prepare``
-(the model map, translation to chat with its drops counted, history repair and the
-API's additions for logprobs / ids / usage) once ``ModelCall`` has chosen the route
-(``--translate auto``). Only ``ModelCall`` calls its methods; everything else reads.
+(the model map, translation to chat with its drops counted, history repair, the engine
+controls dropped (proxy.apis.fields) and the API's additions for logprobs / ids /
+usage) once ``ModelCall`` has chosen the route (``--translate auto``). Only
+``ModelCall`` calls its methods; everything else reads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class CallRequest:
         "client_payload",
         "dropped",
         "experts",
+        "fields_dropped",
         "harness_messages",
         "injected",
         "model",
@@ -43,6 +45,7 @@ class CallRequest:
         self.payload: dict[str, Any] = {}  # as sent upstream
         self.client_payload: dict[str, Any] = {}  # as the client sent it, when translated
         self.dropped = Dropped()  # what translation left out of the client's request
+        self.fields_dropped: dict[str, int] = {}  # engine controls kept from the engine
         self.upstream_request: bytes | None = None  # the engine's view, when not the client's
         self.harness_messages: list[dict[str, Any]] | None = None  # before an overlay's additions
         self.repaired = False  # the model's own turns put back (proxy.episodes.repair)
@@ -91,7 +94,11 @@ class CallRequest:
         body = self.body
         rewritten = services.model_map.apply(payload)
         translation = route.translation
+        fields = services.request_fields
         if translation is not None:
+            # Translation builds the chat body from the fields it maps (and counts the
+            # rest): the engine controls among them are named in the same count as native.
+            self.fields_dropped = fields.drop_controls(payload)
             self.client_payload = payload
             try:
                 payload = translation.to_chat(payload, dropped=self.dropped,
@@ -100,13 +107,17 @@ class CallRequest:
                 raise translation.untranslatable(exc) from exc
             rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.speaks_chat, payload)
+        # Before capture's additions: what the agent sent that is not a sampling field.
+        for name, n in fields.drop(route.api.endpoint, payload).items():
+            self.fields_dropped[name] = self.fields_dropped.get(name, 0) + n
         self.payload = payload
         model = payload.get("model")
         self.model = model if isinstance(model, str) else None
         self.injected = route.api.prepare(payload, services.flavor)
         self.experts = experts.ask(self, route.api, services.routed_experts)
-        if self.injected.any or rewritten or self.repaired:
+        changed = rewritten or self.repaired or bool(self.fields_dropped)
+        if self.injected.any or changed:
             body = encode(payload)
-        if translation is not None or self.repaired:
+        if translation is not None or self.repaired or self.fields_dropped:
             self.upstream_request = body  # stored beside the client's request
         return body

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from tracetap.proxy.apis.fields import RequestFields
     from tracetap.proxy.apis.routing import Routing
     from tracetap.proxy.episodes.arrivals import Arrivals
     from tracetap.proxy.episodes.budgets import Budgets
@@ -39,6 +40,7 @@ class CallServices(Protocol):
     controls: Controls  # the policy version
     routing: Routing  # --translate auto's choice per request
     model_map: ModelMap
+    request_fields: RequestFields  # what of a request may reach the engine
     repair: Repair  # history repair, and its memory of replies
     prompt_prefixes: PromptPrefixes  # prompt ids decoded in their new tokens only
     metrics: Metrics

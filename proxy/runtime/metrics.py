@@ -53,6 +53,7 @@ class CallOutcome(msgspec.Struct, frozen=True):
     overhead: float
     ttft: float | None
     dropped: dict[str, int]  # translation's left-out fields, by name
+    fields_dropped: dict[str, int]  # request fields kept from the engine, by name
     capture: Reassembly
 # Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
 _COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key"})
@@ -117,6 +118,11 @@ class Metrics(WriterObserver):
             "tracetap_translation_dropped_total",
             "Request fields and blocks translation to chat left out, by client API and field "
             "(a fixed set of names; others count as 'other')", ["api", "field"], registry=r)
+        self.request_fields_dropped = Counter(
+            "tracetap_request_fields_dropped_total",
+            "Request fields kept from the engine (engine controls, anything off the API's "
+            "allowlist), by route and field (a fixed set of names; others count as 'other')",
+            ["route", "field"], registry=r)
         self.unknown_events = Counter("tracetap_unknown_stream_events_total",
                                       "Stream events of a type capture does not know, relayed "
                                       "untouched", ["route"], registry=r)
@@ -241,6 +247,8 @@ class Metrics(WriterObserver):
             child(self.ttft, route).observe(call.ttft)
         for field, n in call.dropped.items():
             child(self.translation_dropped, route, field).inc(n)
+        for field, n in call.fields_dropped.items():
+            child(self.request_fields_dropped, route, field).inc(n)
         capture = call.capture
         if capture.logprobs_missing:
             self.logprobs_missing.inc(capture.logprobs_missing)

@@ -56,6 +56,7 @@ class Settings(msgspec.Struct, kw_only=True):
     public_url: str | None = None
     pause_timeout: float = 120.0
     allow_path: list[str] = []
+    allow_request_field: list[str] = []  # engine fields agents may send (proxy.apis.fields)
     admin_port: int | None = None
     admin_socket: str | None = None
     episode_max_calls: int | None = None
@@ -142,6 +143,9 @@ class Settings(msgspec.Struct, kw_only=True):
     def _check_behaviour(self) -> None:
         """What the proxy does to calls: paths, models, translation, overlays, budgets."""
         Exposure(self.allow_path, exposed_paths())  # fail at start on a bad --allow-path
+        for name in self.allow_request_field:  # proxy.apis.fields lets them through
+            if not name or not all(c.isalnum() or c in "_-." for c in name):
+                raise ValueError(f"--allow-request-field {name!r}: give a request field's name")
         ModelMap(self.model_map)
         parse_translate(self.translate)
         parse_specs(self.overlay)
@@ -274,6 +278,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--allow-path", action="append", default=None, metavar="RULE",
       help="also expose '/path', '/prefix/*' or 'METHOD /path' to agents (repeatable; "
            "TRACETAP_ALLOW_PATH takes a comma-separated list)")
+    a("--allow-request-field", action="append", default=None, metavar="NAME",
+      help="let agents send this request field to the engine although it is not a "
+           "sampling field of its API (docs/apis.md: e.g. priority); repeatable; "
+           "TRACETAP_ALLOW_REQUEST_FIELD takes a comma-separated list")
     a("--translate", default=_env("translate", d.translate),
       help="which client APIs to translate to chat completions upstream: auto (Messages "
            "always, Responses unless the upstream is vLLM), none, all, or a list such as "
@@ -345,6 +353,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--upstream (or TRACETAP_UPSTREAM) is required")
     if args.allow_path is None:
         args.allow_path = config.env_list("allow_path")
+    if args.allow_request_field is None:
+        args.allow_request_field = config.env_list("allow_request_field")
     if args.model_map is None:
         args.model_map = config.env_list("model_map")
     if args.overlay is None:

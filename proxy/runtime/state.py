@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.proxy.apis.fields import RequestFields
 from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.episodes.arrivals import Arrivals
 from tracetap.proxy.episodes.budgets import Budgets
@@ -52,6 +53,7 @@ class ProxyState:
     failures: Failures
     repair: Repair
     model_map: ModelMap
+    request_fields: RequestFields
     overlays: Overlays
     routing: Routing
     instance: str

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tracetap.proxy.admin.token import ensure_admin_token
+from tracetap.proxy.apis.fields import RequestFields
 from tracetap.proxy.apis.registry import exposed_paths
 from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.episodes.arrivals import Arrivals
@@ -87,6 +88,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         failures=Failures(metrics.internal_errors),
         repair=Repair(settings.repair_history, metrics.repaired),
         model_map=ModelMap(settings.model_map),
+        request_fields=RequestFields(settings.allow_request_field),
         overlays=Overlays(overlays, fail=settings.overlay_fail,
                           timeout=settings.overlay_timeout,
                           max_resamples=settings.overlay_max_resamples, metrics=metrics,

@@ -132,7 +132,7 @@ class TokenResolver:
                     prompt = None
                     if not has_prompt_ids(record):
                         prompt = await self._prompt(record, tokenizer)
-                    completions = [await _completion(c, tokenizer)
+                    completions = [await _completion(c, tokenizer, record.completion_tokens)
                                    if c.completion_ids is None and (c.token_strs or c.text)
                                    else None for c in record.choices]
             if not quiet and hold:
@@ -171,7 +171,8 @@ class TokenResolver:
         for choice in record.choices:
             completion = None
             if choice.completion_ids is None and (choice.token_strs or choice.text):
-                completion = await asyncio.to_thread(_local_completion, choice, local)
+                completion = await asyncio.to_thread(_local_completion, choice, local,
+                                                     record.completion_tokens)
             completions.append(completion)
         return prompt, completions
 
@@ -273,28 +274,37 @@ def _keep_prompt(record: CallRecord, ids: list[int], source: str) -> str | None:
     return None
 
 
-def _local_completion(choice: ChoiceRecord, local: LocalTokenizer) -> str | None:
+def _local_completion(choice: ChoiceRecord, local: LocalTokenizer,
+                      sampled: int | None) -> str | None:
     strs = choice.token_strs
     if not strs:
         return "no_token_strings"
-    if any("\ufffd" in s for s in strs):
+    if _unverifiable(strs, sampled):
         return "unverified"
     return _accept(choice, local.pieces("".join(strs)), "local_tokenizer")
 
 
-async def _completion(choice: ChoiceRecord, tokenizer: EngineTokenizer | None) -> str | None:
+async def _completion(choice: ChoiceRecord, tokenizer: EngineTokenizer | None,
+                      sampled: int | None) -> str | None:
     if tokenizer is None:
         return "no_tokenizer"
     strs = choice.token_strs
     if not strs:
         return "no_token_strings"
-    if any("\ufffd" in s for s in strs):
+    if _unverifiable(strs, sampled):
         return "unverified"
     try:
         pieces = await tokenizer.pieces("".join(strs))
     except TokenizeFailed:
         return "tokenize_failed"
     return _accept(choice, pieces, "verified_retokenized")
+
+
+def _unverifiable(strs: list[str], sampled: int | None) -> bool:
+    """Strings that cannot be the engine's own sampled tokens: one it could not show
+    (U+FFFD), or more of them than the engine reports sampling for the call (``usage``:
+    such strings hold something else, e.g. an echoed prompt)."""
+    return (sampled is not None and len(strs) > sampled) or any("\ufffd" in s for s in strs)
 
 
 def _accept(choice: ChoiceRecord, pieces: list[tuple[int, bytes | None]],

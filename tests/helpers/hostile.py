@@ -52,6 +52,28 @@ def hostile(loop_thread, upstream, tmp_path, migrated_sqlite):
     proxy.stop()
 
 
+@pytest.fixture
+def bodies() -> list[tuple[str, dict]]:
+    """(path, JSON body) of every model request the recording engine received."""
+    return []
+
+
+@pytest.fixture
+def recording_engine(serve_app, bodies) -> str:
+    """The mock vLLM engine, recording the body of every model request in ``bodies``
+    (the proxy's own /tokenize asks are left out); its /v1 base URL."""
+
+    @web.middleware
+    async def record(request, handler):
+        if request.method == "POST" and request.path.startswith("/v1/"):
+            bodies.append((request.path, json.loads(await request.read())))
+        return await handler(request)
+
+    app = make_engine_app(EngineConfig(flavor="vllm"))
+    app.middlewares.append(record)
+    return serve_app(app) + "/v1"
+
+
 def raw_request(proxy, method: str, path: str, headers: dict | None = None,
                 body: bytes | None = None) -> tuple[int, dict]:
     """The exact bytes of the path and headers on the wire: no client normalises them

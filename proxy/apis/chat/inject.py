@@ -12,13 +12,27 @@ import msgspec
 
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT
-from tracetap.proxy.http.errors import bad_request
+from tracetap.proxy.http.errors import ProxyError, bad_request
 
 TOKEN_ID_FLAVORS = ("vllm", "sglang")
+# Fields that put the prompt in the reply as if sampled (completions' and vLLM chat's
+# ``echo``; vLLM's ``prompt_logprobs``): refused, so the agent's own text can never come
+# back as completion tokens (docs/apis.md).
+_PROMPT_ECHOES = ("echo", "prompt_logprobs")
+# Counts the proxy reads itself (budgets reserve by the cap; a weight sync's continuation
+# sends what is left of it): integers or a 400 now, never a failure mid-stream later.
+_COUNTS = ("max_tokens", "max_completion_tokens", "min_tokens", "n")
 
 
 def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
-    """Add capture parameters to ``body`` in place; return what was added."""
+    """Add capture parameters to ``body`` in place; return what was added.
+
+    The proxy, not the client, decides what the engine reports: ids, logprobs and usage
+    are asked whatever the request said (``false`` included) and taken out again of the
+    client's reply when it did not ask for them itself."""
+    _refuse_echo(body)
+    for key in _COUNTS:
+        count_field(body, key)
     injected = Injected()
     if endpoint == CHAT:
         logprobs = body.get("logprobs")
@@ -43,10 +57,19 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                       "include_usage": True}
             injected.usage = True
-    if flavor in TOKEN_ID_FLAVORS and "return_token_ids" not in body:
-        body["return_token_ids"] = True
+    if flavor in TOKEN_ID_FLAVORS and body.get("return_token_ids") is not True:
+        body["return_token_ids"] = True  # also over the client's false: ids are not optional
         injected.token_ids = True
     return injected
+
+
+def _refuse_echo(body: dict[str, Any]) -> None:
+    """A 400 for a request that asks for its prompt back (set to anything but off)."""
+    for key in _PROMPT_ECHOES:
+        value = body.get(key)
+        if value is not None and value is not False:
+            raise ProxyError(400, f"{key} is not supported: the prompt is never returned as "
+                             "completion tokens", code="unsupported_parameter", param=key)
 
 
 def count_field(body: dict[str, Any], key: str) -> int:
