@@ -1,0 +1,208 @@
+"""A runtime patch tries, from inside its worker, what an attacker would (docs/overlays.md,
+"What a patch can reach"): steal the admin token, the data dir or the database, kill or
+lock up the proxy, make files, look at the proxy's sockets. Against ``tracetap serve`` as
+a real process (the worker's parent), through the admin API and the real openai SDK: the
+patch reports what it got as its ``after_model`` rewrite, so the test reads exactly what
+an agent would have received."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+import urllib.request
+
+import openai
+import pytest
+from helpers.http import register
+
+from tracetap.migrations import upgrade
+
+# Each try is an expression; the patch records "ok: <value>" or the exception's type.
+SPY = '''
+import json, os
+got = {}
+
+def attempt(name, thunk):
+    try:
+        value = thunk()
+        got[name] = "ok: " + (value if isinstance(value, str) else repr(value))[:2000]
+    except BaseException as exc:
+        got[name] = type(exc).__name__
+
+def descriptors():
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            pass  # the listing's own, closed by now
+    return out
+
+%s
+
+async def after_model(reply, state):
+    return Rewrite(content=json.dumps(got), reason="spy")
+'''
+
+
+def spy(tries: dict[str, str]) -> str:
+    lines = "\n".join(f"attempt({name!r}, lambda: {code})" for name, code in tries.items())
+    return SPY % lines
+
+
+@pytest.fixture
+def served(run_proxy, engine, tmp_path):
+    db = tmp_path / "tracetap.db"
+    url = f"sqlite:///{db}"
+    upgrade(url)
+    return run_proxy(engine.url, url), db
+
+
+def install(proxy, name: str, source: str) -> tuple[int, dict]:
+    return proxy.admin("PUT", f"/tracetap/overlays/{name}", {"source": source})
+
+
+def said(proxy, name: str) -> dict[str, str]:
+    """Install the spy, run one call of an episode under it, and read what it reported."""
+    status, reply = install(proxy, name, spy(TRIES[name](proxy)))
+    assert status == 201, reply
+    register(proxy, f"e-{name}", overlay=name)
+    with openai.OpenAI(base_url=proxy.episode_url(f"e-{name}"), api_key="unused",
+                       max_retries=0) as sdk:
+        content = sdk.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hi"}]
+        ).choices[0].message.content
+    return json.loads(content)
+
+
+def _secrets(proxy) -> dict[str, str]:
+    data = proxy.args[proxy.args.index("--data-dir") + 1]
+    db = proxy.args[proxy.args.index("--db") + 1].removeprefix("sqlite:///")
+    return {"pid": str(proxy.process.pid), "data": data, "db": db,
+            "port": f":{proxy.port:04X}"}
+
+
+TRIES = {
+    "files": lambda p: {
+        "token": f"open({_secrets(p)['data'] + '/admin-token'!r}).read()",
+        "data_dir": f"os.listdir({_secrets(p)['data']!r})",
+        "database": f"open({_secrets(p)['db']!r}, 'rb').read(64).decode('latin-1')",
+        "cmdline": f"open('/proc/{_secrets(p)['pid']}/cmdline').read()",
+        "environ": f"open('/proc/{_secrets(p)['pid']}/environ').read()",
+        "home": "os.listdir(os.path.expanduser('~'))",
+        "root": "sorted(os.listdir('/'))",
+    },
+    "processes": lambda p: {
+        "pids": "sorted(int(d) for d in os.listdir('/proc') if d.isdigit())",
+        "proxy_tcp": f"open('/proc/{_secrets(p)['pid']}/net/tcp').read()",
+        "own_tcp": "open('/proc/net/tcp').read() + open('/proc/net/tcp6').read()",
+        "uid": "(os.getresuid(), os.getresgid(), os.getgroups())",
+        "caps": "[l for l in open('/proc/self/status') if l.startswith('CapEff')][0]",
+        "fds": "descriptors()",
+        "signal_parent": "__import__('signal').pidfd_send_signal("
+                         "os.pidfd_open(os.getppid()), 0)",
+        "ptrace_parent": "open(f'/proc/{os.getppid()}/mem', 'rb').read(1)",
+    },
+    "writes": lambda p: {
+        "mkfifo_data": f"os.mkfifo({_secrets(p)['data'] + '/fifo'!r})",
+        "mkfifo_tmp": "os.mkfifo('/tmp/fifo')",
+        "mkfifo_shm": "os.mkfifo('/dev/shm/fifo')",
+        "mknod_tmp": "os.mknod('/tmp/node')",
+        "utime_usr": "os.utime('/usr', (0, 0))",
+        "utime_db": f"os.utime({_secrets(p)['db']!r}, (0, 0))",
+        "sqlite_new": "__import__('sqlite3').connect('/tmp/x.db').execute('create table a(b)')",
+        "sqlite_shm": "__import__('sqlite3').connect('/dev/shm/x.db')"
+                      ".execute('create table a(b)')",
+        "sqlite_data": f"__import__('sqlite3').connect({_secrets(p)['data'] + '/x.db'!r})"
+                       ".execute('create table a(b)')",
+    },
+}
+
+
+def test_a_patch_reads_no_token_no_data_dir_no_database_and_no_proxy_process(served):
+    proxy, db = served
+    got = said(proxy, "files")
+    for name in ("token", "data_dir", "database", "cmdline", "environ"):
+        assert not got[name].startswith("ok"), (name, got[name])
+    everything = json.dumps(got)
+    assert proxy.admin_token not in everything
+    assert "SQLite format 3" not in everything and str(db) not in everything
+    # Its root holds the system's libraries, the Python install and its own code only.
+    assert set(eval(got["root"].removeprefix("ok: "))) <= {
+        "bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "proc", "dev",
+        "tracetap-worker", os.path.realpath(sys.base_prefix).split("/")[1],
+    }
+
+
+def test_a_patch_sees_no_other_process_and_runs_as_another_user_with_nothing_but_its_pipes(
+    served,
+):
+    proxy, _ = served
+    got = said(proxy, "processes")
+    # Its own PID namespace: bubblewrap's init and the worker, nobody else.
+    assert eval(got["pids"].removeprefix("ok: ")) == [1, 2]
+    assert got["proxy_tcp"] == "FileNotFoundError"
+    # Its own network namespace: the proxy's listening port is in no table it can read.
+    assert _secrets(proxy)["port"] not in got["own_tcp"]
+    uids, gids, groups = eval(got["uid"].removeprefix("ok: "))
+    assert set(uids) == {65534} and set(gids) == {65534} and set(groups) <= {65534}
+    assert got["caps"].split()[-1] == "0000000000000000"
+    # Every descriptor it holds is one of its three pipes to the proxy (frames in on 0,
+    # out on 3, stderr on 1 and 2, and copies of them): no file, socket or database.
+    fds = eval(got["fds"].removeprefix("ok: "))
+    assert set(fds.values()) == {fds[0], fds[2], fds[3]} and fds[1] == fds[2], fds
+    assert got["signal_parent"] == "PermissionError"
+    assert not got["ptrace_parent"].startswith("ok")
+
+
+def test_a_patch_makes_no_file_fifo_node_or_database_and_changes_no_timestamp(
+    served, tmp_path
+):
+    proxy, db = served
+    before = os.stat(db).st_mtime_ns
+    files_before = sorted(os.listdir(tmp_path / "data"))
+    got = said(proxy, "writes")
+    for name, outcome in got.items():
+        assert not outcome.startswith("ok"), (name, outcome)
+    assert sorted(os.listdir(tmp_path / "data")) == files_before
+    assert os.stat(db).st_mtime_ns >= before  # not set back (utime_db)
+
+
+def test_a_patch_cannot_kill_the_proxy_while_it_is_installed(served):
+    proxy, _ = served
+    kill = ("import os, signal\n"
+            "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n"
+            "async def before_model(request, state):\n    return None\n")
+    status, reply = install(proxy, "killer", kill)
+    assert status == 400, reply
+    assert "PermissionError" in reply["error"]["message"]
+    with urllib.request.urlopen(proxy.url + "/healthz", timeout=5) as answer:
+        assert answer.status == 200
+    assert proxy.process.poll() is None
+
+
+def test_a_patch_cannot_hold_the_database_locked(served):
+    proxy, db = served
+    # Wrapped, so the patch loads whatever happens: then registration, finishing and
+    # deleting overlays must still work.
+    lock = (f"import sqlite3\ntry:\n    held = sqlite3.connect({str(db)!r}, "
+            "isolation_level=None, timeout=0)\n    held.execute('BEGIN IMMEDIATE')\n"
+            "    HELD = 'locked'\nexcept Exception as exc:\n    HELD = type(exc).__name__\n"
+            "async def after_model(reply, state):\n    return Rewrite(content=HELD)\n")
+    status, reply = install(proxy, "locker", lock)
+    assert status == 201, reply
+    register(proxy, "after-lock", overlay="locker")
+    with openai.OpenAI(base_url=proxy.episode_url("after-lock"), api_key="unused",
+                       max_retries=0) as sdk:
+        content = sdk.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hi"}]
+        ).choices[0].message.content
+    assert content == "OperationalError"
+    status, _ = proxy.admin("POST", "/tracetap/episodes/after-lock/finish", {"reward": 1.0})
+    assert status == 200
+    assert proxy.admin("DELETE", "/tracetap/overlays/locker")[0] == 200
+    with sqlite3.connect(db, timeout=0) as mine:  # nobody holds it
+        mine.execute("BEGIN IMMEDIATE")
+        mine.rollback()
