@@ -25,9 +25,9 @@ from tracetap.proxy.gate import Gate
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.overlays.bwrap import Launcher
 from tracetap.proxy.overlays.patches import Patches
 from tracetap.proxy.overlays.runner import Overlays
-from tracetap.proxy.overlays.bwrap import Launcher
 from tracetap.proxy.overlays.workers import Confinement, Limits
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.prompt_prefix import PromptPrefixes

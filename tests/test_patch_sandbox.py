@@ -16,8 +16,11 @@ import urllib.request
 import openai
 import pytest
 from helpers.http import register
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
+from tracetap.proxy.settings import Settings
 
 # Each try is an expression; the patch records "ok: <value>" or the exception's type.
 SPY = '''
@@ -101,6 +104,7 @@ TRIES = {
         "uid": "(os.getresuid(), os.getresgid(), os.getgroups())",
         "caps": "[l for l in open('/proc/self/status') if l.startswith('CapEff')][0]",
         "fds": "descriptors()",
+        "files_limit": "[open('/proc/self/status') for _ in range(64)]",
         "signal_parent": "__import__('signal').pidfd_send_signal("
                          "os.pidfd_open(os.getppid()), 0)",
         "ptrace_parent": "open(f'/proc/{os.getppid()}/mem', 'rb').read(1)",
@@ -124,8 +128,9 @@ TRIES = {
 def test_a_patch_reads_no_token_no_data_dir_no_database_and_no_proxy_process(served):
     proxy, db = served
     got = said(proxy, "files")
-    for name in ("token", "data_dir", "database", "cmdline", "environ"):
-        assert not got[name].startswith("ok"), (name, got[name])
+    read = [n for n in ("token", "data_dir", "database", "cmdline", "environ", "home")
+            if got[n].startswith("ok")]
+    assert read == [], got
     everything = json.dumps(got)
     assert proxy.admin_token not in everything
     assert "SQLite format 3" not in everything and str(db) not in everything
@@ -153,6 +158,7 @@ def test_a_patch_sees_no_other_process_and_runs_as_another_user_with_nothing_but
     # out on 3, stderr on 1 and 2, and copies of them): no file, socket or database.
     fds = eval(got["fds"].removeprefix("ok: "))
     assert set(fds.values()) == {fds[0], fds[2], fds[3]} and fds[1] == fds[2], fds
+    assert got["files_limit"] == "OSError"  # RLIMIT_NOFILE: too many open files
     assert got["signal_parent"] == "PermissionError"
     assert not got["ptrace_parent"].startswith("ok")
 
@@ -164,8 +170,8 @@ def test_a_patch_makes_no_file_fifo_node_or_database_and_changes_no_timestamp(
     before = os.stat(db).st_mtime_ns
     files_before = sorted(os.listdir(tmp_path / "data"))
     got = said(proxy, "writes")
-    for name, outcome in got.items():
-        assert not outcome.startswith("ok"), (name, outcome)
+    done = [name for name, outcome in got.items() if outcome.startswith("ok")]
+    assert done == [], got
     assert sorted(os.listdir(tmp_path / "data")) == files_before
     assert os.stat(db).st_mtime_ns >= before  # not set back (utime_db)
 
@@ -206,3 +212,73 @@ def test_a_patch_cannot_hold_the_database_locked(served):
     with sqlite3.connect(db, timeout=0) as mine:  # nobody holds it
         mine.execute("BEGIN IMMEDIATE")
         mine.rollback()
+
+
+# ---- where there is no sandbox; the cap on workers -----------------------------------------
+GOOD = "async def before_model(request, state):\n    return None\n"
+
+
+def start(loop_thread, engine, tmp_path, **options) -> Proxy:
+    url = f"sqlite:///{tmp_path / 'in-process.db'}"
+    if not (tmp_path / "in-process.db").exists():
+        upgrade(url)
+    settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
+                        port=free_port(), **options)
+    return Proxy(loop_thread, settings).start()
+
+
+@pytest.mark.parametrize("bwrap", ["missing", "refusing"])
+def test_where_the_sandbox_cannot_be_set_up_patches_are_refused_unless_trusted_by_name(
+    loop_thread, engine, tmp_path, monkeypatch, bwrap
+):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if bwrap == "refusing":  # what bubblewrap says where the kernel allows no namespace
+        fake = folder / "bwrap"
+        fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace, "
+                        "likely because the kernel does not allow non-privileged user "
+                        "namespaces.' >&2\nexit 1\n")
+        fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+    refusing = start(loop_thread, engine, tmp_path)
+    try:
+        status, reply = install(refusing, "note", GOOD)
+        assert (status, reply["error"]["code"]) == (503, "overlay_sandbox_unavailable")
+        why = {"missing": "bubblewrap (bwrap) is not installed",
+               "refusing": "bwrap: No permissions to create new namespace"}[bwrap]
+        assert why in reply["error"]["message"]
+        assert "--overlay-patch-sandbox unsandboxed" in reply["error"]["message"]
+        assert refusing.admin("GET", "/tracetap/overlays/note")[0] == 404  # nothing stored
+    finally:
+        refusing.stop()
+    trusting = start(loop_thread, engine, tmp_path, overlay_patch_sandbox="unsandboxed")
+    try:
+        status, reply = install(trusting, "note", GOOD)
+        assert (status, reply["sandbox"]) == (201, "unsandboxed")
+    finally:
+        trusting.stop()
+
+
+def test_patch_workers_are_capped_in_number_and_a_deleted_patch_frees_its_place(
+    loop_thread, engine, tmp_path
+):
+    proxy = start(loop_thread, engine, tmp_path, overlay_patch_max_workers=2,
+                  overlay_patch_memory=128)
+    try:
+        for name in ("one", "two"):
+            status, reply = install(proxy, name, GOOD + f"# {name}\n")
+            assert (status, reply["sandbox"], reply["uid"], reply["seccomp"]) == (
+                201, "bwrap", 65534, True)
+        status, reply = install(proxy, "three", GOOD + "# three\n")
+        assert (status, reply["error"]["code"]) == (503, "overlay_capacity")
+        assert "--overlay-patch-max-workers 2: 256 MiB in all" in reply["error"]["message"]
+        assert proxy.admin("GET", "/tracetap/overlays/three")[0] == 404
+        # A replay's worker counts too.
+        register(proxy, "recorded")
+        status, reply = proxy.admin("POST", "/tracetap/overlays/one/replay",
+                                    {"episode": "recorded"})
+        assert (status, reply["error"]["code"]) == (503, "overlay_capacity")
+        assert proxy.admin("DELETE", "/tracetap/overlays/one")[0] == 200
+        assert install(proxy, "three", GOOD + "# three\n")[0] == 201
+    finally:
+        proxy.stop()

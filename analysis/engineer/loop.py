@@ -10,7 +10,11 @@
    none of a small guard set of tasks the baseline solved;
 5. run B with each valid patch and measure Δ_B against the baseline (``analysis.compare``);
 6. finish each candidate's engineer episode with Δ_B as its reward (an invalid patch
-   gets the stated penalty), so ``tracetap export`` yields GRPO groups.
+   gets the stated penalty), so ``tracetap export`` yields GRPO groups;
+7. delete each candidate's patch once it is judged (its worker ends with it).
+
+A proxy that runs no patch now (no sandbox, or its cap of workers reached) stops the loop
+with its message: that is the operator's to fix, never a candidate's penalty.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tracetap.analysis.engineer import prompt
 from tracetap.analysis.engineer.ask import Asked, ask
 from tracetap.analysis.episodes import load
 from tracetap.analysis.runner import plan
-from tracetap.analysis.runner.admin import AdminClient, AdminError, Finish
+from tracetap.analysis.runner.admin import AdminClient, AdminError, Finish, PatchesUnavailable
 from tracetap.analysis.runner.batch import run_batch
 from tracetap.analysis.runner.episode import Commands, Result
 from tracetap.analysis.select import Success, parse_selector
@@ -104,19 +108,15 @@ async def engineer(
         group = _group_id(options.run_id, group_packets)
         asked = await _candidates(group, group_packets, options, engineer_admin)
         for one in asked:
-            row = await _judge(
-                db,
-                one,
-                group_packets,
-                tasks,
-                guard,
-                commands,
-                options,
-                base_run,
-                admin,
-                progress,
-                base_rates,
-            )
+            row = _row(one, options)
+            try:
+                await _judge(
+                    db, row, one, group_packets, tasks, guard, commands, options, base_run,
+                    admin, progress, base_rates,
+                )
+            finally:
+                if row.patch is not None:
+                    await admin.delete_overlay(row.patch)
             await engineer_admin.finish(one.episode_id, _finish(row))
             rows.append(row)
     return rows
@@ -145,8 +145,23 @@ async def _candidates(
     )
 
 
+def _row(asked: Asked, options: Options) -> Row:
+    """A candidate before it is judged: invalid, with the penalty, until shown valid."""
+    return Row(
+        episode_id=asked.episode_id,
+        group=asked.group,
+        candidate=asked.candidate,
+        patch=None,
+        sha256=None,
+        valid=False,
+        why=None,
+        reward=options.penalty,
+    )
+
+
 async def _judge(
     db,
+    row: Row,
     asked: Asked,
     packets,
     tasks,
@@ -158,17 +173,8 @@ async def _judge(
     progress,
     base_rates: dict[str, float],
 ) -> Row:
+    """Fill ``row`` in; ``row.patch`` is set once the patch may be installed."""
     source = prompt.patch_of(asked.reply)
-    row = Row(
-        episode_id=asked.episode_id,
-        group=asked.group,
-        candidate=asked.candidate,
-        patch=None,
-        sha256=None,
-        valid=False,
-        why=None,
-        reward=options.penalty,
-    )
     if source is None:
         row.why = asked.error or "the reply has no ```python block"
         return row
@@ -176,6 +182,8 @@ async def _judge(
     row.patch = f"eng-{row.sha256[:12]}"
     try:
         await admin.install_overlay(row.patch, source)
+    except PatchesUnavailable:
+        raise  # the proxy's state, not the candidate's fault: the loop stops
     except AdminError as exc:
         row.why = str(exc).split(": ", 2)[-1]
         return row

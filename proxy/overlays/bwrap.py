@@ -98,14 +98,14 @@ def bwrap_argv(bwrap: str, worker_args: list[str]) -> list[str]:
     made = {"/usr"}
     for prefix in prefixes:
         if not prefix.startswith("/usr/"):
-            args += _dirs(prefix, made) + ["--ro-bind", prefix, prefix]
+            args += [*_dirs(prefix, made), "--ro-bind", prefix, prefix]
     for source, target in _code():
-        args += _dirs(target, made) + ["--ro-bind", source, target]
+        args += [*_dirs(target, made), "--ro-bind", source, target]
     args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/",
              "--remount-ro", "/dev", "--chdir", "/"]
     boot = (f"import sys, runpy; sys.path.insert(0, {ROOT!r}); "
             f"runpy.run_module({WORKER!r}, run_name='__main__', alter_sys=True)")
-    return args + ["--", executable, "-I", "-S", "-B", "-c", boot, *worker_args]
+    return [*args, "--", executable, "-I", "-S", "-B", "-c", boot, *worker_args]
 
 
 def plain_argv(worker_args: list[str]) -> list[str]:

@@ -3,10 +3,11 @@
 Started by the proxy (``overlays.workers``), in the sandbox ``overlays.bwrap`` builds,
 as ``patch_worker MEMORY_MB CPU_SECONDS FILES LOAD_SECONDS SANDBOX``, with frames
 (``overlays.frames``) on stdin and stdout; ``patch_worker probe`` only confines itself
-and says ``sandboxed`` (the proxy's check that the sandbox works here). Everything it needs is imported and every file
-descriptor it uses is open before it confines itself; the patch is compiled and run
-after, so nothing in it runs unconfined. Hooks run one at a time; the episodes' states
-(what ``on_episode_start`` returned) live here and never leave the process.
+and says ``sandboxed`` (the proxy's check that the sandbox works here). Everything it
+needs is imported and every file descriptor it uses is open before it confines itself;
+the patch is compiled and run after, so nothing in it runs unconfined. Hooks run one at
+a time; the episodes' states (what ``on_episode_start`` returned) live here and never
+leave the process.
 """
 
 from __future__ import annotations

@@ -20,40 +20,67 @@ import errno
 import platform
 import struct
 
-# The two architectures the proxy's images are built for: (AUDIT_ARCH_*, syscall numbers
-# from the kernel's asm/unistd_64.h and asm-generic/unistd.h).
-DENIED = (
-    "ptrace kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_open "
-    "pidfd_send_signal pidfd_getfd process_vm_readv process_vm_writev mknod mknodat "
-    "mount umount2 pivot_root chroot unshare setns open_tree move_mount fsopen fsconfig "
-    "fsmount fspick mount_setattr keyctl add_key request_key bpf perf_event_open "
-    "userfaultfd socket kexec_load init_module finit_module open_by_handle_at "
-    "name_to_handle_at fanotify_init io_uring_setup io_uring_enter io_uring_register "
-    "execve execveat fork vfork utime utimes futimesat utimensat"
-).split()
-_X86_64 = dict(
-    ptrace=101, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297,
-    pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, process_vm_readv=310,
-    process_vm_writev=311, mknod=133, mknodat=259, mount=165, umount2=166, pivot_root=155,
-    chroot=161, unshare=272, setns=308, open_tree=428, move_mount=429, fsopen=430,
-    fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, keyctl=250, add_key=248,
-    request_key=249, bpf=321, perf_event_open=298, userfaultfd=323, socket=41,
-    kexec_load=246, init_module=175, finit_module=313, open_by_handle_at=304,
-    name_to_handle_at=303, fanotify_init=300, io_uring_setup=425, io_uring_enter=426,
-    io_uring_register=427, execve=59, execveat=322, fork=57, vfork=58, utime=132,
-    utimes=235, futimesat=261, utimensat=280, clone=56, clone3=435,
-)
-_AARCH64 = dict(
-    ptrace=117, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240,
-    pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, process_vm_readv=270,
-    process_vm_writev=271, mknodat=33, mount=40, umount2=39, pivot_root=41, chroot=51,
-    unshare=97, setns=268, open_tree=428, move_mount=429, fsopen=430, fsconfig=431,
-    fsmount=432, fspick=433, mount_setattr=442, keyctl=219, add_key=217, request_key=218,
-    bpf=280, perf_event_open=241, userfaultfd=282, socket=198, kexec_load=104,
-    init_module=105, finit_module=273, open_by_handle_at=265, name_to_handle_at=264,
-    fanotify_init=262, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
-    execve=221, execveat=281, utimensat=88, clone=220, clone3=435,
-)
+# The system calls, by number on the two architectures the proxy's images are built for
+# (x86-64: asm/unistd_64.h; aarch64: asm-generic/unistd.h; "-": the call does not exist
+# there). Every one is denied, except clone and clone3, which the program treats apart.
+TABLE = """
+ptrace               101  117
+kill                  62  129
+tkill                200  130
+tgkill               234  131
+rt_sigqueueinfo      129  138
+rt_tgsigqueueinfo    297  240
+pidfd_open           434  434
+pidfd_send_signal    424  424
+pidfd_getfd          438  438
+process_vm_readv     310  270
+process_vm_writev    311  271
+mknod                133    -
+mknodat              259   33
+mount                165   40
+umount2              166   39
+pivot_root           155   41
+chroot               161   51
+unshare              272   97
+setns                308  268
+open_tree            428  428
+move_mount           429  429
+fsopen               430  430
+fsconfig             431  431
+fsmount              432  432
+fspick               433  433
+mount_setattr        442  442
+keyctl               250  219
+add_key              248  217
+request_key          249  218
+bpf                  321  280
+perf_event_open      298  241
+userfaultfd          323  282
+socket                41  198
+kexec_load           246  104
+init_module          175  105
+finit_module         313  273
+open_by_handle_at    304  265
+name_to_handle_at    303  264
+fanotify_init        300  262
+io_uring_setup       425  425
+io_uring_enter       426  426
+io_uring_register    427  427
+execve                59  221
+execveat             322  281
+fork                  57    -
+vfork                 58    -
+utime                132    -
+utimes               235    -
+futimesat            261    -
+utimensat            280   88
+clone                 56  220
+clone3               435  435
+"""
+_ROWS = [line.split() for line in TABLE.strip().splitlines()]
+_X86_64 = {name: int(x86) for name, x86, _ in _ROWS}
+_AARCH64 = {name: int(arm) for name, _, arm in _ROWS if arm != "-"}
+DENIED = [name for name, _, _ in _ROWS if name not in ("clone", "clone3")]
 ARCHES = {"x86_64": (0xC000003E, _X86_64), "aarch64": (0xC00000B7, _AARCH64)}
 # clone()'s flags that make a namespace: refused (a thread's clone passes none of them).
 CLONE_NAMESPACES = 0x7E020000
