@@ -80,6 +80,10 @@ def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
     runs = {e["metadata"].get("run") for e in page["data"]} - {None}
     valid = [useful["sha256"][:8], useless["sha256"][:8]]
     assert runs == {"eng-base", *(f"eng-{kind}{sha}" for sha in valid for kind in "gp")}
+    # Each candidate's patch is deleted once judged: no worker is left behind.
+    status, listed = proxy.admin("GET", "/tracetap/overlays")
+    assert (status, [o for o in listed["overlays"] if o["kind"] == "patch"]) == (200, [])
+    assert proxy.state.overlays.patches.confinement.running == 0
     # The export: the engineer's trajectories, one group with the three rewards; what it
     # trains on is exactly the text the (scripted) engineer sampled, byte tokens.
     proxy.flush()
@@ -120,6 +124,37 @@ def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tm
     assert status == 200
     patched = [e for e in page["data"] if (e["metadata"] or {}).get("run", "").startswith("each-p")]
     assert len(patched) == len(TASKS)
+
+
+def test_a_proxy_that_runs_no_patch_now_stops_the_loop_and_penalises_no_candidate(
+    loop_thread, engine, tmp_path, capsys
+):
+    url = f"sqlite:///{tmp_path / 'full.db'}"
+    upgrade(url)
+    settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
+                        port=free_port(), overlay_patch_max_workers=1)
+    full = Proxy(loop_thread, settings).start()
+    try:
+        status, _ = full.admin("PUT", "/tracetap/overlays/occupant",
+                               {"source": "async def before_model(request, state):\n    pass\n"})
+        assert status == 201  # the one place is taken
+        (tmp_path / "tasks.jsonl").write_text(
+            "".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+        (tmp_path / "scripted.json").write_text(json.dumps([CANDIDATES[0]]))
+        code = main([
+            "engineer", "--proxy", full.url, "--admin-token", full.admin_token,
+            "--db", url, "--model", "mock-model", "--tasks", str(tmp_path / "tasks.jsonl"),
+            "--harness", HARNESS, "--run-id", "full", "-k", "1", "--max-packets", "1",
+            "--guard", "0", "--scripted", str(tmp_path / "scripted.json"), "--json",
+        ])  # fmt: skip
+        assert code == 1
+        assert "overlay-patch-max-workers 1" in capsys.readouterr().err
+        status, page = full.admin("GET", "/tracetap/episodes?limit=1000")
+        engineers = [e for e in page["data"] if e["id"].startswith("full.")
+                     and (e["metadata"] or {}).get("engineer")]
+        assert engineers and all(e["reward"] is None for e in engineers)
+    finally:
+        full.stop()
 
 
 def test_the_engineer_calls_ask_for_max_tokens(proxy, tmp_path, capsys):
