@@ -70,9 +70,19 @@ def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
     for row in rows.values():
         episode = proxy.episode(row["episode_id"])
         assert episode["group_id"] == group
-        assert episode["reward"] == (row["delta"] if row["valid"] else -0.5)
+        # The reward is the held-out Δ_B (the batch has tasks outside the two packets).
+        assert episode["reward"] == (row["held_out_delta"] if row["valid"] else -0.5)
         assert episode["outcome"] == ("valid" if row["valid"] else "invalid")
         assert episode["info"]["sha256"] == row["sha256"]
+        assert episode["info"]["advantage"] == row["advantage"]
+    assert useful["reward_from"] == "held-out" and useful["held_out_tasks"] > 0
+    assert useful["held_out_interval"][0] <= useful["held_out_delta"]
+    # Advantages as the trainer computes them: the invalid candidate is in the group.
+    rewards = [rows[k]["reward"] for k in range(3)]
+    m = sum(rewards) / 3
+    sd = (sum((r - m) ** 2 for r in rewards) / 3) ** 0.5
+    assert [rows[k]["advantage"] for k in range(3)] == pytest.approx(
+        [(r - m) / sd for r in rewards])
     # The guard set, then the batch, ran with the valid patches only: the broken one
     # never ran on a task.
     status, page = proxy.admin("GET", "/tracetap/episodes?limit=1000")
@@ -106,6 +116,7 @@ def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tm
         "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS,
         "--run-id", "each", "-k", "2", "--max-packets", "2", "--guard", "0",
         "--scripted", str(tmp_path / "scripted.json"), "--concurrency", "8", "--json",
+        "--reward", "in-batch",
     ])  # fmt: skip
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
@@ -115,7 +126,8 @@ def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tm
         useful, empty = sorted(
             (r for r in rows if r["group"] == group), key=lambda r: r["candidate"]
         )
-        assert useful["valid"] and useful["reward"] == useful["delta"]
+        assert useful["valid"] and useful["reward"] == useful["delta"]  # --reward in-batch
+        assert useful["reward_from"] == "in-batch" and useful["held_out_delta"] is not None
         assert not empty["valid"] and empty["why"] == "the reply has no ```python block"
         assert empty["reward"] == -1.0  # the default penalty
     # The same patch for both packets: one batch run, its episodes reused for the second.
