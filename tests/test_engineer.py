@@ -77,6 +77,9 @@ def test_the_engineer_loop_rewards_each_candidate_with_its_delta_or_the_penalty(
         assert episode["info"]["advantage"] == row["advantage"]
     assert useful["reward_from"] == "held-out" and useful["held_out_tasks"] > 0
     assert useful["held_out_interval"][0] <= useful["held_out_delta"]
+    # --max-packets 2 took two tasks' packets (distinct tasks first), not two of one task.
+    written_from = proxy.episode(useful["episode_id"])["metadata"]["packets"]
+    assert len({proxy.episode(e)["task_id"] for e in written_from}) == 2
     # Advantages as the trainer computes them: the invalid candidate is in the group.
     rewards = [rows[k]["reward"] for k in range(3)]
     m = sum(rewards) / 3
@@ -167,6 +170,40 @@ def test_a_proxy_that_runs_no_patch_now_stops_the_loop_and_penalises_no_candidat
         assert engineers and all(e["reward"] is None for e in engineers)
     finally:
         full.stop()
+
+
+def test_a_rerun_with_the_same_run_id_resumes_and_asks_no_candidate_again(
+    proxy, tmp_path, capsys
+):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
+    (tmp_path / "scripted.json").write_text(json.dumps([CANDIDATES[0], CANDIDATES[2]]))
+    argv = [
+        "engineer", "--proxy", proxy.url, "--admin-token", proxy.admin_token,
+        "--db", proxy.settings.database_url, "--model", "mock-model",
+        "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", HARNESS,
+        "--run-id", "again", "-k", "2", "--max-packets", "1", "--guard", "0",
+        "--scripted", str(tmp_path / "scripted.json"), "--concurrency", "8", "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    proxy.flush()
+    calls = {r["episode_id"]: len(proxy.calls(r["episode_id"])) for r in first}
+    assert main(argv) == 0, capsys.readouterr().err
+    again = json.loads(capsys.readouterr().out)
+    assert again == first  # each candidate as it was judged, its reward and advantage
+    proxy.flush()
+    assert {r["episode_id"]: len(proxy.calls(r["episode_id"])) for r in first} == calls
+
+
+def test_max_packets_takes_distinct_tasks_first():
+    from types import SimpleNamespace
+
+    from tracetap.analysis.engineer.loop import distinct_first
+
+    packets = [SimpleNamespace(task_id=t, n=i) for i, t in enumerate("aabca")]
+    assert [p.n for p in distinct_first(packets, 3)] == [0, 2, 3]
+    assert [p.n for p in distinct_first(packets, 4)] == [0, 2, 3, 1]
+    assert [p.n for p in distinct_first(packets, None)] == [0, 1, 2, 3, 4]
 
 
 def test_the_engineer_calls_ask_for_max_tokens(proxy, tmp_path, capsys):

@@ -31,7 +31,7 @@ import msgspec
 
 from tracetap.analysis import packets as packets_module
 from tracetap.analysis.compare import compare
-from tracetap.analysis.engineer import prompt
+from tracetap.analysis.engineer import prompt, resume
 from tracetap.analysis.engineer.ask import Asked, ask
 from tracetap.analysis.episodes import AnalysisError, load
 from tracetap.analysis.runner import plan
@@ -103,7 +103,7 @@ async def engineer(
         EpisodeFilter(),
         packets_module.Options(where=parse_selector(f"meta.run={base_run}")),
     )
-    chosen = found.packets[: options.max_packets]
+    chosen = distinct_first(found.packets, options.max_packets)
     print(
         f"tracetap engineer: baseline {base_run}: {len(baseline)} episodes, "
         f"{len(found.packets)} failure packets ({len(chosen)} used)",
@@ -119,9 +119,13 @@ async def engineer(
     for group_packets in groups:
         group = _group_id(options.run_id, group_packets)
         asked = await _candidates(group, group_packets, options, engineer_admin)
-        judged = []
+        judged, finished = [], set()
         for one in asked:
             row = _row(one, options)
+            if one.existed and await _resumed(db, row, one, engineer_admin):
+                finished.add(row.episode_id)
+                judged.append(row)
+                continue
             try:
                 await _judge(
                     db, row, one, group_packets, tasks, guard, commands, options, base_run,
@@ -135,7 +139,8 @@ async def engineer(
             for row, advantage in zip(judged, normalised([r.reward for r in judged])):
                 row.advantage = advantage
         for row in judged:
-            await engineer_admin.finish(row.episode_id, _finish(row))
+            if row.episode_id not in finished:
+                await engineer_admin.finish(row.episode_id, _finish(row))
         rows += judged
     return rows
 
@@ -161,6 +166,34 @@ async def _candidates(
             for k in range(options.candidates)
         )
     )
+
+
+def distinct_first(packets: list[Any], limit: int | None) -> list[Any]:
+    """At most ``limit`` packets, one of each task first (in the builder's order), then
+    the others: two packets of one task say less than two tasks' failures."""
+    if limit is None:
+        return list(packets)
+    seen: set[str | None] = set()
+    first, rest = [], []
+    for p in packets:
+        (rest if p.task_id in seen else first).append(p)
+        seen.add(p.task_id)
+    return (first + rest)[:limit]
+
+
+async def _resumed(db: str, row: Row, asked: Asked, engineer_admin: AdminClient) -> bool:
+    """An earlier run's candidate: True when it finished (``row`` is what it recorded);
+    else False, with ``asked`` given the reply its episode recorded, to be judged now."""
+    state = await engineer_admin.episode(asked.episode_id)
+    fields = None if state is None else resume.judged(state.info, state.reward)
+    if state is not None and state.finished_at is not None and fields is not None:
+        for name, value in fields.items():
+            setattr(row, name, value)
+        return True
+    asked.reply = await resume.recorded_reply(db, asked.episode_id)
+    if asked.reply is None:
+        asked.error = "its episode (an earlier run's) recorded no reply in --db"
+    return False
 
 
 def _row(asked: Asked, options: Options) -> Row:

@@ -54,6 +54,7 @@ class EpisodeState(msgspec.Struct):
     finished_at: float | None = None
     reward: float | None = None
     outcome: str | None = None
+    info: dict[str, Any] | None = None
 
 
 class PriorConfig(msgspec.Struct):
