@@ -282,3 +282,51 @@ def test_patch_workers_are_capped_in_number_and_a_deleted_patch_frees_its_place(
         assert install(proxy, "three", GOOD + "# three\n")[0] == 201
     finally:
         proxy.stop()
+
+
+def test_a_proxy_running_as_another_user_confines_patches_in_a_user_namespace(
+    monkeypatch, tmp_path
+):
+    """The path a proxy that is not root takes (the image's): bubblewrap makes a user
+    namespace in which the worker is 65534. Driven here by telling the launcher it does
+    not run as root."""
+    import asyncio
+
+    from tracetap.proxy.overlays import bwrap, frames
+    from tracetap.proxy.overlays.hooks import ModelReply
+    from tracetap.proxy.overlays.workers import Confinement, Limits, Worker
+
+    monkeypatch.setattr(bwrap, "_as_root", lambda: False)
+    secret = tmp_path / "admin-token"
+    secret.write_text("s3cret")
+    source = spy({
+        "token": f"open({str(secret)!r}).read()",
+        "uid": "(os.getresuid(), os.getresgid())",
+        "pids": "sorted(int(d) for d in os.listdir('/proc') if d.isdigit())",
+        "signal_parent": "__import__('signal').pidfd_send_signal("
+                         "os.pidfd_open(os.getppid()), 0)",
+        "mkfifo_shm": "os.mkfifo('/dev/shm/fifo')",
+        "sqlite_root": "__import__('sqlite3').connect('/x.db').execute('create table a(b)')",
+    })
+
+    async def run():
+        worker = Worker("userns", source, Confinement(Limits(), bwrap.Launcher("bwrap")))
+        try:
+            loaded = await worker.load()
+            reply = ModelReply(content="x", tool_calls=[], finish_reason="stop", tools=None,
+                               attempt=0)
+            answer = await worker.call(
+                frames.Call(id=0, hook="after_model", episode="e", reply=reply), None)
+            return loaded, json.loads(frames.result(answer).content)
+        finally:
+            await worker.kill()
+
+    loaded, got = asyncio.run(run())
+    assert "--unshare-user" in bwrap.bwrap_argv("bwrap", [])
+    assert (loaded.sandbox, loaded.uid, loaded.seccomp) == ("bwrap", 65534, True)
+    assert got["token"] == "FileNotFoundError"
+    uids, gids = eval(got["uid"].removeprefix("ok: "))
+    assert set(uids) == set(gids) == {65534}
+    assert eval(got["pids"].removeprefix("ok: ")) == [1, 2]
+    for name in ("signal_parent", "mkfifo_shm", "sqlite_root"):
+        assert not got[name].startswith("ok"), (name, got[name])

@@ -83,13 +83,17 @@ def _system() -> list[str]:
     return args
 
 
+def _as_root() -> bool:
+    return os.geteuid() == 0
+
+
 def bwrap_argv(bwrap: str, worker_args: list[str]) -> list[str]:
     """The command that runs the worker in the sandbox."""
     executable, prefixes = _python()
     args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--clearenv", "--setenv", "LANG", "C.UTF-8"]
-    if os.geteuid() == 0:
+    if _as_root():
         # No user namespace: the worker drops to NOBODY itself, a real other user.
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
