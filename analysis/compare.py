@@ -316,11 +316,12 @@ def render(c: Comparison) -> str:
         lines.append(f"left out of {v.selector!r}: {v.infra_excluded} episodes with "
                      "integrity infra (not the harness's doing)")
     lines += ["", f"against the baseline {c.baseline.selector!r}:"]
-    lines.append(
+    header = (
         f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "
         f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δtokens':>9} "
         f"{'Δlatency':>9} {'advantage':>9}"
     )
+    lines.append(header)
     for x in c.candidates:
         p = "-" if x.p_value is None else f"{x.p_value:.3g}"
         adv = "-" if x.advantage is None else f"{x.advantage:+.3f}"
@@ -339,8 +340,8 @@ def render(c: Comparison) -> str:
             )
     for g in c.invalid:
         adv = "-" if g.advantage is None else f"{g.advantage:+.3f}"
-        lines.append(f"{g.label[:28]:<28} invalid: in the group with the penalty "
-                     f"{g.reward:+g}{'':>38} {adv:>9}")
+        said = f"invalid: in the group with the penalty {g.reward:+g}"
+        lines.append(f"{g.label[:28]:<28} {said:<{len(header) - 39}} {adv:>9}")
     if c.candidates and c.candidates[0].advantage is not None:
         lines.append(f"(advantages: the {c.reward} Δ_B of each candidate, the penalty of "
                      "each invalid one, normalised over the group, population std)")
