@@ -7,6 +7,7 @@ an agent would have received."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import sqlite3
@@ -96,6 +97,9 @@ TRIES = {
         "environ": f"open('/proc/{_secrets(p)['pid']}/environ').read()",
         "home": "os.listdir(os.path.expanduser('~'))",
         "root": "sorted(os.listdir('/'))",
+        "dev": "sorted(os.listdir('/dev'))",
+        "init_cmdline": "open('/proc/1/cmdline').read()",
+        "kernel": "open('/proc/loadavg').read()",
     },
     "processes": lambda p: {
         "pids": "sorted(int(d) for d in os.listdir('/proc') if d.isdigit())",
@@ -134,8 +138,15 @@ def test_a_patch_reads_no_token_no_data_dir_no_database_and_no_proxy_process(ser
     everything = json.dumps(got)
     assert proxy.admin_token not in everything
     assert "SQLite format 3" not in everything and str(db) not in everything
+    # What it can read: bubblewrap's init's command line (binds, no secret), bubblewrap's
+    # minimal /dev, what the kernel tells any process.
+    assert got["init_cmdline"].startswith("ok") and got["kernel"].startswith("ok")
+    assert _secrets(proxy)["data"] not in got["init_cmdline"]
+    assert set(ast.literal_eval(got["dev"].removeprefix("ok: "))) <= {
+        "core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin",
+        "stdout", "tty", "urandom", "zero"}
     # Its root holds the system's libraries, the Python install and its own code only.
-    assert set(eval(got["root"].removeprefix("ok: "))) <= {
+    assert set(ast.literal_eval(got["root"].removeprefix("ok: "))) <= {
         "bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "proc", "dev",
         "tracetap-worker", os.path.realpath(sys.base_prefix).split("/")[1],
     }
@@ -147,16 +158,16 @@ def test_a_patch_sees_no_other_process_and_runs_as_another_user_with_nothing_but
     proxy, _ = served
     got = said(proxy, "processes")
     # Its own PID namespace: bubblewrap's init and the worker, nobody else.
-    assert eval(got["pids"].removeprefix("ok: ")) == [1, 2]
+    assert ast.literal_eval(got["pids"].removeprefix("ok: ")) == [1, 2]
     assert got["proxy_tcp"] == "FileNotFoundError"
     # Its own network namespace: the proxy's listening port is in no table it can read.
     assert _secrets(proxy)["port"] not in got["own_tcp"]
-    uids, gids, groups = eval(got["uid"].removeprefix("ok: "))
+    uids, gids, groups = ast.literal_eval(got["uid"].removeprefix("ok: "))
     assert set(uids) == {65534} and set(gids) == {65534} and set(groups) <= {65534}
     assert got["caps"].split()[-1] == "0000000000000000"
     # Every descriptor it holds is one of its three pipes to the proxy (frames in on 0,
     # out on 3, stderr on 1 and 2, and copies of them): no file, socket or database.
-    fds = eval(got["fds"].removeprefix("ok: "))
+    fds = ast.literal_eval(got["fds"].removeprefix("ok: "))
     assert set(fds.values()) == {fds[0], fds[2], fds[3]} and fds[1] == fds[2], fds
     assert got["files_limit"] == "OSError"  # RLIMIT_NOFILE: too many open files
     assert got["signal_parent"] == "PermissionError"
@@ -325,8 +336,8 @@ def test_a_proxy_running_as_another_user_confines_patches_in_a_user_namespace(
     assert "--unshare-user" in bwrap.bwrap_argv("bwrap", [])
     assert (loaded.sandbox, loaded.uid, loaded.seccomp) == ("bwrap", 65534, True)
     assert got["token"] == "FileNotFoundError"
-    uids, gids = eval(got["uid"].removeprefix("ok: "))
+    uids, gids = ast.literal_eval(got["uid"].removeprefix("ok: "))
     assert set(uids) == set(gids) == {65534}
-    assert eval(got["pids"].removeprefix("ok: ")) == [1, 2]
+    assert ast.literal_eval(got["pids"].removeprefix("ok: ")) == [1, 2]
     for name in ("signal_parent", "mkfifo_shm", "sqlite_root"):
         assert not got[name].startswith("ok"), (name, got[name])
