@@ -141,33 +141,46 @@ def test_one_group_per_packet_and_a_patch_seen_before_is_not_run_again(proxy, tm
     assert len(patched) == len(TASKS)
 
 
-def test_a_proxy_that_runs_no_patch_now_stops_the_loop_and_penalises_no_candidate(
+def test_a_proxy_that_runs_no_patch_now_stops_the_loop_penalising_nobody_and_a_rerun_resumes(
     loop_thread, engine, tmp_path, capsys
 ):
     url = f"sqlite:///{tmp_path / 'full.db'}"
     upgrade(url)
     settings = Settings(upstream=engine.url, db=url, data_dir=str(tmp_path / "data"),
-                        port=free_port(), overlay_patch_max_workers=1)
+                        port=free_port(), overlay_patch_max_workers=2)
     full = Proxy(loop_thread, settings).start()
     try:
-        status, _ = full.admin("PUT", "/tracetap/overlays/occupant",
-                               {"source": "async def before_model(request, state):\n    pass\n"})
-        assert status == 201  # the one place is taken
+        for k in range(2):  # both places are taken
+            status, _ = full.admin("PUT", f"/tracetap/overlays/occupant{k}", {
+                "source": f"async def before_model(request, state):\n    pass\n# {k}\n"})
+            assert status == 201
         (tmp_path / "tasks.jsonl").write_text(
             "".join(json.dumps({"id": t.id}) + "\n" for t in TASKS))
         (tmp_path / "scripted.json").write_text(json.dumps([CANDIDATES[0]]))
-        code = main([
+        argv = [
             "engineer", "--proxy", full.url, "--admin-token", full.admin_token,
             "--db", url, "--model", "mock-model", "--tasks", str(tmp_path / "tasks.jsonl"),
             "--harness", HARNESS, "--run-id", "full", "-k", "1", "--max-packets", "1",
             "--guard", "0", "--scripted", str(tmp_path / "scripted.json"), "--json",
-        ])  # fmt: skip
+        ]  # fmt: skip
+        code = main(argv)
         assert code == 1
-        assert "overlay-patch-max-workers 1" in capsys.readouterr().err
+        assert "overlay-patch-max-workers 2" in capsys.readouterr().err
         status, page = full.admin("GET", "/tracetap/episodes?limit=1000")
         engineers = [e for e in page["data"] if e["id"].startswith("full.")
                      and (e["metadata"] or {}).get("engineer")]
         assert engineers and all(e["reward"] is None for e in engineers)
+        # The places freed (a candidate needs two: its patch's worker and its replay's),
+        # a rerun with the same run id judges the candidate from the reply its episode
+        # recorded: it is not asked again (one call, one trajectory).
+        for k in range(2):
+            assert full.admin("DELETE", f"/tracetap/overlays/occupant{k}")[0] == 200
+        full.flush()
+        assert main(argv) == 0, capsys.readouterr().err
+        (row,) = json.loads(capsys.readouterr().out)
+        assert row["valid"] and row["episode_id"] == engineers[0]["id"]
+        full.flush()
+        assert len(full.calls(row["episode_id"])) == 1
     finally:
         full.stop()
 
