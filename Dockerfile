@@ -9,8 +9,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Runtime overlay patches run in bubblewrap (docs/overlays.md); it needs user namespaces,
-# which Docker's default seccomp profile refuses: without them the proxy refuses patches.
+# Runtime overlay patches run in bubblewrap (docs/overlays.md). It needs user namespaces,
+# which some container runtimes refuse: the proxy then refuses patches, saying why
+# (docs/deploy.md).
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
     && rm -rf /var/lib/apt/lists/*
