@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import os
 import shutil
 import sys
 from pathlib import Path
+
+log = logging.getLogger("tracetap.overlays")
 
 SANDBOXES = ("bwrap", "unsandboxed")
 NOBODY = 65534
@@ -130,6 +133,11 @@ class Launcher:
     async def argv(self, worker_args: list[str]) -> list[str]:
         """SandboxUnavailable when bubblewrap cannot run the worker here."""
         if self.sandbox == "unsandboxed":
+            if self._ready is None:
+                self._ready = "unsandboxed"  # said once
+                log.warning("runtime overlay patches run unsandboxed "
+                            "(--overlay-patch-sandbox unsandboxed): a patch reads what "
+                            "this proxy's user can read, the admin token included")
             return plain_argv(worker_args)
         async with self._lock:
             if self._ready is None:
