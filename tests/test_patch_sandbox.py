@@ -240,7 +240,7 @@ def start(loop_thread, engine, tmp_path, **options) -> Proxy:
 
 @pytest.mark.parametrize("bwrap", ["missing", "refusing"])
 def test_where_the_sandbox_cannot_be_set_up_patches_are_refused_unless_trusted_by_name(
-    loop_thread, engine, tmp_path, monkeypatch, bwrap
+    loop_thread, engine, tmp_path, monkeypatch, caplog, bwrap
 ):
     folder = tmp_path / "bin"
     folder.mkdir()
@@ -266,6 +266,7 @@ def test_where_the_sandbox_cannot_be_set_up_patches_are_refused_unless_trusted_b
     try:
         status, reply = install(trusting, "note", GOOD)
         assert (status, reply["sandbox"]) == (201, "unsandboxed")
+        assert "runtime overlay patches run unsandboxed" in caplog.text  # said in the log
     finally:
         trusting.stop()
 
