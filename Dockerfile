@@ -9,6 +9,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Runtime overlay patches run in bubblewrap (docs/overlays.md). It needs user namespaces,
+# which some container runtimes refuse: the proxy then refuses patches, saying why
+# (docs/deploy.md).
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 # Every dependency ships manylinux wheels, so no compiler is needed. The source tree is
 # only the build input: it is removed in the same layer, the installed package stays.
 COPY pyproject.toml README.md /src/

@@ -84,6 +84,16 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="drop tasks only one side ran (default: an error)",
     )
+    a("--seen-task", action="append", default=[], metavar="TASK",
+      help="a task the candidates were written from (a failure packet's; repeatable): "
+           "Δ_B is also reported on the held-out tasks, the paired ones outside these")
+    a("--invalid", action="append", default=[], metavar="LABEL",
+      help="a candidate that never ran (invalid patch; repeatable): it enters the "
+           "advantages' group with --penalty, as the trainer computes them")
+    a("--penalty", type=float, default=-1.0, help="an invalid candidate's reward (default -1)")
+    a("--reward", choices=("in-batch", "held-out"),
+      help="the Δ_B the advantages use (default: held-out when --seen-task leaves every "
+           "candidate a held-out task, else in-batch)")
     a("--json", action="store_true", help="JSON for scripts instead of a table [default off]")
     parser.set_defaults(run=_compare)
 
@@ -196,6 +206,10 @@ def _compare(args: argparse.Namespace) -> int:
             resamples=args.resamples,
             seed=args.seed,
             allow_unpaired=args.allow_unpaired,
+            seen_tasks=frozenset(args.seen_task),
+            invalid=args.invalid,
+            penalty=args.penalty,
+            reward=args.reward,
         )
         _show(result, render, args.json)
 

@@ -7,9 +7,17 @@ on the tasks both ran: d_t = success rate of the candidate on t - that of the ba
 sign-test p-value over the tasks where d_t != 0 (analysis.stats). A task is fixed when
 d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: tokens
 (prompt + completion, from the calls table) and model latency (the sum of the calls'
-durations), their differences paired by task the same way. With K >= 2 candidates, each
-one's group-normalised advantage is (Δ_B - mean Δ_B) / std Δ_B over the K (population
-std; 0 when all are equal): the reward a GRPO update of a patch proposer uses.
+durations), their differences paired by task the same way.
+
+Held out: given the tasks a patch was written from (``seen_tasks``: the failure packets'
+tasks), the same Δ_B, interval and sign test on the paired tasks outside them: the figure
+that says whether a patch generalises rather than fits the failures it was shown.
+
+Advantages, as the trainer computes them: each candidate's reward (its in-batch or its
+held-out Δ_B, ``reward``), and each invalid candidate (a patch that never ran: it did not
+load, failed on its packet, broke the guard set) with ``penalty``, form one group; with
+K >= 2 in it, each one's advantage is (reward - mean) / std over the K (population std, as
+GRPO; 0 when all are equal). [0.375, 0, -1] gives [+1.005, +0.359, -1.364].
 """
 
 from __future__ import annotations
@@ -55,6 +63,25 @@ class Candidate(msgspec.Struct, kw_only=True):
     tokens_delta: float  # per episode, candidate - baseline
     latency_delta: float
     advantage: float | None = None  # with K >= 2 candidates
+    held_out: HeldOut | None = None  # with seen_tasks
+    reward: float | None = None  # what the group's advantage used
+
+
+class HeldOut(msgspec.Struct, kw_only=True):
+    """Δ_B on the paired tasks outside the ones the patch was written from."""
+
+    tasks: int
+    delta: float | None  # None: no such task
+    interval: tuple[float, float] | None
+    p_value: float | None
+
+
+class Invalid(msgspec.Struct, kw_only=True):
+    """A candidate that never ran: in the group with the penalty."""
+
+    label: str
+    reward: float
+    advantage: float | None = None
 
 
 class Comparison(msgspec.Struct, kw_only=True):
@@ -63,6 +90,8 @@ class Comparison(msgspec.Struct, kw_only=True):
     success: Success
     resamples: int
     seed: int
+    invalid: list[Invalid] = []
+    reward: str = "in-batch"  # which Δ_B the advantages used: in-batch or held-out
 
 
 class _Tasks(msgspec.Struct):
@@ -83,7 +112,13 @@ def compare(
     resamples: int = 2000,
     seed: int = 0,
     allow_unpaired: bool = False,
+    seen_tasks: frozenset[str] = frozenset(),
+    invalid: Sequence[str] = (),
+    penalty: float = -1.0,
+    reward: str | None = None,
 ) -> Comparison:
+    """``reward``: "in-batch" or "held-out"; None: held-out when ``seen_tasks`` leave
+    every candidate a held-out task, else in-batch."""
     if not candidates:
         raise AnalysisError("give at least one --candidate selection")
     if resamples < 1:
@@ -105,16 +140,50 @@ def compare(
         chosen, infra = clean_variant(chosen, selector.text)
         variant, tasks = _variant(chosen, selector, success)
         variant.infra_excluded = infra
-        results.append(
-            _against(
-                variant, tasks, base_tasks, selector, baseline, resamples, seed, allow_unpaired
-            )
+        result = _against(
+            variant, tasks, base_tasks, selector, baseline, resamples, seed, allow_unpaired
         )
-    if len(results) >= 2:
-        for result, advantage in zip(results, normalised([r.delta for r in results])):
-            result.advantage = advantage
+        if seen_tasks:
+            result.held_out = _held_out(tasks, base_tasks, seen_tasks, resamples, seed)
+        results.append(result)
+    which = _which(reward, results, seen_tasks)
+    group = [Invalid(label=label, reward=penalty) for label in invalid]
+    for result in results:
+        result.reward = result.delta if which == "in-batch" else result.held_out.delta
+    rewards = [r.reward for r in results] + [g.reward for g in group]
+    if len(rewards) >= 2 and None not in rewards:
+        for member, advantage in zip([*results, *group], normalised(rewards)):
+            member.advantage = advantage
     return Comparison(
-        baseline=base, candidates=results, success=success, resamples=resamples, seed=seed
+        baseline=base, candidates=results, success=success, resamples=resamples, seed=seed,
+        invalid=group, reward=which,
+    )
+
+
+def _which(reward: str | None, results: list[Candidate], seen: frozenset[str]) -> str:
+    if reward not in (None, "in-batch", "held-out"):
+        raise AnalysisError("--reward is in-batch or held-out")
+    allows = bool(seen) and all(r.held_out and r.held_out.tasks for r in results)
+    if reward == "held-out" and not allows:
+        raise AnalysisError(
+            "--reward held-out needs --seen-task and, for every candidate, a paired task "
+            "outside them"
+        )
+    return reward or ("held-out" if allows else "in-batch")
+
+
+def _held_out(
+    tasks: _Tasks, base: _Tasks, seen: frozenset[str], resamples: int, seed: int
+) -> HeldOut:
+    outside = sorted((tasks.success.keys() & base.success.keys()) - seen)
+    if not outside:
+        return HeldOut(tasks=0, delta=None, interval=None, p_value=None)
+    d = [tasks.success[t] - base.success[t] for t in outside]
+    return HeldOut(
+        tasks=len(outside),
+        delta=mean(d),
+        interval=bootstrap_interval(d, resamples=resamples, seed=seed),
+        p_value=sign_test(d),
     )
 
 
@@ -247,11 +316,12 @@ def render(c: Comparison) -> str:
         lines.append(f"left out of {v.selector!r}: {v.infra_excluded} episodes with "
                      "integrity infra (not the harness's doing)")
     lines += ["", f"against the baseline {c.baseline.selector!r}:"]
-    lines.append(
+    header = (
         f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "
         f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δtokens':>9} "
         f"{'Δlatency':>9} {'advantage':>9}"
     )
+    lines.append(header)
     for x in c.candidates:
         p = "-" if x.p_value is None else f"{x.p_value:.3g}"
         adv = "-" if x.advantage is None else f"{x.advantage:+.3f}"
@@ -262,8 +332,25 @@ def render(c: Comparison) -> str:
             f"{len(x.flips.broken):>6} {x.flips.unchanged:>5} "
             f"{x.tokens_delta:>+9.1f} {x.latency_delta:>+8.3f}s {adv:>9}"
         )
+        if x.held_out is not None:
+            lines.append(f"  {_held(x.held_out)}")
         if x.unpaired_tasks:
             lines.append(
                 f"  dropped {len(x.unpaired_tasks)} unpaired tasks: {_few(x.unpaired_tasks)}"
             )
+    for g in c.invalid:
+        adv = "-" if g.advantage is None else f"{g.advantage:+.3f}"
+        said = f"invalid: in the group with the penalty {g.reward:+g}"
+        lines.append(f"{g.label[:28]:<28} {said:<{len(header) - 39}} {adv:>9}")
+    if c.candidates and c.candidates[0].advantage is not None:
+        lines.append(f"(advantages: the {c.reward} Δ_B of each candidate, the penalty of "
+                     "each invalid one, normalised over the group, population std)")
     return "\n".join(lines)
+
+
+def _held(h: HeldOut) -> str:
+    if h.delta is None or h.interval is None:
+        return "held out: no paired task outside the ones the patch was written from"
+    p = "-" if h.p_value is None else f"{h.p_value:.3g}"
+    return (f"held out ({h.tasks} tasks not in its packets): Δ_B {h.delta:+.3f} "
+            f"[{h.interval[0]:+.3f}, {h.interval[1]:+.3f}], sign p {p}")

@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="candidate patches per packet (a GRPO group; default 4)",
     )
+    a("--reward", choices=("in-batch", "held-out"),
+      help="the Δ_B a valid candidate's episode is rewarded with: on the whole batch, or on "
+           "the held-out tasks (those not in the packets it was written from; default: "
+           "held-out when the batch has such tasks, else in-batch; docs/harness-engineering.md)")
     a(
         "--penalty",
         type=float,
@@ -124,11 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from tracetap.analysis.episodes import AnalysisError
     from tracetap.analysis.runner.admin import AdminError
 
     try:
         return asyncio.run(_run(args))
-    except AdminError as exc:
+    except (AdminError, AnalysisError) as exc:
         print(f"tracetap engineer: {exc}", file=sys.stderr)
         return 1
 
@@ -158,6 +163,7 @@ async def _run(args: argparse.Namespace) -> int:
         model=args.model,
         candidates=args.candidates,
         penalty=args.penalty,
+        reward=args.reward,
         guard=args.guard,
         hook_budget=args.hook_budget,
         max_tokens=args.max_tokens,

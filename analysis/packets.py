@@ -30,7 +30,7 @@ from tracetap.analysis.steps import CallBodies, read_steps
 from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_overlays, call_summaries
 
-PACKET_VERSION = "2"
+PACKET_VERSION = "3"
 FAILURES = ("unsuccessful", "call_error", "context_length")
 SCHEMA_FILE = Path(__file__).with_name("packet.schema.json")
 VIEWER = "/tracetap/ui"
@@ -71,6 +71,7 @@ class Outcome(msgspec.Struct, kw_only=True, gc=False):
     rewards: Any
     outcome: str | None
     info: Any
+    harness_output: str | None  # the end of the failed harness's stderr (tracetap run's)
     call_errors: list[CallError]
 
 
@@ -241,7 +242,10 @@ def _packet(e: Episode, reasons: list[str], found: _Failed, options: Options) ->
             reward=s.reward,
             rewards=_json(s.rewards),
             outcome=s.outcome,
-            info=_json(s.info),
+            info=(info := _json(s.info)),
+            harness_output=conversation.cut(
+                info.get("harness_stderr") if isinstance(info, dict) else None, budget
+            ),
             call_errors=[
                 CallError(
                     call_id=c.call_id,

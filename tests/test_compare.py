@@ -169,3 +169,46 @@ def test_statistics_against_known_values():
     for q in (2.5, 50, 97.5):
         assert stats.percentile(values, q) == pytest.approx(np.percentile(values, q))
     assert stats.normalised([1.0, 1.0]) == [0.0, 0.0]
+
+
+def test_held_out_delta_is_the_same_statistic_on_the_tasks_outside_the_packets(seeded, capsys):
+    flags = ("--baseline", "harness=A", "--candidate", "harness=B", "--resamples", "300",
+             "--seen-task", "t3", "--seen-task", "t4")
+    result = compare(seeded, capsys, *flags)
+    [b] = result["candidates"]
+    outside = ["t1", "t2", "t5", "t6"]
+    d = [SUCCESS["B"][t] - SUCCESS["A"][t] for t in outside]
+    assert b["held_out"]["tasks"] == 4
+    assert b["held_out"]["delta"] == pytest.approx(sum(d) / 4)
+    assert b["held_out"]["interval"] == pytest.approx(direct(d, 300, 0), abs=1e-12)
+    assert b["delta"] == pytest.approx(1 / 6)  # the in-batch figure, beside it
+    assert (result["reward"], b["reward"]) == ("held-out", b["held_out"]["delta"])
+    chosen = compare(seeded, capsys, *flags, "--reward", "in-batch")
+    assert (chosen["reward"], chosen["candidates"][0]["reward"]) == ("in-batch", b["delta"])
+    assert cli.main(["compare", "--db", seeded, *flags]) == 0
+    assert "held out (4 tasks not in its packets): Δ_B" in capsys.readouterr().out
+    # Every task seen: no held-out figure, so the reward is in-batch unless asked.
+    every = [f for t in TASKS for f in ("--seen-task", t)]
+    none = compare(seeded, capsys, "--baseline", "harness=A", "--candidate", "harness=B",
+                   *every)
+    assert none["candidates"][0]["held_out"]["delta"] is None and none["reward"] == "in-batch"
+    assert cli.main(["compare", "--db", seeded, "--baseline", "harness=A", "--candidate",
+                     "harness=B", *every, "--reward", "held-out"]) == 1
+    assert "--reward held-out needs" in capsys.readouterr().err
+
+
+def test_invalid_candidates_enter_the_group_with_their_penalty(seeded, capsys):
+    result = compare(seeded, capsys, "--baseline", "harness=A", "--candidate", "harness=B",
+                     "--candidate", "overlay=o1", "--invalid", "did-not-load",
+                     "--penalty", "-1")
+    rewards = [1 / 6, 0.5 / 6, -1.0]
+    m = sum(rewards) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in rewards) / 3)  # population std, as GRPO
+    got = [c["advantage"] for c in result["candidates"]] + [result["invalid"][0]["advantage"]]
+    assert got == pytest.approx([(x - m) / sd for x in rewards])
+    assert result["invalid"][0] == {"label": "did-not-load", "reward": -1.0,
+                                    "advantage": got[2]}
+
+
+def test_the_demo_group_gives_the_advantages_the_trainer_computes():
+    assert [round(a, 3) for a in stats.normalised([0.375, 0.0, -1.0])] == [1.005, 0.359, -1.364]

@@ -21,7 +21,7 @@ from helpers.servers import Proxy
 from tracetap.demo.engine import EngineConfig
 from tracetap.migrations import upgrade
 from tracetap.proxy.overlays import frames
-from tracetap.proxy.overlays.workers import Limits, Worker, WorkerDied
+from tracetap.proxy.overlays.workers import Confinement, Limits, Worker, WorkerDied
 from tracetap.proxy.runtime.settings import Settings
 
 NOTE = "Patched: answer in one word."
@@ -213,7 +213,7 @@ def test_a_patch_that_does_not_load_is_a_clear_400(proxy, source, why):
 # ---- the worker's limits, driven directly (short limits, so the test is short) -----------
 def _worker_run(source: str, limits: Limits, *calls: frames.Call):
     async def run():
-        worker = Worker("w", source, limits)
+        worker = Worker("w", source, Confinement(limits))
         try:
             try:
                 await worker.load()

@@ -145,7 +145,8 @@ def test_episodes_are_registered_run_at_their_base_url_and_graded(proxy, tmp_pat
 
 
 def test_reward_from_exit_status_and_a_timeout_kills_the_process_group(proxy, tmp_path, capsys):
-    _tasks(tmp_path, {"ok": {}, "bad": {"exit": 3}, "slow": {"sleep": 30}})
+    said = "noise\n" * 1000 + "Error: tests/test_x.py failed: no module named x\n"
+    _tasks(tmp_path, {"ok": {}, "bad": {"exit": 3, "stderr": said}, "slow": {"sleep": 30}})
     # 10 s: the harness imports the openai SDK, which alone took over 4 s at a load of 11.
     code = main(
         _args(proxy, tmp_path, "--config", "style=a", "--timeout", "10", "--run-id", "r2", "--json")
@@ -156,7 +157,17 @@ def test_reward_from_exit_status_and_a_timeout_kills_the_process_group(proxy, tm
     finished = {e["task_id"]: e for e in _episodes(proxy)}
     assert (finished["ok"]["reward"], finished["ok"]["outcome"]) == (1.0, "success")
     assert (finished["bad"]["reward"], finished["bad"]["outcome"]) == (0.0, "failure")
-    assert finished["bad"]["info"] == {"exit_code": 3}
+    # Why it failed, in its own words: the end of its stderr (all of it is in its log).
+    tail = said.strip()[-2000:]
+    assert finished["bad"]["info"] == {"exit_code": 3, "harness_stderr": tail}
+    assert said in (tmp_path / "logs" / f"{finished['bad']['id']}.log").read_text()
+    assert "harness_stderr" not in (finished["ok"]["info"] or {})
+    assert main(["packets", "--db", proxy.settings.database_url, "--out",
+                 str(tmp_path / "packets"), "--where", "task=bad"]) == 0
+    (packet,) = [json.loads(line) for line in (tmp_path / "packets" / "packets.jsonl")
+                 .read_text().splitlines()]
+    assert packet["outcome"]["harness_output"].endswith("Error: tests/test_x.py failed: "
+                                                        "no module named x")
     assert (finished["slow"]["reward"], finished["slow"]["outcome"]) == (0.0, "timeout")
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 5  # SIGKILL is delivered, not awaited, for the child

@@ -16,7 +16,7 @@ from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.scan import ScanError
-from tracetap.viewer import PREFIX, access, compare, live, pages, search, variants
+from tracetap.viewer import PREFIX, access, compare, engineer, live, pages, search, variants
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
@@ -66,6 +66,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r.add_get(base + "/compare/calls", compare.calls_page)
     r.add_get(base + "/variants", variants.variants_page)
     r.add_get(base + "/harnesses", variants.harnesses_page)
+    r.add_get(base + "/engineer/{group}", engineer.round_page)
     r.add_get(base + "/live", live.page)
     r.add_get(base + "/live/events", live.events)
     r.add_get(base + "/login", pages.login_form)

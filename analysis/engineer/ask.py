@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tracetap.analysis.runner.admin import AdminClient, AdminError, Harness, Registration
+from tracetap.analysis.runner.admin import AdminClient, Harness, Registration
 
 
 class Asked(msgspec.Struct, kw_only=True):
@@ -18,6 +18,7 @@ class Asked(msgspec.Struct, kw_only=True):
     candidate: int
     reply: str | None  # the engineer's text (None: the call failed, see error)
     error: str | None = None
+    existed: bool = False  # registered by an earlier run with this run id (not asked now)
 
 
 async def ask(
@@ -44,8 +45,10 @@ async def ask(
             metadata=metadata,
         )
     )
-    if registered is None:
-        raise AdminError(f"engineer episode {episode_id} exists: use another --run-id")
+    if registered is None:  # an earlier run's: resumed by the loop (engineer.resume)
+        return Asked(
+            episode_id=episode_id, group=group, candidate=candidate, reply=None, existed=True
+        )
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,

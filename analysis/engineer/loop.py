@@ -8,9 +8,16 @@
    hook runs on the packet's recorded calls within its budget (the proxy replays them:
    ``POST /tracetap/overlays/NAME/replay``), and it breaks
    none of a small guard set of tasks the baseline solved;
-5. run B with each valid patch and measure Δ_B against the baseline (``analysis.compare``);
-6. finish each candidate's engineer episode with Δ_B as its reward (an invalid patch
-   gets the stated penalty), so ``tracetap export`` yields GRPO groups.
+5. run B with each valid patch and measure Δ_B against the baseline (``analysis.compare``):
+   on the whole batch (in-batch) and on the tasks not in the group's packets (held out);
+6. finish each candidate's engineer episode with its reward, the held-out Δ_B where the
+   batch has held-out tasks (else the in-batch one; ``reward`` chooses), an invalid patch
+   the stated penalty; with its group's advantage as the trainer computes it (invalid
+   candidates in the group with their penalty), so ``tracetap export`` yields GRPO groups;
+7. delete each candidate's patch once it is judged (its worker ends with it).
+
+A proxy that runs no patch now (no sandbox, or its cap of workers reached) stops the loop
+with its message: that is the operator's to fix, never a candidate's penalty.
 """
 
 from __future__ import annotations
@@ -24,14 +31,15 @@ import msgspec
 
 from tracetap.analysis import packets as packets_module
 from tracetap.analysis.compare import compare
-from tracetap.analysis.engineer import prompt
+from tracetap.analysis.engineer import prompt, resume
 from tracetap.analysis.engineer.ask import Asked, ask
-from tracetap.analysis.episodes import load
+from tracetap.analysis.episodes import AnalysisError, load
 from tracetap.analysis.runner import plan
-from tracetap.analysis.runner.admin import AdminClient, AdminError, Finish
+from tracetap.analysis.runner.admin import AdminClient, AdminError, Finish, PatchesUnavailable
 from tracetap.analysis.runner.batch import run_batch
 from tracetap.analysis.runner.episode import Commands, Result
 from tracetap.analysis.select import Success, parse_selector
+from tracetap.analysis.stats import normalised
 from tracetap.storage.scan import EpisodeFilter
 
 SETTLE_SECONDS = 0.5
@@ -42,6 +50,7 @@ class Options(msgspec.Struct, kw_only=True, frozen=True):
     model: str
     candidates: int = 4  # K per packet
     penalty: float = -1.0  # the reward of an invalid patch
+    reward: str | None = None  # "in-batch" | "held-out"; None: held-out where the batch allows
     guard: int = 2  # tasks the baseline solved that a patch must not break
     hook_budget: float = 2.0  # seconds per hook on the recorded calls
     max_tokens: int = 4096  # of each engineer call (a small engine's context may not hold it)
@@ -62,11 +71,16 @@ class Row(msgspec.Struct, kw_only=True):
     sha256: str | None
     valid: bool
     why: str | None  # why it is invalid
-    delta: float | None = None
+    delta: float | None = None  # in-batch Δ_B
     interval: tuple[float, float] | None = None
+    held_out_tasks: int = 0  # tasks of B not in the packets it was written from
+    held_out_delta: float | None = None  # Δ_B on them (None: there are none)
+    held_out_interval: tuple[float, float] | None = None
     fixed: list[str] = []
     broken: list[str] = []
     reward: float = 0.0
+    reward_from: str | None = None  # "in-batch" or "held-out" (valid candidates)
+    advantage: float | None = None  # (reward - group mean) / population std, K >= 2
 
 
 async def engineer(
@@ -89,7 +103,7 @@ async def engineer(
         EpisodeFilter(),
         packets_module.Options(where=parse_selector(f"meta.run={base_run}")),
     )
-    chosen = found.packets[: options.max_packets]
+    chosen = distinct_first(found.packets, options.max_packets)
     print(
         f"tracetap engineer: baseline {base_run}: {len(baseline)} episodes, "
         f"{len(found.packets)} failure packets ({len(chosen)} used)",
@@ -99,26 +113,35 @@ async def engineer(
     solved = sorted(t for t, rate in base_rates.items() if rate == 1.0)  # every repeat
     guard = [t for t in tasks if t.id in solved[: options.guard]]
     groups = [chosen] if options.batch_packets and chosen else [[p] for p in chosen]
+    if options.reward == "held-out":
+        _check_held_out(tasks, groups)
     rows = []
     for group_packets in groups:
         group = _group_id(options.run_id, group_packets)
         asked = await _candidates(group, group_packets, options, engineer_admin)
+        judged, finished = [], set()
         for one in asked:
-            row = await _judge(
-                db,
-                one,
-                group_packets,
-                tasks,
-                guard,
-                commands,
-                options,
-                base_run,
-                admin,
-                progress,
-                base_rates,
-            )
-            await engineer_admin.finish(one.episode_id, _finish(row))
-            rows.append(row)
+            row = _row(one, options)
+            if one.existed and await _resumed(db, row, one, engineer_admin):
+                finished.add(row.episode_id)
+                judged.append(row)
+                continue
+            try:
+                await _judge(
+                    db, row, one, group_packets, tasks, guard, commands, options, base_run,
+                    admin, progress, base_rates,
+                )
+            finally:
+                if row.patch is not None:
+                    await admin.delete_overlay(row.patch)
+            judged.append(row)
+        if len(judged) >= 2:  # the group's advantages, invalid candidates included
+            for row, advantage in zip(judged, normalised([r.reward for r in judged])):
+                row.advantage = advantage
+        for row in judged:
+            if row.episode_id not in finished:
+                await engineer_admin.finish(row.episode_id, _finish(row))
+        rows += judged
     return rows
 
 
@@ -145,8 +168,51 @@ async def _candidates(
     )
 
 
+def distinct_first(packets: list[Any], limit: int | None) -> list[Any]:
+    """At most ``limit`` packets, one of each task first (in the builder's order), then
+    the others: two packets of one task say less than two tasks' failures."""
+    if limit is None:
+        return list(packets)
+    seen: set[str | None] = set()
+    first, rest = [], []
+    for p in packets:
+        (rest if p.task_id in seen else first).append(p)
+        seen.add(p.task_id)
+    return (first + rest)[:limit]
+
+
+async def _resumed(db: str, row: Row, asked: Asked, engineer_admin: AdminClient) -> bool:
+    """An earlier run's candidate: True when it finished (``row`` is what it recorded);
+    else False, with ``asked`` given the reply its episode recorded, to be judged now."""
+    state = await engineer_admin.episode(asked.episode_id)
+    fields = None if state is None else resume.judged(state.info, state.reward)
+    if state is not None and state.finished_at is not None and fields is not None:
+        for name, value in fields.items():
+            setattr(row, name, value)
+        return True
+    asked.reply = await resume.recorded_reply(db, asked.episode_id)
+    if asked.reply is None:
+        asked.error = "its episode (an earlier run's) recorded no reply in --db"
+    return False
+
+
+def _row(asked: Asked, options: Options) -> Row:
+    """A candidate before it is judged: invalid, with the penalty, until shown valid."""
+    return Row(
+        episode_id=asked.episode_id,
+        group=asked.group,
+        candidate=asked.candidate,
+        patch=None,
+        sha256=None,
+        valid=False,
+        why=None,
+        reward=options.penalty,
+    )
+
+
 async def _judge(
     db,
+    row: Row,
     asked: Asked,
     packets,
     tasks,
@@ -158,17 +224,8 @@ async def _judge(
     progress,
     base_rates: dict[str, float],
 ) -> Row:
+    """Fill ``row`` in; ``row.patch`` is set once the patch may be installed."""
     source = prompt.patch_of(asked.reply)
-    row = Row(
-        episode_id=asked.episode_id,
-        group=asked.group,
-        candidate=asked.candidate,
-        patch=None,
-        sha256=None,
-        valid=False,
-        why=None,
-        reward=options.penalty,
-    )
     if source is None:
         row.why = asked.error or "the reply has no ```python block"
         return row
@@ -176,6 +233,8 @@ async def _judge(
     row.patch = f"eng-{row.sha256[:12]}"
     try:
         await admin.install_overlay(row.patch, source)
+    except PatchesUnavailable:
+        raise  # the proxy's state, not the candidate's fault: the loop stops
     except AdminError as exc:
         row.why = str(exc).split(": ", 2)[-1]
         return row
@@ -199,11 +258,18 @@ async def _judge(
         parse_selector(f"meta.run={base_run}"),
         [parse_selector(f"meta.run={cand_run}")],
         success=Success(),
+        seen_tasks=frozenset(p.task_id for p in packets if p.task_id is not None),
+        reward=options.reward,
     )
     (candidate,) = result.candidates
     row.valid, row.delta, row.interval = True, candidate.delta, tuple(candidate.interval)
+    held = candidate.held_out
+    if held is not None:
+        row.held_out_tasks, row.held_out_delta = held.tasks, held.delta
+        row.held_out_interval = None if held.interval is None else tuple(held.interval)
     row.fixed, row.broken = candidate.flips.fixed, candidate.flips.broken
-    row.reward = candidate.delta
+    row.reward_from = result.reward
+    row.reward = candidate.reward if candidate.reward is not None else candidate.delta
     return row
 
 
@@ -237,6 +303,18 @@ def _rates(results: list[Result]) -> dict[str, float]:
     return {task: sum(v) / len(v) for task, v in by_task.items()}
 
 
+def _check_held_out(tasks: list[plan.Task], groups: list[list[Any]]) -> None:
+    """--reward held-out needs, for every group, a task of B outside its packets."""
+    for packets in groups:
+        seen = {p.task_id for p in packets}
+        if not {t.id for t in tasks} - seen:
+            raise AnalysisError(
+                "--reward held-out: every task of the batch is in the packets "
+                f"({', '.join(sorted(s for s in seen if s))}); leave tasks out of the "
+                "packets (--max-packets) or use --reward in-batch"
+            )
+
+
 def _group_id(run_id: str, packets: list[Any]) -> str:
     if len(packets) == 1:
         return plan.safe(f"{run_id}.{packets[0].episode_id}", 128)
@@ -248,8 +326,11 @@ def _finish(row: Row) -> Finish:
     info: dict[str, Any] = {"patch": row.patch, "sha256": row.sha256, "valid": row.valid}
     if row.valid:
         info.update(
-            delta=row.delta, interval=list(row.interval or ()), fixed=row.fixed, broken=row.broken
+            delta=row.delta, interval=list(row.interval or ()), fixed=row.fixed, broken=row.broken,
+            held_out_tasks=row.held_out_tasks, held_out_delta=row.held_out_delta,
+            held_out_interval=list(row.held_out_interval or ()), reward_from=row.reward_from,
         )
     else:
         info["invalid"] = row.why
+    info["advantage"] = row.advantage
     return Finish(reward=row.reward, outcome="valid" if row.valid else "invalid", info=info)

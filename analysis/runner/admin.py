@@ -15,6 +15,11 @@ class AdminError(RuntimeError):
     """The admin API refused or could not be reached (after retries)."""
 
 
+class PatchesUnavailable(AdminError):
+    """The proxy runs no patch at all now (no sandbox, or its cap of workers reached):
+    the operator's to fix, never a candidate's fault."""
+
+
 class Harness(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     config: dict[str, Any] | None = None
@@ -49,6 +54,7 @@ class EpisodeState(msgspec.Struct):
     finished_at: float | None = None
     reward: float | None = None
     outcome: str | None = None
+    info: dict[str, Any] | None = None
 
 
 class PriorConfig(msgspec.Struct):
@@ -116,9 +122,17 @@ class AdminClient:
         """``PUT /tracetap/overlays/NAME``: the patch, loaded and stored by the proxy (the
         same source again is accepted as it is)."""
         status, body = await self._call("PUT", f"/tracetap/overlays/{name}", {"source": source})
+        if status == 503:
+            raise PatchesUnavailable(f"installing overlay {name}: {_said(body)}")
         if status not in (200, 201):
             raise AdminError(f"installing overlay {name}: HTTP {status}: {_said(body)}")
         return msgspec.json.decode(body)
+
+    async def delete_overlay(self, name: str) -> None:
+        """``DELETE /tracetap/overlays/NAME`` (one already gone is fine): its worker ends."""
+        status, body = await self._call("DELETE", f"/tracetap/overlays/{name}")
+        if status not in (200, 404):
+            raise AdminError(f"deleting overlay {name}: HTTP {status}: {_said(body)}")
 
     async def replay_overlay(self, name: str, episode_id: str, budget: float) -> str | None:
         """The patch's hooks on the episode's recorded calls, in the proxy's sandbox: None
@@ -126,6 +140,8 @@ class AdminClient:
         status, body = await self._call(
             "POST", f"/tracetap/overlays/{name}/replay", {"episode": episode_id, "budget": budget}
         )
+        if status == 503:
+            raise PatchesUnavailable(f"replaying overlay {name}: {_said(body)}")
         if status != 200:
             raise AdminError(f"replaying overlay {name}: HTTP {status}: {_said(body)}")
         return msgspec.json.decode(body)["why"]

@@ -72,6 +72,20 @@ async def _attempt(slot: Slot, registered: Registered, commands: Commands) -> Fi
     log = commands.logs / f"{registered.id}.log" if commands.logs else None
     harness = argv(commands.harness, values, shell=commands.shell, what="--harness")
     exited = await process.run(harness, env=env, timeout=commands.timeout, log=log)
+    return _with_output(await _graded(exited, values, env, commands, log), exited)
+
+
+def _with_output(finish: Finish, exited: process.Exited) -> Finish:
+    """A harness that failed or timed out: the end of what it printed to stderr (why it
+    failed, in its own words) is in ``info.harness_stderr``, and so in its packet."""
+    if (exited.code == 0 and not exited.timed_out) or not exited.stderr_tail:
+        return finish
+    info = finish.info if isinstance(finish.info, dict) else {}
+    return msgspec.structs.replace(finish, info={**info, "harness_stderr": exited.stderr_tail})
+
+
+async def _graded(exited: process.Exited, values: dict[str, Any],
+                  env: dict[str, str], commands: Commands, log: Path | None) -> Finish:
     if exited.timed_out:
         return Finish(reward=0.0, outcome=outcomes.TIMEOUT, info={"timeout_s": commands.timeout})
     if commands.grader is None:

@@ -16,6 +16,7 @@ from tracetap.proxy.http.errors import ProxyError, bad_request, not_found
 from tracetap.proxy.overlays.hooks import EpisodeInfo
 from tracetap.proxy.overlays.patches import MAX_SOURCE, PatchRefused
 from tracetap.proxy.overlays.replay import replay
+from tracetap.proxy.overlays.workers import WorkerRefused
 from tracetap.proxy.runtime.keys import STATE
 from tracetap.storage import queries
 
@@ -124,7 +125,9 @@ async def replay_overlay(request: web.Request) -> web.Response:
         metadata=registered.get("metadata") or {},
     )
     calls = await queries.calls_of(state.engine, episode_id)
-    why, hooks = await replay(
-        name, found["source"], info, calls, spec.budget, state.overlays.patches.limits
-    )
+    worker = state.overlays.patches.worker(name, found["source"])
+    try:
+        why, hooks = await replay(worker, info, calls, spec.budget)
+    except WorkerRefused as refused:
+        raise ProxyError(503, str(refused), "invalid_request_error", refused.code) from refused
     return web.json_response({"ok": why is None, "why": why, "hooks": hooks, "calls": len(calls)})

@@ -11,7 +11,7 @@ database), ``workers`` runs each in a process of its own, ``patch_worker`` is th
 process, ``sandbox`` confines it, ``frames`` is the wire between the two.
 
 Owns: `hooks`, `loader`, `runner`, `context`, `review`, `deliver`, `live`, `frames`, `replay`,
-`examples`, `patches`, `workers`, `patch_worker`, `sandbox`.
+`examples`, `patches`, `workers`, `patch_worker`, `sandbox`, `bwrap`, `seccomp`.
 May import: `http`, `upstream`, `apis`; and, for annotations only, the call it reviews
 (`call.driver`) and the metrics it counts into (`runtime.metrics`).
 """

@@ -40,8 +40,11 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
 
     hooks: list[str]
     after_model_sees: str
-    network_namespace: bool  # unshare(CLONE_NEWUSER | CLONE_NEWNET) succeeded
+    network_namespace: bool  # a network namespace of its own (bubblewrap's, or unshare's)
     limits: dict[str, int]  # the rlimits set, by name
+    sandbox: str = "unsandboxed"  # "bwrap": in bubblewrap's namespaces (overlays.bwrap)
+    uid: int = -1  # the user it runs the patch as
+    seccomp: bool = False  # the filter of overlays.seccomp is on
 
 
 class Call(msgspec.Struct, tag=True, kw_only=True):

@@ -1,11 +1,13 @@
 """A patch's worker process: confines itself, loads the patch, then answers hook calls.
 
-Started by the proxy (``overlays.workers``) as ``python -m
-tracetap.proxy.overlays.patch_worker MEMORY_MB CPU_SECONDS FILES``, with frames
-(``overlays.frames``) on stdin and stdout. Everything it needs is imported and every file
-descriptor it uses is open before it confines itself; the patch is compiled and run
-after, so nothing in it runs unconfined. Hooks run one at a time; the episodes' states
-(what ``on_episode_start`` returned) live here and never leave the process.
+Started by the proxy (``overlays.workers``), in the sandbox ``overlays.bwrap`` builds,
+as ``patch_worker MEMORY_MB CPU_SECONDS FILES LOAD_SECONDS SANDBOX``, with frames
+(``overlays.frames``) on stdin and stdout; ``patch_worker probe`` only confines itself
+and says ``sandboxed`` (the proxy's check that the sandbox works here). Everything it
+needs is imported and every file descriptor it uses is open before it confines itself;
+the patch is compiled and run after, so nothing in it runs unconfined. Hooks run one at
+a time; the episodes' states (what ``on_episode_start`` returned) live here and never
+leave the process.
 """
 
 from __future__ import annotations
@@ -147,8 +149,18 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+def probe() -> int:
+    """Confine as a worker does, with nothing to load, and say so."""
+    sandbox.confine(memory_mb=256, cpu_seconds=5, files=16, sandboxed=True)
+    os.write(1, b"sandboxed\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    memory_mb, cpu_seconds, files, load_seconds = (int(a) for a in argv)
+    if argv == ["probe"]:
+        return probe()
+    memory_mb, cpu_seconds, files, load_seconds = (int(a) for a in argv[:4])
+    sandboxed = argv[4] == "bwrap"
     sys.dont_write_bytecode = True
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails, quietly
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the proxy's to handle
@@ -159,7 +171,9 @@ def main(argv: list[str]) -> int:
     request = frames.to_worker(first)
     assert isinstance(request, frames.Load)
     served = Served(types.ModuleType("unloaded"), cpu_seconds)
-    netns, limits = sandbox.confine(memory_mb=memory_mb, cpu_seconds=cpu_seconds, files=files)
+    confined = sandbox.confine(
+        memory_mb=memory_mb, cpu_seconds=cpu_seconds, files=files, sandboxed=sandboxed
+    )
     sandbox.cpu_budget(load_seconds + cpu_seconds)  # the proxy's wall limit ends a load first
     try:
         served.module = load(request.name, request.source)
@@ -170,8 +184,11 @@ def main(argv: list[str]) -> int:
         frames.Loaded(
             hooks=[h for h in HOOKS if served.module.__dict__.get(h) is not None],
             after_model_sees=served.module.__dict__.get("AFTER_MODEL_SEES", "reply"),
-            network_namespace=netns,
-            limits=limits,
+            network_namespace=confined.network_namespace,
+            limits=confined.limits,
+            sandbox=argv[4],
+            uid=confined.uid,
+            seccomp=confined.seccomp,
         )
     )
     while (data := pipe.read()) is not None:

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.overlays import frames
 from tracetap.proxy.overlays.hooks import EpisodeInfo, ModelReply, ModelRequest, Observation
-from tracetap.proxy.overlays.workers import Limits, Worker, WorkerDied
+from tracetap.proxy.overlays.workers import Confinement, Worker, WorkerDied, WorkerRefused
 from tracetap.storage import patches as stored
 
 log = logging.getLogger("tracetap.overlays")
@@ -72,7 +72,7 @@ class PatchOverlay:
         if not self.worker.alive:
             try:
                 await self.worker.load()
-            except ValueError as exc:
+            except (ValueError, WorkerRefused) as exc:
                 raise PatchFailed(f"its worker did not start: {exc}") from exc
 
     async def on_episode_start(self, episode: EpisodeInfo) -> PatchState:
@@ -117,9 +117,11 @@ def sha256(source: str) -> str:
 class Patches:
     """The patches this process knows, by name; every one is also in the database."""
 
-    def __init__(self, engine: AsyncEngine, limits: Limits, reserved: frozenset[str]) -> None:
+    def __init__(
+        self, engine: AsyncEngine, confinement: Confinement, reserved: frozenset[str]
+    ) -> None:
         self.engine = engine
-        self.limits = limits
+        self.confinement = confinement  # limits, sandbox, cap: shared by every worker
         self.reserved = reserved  # the names of overlays loaded at start
         self._live: dict[str, PatchOverlay] = {}
         self._lock = asyncio.Lock()
@@ -150,9 +152,12 @@ class Patches:
         existing = await stored.get(self.engine, name)
         if existing is not None:
             return self._same(name, digest, existing), False
-        worker = Worker(name, source, self.limits)
+        worker = self.worker(name, source)
         try:
             loaded = await worker.load()
+        except WorkerRefused as exc:
+            await worker.kill()
+            raise PatchRefused(503, exc.code, f"patch {name!r} is not installed: {exc}") from exc
         except ValueError as exc:
             await worker.kill()
             raise PatchRefused(
@@ -178,16 +183,26 @@ class Patches:
             await old.worker.kill()
         self.any = True
         log.info(
-            "overlay patch %s installed (sha256 %s, network namespace: %s)",
+            "overlay patch %s installed (sha256 %s, sandbox %s, uid %d, seccomp %s)",
             name,
             digest[:12],
-            loaded.network_namespace,
+            loaded.sandbox,
+            loaded.uid,
+            loaded.seccomp,
         )
         return {
             **_described(row),
             "network_namespace": loaded.network_namespace,
             "limits": loaded.limits,
+            "sandbox": loaded.sandbox,
+            "uid": loaded.uid,
+            "seccomp": loaded.seccomp,
         }, True
+
+    def worker(self, name: str, source: str) -> Worker:
+        """A worker for this patch source, in this process's sandbox and under its cap
+        (installed patches, and the short-lived ones of a replay)."""
+        return Worker(name, source, self.confinement)
 
     def _same(self, name: str, digest: str, row: dict[str, Any]) -> dict[str, Any]:
         if row["sha256"] != digest:
@@ -214,7 +229,7 @@ class Patches:
                 patch = self._live[name] = PatchOverlay(
                     name,
                     row["sha256"],
-                    Worker(name, row["source"], self.limits),
+                    self.worker(name, row["source"]),
                     row["hooks"],
                     row["after_model_sees"],
                 )

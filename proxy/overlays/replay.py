@@ -19,20 +19,18 @@ from tracetap.proxy.overlays.hooks import (
     Observation,
     ToolCall,
 )
-from tracetap.proxy.overlays.workers import Limits, Worker, WorkerDied
+from tracetap.proxy.overlays.workers import Worker, WorkerDied
 
 
 async def replay(
-    name: str,
-    source: str,
+    worker: Worker,
     episode: EpisodeInfo,
     calls: list[dict[str, Any]],
     budget: float,
-    limits: Limits,
 ) -> tuple[str | None, int]:
     """(None when every hook ran on every call within ``budget`` seconds, else why not;
-    how many hooks ran)."""
-    worker = Worker(name, source, limits)
+    how many hooks ran). ``worker`` is new (``Patches.worker``), and killed here; a
+    worker that cannot start at all raises WorkerRefused."""
     ran = 0
     try:
         try:

@@ -1,19 +1,25 @@
-"""What a patch's worker process does to itself before it imports the patch: no network,
-no processes, no writes, bounded memory, CPU and file descriptors (docs/overlays.md says
-exactly what each of these guarantees, and what it does not).
+"""What a patch's worker process does to itself before it imports the patch: another
+user, no network, no processes, no writes, bounded memory, CPU and file descriptors
+(docs/overlays.md says exactly what each of these guarantees, and what it does not).
 
-Runs in the worker only (``patch_worker``), in this order: a new user and network
-namespace where the kernel allows one (the only hard network boundary here), the rlimits,
-then an audit hook that refuses the operations a patch has no business doing. The hook
-cannot be removed from Python once added (PEP 578), and its refusals are written into its
-own code (constants), not read from anything a patch could rebind.
+Runs in the worker only (``patch_worker``), inside the sandbox ``overlays.bwrap`` made,
+in this order: drop to user 65534 where it started as root (bubblewrap without a user
+namespace), a new user and network namespace where it runs unsandboxed and the kernel
+allows one, the rlimits, the seccomp filter (``overlays.seccomp``), then an audit hook
+that refuses the operations a patch has no business doing. The hook cannot be removed from
+Python once added (PEP 578), and its refusals are written into its own code (constants),
+not read from anything a patch could rebind; it is a second wall, not the first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import sys
+from typing import NamedTuple
+
+from tracetap.proxy.overlays import seccomp
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -136,9 +142,34 @@ def refuse(event: str, args: tuple) -> None:
             raise PermissionError("overlay patches may not write files")
 
 
-def confine(*, memory_mb: int, cpu_seconds: int, files: int) -> tuple[bool, dict[str, int]]:
-    """All of it, once; returns (network namespace made, rlimits set)."""
-    netns = network_namespace()
+NOBODY = 65534
+
+
+def drop_user() -> int:
+    """Become user and group 65534, with no supplementary groups and so no capabilities;
+    RuntimeError if any id is left over (a worker that stays root runs no patch)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+    ids = (*os.getresuid(), *os.getresgid())
+    if 0 in ids or os.getgroups() not in ([], [NOBODY]):
+        raise RuntimeError(f"the worker is still uid/gid 0 ({ids}): refusing to run a patch")
+    return os.getuid()
+
+
+class Confined(NamedTuple):
+    network_namespace: bool
+    limits: dict[str, int]
+    uid: int
+    seccomp: bool
+
+
+def confine(*, memory_mb: int, cpu_seconds: int, files: int, sandboxed: bool) -> Confined:
+    """All of it, once. ``sandboxed``: inside bubblewrap (its namespaces made already)."""
+    uid = drop_user() if sandboxed else os.getuid()
+    netns = True if sandboxed else network_namespace()
     limits = limit(memory_mb, cpu_seconds, files)
+    filtered = seccomp.install()
     sys.addaudithook(refuse)
-    return netns, limits
+    return Confined(netns, limits, uid, filtered)

@@ -7,6 +7,11 @@ it is still busy with the hook and its late answer must reach nobody; so does a 
 that is not one. Either way the hook's call fails (open or closed, as configured), the
 worker is started again for the next one, and the episodes it served start their state
 again (``on_episode_start`` runs again before their next hook).
+
+Every worker of a process shares one ``Confinement``: the limits, the sandbox it starts in
+(``overlays.bwrap``) and the cap on workers at once (``--overlay-patch-max-workers``, so
+at most that many times ``--overlay-patch-memory`` in all). A worker holds its place from
+its first start until it is killed for good (``kill``), restarts included.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from typing import Any, NamedTuple
 
 import msgspec
 
 from tracetap.proxy.overlays import frames
+from tracetap.proxy.overlays.bwrap import Launcher, SandboxUnavailable
 
 log = logging.getLogger("tracetap.overlays")
 
@@ -42,13 +47,64 @@ class WorkerDied(Exception):
     """The worker exited, was killed, or wrote something that is not a frame."""
 
 
+class WorkerRefused(Exception):
+    """No worker is started: the sandbox cannot be set up here, or the cap is reached.
+    Not the patch's fault; the message says what the operator can do."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # the admin API's error code
+
+
+class Confinement:
+    """What all the workers of one process share: limits, sandbox, and the cap."""
+
+    def __init__(
+        self, limits: Limits, launcher: Launcher | None = None, max_workers: int = 8
+    ) -> None:
+        self.limits = limits
+        self.launcher = launcher or Launcher("bwrap")
+        self.max_workers = max_workers
+        self.running = 0  # workers holding a place (started, not killed for good)
+
+    def take(self) -> None:
+        if self.running >= self.max_workers:
+            raise WorkerRefused(
+                "overlay_capacity",
+                f"{self.running} patch workers are running, each of up to "
+                f"{self.limits.memory_mb} MiB (--overlay-patch-max-workers "
+                f"{self.max_workers}: {self.max_workers * self.limits.memory_mb} MiB in all); "
+                "delete a patch first (DELETE /tracetap/overlays/NAME)"
+            )
+        self.running += 1
+
+    def give(self) -> None:
+        self.running -= 1
+
+    async def argv(self) -> list[str]:
+        limits = self.limits
+        args = [str(limits.memory_mb), str(limits.cpu_seconds), str(limits.files),
+                str(limits.load_seconds), self.launcher.sandbox]
+        try:
+            return await self.launcher.argv(args)
+        except SandboxUnavailable as exc:
+            raise WorkerRefused(
+                "overlay_sandbox_unavailable",
+                f"runtime patches run only in a sandbox, and {exc}; or start the proxy "
+                "with --overlay-patch-sandbox unsandboxed to run them without one "
+                "(only for patches you trust: docs/overlays.md)"
+            ) from exc
+
+
 class Worker:
     """One patch's worker process (restarted as needed by ``call``)."""
 
-    def __init__(self, name: str, source: str, limits: Limits) -> None:
+    def __init__(self, name: str, source: str, confinement: Confinement) -> None:
         self.name = name
         self.source = source
-        self.limits = limits
+        self.confinement = confinement
+        self.limits = confinement.limits
+        self._placed = False  # holds a place in the confinement's cap
         self.process: asyncio.subprocess.Process | None = None
         self.loaded: frames.Loaded | None = None
         self.generation = 0  # raised at every start: episodes started before start again
@@ -60,7 +116,8 @@ class Worker:
         self._reapers: set[asyncio.Future] = set()  # waits of killed processes
 
     async def load(self) -> frames.Loaded:
-        """Start the worker and load the patch; ValueError saying why it did not load."""
+        """Start the worker and load the patch; ValueError saying why it did not load,
+        WorkerRefused when it could not be started at all."""
         async with self._lock:
             return await self._start()
 
@@ -77,14 +134,12 @@ class Worker:
             )
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG")}
         self.loaded = None
+        argv = await self.confinement.argv()
+        if not self._placed:
+            self.confinement.take()
+            self._placed = True
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tracetap.proxy.overlays.patch_worker",
-            str(self.limits.memory_mb),
-            str(self.limits.cpu_seconds),
-            str(self.limits.files),
-            str(self.limits.load_seconds),
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -129,7 +184,7 @@ class Worker:
         async with self._lock:
             try:
                 await self._start()
-            except ValueError as exc:  # it loaded once: now it does not (a replica)
+            except (ValueError, WorkerRefused) as exc:  # it loaded once: now it does not
                 raise WorkerDied(str(exc)) from exc
             try:
                 if start is not None and call.episode not in self.started:
@@ -175,7 +230,7 @@ class Worker:
             raise WorkerDied(f"not a frame: {exc}") from exc
 
     def _ended(self, code: int) -> str:
-        if code == -signal.SIGXCPU:  # RLIMIT_CPU's soft limit
+        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # RLIMIT_CPU's (bwrap: 128+)
             return (f"it used more than {self.limits.cpu_seconds} s of CPU time "
                     "(--overlay-patch-cpu)")
         return f"exit status {code}"
@@ -190,8 +245,11 @@ class Worker:
             self._reapers.add(asyncio.ensure_future(process.wait()))
 
     async def kill(self) -> None:
-        """Kill the worker and wait until it and its pipes are gone."""
+        """Kill the worker and wait until it and its pipes are gone; its place is free."""
         self._kill_now()
+        if self._placed:
+            self._placed = False
+            self.confinement.give()
         if self._reapers:
             await asyncio.gather(*self._reapers, return_exceptions=True)
             self._reapers.clear()

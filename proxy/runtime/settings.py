@@ -13,6 +13,7 @@ from tracetap.proxy.apis.routing import parse_translate
 from tracetap.proxy.episodes.budgets import Budget
 from tracetap.proxy.episodes.model_map import ModelMap
 from tracetap.proxy.http.exposure import Exposure
+from tracetap.proxy.overlays.bwrap import SANDBOXES as PATCH_SANDBOXES
 from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
 from tracetap.proxy.upstream.specs import UpstreamSpec, parse_upstreams
 from tracetap.storage import config
@@ -71,6 +72,8 @@ class Settings(msgspec.Struct, kw_only=True):
     overlay_max_resamples: int = 2
     overlay_patch_memory: int = 512  # MiB of address space for a runtime patch's worker
     overlay_patch_cpu: int = 10  # CPU seconds a runtime patch's hook may use (a backstop)
+    overlay_patch_max_workers: int = 8  # patch workers at once (x --overlay-patch-memory)
+    overlay_patch_sandbox: str = "bwrap"  # or "unsandboxed": the operator trusts patches
     workers: int = 1
     tokenizer: str | None = None
     routed_experts: bool = False  # ask for MoE routing, store it (proxy.call.routed_experts)
@@ -158,6 +161,11 @@ class Settings(msgspec.Struct, kw_only=True):
         if self.overlay_patch_memory < 64 or self.overlay_patch_cpu < 1:
             raise ValueError("--overlay-patch-memory is 64 MiB or more, "
                              "--overlay-patch-cpu 1 s or more")
+        if self.overlay_patch_max_workers < 1:
+            raise ValueError("--overlay-patch-max-workers is 1 or more")
+        if self.overlay_patch_sandbox not in PATCH_SANDBOXES:
+            raise ValueError(
+                f"--overlay-patch-sandbox is one of {', '.join(PATCH_SANDBOXES)}")
         self.default_budget  # noqa: B018 -- fail at start on a non-positive limit
 
     def _check_reaching(self) -> None:
@@ -315,6 +323,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       default=int(_env("overlay_patch_cpu", d.overlay_patch_cpu)),
       help="CPU seconds (RLIMIT_CPU) a runtime patch's hook may use before its worker is "
            "ended: a backstop behind --overlay-timeout")
+    a("--overlay-patch-max-workers", type=int, metavar="N",
+      default=int(_env("overlay_patch_max_workers", d.overlay_patch_max_workers)),
+      help="runtime patch workers at once (so at most N x --overlay-patch-memory in all); "
+           "an install past it is refused (503 overlay_capacity)")
+    a("--overlay-patch-sandbox", choices=PATCH_SANDBOXES,
+      default=_env("overlay_patch_sandbox", d.overlay_patch_sandbox),
+      help="bwrap runs each runtime patch in bubblewrap's namespaces as another user, with "
+           "seccomp (patches are refused where it cannot be set up); unsandboxed runs them "
+           "as plain child processes that can read what the proxy can: only for patches "
+           "you trust (docs/overlays.md)")
     a("--episode-max-calls", type=int, default=_int_env("episode_max_calls"),
       help="default per-episode budget: model calls")
     a("--episode-max-tokens", type=int, default=_int_env("episode_max_tokens"),

@@ -24,9 +24,10 @@ from tracetap.proxy.episodes.repair import Repair
 from tracetap.proxy.episodes.tagging import Tagger
 from tracetap.proxy.http.exposure import Exposure
 from tracetap.proxy.http.failures import Failures
+from tracetap.proxy.overlays.bwrap import Launcher
 from tracetap.proxy.overlays.patches import Patches
 from tracetap.proxy.overlays.runner import Overlays
-from tracetap.proxy.overlays.workers import Limits
+from tracetap.proxy.overlays.workers import Confinement, Limits
 from tracetap.proxy.policy.controls import Controls
 from tracetap.proxy.policy.gate import Gate
 from tracetap.proxy.runtime.metrics import Metrics
@@ -93,8 +94,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
                           timeout=settings.overlay_timeout,
                           max_resamples=settings.overlay_max_resamples, metrics=metrics,
                           registered=functools.partial(queries.episode_registration, engine),
-                          patches=Patches(engine, Limits(settings.overlay_patch_memory,
-                                                         settings.overlay_patch_cpu),
+                          patches=Patches(engine, _confinement(settings),
                                           reserved=frozenset(overlays))),
         routing=Routing(settings.translate),
         instance=instance,
@@ -104,3 +104,10 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         gate=gate,
         controls=Controls(engine, gate, instance, on_pause=metrics.set_paused),
     )
+
+
+def _confinement(settings: Settings) -> Confinement:
+    """The runtime patches' workers: limits, sandbox and cap (docs/overlays.md)."""
+    limits = Limits(settings.overlay_patch_memory, settings.overlay_patch_cpu)
+    return Confinement(limits, Launcher(settings.overlay_patch_sandbox),
+                       settings.overlay_patch_max_workers)

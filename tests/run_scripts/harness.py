@@ -7,7 +7,7 @@ Task behaviour comes from DIR/tasks/TASK_ID.json: ``exit`` (its exit status), ``
 (seconds, after starting a child that sleeps too: a timeout must kill both), ``barrier``
 (wait until that many harnesses run at once, up to 15 s; it records
 how many it saw running, at the barrier and at most), ``block`` (wait while the file
-DIR/block exists, up to 30 s).
+DIR/block exists, up to 30 s), ``stderr`` (text it prints to stderr before it exits).
 """
 
 import json
@@ -67,4 +67,5 @@ out.mkdir(exist_ok=True)
     )
 )
 (running / episode).unlink()
+sys.stderr.write(task.get("stderr", ""))  # why it failed, in its own words
 sys.exit(task.get("exit", 0))
