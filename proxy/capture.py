@@ -120,7 +120,7 @@ class ModelCall(CallReview):
                 return self.fail(error, "error")
             except asyncio.CancelledError:  # the proxy stopping under the call
                 if not self.relaying:  # else the relay has said how the stream ended
-                    self.abort("client_disconnected", "cancelled before the reply was sent")
+                    self.abort("proxy_stopped", "cancelled before the reply was sent")
                 raise
         finally:
             metrics.inflight.dec()
@@ -192,10 +192,11 @@ class ModelCall(CallReview):
             # End the client's stream the way the upstream ended ours: abruptly.
             if request.transport is not None:
                 request.transport.abort()
-        except (ConnectionResetError, asyncio.CancelledError) as exc:
+        except ConnectionResetError:
             self.abort("client_disconnected", "client went away mid-stream")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except asyncio.CancelledError:  # aiohttp cancels no handler for a client gone
+            self.abort("proxy_stopped", "the proxy stopped mid-stream")
+            raise
         finally:
             # Closed now: left mid-way, they would hold their cut in the gate till collected.
             await reads.aclose()
@@ -361,10 +362,9 @@ class ModelCall(CallReview):
         self.journal()
         self._spend()
         if self.relay is not None:
-            # The relay points back at its call: without this the pair is a cycle, and
-            # the call's context-sized buffers (request, payload, first chunk) would wait
-            # for the cyclic collector (50,000 allocations, serve._tune_gc) instead of
-            # being freed now: at 60k context, 400+ fresh page faults a turn and 2x the RSS.
+            # The relay points back at its call: a cycle, whose context-sized buffers (request,
+            # payload, first chunk) would wait for the cyclic collector (serve._tune_gc), not
+            # be freed now: at 60k context, 400+ fresh page faults a turn and 2x the RSS.
             self.relay.call = None
         asyncio.get_running_loop().call_soon(
             services.metrics.observe_call, self, self.timings.elapsed())

@@ -130,4 +130,6 @@ STATUSES = (
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
+    "error",  # the proxy failed on the request itself (500 internal_error)
+    "proxy_stopped",  # the proxy was stopped under the call (past --drain-timeout)
 )

@@ -5,10 +5,13 @@ the viewer; tombstones for records that could not be stored (storage.tombstones)
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import NamedTuple
 
 import openai
 import pyarrow.parquet as pq
 import pytest
+from sqlalchemy import text
 from helpers.chat_upstreams import scripted_chat_app
 from helpers.http import fetch, metrics_text
 from helpers.loop import free_port
@@ -19,29 +22,100 @@ from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.proxy.settings import Settings
 from tracetap.storage.engine import create_engine
-from tracetap.storage.integrity import cause_of, verdicts_of
+from tracetap.storage.integrity import (
+    AGENT_CAUSES,
+    CAUSES,
+    INFRA_CAUSES,
+    cause_of,
+    verdicts_of,
+)
 from tracetap.storage.journal import Journal
-from tracetap.storage.records import CallRecord
+from tracetap.storage.records import STATUSES, CallRecord
+from tracetap.storage.rows import insert_calls
 from tracetap.storage.writer import Writer
 
 
-@pytest.mark.parametrize(("status", "http", "ids_missing", "cause"), [
-    ("ok", 200, None, None),
-    ("ok", 400, None, None),  # "context too long": the harness's own doing
-    ("ok", 503, None, "upstream_error"),
-    ("ok", 429, None, "upstream_error"),
-    ("ok", 200, "no_tokenizer", "no_token_ids"),
-    ("upstream_unreachable", 502, None, "upstream_error"),
-    ("upstream_timeout", 504, None, "upstream_timeout"),
-    ("bad_request", 400, None, "refused"),
-    ("budget_exceeded", 429, None, "budget_exceeded"),
-    ("client_disconnected", 200, None, "client_disconnected"),
-    ("vetoed", 200, None, None),
-    ("passthrough", 200, None, None),
-    ("record_dropped", 200, None, "record_dropped"),
-])
-def test_a_calls_cause(status, http, ids_missing, cause):
-    assert cause_of(status, http, ids_missing) == cause
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "export.md"
+
+
+class Row(NamedTuple):
+    status: str
+    http: int
+    ids_missing: str | None
+    cause: str | None
+    integrity: str
+
+
+def documented() -> list[Row]:
+    """docs/export.md's table of every stored status, its cause and verdict."""
+    text = DOCS.read_text()
+    table = text[text.index("| status | HTTP | ids_missing |"):].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        status, http, missing, cause, integrity = (
+            c.strip().strip("`") for c in line.strip("|").split("|")[:5])
+        rows.append(Row(status, int(http), missing or None, cause or None, integrity))
+    return rows
+
+
+def test_the_table_covers_every_status_and_cause():
+    rows = documented()
+    assert {r.status for r in rows} == set(STATUSES)
+    assert {r.cause for r in rows} - {None} == set(CAUSES)
+    # An agent's cause never makes an episode infra; an infrastructure cause always does.
+    for row in rows:
+        assert row.integrity == ("infra" if row.cause in INFRA_CAUSES else "clean"), row
+    assert not set(AGENT_CAUSES) & set(INFRA_CAUSES)
+    assert all(c.startswith("agent_") for c in AGENT_CAUSES)
+
+
+@pytest.mark.parametrize("row", documented(), ids=lambda r: f"{r.status}-{r.http}-{r.ids_missing}")
+def test_a_calls_cause(row):
+    assert cause_of(row.status, row.http, row.ids_missing) == row.cause
+
+
+def _stored_call(n: int, row: Row) -> CallRecord:
+    return CallRecord(call_id=f"c-{n}", episode_id=f"e-{n}", endpoint="chat.completions",
+                      status=row.status, http_status=row.http, ids_missing=row.ids_missing,
+                      t_start=1.0, t_end=2.0, request="{}", model="m")
+
+
+def test_every_documented_status_gives_its_verdict_on_both_paths(db_url, tmp_path):
+    """One episode per row of the table, stored: the database's grouped query
+    (storage.integrity.verdicts: the viewer, analysis, the finish metric) and the
+    export's reading of the rows (exporters.annotate) both give the documented cause and
+    verdict, and a clean episode of only agent failures keeps its causes."""
+    rows = documented()
+    records = [_stored_call(n, row) for n, row in enumerate(rows)]
+    records.append(CallRecord(call_id="mixed-1", episode_id="mixed", endpoint="chat.completions",
+                              status="client_disconnected", http_status=200, t_start=1.0,
+                              t_end=2.0, request="{}"))
+    records.append(CallRecord(call_id="mixed-2", episode_id="mixed", endpoint="chat.completions",
+                              status="bad_request", http_status=400, t_start=3.0, t_end=4.0,
+                              request="{}"))
+
+    async def store():
+        engine = create_engine(db_url)
+        try:
+            await insert_calls(engine, records)
+            async with engine.begin() as conn:
+                await conn.execute(text("UPDATE episodes SET finished_at = 5000.0, reward = 0"))
+            return await verdicts_of(engine, [r.episode_id for r in records])
+        finally:
+            await engine.dispose()
+
+    found = asyncio.run(store())
+    export(db_url, tmp_path / "out", datasets=["calls"])
+    exported = {c["call_id"]: c for c in pq.read_table(tmp_path / "out" / "calls").to_pylist()}
+    for n, row in enumerate(rows):
+        on_db, on_export = found[f"e-{n}"], exported[f"c-{n}"]
+        assert on_db.integrity == row.integrity, row
+        assert on_db.causes == ({row.cause: 1} if row.cause else {}), row
+        assert (on_export["integrity"], on_export["integrity_cause"]) == (
+            row.integrity, row.cause), row
+    assert found["mixed"].integrity == "clean"
+    assert found["mixed"].causes == {"agent_bad_request": 1, "agent_disconnect": 1}
+    assert found["mixed"].describe() == "clean: agent_bad_request (1), agent_disconnect (1)"
 
 
 def ask(proxy: Proxy, episode: str, text: str = "hi") -> None:
