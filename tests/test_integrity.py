@@ -118,45 +118,55 @@ def test_every_documented_status_gives_its_verdict_on_both_paths(db_url, tmp_pat
     assert found["mixed"].describe() == "clean: agent_bad_request (1), agent_disconnect (1)"
 
 
-def ask(proxy: Proxy, episode: str, text: str = "hi") -> None:
+def ask(proxy: Proxy, episode: str, text: str = "hi", extra: dict | None = None) -> None:
     client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="k", max_retries=0)
-    client.chat.completions.create(model="mock-model", max_tokens=8,
+    client.chat.completions.create(model="mock-model", max_tokens=8, extra_body=extra,
                                    messages=[{"role": "user", "content": text}])
 
 
-def test_an_exhausted_budget_makes_an_episode_infra_everywhere(proxy, tmp_path, capsys):
-    for episode, budget in (("clean", {}), ("starved", {"max_calls": 1})):
+def test_an_exhausted_budget_is_the_agents_and_an_upstream_failure_infra_everywhere(
+        proxy, tmp_path, capsys):
+    """A budget the agent spent keeps its episode clean (cause agent_budget); an
+    upstream's 500 makes its episode infra: at the finish (/metrics), in both datasets,
+    and under --exclude-infra."""
+    for episode, budget in (("clean", {}), ("starved", {"max_calls": 1}), ("down", {})):
         assert proxy.admin("POST", "/tracetap/episodes",
                            {"id": episode, "budget": budget or None})[0] == 201
+    for episode in ("clean", "starved", "down"):
         ask(proxy, episode)
     with pytest.raises(openai.PermissionDeniedError):  # 403: the calls budget is spent
         ask(proxy, "starved", "again")
-    for episode in ("clean", "starved"):
+    with pytest.raises(openai.InternalServerError):
+        ask(proxy, "down", "again", {"mock_status": 500})
+    for episode in ("clean", "starved", "down"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                            {"reward": 1.0})[0] == 200
     metrics = metrics_text(proxy.url)
-    assert 'tracetap_episodes_integrity_total{integrity="clean"} 1.0' in metrics
-    assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
-    assert 'tracetap_episode_integrity_causes_total{cause="budget_exceeded"} 1.0' in metrics
-
     db = proxy.settings.db
+    assert 'tracetap_episodes_integrity_total{integrity="clean"} 2.0' in metrics
+    assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
+    assert 'tracetap_episode_integrity_causes_total{cause="agent_budget"} 1.0' in metrics
+    assert 'tracetap_episode_integrity_causes_total{cause="upstream_error"} 1.0' in metrics
+
     export(db, tmp_path / "all")
     rows = {r["episode_id"]: r for r in pq.read_table(tmp_path / "all" / "trajectories")
             .to_pylist()}
     assert rows["clean"]["integrity"] == "clean" and rows["clean"]["integrity_causes"] == []
-    assert rows["starved"]["integrity"] == "infra"
-    assert rows["starved"]["integrity_causes"] == [{"cause": "budget_exceeded", "calls": 1}]
+    assert rows["starved"]["integrity"] == "clean"
+    assert rows["starved"]["integrity_causes"] == [{"cause": "agent_budget", "calls": 1}]
+    assert rows["down"]["integrity"] == "infra"
+    assert rows["down"]["integrity_causes"] == [{"cause": "upstream_error", "calls": 1}]
     calls = pq.read_table(tmp_path / "all" / "calls").to_pylist()
-    starved = sorted((c["status"], c["integrity"], c["integrity_cause"]) for c in calls
+    starved = sorted((c["status"], c["integrity"], c["integrity_cause"] or "") for c in calls
                      if c["episode_id"] == "starved")
-    assert starved == [("budget_exceeded", "infra", "budget_exceeded"), ("ok", "infra", None)]
+    assert starved == [("budget_exceeded", "clean", "agent_budget"), ("ok", "clean", "")]
 
     out = tmp_path / "clean-only"
     assert cli.main(["export", "--db", db, "--out", str(out), "--exclude-infra"]) == 0
     assert "left out: 1 episodes with integrity infra" in capsys.readouterr().out
-    assert {r["episode_id"] for r in pq.read_table(out / "calls").to_pylist()} == {"clean"}
-    assert {r["episode_id"] for r in pq.read_table(out / "trajectories").to_pylist()} == {
-        "clean"}
+    for dataset in ("calls", "trajectories"):
+        assert {r["episode_id"] for r in pq.read_table(out / dataset).to_pylist()} == {
+            "clean", "starved"}
 
 
 def test_an_upstream_failure_shows_in_the_viewer(loop_thread, serve_app, tmp_path):
