@@ -39,7 +39,7 @@ from aiohttp import web
 
 from tracetap.proxy import continuation, lineage
 from tracetap.proxy.bodies import read_body
-from tracetap.proxy.budgets import BudgetExceeded, Reservation, reservation_size
+from tracetap.proxy.budgets import BudgetExceeded, Reservation, charged
 from tracetap.proxy.call_record import call_record
 from tracetap.proxy.call_request import CallRequest
 from tracetap.proxy.call_review import CallReview
@@ -234,10 +234,9 @@ class ModelCall(CallReview):
     async def reserve(self, keyed: bool, body_bytes: int) -> None:
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded); the
         request must be parsed (its completion cap decides how many)."""
-        request = self.request
-        size = reservation_size(request.client_payload or request.payload, body_bytes)
-        self.reservation = await self.services.budgets.reserve(self.episode_id, size,
-                                                               keyed=keyed)
+        payload = self.request.client_payload or self.request.payload
+        self.reservation = await self.services.budgets.reserve_call(
+            self.episode_id, payload, body_bytes, keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""
@@ -391,8 +390,7 @@ class ModelCall(CallReview):
         if self._spent:
             return
         self._spent = True
-        prompt_tokens, completion_tokens = self.capture.tokens()
-        used = (prompt_tokens or 0) + (completion_tokens or 0)
+        used = charged(self.capture, self.reservation)  # usage, else the tokens seen
         if self.first_attempt is None:
             self.services.budgets.settle(self.reservation, used)
         else:

@@ -11,11 +11,11 @@ from typing import NamedTuple
 import openai
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import text
 from helpers.chat_upstreams import scripted_chat_app
 from helpers.http import fetch, metrics_text
 from helpers.loop import free_port
 from helpers.servers import Proxy
+from sqlalchemy import text
 
 from tracetap import cli
 from tracetap.exporters import export
@@ -33,7 +33,6 @@ from tracetap.storage.journal import Journal
 from tracetap.storage.records import STATUSES, CallRecord
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.writer import Writer
-
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "export.md"
 

@@ -1,0 +1,97 @@
+"""The policy under training against its own training signal: what it can do to its own
+episode with only the episode's base URL (its key), each attack against the logging
+upstream (tests/helpers/hostile.py) and the real openai SDK.
+
+- Its own failures (a bad request, a stream it closes early, a budget it spends) keep its
+  episode clean, with an ``agent_*`` cause per call; the operator's pause that outlasts
+  its timeout is infra (storage.integrity, docs/export.md).
+- Budgets charge the tokens that went out when a cut stream never reported usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+from helpers.hostile import MESSAGES, refused_count
+from helpers.http import finish, register
+from helpers.loop import free_port
+from helpers.servers import Proxy
+
+from tracetap.proxy.settings import Settings
+from tracetap.storage import budget_ledger
+from tracetap.storage.engine import create_engine
+from tracetap.storage.integrity import verdicts_of
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def _stored(proxy, episode: str, count: int) -> list[dict]:
+    """The episode's calls once ``count`` of them are stored (a cut stream is recorded
+    when the proxy notices the client gone, at its next write)."""
+    deadline = time.monotonic() + 30
+    while len(calls := proxy.calls(episode)) < count:
+        assert time.monotonic() < deadline, calls
+        time.sleep(0.05)  # polling: the proxy records the cut call on its own time
+    return calls
+
+
+def _read(proxy, coro):
+    async def go():
+        engine = create_engine(proxy.settings.db)
+        try:
+            return await coro(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def _verdict(proxy, episode: str):
+    proxy.flush()
+    return _read(proxy, lambda engine: verdicts_of(engine, [episode]))[episode]
+
+
+# ---- budgets charge what the engine generated ----------------------------------------------
+
+def test_cut_streams_are_charged_the_tokens_that_went_out(hostile, seen):
+    """Six streams cut before their final usage chunk, in a 400-token budget: each is
+    charged its prompt and the completion tokens it received, so the budget is spent
+    and the calls after it are refused (403), never sent upstream."""
+    created = register(hostile, "cutter", budget={"max_tokens": 400})
+    outcomes = []
+    with _client(created["base_url"]) as client:
+        for n in range(6):
+            try:
+                stream = client.chat.completions.create(
+                    model="mock-model", messages=MESSAGES, max_tokens=300, stream=True,
+                    extra_body={"mock_completion_tokens": 300, "mock_chunk_delay_s": 0.002})
+            except openai.PermissionDeniedError as refused:
+                assert refused.code == "episode_budget_exceeded"
+                outcomes.append("refused")
+                continue
+            got = 0
+            for chunk in stream:
+                got += sum(len(c.delta.content or "") > 0 for c in chunk.choices)
+                if got >= 100:
+                    break
+            stream.close()  # cut before the final chunk: no usage reached the proxy
+            outcomes.append("cut")
+            _stored(hostile, "cutter", n + 1)
+    spent = _read(hostile, lambda engine: budget_ledger.spent(engine, "cutter"))
+    assert outcomes[:3] == ["cut"] * 3 and "refused" in outcomes, outcomes
+    assert outcomes[outcomes.index("refused"):] == ["refused"] * (6 - outcomes.index("refused"))
+    assert spent.tokens_used >= 400 and spent.tokens_reserved == 0
+    cut = [c for c in hostile.calls("cutter") if c["status"] == "client_disconnected"]
+    # Charged at least the completion tokens each cut stream received.
+    assert spent.tokens_used >= sum(len(c["choices"][0]["completion_ids"]) for c in cut)
+    assert sum(1 for m, _, _ in seen if m == "POST") == outcomes.count("cut")
+    # Its own cuts and its spent budget are the agent's: the episode stays trainable.
+    finish(hostile, "cutter", 0.0)
+    verdict = _verdict(hostile, "cutter")
+    assert verdict.integrity == "clean"
+    assert set(verdict.causes) == {"agent_disconnect", "agent_budget"}
