@@ -15,7 +15,7 @@ import time
 
 import openai
 import pytest
-from helpers.hostile import MESSAGES, refused_count
+from helpers.hostile import MESSAGES
 from helpers.http import finish, register
 from helpers.loop import free_port
 from helpers.servers import Proxy
@@ -95,3 +95,60 @@ def test_cut_streams_are_charged_the_tokens_that_went_out(hostile, seen):
     verdict = _verdict(hostile, "cutter")
     assert verdict.integrity == "clean"
     assert set(verdict.causes) == {"agent_disconnect", "agent_budget"}
+
+
+# ---- the verdict says who failed -----------------------------------------------------------
+
+def test_the_agents_own_failures_keep_its_episode_clean(hostile, seen):
+    """A body that is not JSON, a request the engine refuses (4xx) and a stream closed
+    early are the policy's doing: counted per call as agent_* causes, never infra (a
+    trainer dropping infra episodes would otherwise drop exactly the ones it failed)."""
+    created = register(hostile, "sly")
+    with _client(created["base_url"]) as client:
+        with pytest.raises(openai.BadRequestError):
+            client.post("/chat/completions", cast_to=object, content=b"{not json",
+                        options={"headers": {"Content-Type": "application/json"}})
+        with pytest.raises(openai.BadRequestError):  # the engine's own 4xx
+            client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                           max_tokens=2, extra_body={"mock_status": 400})
+        stream = client.chat.completions.create(
+            model="mock-model", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_completion_tokens": 200, "mock_chunk_delay_s": 0.005})
+        next(iter(stream))
+        stream.close()
+    calls = _stored(hostile, "sly", 3)
+    assert sorted((c["status"], c["http_status"]) for c in calls) == [
+        ("bad_request", 400), ("client_disconnected", 200), ("ok", 400)]
+    finish(hostile, "sly", 0.0)
+    verdict = _verdict(hostile, "sly")
+    assert verdict.integrity == "clean"
+    assert verdict.causes == {"agent_bad_request": 2, "agent_disconnect": 1}
+
+
+@pytest.fixture
+def impatient(loop_thread, upstream, tmp_path, migrated_sqlite):
+    """The logging upstream's proxy, whose pause holds a call at most 0.3 s."""
+    settings = Settings(upstream=upstream, db=migrated_sqlite(tmp_path / "i.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        upstream_flavor="vllm", pause_timeout=0.3)
+    proxy = Proxy(loop_thread, settings).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_a_call_held_past_the_pause_timeout_is_the_operators(impatient, seen):
+    proxy = impatient
+    created = register(proxy, "held")
+    assert proxy.admin("POST", "/tracetap/pause", {"wait": False})[0] == 200
+    try:
+        with _client(created["base_url"]) as client, pytest.raises(
+                openai.APIStatusError) as held:
+            client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                           max_tokens=2)
+    finally:
+        assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+    assert held.value.status_code == 503
+    assert [c["status"] for c in _stored(proxy, "held", 1)] == ["paused"]
+    verdict = _verdict(proxy, "held")
+    assert (verdict.integrity, verdict.causes) == ("infra", {"paused": 1})
+    assert not [m for m, _, _ in seen if m == "POST"]
