@@ -114,6 +114,8 @@ async def create_episode(request: web.Request) -> web.Response:
     state = request.app[STATE]
     spec = await _decode(request, EpisodeCreate)
     episode_id = validate_episode_id(spec.id) if spec.id is not None else uuid7()
+    if state.arrivals.served(episode_id):  # calls to it here, maybe not stored yet
+        raise _has_calls(episode_id)
     if spec.group_id is not None:
         validate_episode_id(spec.group_id)
     if spec.parent is not None:
@@ -129,6 +131,8 @@ async def create_episode(request: web.Request) -> web.Response:
             task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
             metadata=metadata, budget=limits, parent_id=spec.parent,
         )
+    except queries.EpisodeHasCalls as exc:
+        raise _has_calls(episode_id) from exc
     except queries.EpisodeExists as exc:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
                          "episode_exists") from exc
@@ -144,6 +148,13 @@ async def create_episode(request: web.Request) -> web.Response:
     base_url = f"{state.settings.base_url}/episodes/{episode_path(episode_id, api_key)}/v1"
     return web.json_response({"id": episode_id, "base_url": base_url, "api_key": api_key},
                              status=201)
+
+
+def _has_calls(episode_id: str) -> ProxyError:
+    # Calls sent to an id before it was registered came from whoever guessed it: a
+    # registration never adopts them (register ids no one has used: unguessable ones).
+    return ProxyError(409, f"episode {episode_id!r} already has calls: register an id no "
+                      "call has used", "invalid_request_error", "episode_has_calls")
 
 
 async def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
@@ -187,6 +198,7 @@ async def finish_episode(request: web.Request) -> web.Response:
     state.metrics.episode_finished(spec.reward)
     if (verdict := await verdict_at_finish(state, episode_id)) is not None:
         state.metrics.episode_integrity(verdict)
+    state.tagger.finished(episode_id)  # its key takes no more calls (409)
     state.prompt_prefixes.forget(episode_id)  # no call of it extends its prompt again
     return web.json_response({"id": episode_id, "finished": True})
 

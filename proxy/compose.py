@@ -79,6 +79,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         tagger=Tagger(
             key_owner=functools.partial(queries.key_owner, engine),
             is_registered=functools.partial(queries.is_registered, engine),
+            is_finished=functools.partial(queries.is_finished, engine),
             require_episode=settings.require_episode,
             require_registered=settings.require_registered,
         ),
