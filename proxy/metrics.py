@@ -39,7 +39,8 @@ DB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 OTHER = "other"
 # Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
-_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key"})
+_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key",
+                               "episode_finished"})
 
 
 class Metrics(WriterObserver):

@@ -11,15 +11,20 @@ upstream (tests/helpers/hostile.py) and the real openai SDK.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
+import msgspec
 import openai
+import pyarrow.parquet as pq
 import pytest
-from helpers.hostile import MESSAGES
+from helpers.hostile import MESSAGES, refused_count
 from helpers.http import finish, register
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
+from tracetap.analysis.runner import plan
+from tracetap.exporters import export
 from tracetap.proxy.settings import Settings
 from tracetap.storage import budget_ledger
 from tracetap.storage.engine import create_engine
@@ -152,3 +157,78 @@ def test_a_call_held_past_the_pause_timeout_is_the_operators(impatient, seen):
     verdict = _verdict(proxy, "held")
     assert (verdict.integrity, verdict.causes) == ("infra", {"paused": 1})
     assert not [m for m, _, _ in seen if m == "POST"]
+
+
+# ---- keys live as long as their episode ----------------------------------------------------
+
+def _ask(base_url: str, **options):
+    with _client(base_url) as client:
+        return client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                              max_tokens=2, **options)
+
+
+def _other(proxy, tmp_path) -> Proxy:
+    """A second proxy on the same database (another worker or replica)."""
+    return Proxy(proxy.loop, msgspec.structs.replace(
+        proxy.settings, port=free_port(), data_dir=str(tmp_path / "other"))).start()
+
+
+def test_a_finished_episodes_key_takes_no_more_calls(hostile, seen, tmp_path):
+    """After the grader's finish, the episode's base URL and its API key get 409 in the
+    client's shape, counted, never sent upstream, nothing stored under it; so too on
+    another proxy on the same database that had the key cached before the finish."""
+    created = register(hostile, "graded")
+    other = _other(hostile, tmp_path)
+    try:
+        other_url = created["base_url"].replace(hostile.url, other.url)
+        assert _ask(created["base_url"]).choices and _ask(other_url).choices
+        finish(hostile, "graded", 0.0)
+        time.sleep(1.5)  # FOLLOW_SECONDS for the other proxy to learn of the finish
+        for base_url, api_key in ((created["base_url"], "unused"),
+                                  (hostile.url + "/v1", created["api_key"]),
+                                  (other_url, "unused")):
+            with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client, \
+                    pytest.raises(openai.ConflictError) as refused:
+                client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                               max_tokens=2, stream=True)
+            assert refused.value.code == "episode_finished"
+            assert refused.value.body["type"] == "invalid_request_error"
+        assert refused_count(hostile, "episode_finished") == 2
+        assert refused_count(other, "episode_finished") == 1
+    finally:
+        other.stop()
+    assert sum(1 for m, _, _ in seen if m == "POST") == 2
+    assert len(hostile.calls("graded")) == 2
+    # Graded once: the export holds the two calls made before the finish, no more.
+    export(hostile.settings.db, tmp_path / "out", datasets=["calls"])
+    rows = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    assert sorted(r["episode_id"] for r in rows) == ["graded", "graded"]
+
+
+def test_calls_to_an_id_before_its_registration_are_never_adopted(hostile, tmp_path):
+    """An agent that guesses the next episode's id and calls it first: the registration
+    of that id is refused (409), so nothing it sent is exported under the episode."""
+    _ask(f"{hostile.url}/episodes/next-task.r0/v1")  # an open id: taken as untracked
+    status, body = hostile.admin("POST", "/tracetap/episodes", {"id": "next-task.r0"})
+    assert (status, body["error"]["code"]) == (409, "episode_has_calls")
+    hostile.flush()
+    # Another proxy on the database, which never served the call, finds it stored.
+    other = _other(hostile, tmp_path)
+    try:
+        status, body = other.admin("POST", "/tracetap/episodes", {"id": "next-task.r0"})
+    finally:
+        other.stop()
+    assert (status, body["error"]["code"]) == (409, "episode_has_calls")
+    assert hostile.episode("next-task.r0")["registered"] is False
+
+
+def test_run_episode_ids_cannot_be_guessed_without_the_runners_secret():
+    task = plan.Task("django-1234", {})
+    [slot] = plan.slots("nightly", [task], [{"a": 1}], 1, "{run_id}.{task_id}")
+    guessed = slot.episode_id(0)  # what the inputs alone give
+    real = slot.episode_id(0, "admin-token-A")
+    assert real != guessed and real == slot.episode_id(0, "admin-token-A")  # reruns find it
+    assert real != slot.episode_id(0, "admin-token-B")
+    run, tag, rest = real.split(".", 2)
+    assert (run, len(tag), f"{run}.{rest}") == ("nightly", 16, guessed)
+    assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", real)
