@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tracetap.proxy.apis.chat import COMPLETIONS
 from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.lineage import conversation
+from tracetap.proxy.policy_models import OTHER_MODEL
 from tracetap.storage.records import CallRecord
 
 if TYPE_CHECKING:
@@ -22,7 +23,9 @@ def call_record(call: ModelCall) -> CallRecord:
     request = call.request
     capture = call.capture
     choices = capture.choices()
-    call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
+    other = request.other_model  # another model than the policy: never stamped with it
+    if not other:
+        call.versions.stamp(choices)  # issue 27 hook: per-token policy versions
     if request.experts is not None:  # issue 27 hook: MoE routing per completion token
         request.experts.stamp(choices)
         capture.errors.extend(request.experts.errors)
@@ -51,12 +54,12 @@ def call_record(call: ModelCall) -> CallRecord:
         instance=services.instance,
         endpoint=call.endpoint,
         model=model,
-        policy_version=call.policy_version,
+        policy_version=None if other else call.policy_version,
         stream=request.stream,
         upstream=call.upstream_url,
         request=client_text(request.body),
         response=None if response is None else response.decode("utf-8", "replace"),
-        status=call.status,
+        status=OTHER_MODEL if other and call.status == "ok" else call.status,
         http_status=call.http_status,
         error=call.error,
         t_start=call.timings.t_start,

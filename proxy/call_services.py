@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.metrics import Metrics
     from tracetap.proxy.model_map import ModelMap
     from tracetap.proxy.overlays.runner import Overlays
+    from tracetap.proxy.policy_models import PolicyModels
     from tracetap.proxy.pool import Pool
     from tracetap.proxy.prompt_prefix import PromptPrefixes
     from tracetap.proxy.repair import Repair
@@ -54,6 +55,7 @@ class CallFront(CallServices, Protocol):
     settings: Settings  # body limits, the upstream key, the overhead header
     tagger: Tagger  # which episode the request belongs to
     overlays: Overlays  # the episode's overlay session, if any
+    policy_models: PolicyModels  # which models the episode's calls may use
     pool: Pool  # the upstream the request is sent to
     routing: Routing  # --translate auto's fallback when the upstream answers 404
     failures: Failures  # a bug: counted, logged, answered as an internal error

@@ -133,6 +133,7 @@ class ModelCall(CallReview):
         self.tag(tagged.episode_id, lineage.names(request.headers))
         body = await read_body(request, settings.max_body, settings.body_timeout)
         upstream_body = self.parse_request(body)  # --translate auto may change the route
+        await front.policy_models.check(self)  # the model sent upstream is the episode's
         await self.reserve(tagged.keyed, len(body))
         overlay = await front.overlays.session(self, request.headers)  # docs/overlays.md
         if overlay is not None:

@@ -25,6 +25,7 @@ from tracetap.proxy.gate import Gate
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.policy_models import PolicyModels
 from tracetap.proxy.overlays.patches import Patches
 from tracetap.proxy.overlays.runner import Overlays
 from tracetap.proxy.overlays.workers import Limits
@@ -89,6 +90,8 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         failures=Failures(metrics.internal_errors),
         repair=Repair(settings.repair_history, metrics.repaired),
         model_map=ModelMap(settings.model_map),
+        policy_models=PolicyModels(settings.policy_model, settings.other_models,
+                                   functools.partial(queries.episode_registration, engine)),
         overlays=Overlays(overlays, fail=settings.overlay_fail,
                           timeout=settings.overlay_timeout,
                           max_resamples=settings.overlay_max_resamples, metrics=metrics,

@@ -40,7 +40,7 @@ BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 OTHER = "other"
 # Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
 _COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key",
-                               "episode_finished"})
+                               "episode_finished", "overlay_header"})
 
 
 class Metrics(WriterObserver):

@@ -11,6 +11,7 @@ import msgspec
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.model_map import ModelMap
+from tracetap.proxy.policy_models import OTHER_MODELS
 from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
 from tracetap.proxy.routing import parse_translate
 from tracetap.proxy.upstream_specs import UpstreamSpec, parse_upstreams
@@ -62,6 +63,8 @@ class Settings(msgspec.Struct, kw_only=True):
     episode_max_seconds: float | None = None
     translate: str = "auto"
     model_map: list[str] = []
+    policy_model: list[str] = []  # the models an episode may use (registration overrides)
+    other_models: str = "refuse"  # a call to another: refuse (403) or store (not trained)
     repair_history: bool = False
     overlay: list[str] = []
     overlay_fail: str = "open"
@@ -143,6 +146,8 @@ class Settings(msgspec.Struct, kw_only=True):
         """What the proxy does to calls: paths, models, translation, overlays, budgets."""
         Exposure(self.allow_path)  # fail at start on a bad --allow-path
         ModelMap(self.model_map)
+        if self.other_models not in OTHER_MODELS:
+            raise ValueError(f"--other-models must be one of {', '.join(OTHER_MODELS)}")
         parse_translate(self.translate)
         parse_specs(self.overlay)
         if self.overlay_fail not in FAIL_MODES:
@@ -282,6 +287,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-map", action="append", default=None, metavar="PATTERN=MODEL",
       help="send MODEL upstream when a client names a model matching PATTERN, e.g. "
            "'claude-*=qwen3-8b' (repeatable; TRACETAP_MODEL_MAP takes a comma-separated list)")
+    a("--policy-model", action="append", default=None, metavar="NAME",
+      help="a model the episodes' calls may use, as sent upstream (after --model-map): "
+           "registration's policy_models overrides it; none named allows every model "
+           "(repeatable; TRACETAP_POLICY_MODEL takes a comma-separated list)")
+    a("--other-models", default=_env("other_models", d.other_models), choices=OTHER_MODELS,
+      help="a call to a model outside its episode's policy models: refuse (403, never "
+           "sent upstream) or store (served, stored with status other_model: no policy "
+           "version, never trained)")
     a("--repair-history", action="store_true", default=_env_bool("repair_history"),
       help="send the engine the model's own earlier turns when a harness resends them "
            "reformatted (equal after normalisation; docs/fidelity.md); per episode: "
@@ -289,8 +302,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--overlay", action="append", default=None, metavar="NAME=MODULE:FACTORY",
       help="load an overlay (lifecycle hooks at the model boundary; docs/overlays.md) from "
            "your own code: package.module:factory, options as ,key=value; episodes opt in "
-           'with "overlay": NAME at registration or the X-Tracetap-Overlay header '
-           "(repeatable; TRACETAP_OVERLAY takes a space-separated list)")
+           'with "overlay": NAME at registration (an agent\'s X-Tracetap-Overlay header is '
+           "refused) (repeatable; TRACETAP_OVERLAY takes a space-separated list)")
     a("--overlay-fail", default=_env("overlay_fail", d.overlay_fail), choices=FAIL_MODES,
       help="when a hook raises or runs over --overlay-timeout: open leaves the call as it "
            "was, closed fails it with a clear error; both log and count it")
@@ -348,6 +361,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.allow_path = config.env_list("allow_path")
     if args.model_map is None:
         args.model_map = config.env_list("model_map")
+    if getattr(args, "policy_model", []) is None:
+        args.policy_model = config.env_list("policy_model")
     if args.overlay is None:
         args.overlay = (config.env("overlay") or "").split()
     token_file = getattr(args, "admin_token_file", None)

@@ -23,6 +23,7 @@ from tracetap.proxy.gate import Gate
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
 from tracetap.proxy.overlays.runner import Overlays
+from tracetap.proxy.policy_models import PolicyModels
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair
@@ -52,6 +53,7 @@ class ProxyState:
     repair: Repair
     model_map: ModelMap
     overlays: Overlays
+    policy_models: PolicyModels
     routing: Routing
     instance: str
     upstream_kind: Flavor

@@ -6,11 +6,15 @@ upstream (tests/helpers/hostile.py) and the real openai SDK.
   episode clean, with an ``agent_*`` cause per call; the operator's pause that outlasts
   its timeout is infra (storage.integrity, docs/export.md).
 - Budgets charge the tokens that went out when a cut stream never reported usage.
+- A finished episode's key takes no more calls; an id with calls is never registered;
+  ``tracetap run``'s ids cannot be guessed.
+- Only the operator chooses an episode's overlay (registration), never its agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -232,3 +236,43 @@ def test_run_episode_ids_cannot_be_guessed_without_the_runners_secret():
     run, tag, rest = real.split(".", 2)
     assert (run, len(tag), f"{run}.{rest}") == ("nightly", 16, guessed)
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", real)
+
+
+# ---- the operator decides overlays ---------------------------------------------------------
+
+@pytest.fixture
+def overlaid(loop_thread, upstream, tmp_path, migrated_sqlite):
+    """The logging upstream's proxy with one overlay loaded (``noter``: a system note)."""
+    settings = Settings(upstream=upstream, db=migrated_sqlite(tmp_path / "o.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        upstream_flavor="vllm", overlay=["noter=tests.overlay_fixtures:noter"])
+    proxy = Proxy(loop_thread, settings).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_the_agent_cannot_choose_an_overlay(overlaid, seen):
+    """X-Tracetap-Overlay is refused (400, counted) on a registered episode and an open
+    one, naming a loaded overlay or not, and the refusal names nothing loaded; the
+    operator's registration is what runs, recorded per call and in the metadata."""
+    proxy = overlaid
+    plain = register(proxy, "plain")["base_url"]
+    chosen = register(proxy, "chosen", overlay="noter")["base_url"]
+    for base_url in (plain, f"{proxy.url}/episodes/open/v1", chosen):
+        for name in ("noter", "other"):
+            with pytest.raises(openai.BadRequestError) as refused:
+                _ask(base_url, extra_headers={"X-Tracetap-Overlay": name})
+            assert refused.value.code == "overlay_header"
+            assert "noter" not in str(refused.value.body)
+    assert refused_count(proxy, "overlay_header") == 6
+    assert seen == []
+    _ask(plain)
+    _ask(chosen)
+    [baseline] = [c for c in proxy.calls("plain") if c["status"] == "ok"]
+    [treated] = [c for c in proxy.calls("chosen") if c["status"] == "ok"]
+    assert baseline["overlay"] is None
+    assert json.loads(treated["overlay"])["name"] == "noter"
+    assert proxy.episode("plain")["metadata"] is None
+    assert proxy.episode("chosen")["metadata"] == {"overlay": "noter"}
+    status, body = proxy.admin("POST", "/tracetap/episodes", {"overlay": "nope"})
+    assert status == 400 and "noter" not in body["error"]["message"]
