@@ -25,10 +25,10 @@ from tracetap.proxy.gate import Gate
 from tracetap.proxy.ids import instance_id
 from tracetap.proxy.metrics import Metrics
 from tracetap.proxy.model_map import ModelMap
-from tracetap.proxy.policy_models import PolicyModels
 from tracetap.proxy.overlays.patches import Patches
 from tracetap.proxy.overlays.runner import Overlays
 from tracetap.proxy.overlays.workers import Limits
+from tracetap.proxy.policy_models import PolicyModels
 from tracetap.proxy.pool import Pool
 from tracetap.proxy.prompt_prefix import PromptPrefixes
 from tracetap.proxy.repair import Repair
