@@ -11,8 +11,8 @@ import msgspec
 from tracetap.proxy.budgets import Budget
 from tracetap.proxy.exposure import Exposure
 from tracetap.proxy.model_map import ModelMap
-from tracetap.proxy.policy_models import OTHER_MODELS
 from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
+from tracetap.proxy.policy_models import OTHER_MODELS
 from tracetap.proxy.routing import parse_translate
 from tracetap.proxy.upstream_specs import UpstreamSpec, parse_upstreams
 from tracetap.storage import config
