@@ -361,7 +361,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.allow_path = config.env_list("allow_path")
     if args.model_map is None:
         args.model_map = config.env_list("model_map")
-    if getattr(args, "policy_model", []) is None:
+    if args.policy_model is None:
         args.policy_model = config.env_list("policy_model")
     if args.overlay is None:
         args.overlay = (config.env("overlay") or "").split()

@@ -132,4 +132,5 @@ STATUSES = (
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
     "error",  # the proxy failed on the request itself (500 internal_error)
     "proxy_stopped",  # the proxy was stopped under the call (past --drain-timeout)
+    "other_model",  # served a model outside its episode's policy models (--other-models store)
 )

@@ -276,3 +276,75 @@ def test_the_agent_cannot_choose_an_overlay(overlaid, seen):
     assert proxy.episode("chosen")["metadata"] == {"overlay": "noter"}
     status, body = proxy.admin("POST", "/tracetap/episodes", {"overlay": "nope"})
     assert status == 400 and "noter" not in body["error"]["message"]
+
+
+# ---- an episode is bound to its policy models ----------------------------------------------
+
+def _posts(seen) -> list[str]:
+    return [path for method, path, _ in seen if method == "POST"]
+
+
+def test_another_served_model_is_refused(hostile, seen):
+    """An episode registered with policy_models cannot call the judge the upstream also
+    serves: 403 in the client's shape, never sent upstream; its own model works."""
+    bound = register(hostile, "bound", policy_models=["mock-model"])["base_url"]
+    with _client(bound) as client:
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            client.chat.completions.create(model="judge-model", messages=MESSAGES,
+                                           max_tokens=2)
+        assert refused.value.code == "model_not_allowed"
+        assert "mock-model" not in str(refused.value.body)  # its models are not listed
+        assert client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                              max_tokens=2).choices
+    assert len(_posts(seen)) == 1
+    status, body = hostile.admin("POST", "/tracetap/episodes",
+                                 {"metadata": {"policy_models": ["judge-model"]}})
+    assert (status, body["error"]["code"]) == (400, "policy_models_in_metadata")
+
+
+@pytest.fixture
+def bound(loop_thread, upstream, tmp_path, migrated_sqlite, request):
+    """The logging upstream's proxy serving only ``mock-model`` as the policy
+    (``--policy-model``), Claude names mapped to the judge and GPT names to the policy."""
+    settings = Settings(upstream=upstream, db=migrated_sqlite(tmp_path / "b.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        upstream_flavor="vllm", policy_model=["mock-model"],
+                        model_map=["claude-*=judge-model", "gpt-*=mock-model"],
+                        other_models=request.param)
+    proxy = Proxy(loop_thread, settings).start()
+    yield proxy
+    proxy.stop()
+
+
+@pytest.mark.parametrize("bound", ["refuse"], indirect=True)
+def test_the_mapped_model_name_is_the_one_checked(bound, seen):
+    with _client(bound.episode_url("mapped")) as client:
+        with pytest.raises(openai.PermissionDeniedError) as refused:  # claude-x → the judge
+            client.chat.completions.create(model="claude-x", messages=MESSAGES, max_tokens=2)
+        assert refused.value.code == "model_not_allowed"
+        assert client.chat.completions.create(model="gpt-4o", messages=MESSAGES,
+                                              max_tokens=2).choices  # → the policy
+    assert len(_posts(seen)) == 1
+    assert [(c["status"], c["http_status"]) for c in bound.calls("mapped")] == [
+        ("bad_request", 403), ("ok", 200)]
+
+
+@pytest.mark.parametrize("bound", ["store"], indirect=True)
+def test_another_model_stored_apart_is_never_trained_nor_stamped(bound, tmp_path):
+    """Under --other-models store the judge's reply is served, stored as other_model with
+    no policy version, and left out of the episode's trajectories."""
+    assert bound.admin("PUT", "/tracetap/policy", {"version": "v7"})[0] == 200
+    with _client(bound.episode_url("side")) as client:
+        for model in ("mock-model", "claude-judge"):
+            assert client.chat.completions.create(model=model, messages=MESSAGES,
+                                                  max_tokens=4).choices
+    finish(bound, "side", 1.0)
+    bound.flush()
+    export(bound.settings.db, tmp_path / "out")
+    calls = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    assert sorted((c["status"], c["model"], c["policy_version"], c["integrity"])
+                  for c in calls) == [("ok", "mock-model", "v7", "clean"),
+                                      ("other_model", "judge-model", None, "clean")]
+    [row] = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
+    [policy] = [c for c in calls if c["status"] == "ok"]
+    assert row["call_ids"] == [policy["call_id"]] and row["policy_versions"] == ["v7"]
