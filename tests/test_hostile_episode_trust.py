@@ -9,6 +9,8 @@ upstream (tests/helpers/hostile.py) and the real openai SDK.
 - A finished episode's key takes no more calls; an id with calls is never registered;
   ``tracetap run``'s ids cannot be guessed.
 - Only the operator chooses an episode's overlay (registration), never its agent.
+- An episode's calls use its policy models only (refused, or stored apart and never
+  stamped with the policy's version), the name checked after --model-map.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def test_cut_streams_are_charged_the_tokens_that_went_out(hostile, seen):
             outcomes.append("cut")
             _stored(hostile, "cutter", n + 1)
     spent = _read(hostile, lambda engine: budget_ledger.spent(engine, "cutter"))
-    assert outcomes[:3] == ["cut"] * 3 and "refused" in outcomes, outcomes
-    assert outcomes[outcomes.index("refused"):] == ["refused"] * (6 - outcomes.index("refused"))
+    # Each cut stream received at least 100 tokens: no more than four fit in 400.
+    cut = outcomes.count("cut")
+    assert 1 <= cut <= 4 and outcomes == ["cut"] * cut + ["refused"] * (6 - cut), outcomes
     assert spent.tokens_used >= 400 and spent.tokens_reserved == 0
     cut = [c for c in hostile.calls("cutter") if c["status"] == "client_disconnected"]
     # Charged at least the completion tokens each cut stream received.
