@@ -228,6 +228,7 @@ async def _run_slots(
     else:
         slots = plan.slots(run_id, tasks, configs, args.repeats, args.group)
     commands = Commands(
+        id_secret=_token(args),
         harness=args.harness,
         harness_name=harness_name,
         grader=args.grader,

@@ -167,7 +167,9 @@ MODULES = {
             "test_the_generated_admin_token_is_owner_only_and_shared_by_a_racing_start"))],
     "proxy/http/exposure.py": ["tests/test_exposure.py", "tests/test_hostile_agent.py"],
     "proxy/episodes/budgets.py": ["tests/test_budgets.py", "tests/test_hostile_episodes.py",
-                         "tests/test_hostile_agent.py"],
+                         "tests/test_hostile_agent.py", "tests/test_hostile_episode_trust.py::"
+                         "test_cut_streams_are_charged_the_tokens_that_went_out"],
+    "storage/integrity.py": ["tests/test_integrity.py"],
     "exporters/trajectories.py": ["tests/test_trajectories.py"],
     "exporters/pipeline.py": ["tests/test_export_runs.py"],
     "exporters/watermark.py": ["tests/test_export_runs.py"],

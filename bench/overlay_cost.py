@@ -42,6 +42,7 @@ from tracetap.proxy.server.app import build_app  # noqa: E402
 BODY = {"model": "mock-model", "stream": True, "seed": 1, "tools": TOOLS,
         "messages": [{"role": "system", "content": "Answer."},
                      {"role": "user", "content": "What is it?"}]}
+ADMIN_TOKEN = "bench-admin-token"
 VARIANTS = {"plain": None, "after_model, whole reply": "whole",
             "after_model, tool calls only": "toolcalls"}
 
@@ -65,12 +66,19 @@ def toolcalls() -> AcceptToolCalls:
     return AcceptToolCalls()
 
 
-async def one_call(session: aiohttp.ClientSession, url: str, episode: str,
-                   overlay: str | None) -> tuple[float, float, bool]:
+async def register(session: aiohttp.ClientSession, url: str, episode: str,
+                   overlay: str | None) -> str:
+    """The episode registered under its overlay (the operator's choice): its key."""
+    async with session.post(url + "/tracetap/episodes", json={"id": episode, "overlay": overlay},
+                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as reply:
+        assert reply.status == 201, await reply.text()
+        return (await reply.json())["api_key"]
+
+
+async def one_call(session: aiohttp.ClientSession, url: str,
+                   key: str) -> tuple[float, float, bool]:
     """(first content s, whole reply s, whether a tool call came) for one streamed call."""
-    headers = {"X-Tracetap-Episode": episode}
-    if overlay is not None:
-        headers["X-Tracetap-Overlay"] = overlay
+    headers = {"Authorization": f"Bearer {key}"}
     start = time.perf_counter()
     first, tool_call = None, False
     async with session.post(url + "/v1/chat/completions", json=BODY, headers=headers) as reply:
@@ -88,6 +96,7 @@ async def run(calls: int, chunk_delay: float, db: str,
     async with EngineServer(EngineConfig(chunk_delay_s=chunk_delay)) as engine:
         port = free_port()
         settings = Settings(upstream=engine.url, db=db, data_dir=data_dir, port=port,
+                            admin_token=ADMIN_TOKEN,
                             # This script is __main__: the loader imports it as such.
                             overlay=["whole=__main__:whole", "toolcalls=__main__:toolcalls"])
         runner = web.AppRunner(build_app(settings), access_log=None)
@@ -97,13 +106,15 @@ async def run(calls: int, chunk_delay: float, db: str,
         figures: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in VARIANTS}
         try:
             async with aiohttp.ClientSession() as session:
+                keys = {}
                 for overlay in VARIANTS.values():  # warm-up, uncounted
-                    await one_call(session, url, f"warm-{overlay}", overlay)
+                    warm = await register(session, url, f"warm-{overlay}", overlay)
+                    await one_call(session, url, warm)
+                    keys[overlay] = await register(session, url, f"bench-{overlay}", overlay)
                 order = list(VARIANTS.items())
                 for i in range(calls):
                     for label, overlay in order[i % 3:] + order[:i % 3]:  # rotating order
-                        first, total, tool_call = await one_call(
-                            session, url, f"bench-{overlay}", overlay)
+                        first, total, tool_call = await one_call(session, url, keys[overlay])
                         assert first is not None and tool_call, "no text or no tool call"
                         figures[label][0].append(first)
                         figures[label][1].append(total)

@@ -23,6 +23,11 @@ class EpisodeExists(Exception):
     pass
 
 
+class EpisodeHasCalls(EpisodeExists):
+    """Calls were stored under the id before anyone registered it: whoever sent them (a
+    guessed id) must not have them adopted by the registration."""
+
+
 def _dumps(value: Any) -> str | None:
     return None if value is None else _json(value).decode()
 
@@ -44,8 +49,9 @@ async def create_episode(
     budget: Limits | None = None,
     parent_id: str | None = None,
 ) -> None:
-    """Register an episode (with its budget row, in the same transaction). An id first
-    seen through calls may be registered once. ``parent_id``: the episode it is a
+    """Register an episode (with its budget row, in the same transaction). An id that
+    already has stored calls is refused (EpisodeHasCalls): they were sent by whoever
+    guessed the id, not by the holder of its key. ``parent_id``: the episode it is a
     sub-agent of (exporters.lineages)."""
     values = {
         Episode.group_id: group_id,
@@ -62,6 +68,9 @@ async def create_episode(
         stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
         await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
                                    "registered": False}])
+        if (await conn.execute(select(Call.call_id).where(Call.episode_id == episode_id)
+                               .limit(1))).first() is not None:
+            raise EpisodeHasCalls(episode_id)
         result = await conn.execute(
             update(Episode)
             .where(Episode.id == episode_id, Episode.registered.is_(False))
@@ -185,6 +194,25 @@ async def is_registered(engine: AsyncEngine, episode_id: str) -> bool:
             (await conn.execute(select(Episode.registered).where(Episode.id == episode_id)))
             .scalar()
         )
+
+
+async def is_finished(engine: AsyncEngine, episode_id: str) -> bool:
+    async with engine.connect() as conn:
+        return (await conn.execute(select(Episode.finished_at).where(
+            Episode.id == episode_id))).scalar() is not None
+
+
+async def finished_since(engine: AsyncEngine, since: float,
+                         limit: int = 10_000) -> list[tuple[str, float]]:
+    """Episodes finished at or after ``since`` (wall clock), oldest first."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(Episode.id, Episode.finished_at)
+            .where(Episode.finished_at >= since)
+            .order_by(Episode.finished_at)
+            .limit(limit)
+        )
+        return [(r.id, r.finished_at) for r in rows]
 
 
 async def registered_since(engine: AsyncEngine, since: float,

@@ -130,4 +130,7 @@ STATUSES = (
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.call.continuation)
+    "error",  # the proxy failed on the request itself (500 internal_error)
+    "proxy_stopped",  # the proxy was stopped under the call (past --drain-timeout)
+    "other_model",  # served a model outside its episode's policy models (--other-models store)
 )

@@ -17,7 +17,8 @@ from tracetap.storage.config import variable
 # Options whose variable is not their flag's: --no-search-index is TRACETAP_SEARCH_INDEX=0.
 NAMED_OTHERWISE = {"--no-search-index": ("TRACETAP_SEARCH_INDEX", "0")}
 READ_AFTER_PARSING = {"TRACETAP_UPSTREAM", "TRACETAP_ALLOW_PATH", "TRACETAP_MODEL_MAP",
-                      "TRACETAP_OVERLAY", "TRACETAP_ALLOW_REQUEST_FIELD"}
+                      "TRACETAP_OVERLAY", "TRACETAP_ALLOW_REQUEST_FIELD",
+                      "TRACETAP_POLICY_MODEL"}
 
 
 def _commands(parser: argparse.ArgumentParser, name: str = "tracetap"):
@@ -116,7 +117,9 @@ def test_the_variables_read_after_parsing_do_set_their_options(monkeypatch):
     monkeypatch.setenv("TRACETAP_ALLOW_PATH", "/health, /version")
     monkeypatch.setenv("TRACETAP_MODEL_MAP", "claude-*=qwen")
     monkeypatch.setenv("TRACETAP_ALLOW_REQUEST_FIELD", "priority, cache_salt")
+    monkeypatch.setenv("TRACETAP_POLICY_MODEL", "qwen, qwen-lora")
     settings = settings_from_args(build_parser().parse_args(["serve"]))
+    assert settings.policy_model == ["qwen", "qwen-lora"]
     assert settings.upstream == ["http://127.0.0.1:9/v1"]
     assert settings.allow_path == ["/health", "/version"]
     assert settings.model_map == ["claude-*=qwen"]

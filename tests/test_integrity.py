@@ -5,6 +5,8 @@ the viewer; tombstones for records that could not be stored (storage.tombstones)
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import NamedTuple
 
 import openai
 import pyarrow.parquet as pq
@@ -13,76 +15,157 @@ from helpers.chat_upstreams import scripted_chat_app
 from helpers.http import fetch, metrics_text
 from helpers.loop import free_port
 from helpers.servers import Proxy
+from sqlalchemy import text
 
 from tracetap import cli
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage.engine import create_engine
-from tracetap.storage.integrity import cause_of, verdicts_of
+from tracetap.storage.integrity import (
+    AGENT_CAUSES,
+    CAUSES,
+    INFRA_CAUSES,
+    cause_of,
+    verdicts_of,
+)
 from tracetap.storage.journal import Journal
-from tracetap.storage.records import CallRecord
+from tracetap.storage.records import STATUSES, CallRecord
+from tracetap.storage.rows import insert_calls
 from tracetap.storage.writer import Writer
 
-
-@pytest.mark.parametrize(("status", "http", "ids_missing", "cause"), [
-    ("ok", 200, None, None),
-    ("ok", 400, None, None),  # "context too long": the harness's own doing
-    ("ok", 503, None, "upstream_error"),
-    ("ok", 429, None, "upstream_error"),
-    ("ok", 200, "no_tokenizer", "no_token_ids"),
-    ("upstream_unreachable", 502, None, "upstream_error"),
-    ("upstream_timeout", 504, None, "upstream_timeout"),
-    ("bad_request", 400, None, "refused"),
-    ("budget_exceeded", 429, None, "budget_exceeded"),
-    ("client_disconnected", 200, None, "client_disconnected"),
-    ("vetoed", 200, None, None),
-    ("passthrough", 200, None, None),
-    ("record_dropped", 200, None, "record_dropped"),
-])
-def test_a_calls_cause(status, http, ids_missing, cause):
-    assert cause_of(status, http, ids_missing) == cause
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "export.md"
 
 
-def ask(proxy: Proxy, episode: str, text: str = "hi") -> None:
+class Row(NamedTuple):
+    status: str
+    http: int
+    ids_missing: str | None
+    cause: str | None
+    integrity: str
+
+
+def documented() -> list[Row]:
+    """docs/export.md's table of every stored status, its cause and verdict."""
+    text = DOCS.read_text()
+    table = text[text.index("| status | HTTP | ids_missing |"):].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        status, http, missing, cause, integrity = (
+            c.strip().strip("`") for c in line.strip("|").split("|")[:5])
+        rows.append(Row(status, int(http), missing or None, cause or None, integrity))
+    return rows
+
+
+def test_the_table_covers_every_status_and_cause():
+    rows = documented()
+    assert {r.status for r in rows} == set(STATUSES)
+    assert {r.cause for r in rows} - {None} == set(CAUSES)
+    # An agent's cause never makes an episode infra; an infrastructure cause always does.
+    for row in rows:
+        assert row.integrity == ("infra" if row.cause in INFRA_CAUSES else "clean"), row
+    assert not set(AGENT_CAUSES) & set(INFRA_CAUSES)
+    assert all(c.startswith("agent_") for c in AGENT_CAUSES)
+
+
+@pytest.mark.parametrize("row", documented(), ids=lambda r: f"{r.status}-{r.http}-{r.ids_missing}")
+def test_a_calls_cause(row):
+    assert cause_of(row.status, row.http, row.ids_missing) == row.cause
+
+
+def _stored_call(n: int, row: Row) -> CallRecord:
+    return CallRecord(call_id=f"c-{n}", episode_id=f"e-{n}", endpoint="chat.completions",
+                      status=row.status, http_status=row.http, ids_missing=row.ids_missing,
+                      t_start=1.0, t_end=2.0, request="{}", model="m")
+
+
+def test_every_documented_status_gives_its_verdict_on_both_paths(db_url, tmp_path):
+    """One episode per row of the table, stored: the database's grouped query
+    (storage.integrity.verdicts: the viewer, analysis, the finish metric) and the
+    export's reading of the rows (exporters.annotate) both give the documented cause and
+    verdict, and a clean episode of only agent failures keeps its causes."""
+    rows = documented()
+    records = [_stored_call(n, row) for n, row in enumerate(rows)]
+    records.append(CallRecord(call_id="mixed-1", episode_id="mixed", endpoint="chat.completions",
+                              status="client_disconnected", http_status=200, t_start=1.0,
+                              t_end=2.0, request="{}"))
+    records.append(CallRecord(call_id="mixed-2", episode_id="mixed", endpoint="chat.completions",
+                              status="bad_request", http_status=400, t_start=3.0, t_end=4.0,
+                              request="{}"))
+
+    async def store():
+        engine = create_engine(db_url)
+        try:
+            await insert_calls(engine, records)
+            async with engine.begin() as conn:
+                await conn.execute(text("UPDATE episodes SET finished_at = 5000.0, reward = 0"))
+            return await verdicts_of(engine, [r.episode_id for r in records])
+        finally:
+            await engine.dispose()
+
+    found = asyncio.run(store())
+    export(db_url, tmp_path / "out", datasets=["calls"])
+    exported = {c["call_id"]: c for c in pq.read_table(tmp_path / "out" / "calls").to_pylist()}
+    for n, row in enumerate(rows):
+        on_db, on_export = found[f"e-{n}"], exported[f"c-{n}"]
+        assert on_db.integrity == row.integrity, row
+        assert on_db.causes == ({row.cause: 1} if row.cause else {}), row
+        assert (on_export["integrity"], on_export["integrity_cause"]) == (
+            row.integrity, row.cause), row
+    assert found["mixed"].integrity == "clean"
+    assert found["mixed"].causes == {"agent_bad_request": 1, "agent_disconnect": 1}
+    assert found["mixed"].describe() == "clean: agent_bad_request (1), agent_disconnect (1)"
+
+
+def ask(proxy: Proxy, episode: str, text: str = "hi", extra: dict | None = None) -> None:
     client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="k", max_retries=0)
-    client.chat.completions.create(model="mock-model", max_tokens=8,
+    client.chat.completions.create(model="mock-model", max_tokens=8, extra_body=extra,
                                    messages=[{"role": "user", "content": text}])
 
 
-def test_an_exhausted_budget_makes_an_episode_infra_everywhere(proxy, tmp_path, capsys):
-    for episode, budget in (("clean", {}), ("starved", {"max_calls": 1})):
+def test_an_exhausted_budget_is_the_agents_and_an_upstream_failure_infra_everywhere(
+        proxy, tmp_path, capsys):
+    """A budget the agent spent keeps its episode clean (cause agent_budget); an
+    upstream's 500 makes its episode infra: at the finish (/metrics), in both datasets,
+    and under --exclude-infra."""
+    for episode, budget in (("clean", {}), ("starved", {"max_calls": 1}), ("down", {})):
         assert proxy.admin("POST", "/tracetap/episodes",
                            {"id": episode, "budget": budget or None})[0] == 201
+    for episode in ("clean", "starved", "down"):
         ask(proxy, episode)
     with pytest.raises(openai.PermissionDeniedError):  # 403: the calls budget is spent
         ask(proxy, "starved", "again")
-    for episode in ("clean", "starved"):
+    with pytest.raises(openai.InternalServerError):
+        ask(proxy, "down", "again", {"mock_status": 500})
+    for episode in ("clean", "starved", "down"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                            {"reward": 1.0})[0] == 200
     metrics = metrics_text(proxy.url)
-    assert 'tracetap_episodes_integrity_total{integrity="clean"} 1.0' in metrics
-    assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
-    assert 'tracetap_episode_integrity_causes_total{cause="budget_exceeded"} 1.0' in metrics
-
     db = proxy.settings.db
+    assert 'tracetap_episodes_integrity_total{integrity="clean"} 2.0' in metrics
+    assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
+    assert 'tracetap_episode_integrity_causes_total{cause="agent_budget"} 1.0' in metrics
+    assert 'tracetap_episode_integrity_causes_total{cause="upstream_error"} 1.0' in metrics
+
     export(db, tmp_path / "all")
     rows = {r["episode_id"]: r for r in pq.read_table(tmp_path / "all" / "trajectories")
             .to_pylist()}
     assert rows["clean"]["integrity"] == "clean" and rows["clean"]["integrity_causes"] == []
-    assert rows["starved"]["integrity"] == "infra"
-    assert rows["starved"]["integrity_causes"] == [{"cause": "budget_exceeded", "calls": 1}]
+    assert rows["starved"]["integrity"] == "clean"
+    assert rows["starved"]["integrity_causes"] == [{"cause": "agent_budget", "calls": 1}]
+    assert rows["down"]["integrity"] == "infra"
+    assert rows["down"]["integrity_causes"] == [{"cause": "upstream_error", "calls": 1}]
     calls = pq.read_table(tmp_path / "all" / "calls").to_pylist()
-    starved = sorted((c["status"], c["integrity"], c["integrity_cause"]) for c in calls
+    starved = sorted((c["status"], c["integrity"], c["integrity_cause"] or "") for c in calls
                      if c["episode_id"] == "starved")
-    assert starved == [("budget_exceeded", "infra", "budget_exceeded"), ("ok", "infra", None)]
+    assert starved == [("budget_exceeded", "clean", "agent_budget"), ("ok", "clean", "")]
 
     out = tmp_path / "clean-only"
     assert cli.main(["export", "--db", db, "--out", str(out), "--exclude-infra"]) == 0
     assert "left out: 1 episodes with integrity infra" in capsys.readouterr().out
-    assert {r["episode_id"] for r in pq.read_table(out / "calls").to_pylist()} == {"clean"}
-    assert {r["episode_id"] for r in pq.read_table(out / "trajectories").to_pylist()} == {
-        "clean"}
+    for dataset in ("calls", "trajectories"):
+        assert {r["episode_id"] for r in pq.read_table(out / dataset).to_pylist()} == {
+            "clean", "starved"}
 
 
 def test_an_upstream_failure_shows_in_the_viewer(loop_thread, serve_app, tmp_path):

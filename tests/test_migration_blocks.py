@@ -12,6 +12,7 @@ from tests.test_dedup import _run, _same, conversation
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
 from tracetap.storage import queries
+from tracetap.storage.footprint import stored_ids
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import call_row, choice_rows, episode_rows, insert_calls
 
@@ -105,3 +106,18 @@ def test_the_export_is_byte_identical_from_either_layout(bare_url, tmp_path):
     new_files = (export(fresh, tmp_path / "new"), _files(tmp_path / "new"))[1]
     assert set(old_files) == {"calls/0", "trajectories/0"}
     assert old_files == new_files
+
+
+def test_the_stored_id_count_reads_ids_kept_inline_by_an_upgraded_database(bare_url):
+    """Rows written before blocks keep their ids inline: the footprint counts them (each
+    row's own, as stored), and the calls written after the upgrade in blocks besides."""
+    records = _records()
+    write_as_0006(bare_url, records)
+    upgrade(bare_url)
+    held = _run(bare_url, stored_ids)
+    assert held.prompt == sum(len(r.prompt_ids) for r in records)
+    assert held.completion == sum(len(c.completion_ids) for r in records for c in r.choices)
+    later = conversation("old-a", 6, seed=3, n=2)[4:]
+    _run(bare_url, lambda engine: insert_calls(engine, later))
+    after = _run(bare_url, stored_ids)
+    assert after.prompt > held.prompt and after.completion > held.completion

@@ -681,7 +681,8 @@ def test_overlays_cannot_be_loaded_or_named_freely_through_the_api(proxy):
     for name in ("tests.overlay_fixtures:raiser", "os:system", "unknown"):
         status, body = proxy.admin("POST", "/tracetap/episodes", {"overlay": name})
         assert status == 400 and body["error"]["code"] == "unknown_overlay", body
-        with pytest.raises(openai.BadRequestError, match="unknown overlay"):
+        assert "noter" not in body["error"]["message"]  # what is loaded is never listed
+        with pytest.raises(openai.BadRequestError, match="chosen by the operator"):
             chat(proxy, "by-header", [QUESTION], stream=False, headers={
                 "X-Tracetap-Overlay": name})
     status, body = proxy.admin("POST", "/tracetap/episodes",
@@ -692,12 +693,15 @@ def test_overlays_cannot_be_loaded_or_named_freely_through_the_api(proxy):
         ("bad_request", 400, [])] * 3
 
 
-def test_the_header_opts_an_unregistered_episode_in(proxy):
-    chat(proxy, "by-header", [SYSTEM, QUESTION], stream=False,
-         headers={"X-Tracetap-Overlay": "noter"})
+def test_the_header_opts_no_episode_in(proxy):
+    """Only the operator chooses an overlay (registration): the agent's header naming a
+    loaded one is refused too (tests/test_hostile_episode_trust.py)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(proxy, "by-header", [SYSTEM, QUESTION], stream=False,
+             headers={"X-Tracetap-Overlay": "noter"})
+    assert refused.value.code == "overlay_header"
     (call,) = proxy.calls("by-header")
-    assert overlay_of(call)["name"] == "noter"
-    assert NOTE in call["upstream_request"]
+    assert call["overlay"] is None and call["upstream_request"] is None
 
 
 def test_loading_mistakes_are_clear_at_start():

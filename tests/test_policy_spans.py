@@ -136,3 +136,25 @@ def test_rows_without_spans_read_as_one_run_of_the_stamped_version(proxy, tmp_pa
     assert call["policy_spans"] == [{"start": 0, "end": len(call["completion_ids"]),
                                      "version": "v7"}]
     assert call["mixed_policy"] is False
+
+
+def test_a_call_whose_every_token_is_of_an_unknown_version_is_mixed():
+    """All tokens of the sync window (one span, version null), or a call stamped with no
+    version at all: nothing says which weights sampled them, so ``mixed_policy`` is set
+    in both datasets (one version, but not a known one)."""
+    from types import SimpleNamespace
+
+    from tracetap.exporters.policy import call_spans, trajectory_runs
+
+    ids = bytes(4 * 3)  # three completion ids, as storage packs them
+    columns = {"choice_index": [0, 0, 0], "policy_spans": [[[0, None]], None, None],
+               "policy_version": ["v1", None, "v1"], "completion_ids": [ids, ids, ids]}
+    out = call_spans(columns)
+    assert out["mixed_policy"] == [True, True, False]
+    assert out["policy_spans"][0] == [{"start": 0, "end": 3, "version": None}]
+    call = SimpleNamespace(policy_version="v1")
+    unknown = SimpleNamespace(policy_spans=[[0, None]])
+    assert trajectory_runs([(call, unknown, 5, 3, True)]) == (
+        [{"start": 5, "end": 8, "version": None}], True)
+    known = SimpleNamespace(policy_spans=None)
+    assert trajectory_runs([(call, known, 5, 3, True)])[1] is False

@@ -5,6 +5,7 @@ token (one answer, one stored completion with its version spans) or sends a body
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -21,6 +22,8 @@ from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.demo.engine_common import ABORTS
 from tracetap.demo.tokenizer import EOS
 from tracetap.proxy.runtime.settings import Settings
+from tracetap.storage.engine import create_engine
+from tracetap.storage.integrity import verdicts_of
 
 CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
 MESSAGES = [{"role": "user", "content": "tell me about the fox"}]
@@ -38,6 +41,20 @@ def _aborts(engine, expected: int = 0) -> int:
     while engine._runner.app[ABORTS].count < expected and time.monotonic() < deadline:
         time.sleep(0.01)  # polling the engine's own counter
     return engine._runner.app[ABORTS].count
+
+
+def _verdict(proxy, episode: str) -> tuple[str, dict]:
+    """The episode's integrity verdict on the database path (storage.integrity)."""
+    async def read():
+        engine = create_engine(proxy.settings.db)
+        try:
+            return (await verdicts_of(engine, [episode]))[episode]
+        finally:
+            await engine.dispose()
+
+    proxy.flush()
+    found = asyncio.run(read())
+    return found.integrity, found.causes
 
 
 def _stored(proxy, episode: str) -> list[tuple]:
@@ -114,6 +131,8 @@ def test_a_body_cut_by_a_weight_sync_is_sent_again_and_the_cut_attempt_kept_apar
     assert sorted((s, v) for s, v, _, _ in rows) == [("ok", "v2"), ("weight_sync_retried", "v1")]
     retried = [r for r in rows if r[0] == "weight_sync_retried"]
     assert retried[0][3] is None  # no choice: nothing of it can be trained
+    # The operator's weight sync resent the body: the episode's reward is still the agent's.
+    assert _verdict(proxy, "cut-body") == ("clean", {})
 
 
 @pytest.fixture

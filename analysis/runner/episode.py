@@ -28,6 +28,7 @@ class Commands(msgspec.Struct, frozen=True):
     timeout: float | None = None
     logs: Path | None = None  # each attempt's harness and grader output, EPISODE.log
     overlay: str | None = None  # every episode registered with it (docs/overlays.md)
+    id_secret: str = ""  # keys the hash in each episode id (plan.Slot.episode_id)
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -42,7 +43,7 @@ class Result(msgspec.Struct, frozen=True):
 async def run_slot(slot: Slot, admin: AdminClient, commands: Commands) -> Result:
     attempt, interrupted = 0, 0
     while True:
-        found = await admin.episode(slot.episode_id(attempt))
+        found = await admin.episode(slot.episode_id(attempt, commands.id_secret))
         if found is None:
             registered = await admin.register(_registration(slot, commands, attempt))
             if registered is not None:
@@ -105,7 +106,7 @@ async def _graded(exited: process.Exited, values: dict[str, Any],
 
 def _registration(slot: Slot, commands: Commands, attempt: int) -> Registration:
     return Registration(
-        id=slot.episode_id(attempt),
+        id=slot.episode_id(attempt, commands.id_secret),
         group_id=slot.group,
         task_id=slot.task.id,
         harness=Harness(commands.harness_name, slot.config),

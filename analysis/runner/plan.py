@@ -4,6 +4,7 @@ episode id that the same inputs always give, so a rerun finds what an earlier on
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,17 @@ class Slot(msgspec.Struct, frozen=True):
     repeat: int
     group: str
 
-    def episode_id(self, attempt: int) -> str:
+    def episode_id(self, attempt: int, secret: str = "") -> str:
+        """The attempt's id: the same inputs, the same id, so a rerun finds it. With a
+        ``secret`` (the runner's: ``tracetap run`` uses its admin token), a keyed hash
+        of the rest follows the run id: no agent can guess an id before it is registered
+        and send calls to it first."""
         config = f"c{self.config_index}-{digest(self.config, 6)}"
-        return f"{self.run_id}.{safe(self.task.id, 48)}.{config}.r{self.repeat}.a{attempt}"
+        rest = f"{safe(self.task.id, 48)}.{config}.r{self.repeat}.a{attempt}"
+        if not secret:
+            return f"{self.run_id}.{rest}"
+        tag = hmac.new(secret.encode(), f"{self.run_id}.{rest}".encode(), "sha256").hexdigest()
+        return f"{self.run_id}.{tag[:16]}.{rest}"
 
 
 def digest(value: Any, n: int = 8) -> str:

@@ -41,6 +41,8 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     repair_history: bool | None = None  # None: the proxy's --repair-history
     overlay: str | None = None  # a loaded --overlay NAME; kept in metadata["overlay"] too
     parent: str | None = None  # the episode this one is a sub-agent of (a lineage's parent)
+    # The models its calls may use (proxy.policy_models); kept in metadata["policy_models"].
+    policy_models: list[str] | None = None
 
 
 class EpisodeFinish(msgspec.Struct, forbid_unknown_fields=True):
@@ -114,6 +116,8 @@ async def create_episode(request: web.Request) -> web.Response:
     state = request.app[STATE]
     spec = await _decode(request, EpisodeCreate)
     episode_id = validate_episode_id(spec.id) if spec.id is not None else uuid7()
+    if state.arrivals.served(episode_id):  # calls to it here, maybe not stored yet
+        raise _has_calls(episode_id)
     if spec.group_id is not None:
         validate_episode_id(spec.group_id)
     if spec.parent is not None:
@@ -129,11 +133,14 @@ async def create_episode(request: web.Request) -> web.Response:
             task_id=spec.task_id, harness_name=harness.name, harness_config=harness.config,
             metadata=metadata, budget=limits, parent_id=spec.parent,
         )
+    except queries.EpisodeHasCalls as exc:
+        raise _has_calls(episode_id) from exc
     except queries.EpisodeExists as exc:
         raise ProxyError(409, f"episode {episode_id!r} already exists", "invalid_request_error",
                          "episode_exists") from exc
     state.tagger.remember(episode_id, key_hash)
     state.budgets.registered(episode_id, limits)
+    state.policy_models.register(episode_id, spec.policy_models)
     if spec.overlay is not None:
         state.overlays.register(EpisodeInfo(id=episode_id, task_id=spec.task_id,
                                             harness=harness.name, metadata=metadata or {}))
@@ -146,17 +153,33 @@ async def create_episode(request: web.Request) -> web.Response:
                              status=201)
 
 
+def _has_calls(episode_id: str) -> ProxyError:
+    # Calls sent to an id before it was registered came from whoever guessed it: a
+    # registration never adopts them (register ids no one has used: unguessable ones).
+    return ProxyError(409, f"episode {episode_id!r} already has calls: register an id no "
+                      "call has used", "invalid_request_error", "episode_has_calls")
+
+
 async def _with_overlay(state, spec: EpisodeCreate) -> dict[str, Any] | None:
     """The metadata to store: with ``"overlay"`` when the episode opts in (so tools that
-    compare runs, such as ``tracetap compare``, can select by it)."""
+    compare runs, such as ``tracetap compare``, can select by it), and its
+    ``"policy_models"`` when registration names them."""
     given = (spec.metadata or {}).get("overlay")
     if given is not None and given != spec.overlay:
         raise bad_request('choose an overlay with "overlay", not metadata["overlay"]',
                           "overlay_in_metadata")
+    if (spec.metadata or {}).get("policy_models") not in (None, spec.policy_models):
+        raise bad_request('name policy models with "policy_models", not in metadata',
+                          "policy_models_in_metadata")
+    metadata = spec.metadata
+    if spec.policy_models is not None:
+        if not spec.policy_models or not all(0 < len(m) <= 256 for m in spec.policy_models):
+            raise bad_request("policy_models is a list of 1-256 character model names")
+        metadata = {**(metadata or {}), "policy_models": spec.policy_models}
     if spec.overlay is None:
-        return spec.metadata
+        return metadata
     await state.overlays.check(spec.overlay)
-    return {**(spec.metadata or {}), "overlay": spec.overlay}
+    return {**(metadata or {}), "overlay": spec.overlay}
 
 
 @_errors
@@ -184,6 +207,7 @@ async def finish_episode(request: web.Request) -> web.Response:
     if not found:
         raise not_found(f"no episode {episode_id!r}: it was never registered and no call was "
                         "tagged with it (a typo?)")
+    state.tagger.finished(episode_id)  # graded: its key takes no more calls (409)
     state.metrics.episode_finished(spec.reward)
     if (verdict := await verdict_at_finish(state, episode_id)) is not None:
         state.metrics.episode_integrity(verdict)

@@ -44,7 +44,7 @@ from tracetap.proxy.call.request import CallRequest
 from tracetap.proxy.call.review import CallReview
 from tracetap.proxy.call.timings import Timings
 from tracetap.proxy.episodes import lineage
-from tracetap.proxy.episodes.budgets import BudgetExceeded, Reservation, reservation_size
+from tracetap.proxy.episodes.budgets import BudgetExceeded, Reservation, charged
 from tracetap.proxy.episodes.ids import uuid7
 from tracetap.proxy.http.bodies import read_body
 from tracetap.proxy.http.errors import STORED_STATUS, ProxyError
@@ -118,7 +118,7 @@ class ModelCall(CallReview):
                 return self.fail(error, "error")
             except asyncio.CancelledError:  # the proxy stopping under the call
                 if not self.relaying:  # else the relay has said how the stream ended
-                    self.abort("client_disconnected", "cancelled before the reply was sent")
+                    self.abort("proxy_stopped", "cancelled before the reply was sent")
                 raise
         finally:
             metrics.inflight.dec()
@@ -131,6 +131,8 @@ class ModelCall(CallReview):
         self.tag(tagged.episode_id, lineage.names(request.headers))
         body = await read_body(request, settings.max_body, settings.body_timeout)
         upstream_body = self.parse_request(body)  # --translate auto may change the route
+        self.request.other_model = await front.policy_models.other(  # or refused
+            self.episode_id, self.request.model)
         await self.reserve(tagged.keyed, len(body))
         overlay = await front.overlays.session(self, request.headers)  # docs/overlays.md
         if overlay is not None:
@@ -190,10 +192,11 @@ class ModelCall(CallReview):
             # End the client's stream the way the upstream ended ours: abruptly.
             if request.transport is not None:
                 request.transport.abort()
-        except (ConnectionResetError, asyncio.CancelledError) as exc:
+        except ConnectionResetError:
             self.abort("client_disconnected", "client went away mid-stream")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except asyncio.CancelledError:  # aiohttp cancels no handler for a client gone
+            self.abort("proxy_stopped", "the proxy stopped mid-stream")
+            raise
         finally:
             # Closed now: left mid-way, they would hold their cut in the gate till collected.
             await reads.aclose()
@@ -231,10 +234,9 @@ class ModelCall(CallReview):
     async def reserve(self, keyed: bool, body_bytes: int) -> None:
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded); the
         request must be parsed (its completion cap decides how many)."""
-        request = self.request
-        size = reservation_size(request.client_payload or request.payload, body_bytes)
-        self.reservation = await self.services.budgets.reserve(self.episode_id, size,
-                                                               keyed=keyed)
+        payload = self.request.client_payload or self.request.payload
+        self.reservation = await self.services.budgets.reserve_call(
+            self.episode_id, payload, body_bytes, keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""
@@ -359,10 +361,9 @@ class ModelCall(CallReview):
         self.journal()
         self._spend()
         if self.relay is not None:
-            # The relay points back at its call: without this the pair is a cycle, and
-            # the call's context-sized buffers (request, payload, first chunk) would wait
-            # for the cyclic collector (50,000 allocations, serve._tune_gc) instead of
-            # being freed now: at 60k context, 400+ fresh page faults a turn and 2x the RSS.
+            # The relay points back at its call: a cycle, whose context-sized buffers (request,
+            # payload, first chunk) would wait for the cyclic collector (serve._tune_gc), not
+            # be freed now: at 60k context, 400+ fresh page faults a turn and 2x the RSS.
             self.relay.call = None
         # After the reply: bookkeeping, whose own failure never reaches the client.
         outcome = functools.partial(call_outcome, self, self.timings.elapsed())
@@ -391,8 +392,7 @@ class ModelCall(CallReview):
         if self._spent:
             return
         self._spent = True
-        prompt_tokens, completion_tokens = self.capture.tokens()
-        used = (prompt_tokens or 0) + (completion_tokens or 0)
+        used = charged(self.capture, self.reservation)  # usage, else the tokens seen
         if self.first_attempt is None:
             self.services.budgets.settle(self.reservation, used)
         else:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracetap.proxy.apis.chat.wire import encode
 from tracetap.proxy.episodes.lineage import conversation
+from tracetap.proxy.episodes.policy_models import OTHER_MODEL
 from tracetap.proxy.runtime.metrics import CallOutcome
 from tracetap.storage.records import CallRecord
 
@@ -34,7 +35,9 @@ def call_record(call: ModelCall) -> CallRecord:
     request = call.request
     capture = call.capture
     choices = capture.choices()
-    call.versions.stamp(choices)  # per-token policy versions, for off-policy tokens
+    other = request.other_model  # another model than the policy: never stamped with it
+    if not other:
+        call.versions.stamp(choices)  # per-token policy versions, for off-policy tokens
     if request.experts is not None:  # MoE routing per completion token, for replay
         request.experts.stamp(choices)
         capture.errors.extend(request.experts.errors)
@@ -63,12 +66,12 @@ def call_record(call: ModelCall) -> CallRecord:
         instance=services.instance,
         endpoint=call.endpoint,
         model=model,
-        policy_version=call.policy_version,
+        policy_version=None if other else call.policy_version,
         stream=request.stream,
         upstream=call.upstream_url,
         request=client_text(request.body),
         response=None if response is None else response.decode("utf-8", "replace"),
-        status=call.status,
+        status=OTHER_MODEL if other and call.status == "ok" else call.status,
         http_status=call.http_status,
         error=call.error,
         t_start=call.timings.t_start,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.episodes.arrivals import Arrivals
     from tracetap.proxy.episodes.budgets import Budgets
     from tracetap.proxy.episodes.model_map import ModelMap
+    from tracetap.proxy.episodes.policy_models import PolicyModels
     from tracetap.proxy.episodes.repair import Repair
     from tracetap.proxy.episodes.tagging import Tagger
     from tracetap.proxy.http.failures import Failures
@@ -56,6 +57,7 @@ class CallFront(CallServices, Protocol):
     settings: Settings  # body limits, the upstream key, the overhead header
     tagger: Tagger  # which episode the request belongs to
     overlays: Overlays  # the episode's overlay session, if any
+    policy_models: PolicyModels  # which models the episode's calls may use
     pool: Pool  # the upstream the request is sent to
     routing: Routing  # --translate auto's fallback when the upstream answers 404
     failures: Failures  # a bug: counted, logged, answered as an internal error

@@ -2,6 +2,7 @@
 inside it (lineage), its arrival order, its budget, the model names it sends, and the
 history repair that gives the engine the model's own turns back.
 
-Owns: `tagging`, `lineage`, `arrivals`, `budgets`, `ids`, `model_map`, `repair`, `recent`.
+Owns: `tagging`, `lineage`, `arrivals`, `budgets`, `ids`, `model_map`, `repair`, `recent`,
+`policy_models`.
 May import: `http`, `apis` (the repair reads the chat shape).
 """

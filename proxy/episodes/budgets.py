@@ -88,16 +88,44 @@ class BudgetHeld(BudgetExceeded):
 class Reservation(msgspec.Struct):
     episode_id: str
     tokens: int
+    completion: int = 0  # of ``tokens``, the completion cap's share
 
 
 def reservation_size(payload: dict[str, Any], body_bytes: int) -> int:
     """Tokens a call holds: its completion cap (times ``n`` choices) plus its prompt's
     size in bytes (no tokenizer yields more tokens than bytes, and the JSON around the
     messages outweighs the chat template's tokens)."""
+    return completion_cap(payload) + body_bytes
+
+
+def completion_cap(payload: dict[str, Any]) -> int:
+    """The completion tokens a call may generate: its cap (or DEFAULT_COMPLETION_TOKENS)
+    times its ``n`` choices."""
     cap = next((v for k in _CAPS if type(v := payload.get(k)) is int and v > 0), None)
     n = payload.get("n")
     n = n if type(n) is int and 0 < n <= 128 else 1
-    return (cap or DEFAULT_COMPLETION_TOKENS) * n + body_bytes
+    return (cap or DEFAULT_COMPLETION_TOKENS) * n
+
+
+def charged(capture, reservation: Reservation | None) -> int:
+    """Tokens a call spent, to settle its reservation with: the engine's usage report,
+    or, where a part of it is missing (a stream cut before its final usage chunk, by the
+    agent or the upstream), what the engine was seen to process and generate: the prompt
+    ids it returned and the completion tokens that went out (ids, else logprob entries,
+    ``token_counts``). A completion of an API that reports neither is charged the whole
+    completion cap it reserved: an agent cannot make its tokens free by cutting streams."""
+    prompt, completion = capture.tokens()
+    if prompt is None:
+        packed = getattr(capture, "prompt_packed", None)  # no list of the prompt made
+        ids = capture.prompt_ids if packed is None else None
+        prompt = len(packed) // 4 if packed is not None else len(ids or ())
+    if completion is None:
+        counts = getattr(capture, "token_counts", None)
+        if counts is not None:
+            completion = sum(counts().values())
+        else:
+            completion = 0 if reservation is None else reservation.completion
+    return prompt + completion
 
 
 class Budgets:
@@ -117,8 +145,14 @@ class Budgets:
         """An episode registered here: whether it has a budget is known without asking."""
         self._own.put(episode_id, limits is not None)
 
-    async def reserve(self, episode_id: str | None, tokens: int, *,
-                      keyed: bool) -> Reservation | None:
+    async def reserve_call(self, episode_id: str | None, payload: dict[str, Any],
+                           body_bytes: int, *, keyed: bool) -> Reservation | None:
+        """``reserve`` for a request: its completion cap plus its prompt's bytes."""
+        return await self.reserve(episode_id, reservation_size(payload, body_bytes),
+                                  keyed=keyed, completion=completion_cap(payload))
+
+    async def reserve(self, episode_id: str | None, tokens: int, *, keyed: bool,
+                      completion: int = 0) -> Reservation | None:
         """Count one call and hold ``tokens`` for it, or raise BudgetExceeded. ``keyed``:
         the call carried the episode's key (only a registered episode can have a budget
         of its own). None: no budget applies."""
@@ -153,7 +187,7 @@ class Budgets:
             raise ProxyError(503, f"the episode's budget could not be checked: {reason}",
                              "server_error", "budget_unavailable",
                              headers={"Retry-After": "5"}) from exc
-        return Reservation(episode_id, tokens)
+        return Reservation(episode_id, tokens, completion)
 
     def settle(self, reservation: Reservation | None, used: int) -> None:
         """The call ended having spent ``used`` tokens: release the rest (off the call)."""

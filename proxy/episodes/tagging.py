@@ -81,6 +81,12 @@ def credential_required(episode_id: str) -> ProxyError:
         "api_key its registration returned)", "episode_credential_required")
 
 
+def finished_error(episode_id: str) -> ProxyError:
+    # The same words whoever asks: the reply says nothing about the episode's reward.
+    return ProxyError(409, f"episode {episode_id!r} is finished: its key and id take no more "
+                      "calls", "invalid_request_error", "episode_finished")
+
+
 def unavailable(exc: Exception) -> ProxyError:
     return ProxyError(503, f"the episode's key cannot be checked now: {type(exc).__name__}",
                       "server_error", "database_unavailable", headers={"Retry-After": "5"})
@@ -109,9 +115,14 @@ class Tagger:
         is_registered: Callable[[str], Awaitable[bool]],
         require_episode: bool,
         require_registered: bool,
+        is_finished: Callable[[str], Awaitable[bool]] | None = None,
     ):
         self._key_owner = key_owner
         self._is_registered = is_registered
+        self._is_finished = is_finished
+        # Finished episodes (by this process's admin API, ``follow_finished``, or asked
+        # when a key is first seen): their keys and ids take no more calls (409).
+        self._finished: Recent[str, bool] = Recent(REMEMBERED)
         self.require_episode = require_episode
         self.require_registered = require_registered
         self._keys: Recent[str, str] = Recent(REMEMBERED)
@@ -121,6 +132,14 @@ class Tagger:
         # True while ``follow`` keeps up with new registrations: an id found unregistered
         # is then believed until the follower says otherwise, not asked about again.
         self.following = False
+
+    def finished(self, episode_id: str) -> None:
+        """The episode was finished: a call with its key or id is refused from now on."""
+        self._finished.put(episode_id, True)
+
+    def _open(self, episode_id: str) -> None:
+        if self._finished.get(episode_id):
+            raise finished_error(episode_id)
 
     def remember(self, episode_id: str, key_hash: str | None) -> None:
         self._registered.put(episode_id, True)
@@ -163,6 +182,7 @@ class Tagger:
         if key_episode is not None:
             if named - {key_episode}:
                 raise forbidden("this API key belongs to another episode")
+            self._open(key_episode)
             return Tagged(episode, keyed=True)
         # No credential: fine for an id nobody registered, never for a registered one.
         try:
@@ -183,6 +203,7 @@ class Tagger:
             raise credential_required(episode)
         if self.require_registered:
             raise not_found(f"episode {episode!r} is not registered (--require-registered)")
+        self._open(episode)
         return Tagged(episode, keyed=False)
 
     async def _owner_or_401(self, key: str) -> str:
@@ -202,6 +223,8 @@ class Tagger:
             if owner is None:
                 self._misses.put(digest, time.monotonic() + MISS_SECONDS)
             else:
+                if self._is_finished is not None and await self._is_finished(owner):
+                    self._finished.put(owner, True)  # finished before this process saw it
                 self._keys.put(digest, owner)
         return owner
 
@@ -242,6 +265,21 @@ class Tagger:
                                 "are asked about again every %gs meanwhile", exc, MISS_SECONDS)
                 self.following = False
                 self._forget_misses()
+            await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
+
+    async def follow_finished(self, finished_since: Callable[[float], Awaitable[list]],
+                              clock=time.time) -> None:
+        """Keep up with finishes made by any process (runs for the app's life): a
+        finished episode's key is refused here within FOLLOW_SECONDS. A database that
+        cannot answer is asked again at the next tick, from the same watermark."""
+        watermark = clock()
+        while True:
+            try:
+                for episode_id, finished_at in await finished_since(watermark - FOLLOW_OVERLAP):
+                    self._finished.put(episode_id, True)
+                    watermark = max(watermark, finished_at)
+            except Exception as exc:  # the database cannot answer: next tick
+                log.debug("cannot follow episode finishes: %s", exc)
             await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
 
     def _forget_misses(self) -> None:

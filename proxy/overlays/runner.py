@@ -76,9 +76,8 @@ class Overlays:
     async def check(self, name: str) -> Any:
         """The overlay of that name (loaded at start, or a patch installed at run time)."""
         found = await self._named(name)
-        if found is None:
-            known = ", ".join(sorted(self.loaded)) or "none loaded at start (--overlay)"
-            raise bad_request(f"unknown overlay {name!r}: neither loaded at start ({known}) "
+        if found is None:  # what is loaded is not said: `tracetap serve`'s log lists it
+            raise bad_request(f"unknown overlay {name!r}: neither loaded at start (--overlay) "
                               "nor installed (PUT /tracetap/overlays/NAME)", "unknown_overlay")
         return found
 
@@ -93,28 +92,18 @@ class Overlays:
 
     # -- per call ---------------------------------------------------------------------
     async def session(self, call: ModelCall, headers: Mapping[str, str]) -> Session | None:
-        """The overlay this call runs under, started for its episode; None if none."""
-        asked = headers.get(OVERLAY_HEADER)
-        if not self.loaded and asked is None and not (self.patches and self.patches.any):
-            return None
-        if asked is not None:
-            await self.check(asked)
-        if call.episode_id is None:
-            if asked is not None:
-                raise bad_request(
-                    f"{OVERLAY_HEADER} needs an episode (path, key or X-Tracetap-Episode)",
-                    "overlay_needs_episode",
-                )
+        """The overlay this call runs under, started for its episode; None if none. Only
+        the operator chooses it, at registration (``tracetap run --overlay``): the agent's
+        header is refused (400, counted), whatever it names, and the refusal names nothing
+        that is loaded, so the episode's metadata always says which overlay its calls ran
+        under (``tracetap compare`` never counts an overlaid call as baseline)."""
+        if OVERLAY_HEADER in headers:
+            raise bad_request(f"{OVERLAY_HEADER} is not accepted: an episode's overlay is "
+                              "chosen by the operator, at its registration", "overlay_header")
+        if call.episode_id is None or not (self.loaded or (self.patches and self.patches.any)):
             return None
         info = await self._info(call.episode_id)
-        registered = None if info is None else info.metadata.get("overlay")
-        if registered is not None and asked is not None and asked != registered:
-            raise bad_request(
-                f"episode {call.episode_id!r} was registered with overlay "
-                f"{registered!r}, not {asked!r}",
-                "overlay_conflict",
-            )
-        name = registered or asked
+        name = None if info is None else info.metadata.get("overlay")
         overlay = None if name is None else await self._named(name)
         if overlay is None:
             return None  # an overlay this proxy did not load (stated at start), or deleted

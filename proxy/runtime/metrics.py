@@ -56,7 +56,8 @@ class CallOutcome(msgspec.Struct, frozen=True):
     fields_dropped: dict[str, int]  # request fields kept from the engine, by name
     capture: Reassembly
 # Refusals counted in tracetap_agent_refused_total{reason}, by their error code.
-_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key"})
+_COUNTED_REFUSALS = frozenset({"episode_credential_required", "forbidden", "invalid_api_key",
+                               "episode_finished", "overlay_header"})
 
 
 class Metrics(WriterObserver):

@@ -12,6 +12,7 @@ from tracetap.proxy.apis.registry import exposed_paths
 from tracetap.proxy.apis.routing import parse_translate
 from tracetap.proxy.episodes.budgets import Budget
 from tracetap.proxy.episodes.model_map import ModelMap
+from tracetap.proxy.episodes.policy_models import OTHER_MODELS
 from tracetap.proxy.http.exposure import Exposure
 from tracetap.proxy.overlays.bwrap import SANDBOXES as PATCH_SANDBOXES
 from tracetap.proxy.overlays.loader import FAIL_MODES, parse_specs
@@ -65,6 +66,8 @@ class Settings(msgspec.Struct, kw_only=True):
     episode_max_seconds: float | None = None
     translate: str = "auto"
     model_map: list[str] = []
+    policy_model: list[str] = []  # the models an episode may use (registration overrides)
+    other_models: str = "refuse"  # a call to another: refuse (403) or store (not trained)
     repair_history: bool = False
     overlay: list[str] = []
     overlay_fail: str = "open"
@@ -150,6 +153,8 @@ class Settings(msgspec.Struct, kw_only=True):
             if not name or not all(c.isalnum() or c in "_-." for c in name):
                 raise ValueError(f"--allow-request-field {name!r}: give a request field's name")
         ModelMap(self.model_map)
+        if self.other_models not in OTHER_MODELS:
+            raise ValueError(f"--other-models must be one of {', '.join(OTHER_MODELS)}")
         parse_translate(self.translate)
         parse_specs(self.overlay)
         if self.overlay_fail not in FAIL_MODES:
@@ -297,6 +302,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-map", action="append", default=None, metavar="PATTERN=MODEL",
       help="send MODEL upstream when a client names a model matching PATTERN, e.g. "
            "'claude-*=qwen3-8b' (repeatable; TRACETAP_MODEL_MAP takes a comma-separated list)")
+    a("--policy-model", action="append", default=None, metavar="NAME",
+      help="a model the episodes' calls may use, as sent upstream (after --model-map): "
+           "registration's policy_models overrides it; none named allows every model "
+           "(repeatable; TRACETAP_POLICY_MODEL takes a comma-separated list)")
+    a("--other-models", default=_env("other_models", d.other_models), choices=OTHER_MODELS,
+      help="a call to a model outside its episode's policy models: refuse (403, never "
+           "sent upstream) or store (served, stored with status other_model: no policy "
+           "version, never trained)")
     a("--repair-history", action="store_true", default=_env_bool("repair_history"),
       help="send the engine the model's own earlier turns when a harness resends them "
            "reformatted (equal after normalisation; docs/fidelity.md); per episode: "
@@ -304,8 +317,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--overlay", action="append", default=None, metavar="NAME=MODULE:FACTORY",
       help="load an overlay (lifecycle hooks at the model boundary; docs/overlays.md) from "
            "your own code: package.module:factory, options as ,key=value; episodes opt in "
-           'with "overlay": NAME at registration or the X-Tracetap-Overlay header '
-           "(repeatable; TRACETAP_OVERLAY takes a space-separated list)")
+           'with "overlay": NAME at registration (an agent\'s X-Tracetap-Overlay header is '
+           "refused) (repeatable; TRACETAP_OVERLAY takes a space-separated list)")
     a("--overlay-fail", default=_env("overlay_fail", d.overlay_fail), choices=FAIL_MODES,
       help="when a hook raises or runs over --overlay-timeout: open leaves the call as it "
            "was, closed fails it with a clear error; both log and count it")
@@ -375,6 +388,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         args.allow_request_field = config.env_list("allow_request_field")
     if args.model_map is None:
         args.model_map = config.env_list("model_map")
+    if args.policy_model is None:
+        args.policy_model = config.env_list("policy_model")
     if args.overlay is None:
         args.overlay = (config.env("overlay") or "").split()
     token_file = getattr(args, "admin_token_file", None)

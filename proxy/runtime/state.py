@@ -19,6 +19,7 @@ from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.episodes.arrivals import Arrivals
 from tracetap.proxy.episodes.budgets import Budgets
 from tracetap.proxy.episodes.model_map import ModelMap
+from tracetap.proxy.episodes.policy_models import PolicyModels
 from tracetap.proxy.episodes.repair import Repair
 from tracetap.proxy.episodes.tagging import Tagger
 from tracetap.proxy.http.exposure import Exposure
@@ -55,6 +56,7 @@ class ProxyState:
     model_map: ModelMap
     request_fields: RequestFields
     overlays: Overlays
+    policy_models: PolicyModels
     routing: Routing
     instance: str
     upstream_kind: Flavor

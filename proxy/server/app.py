@@ -110,6 +110,8 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     pool, settings = state.pool, state.settings
     background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
         state.tagger.follow(functools.partial(queries.registered_since, state.engine))),
+        asyncio.create_task(state.tagger.follow_finished(
+            functools.partial(queries.finished_since, state.engine))),
         asyncio.create_task(state.overlays.patches.follow())]  # patches installed elsewhere
     if is_worker:
         # Gauges mirrored from a worker's state are read from files by whichever worker is

@@ -20,6 +20,7 @@ from tracetap.proxy.episodes.arrivals import Arrivals
 from tracetap.proxy.episodes.budgets import Budgets
 from tracetap.proxy.episodes.ids import instance_id
 from tracetap.proxy.episodes.model_map import ModelMap
+from tracetap.proxy.episodes.policy_models import PolicyModels
 from tracetap.proxy.episodes.repair import Repair
 from tracetap.proxy.episodes.tagging import Tagger
 from tracetap.proxy.http.exposure import Exposure
@@ -80,6 +81,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         tagger=Tagger(
             key_owner=functools.partial(queries.key_owner, engine),
             is_registered=functools.partial(queries.is_registered, engine),
+            is_finished=functools.partial(queries.is_finished, engine),
             require_episode=settings.require_episode,
             require_registered=settings.require_registered,
         ),
@@ -90,6 +92,8 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         repair=Repair(settings.repair_history, metrics.repaired),
         model_map=ModelMap(settings.model_map),
         request_fields=RequestFields(settings.allow_request_field),
+        policy_models=PolicyModels(settings.policy_model, settings.other_models,
+                                   functools.partial(queries.episode_registration, engine)),
         overlays=Overlays(overlays, fail=settings.overlay_fail,
                           timeout=settings.overlay_timeout,
                           max_resamples=settings.overlay_max_resamples, metrics=metrics,
