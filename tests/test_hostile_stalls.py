@@ -25,6 +25,8 @@ from helpers.hostile import MESSAGES, raw_request
 from helpers.servers import ProxyProcess
 
 from tracetap.demo.engine import EngineConfig, make_engine_app
+from tracetap.proxy.overlays.examples import MAX_STEPS, Unchecked, schema_error
+from tracetap.storage.blocks import MAX_CUT_ELEMENTS, cut_text, join_text
 
 # A stall this long is the attack working; a loaded machine adds well under it.
 LATENCY_BOUND = 1.0
@@ -33,6 +35,17 @@ CANNED = {"id": "chatcmpl-big", "object": "chat.completion", "created": 1, "mode
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                        "finish_reason": "stop"}],
           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+# A small schema (14 KB) and small arguments that ask a naive validator for half a million
+# checks: each of 700 items matches only the last of 700 alternatives (seconds of CPU).
+BOMB_TOOL = {"type": "function", "function": {"name": "bomb", "parameters": {
+    "type": "object", "properties": {"xs": {"type": "array", "items": {
+        "anyOf": [{"type": "string"}] * 699 + [{"type": "integer"}]}}}}}}
+BOMB_ARGS = json.dumps({"xs": [1] * 700})
+BOMB_REPLY = {**CANNED, "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+    "role": "assistant", "content": None, "tool_calls": [{
+        "id": "call-1", "type": "function",
+        "function": {"name": "bomb", "arguments": BOMB_ARGS}}]}}]}
 
 
 @pytest.fixture
@@ -45,6 +58,8 @@ def quick_upstream(serve_app) -> str:
         if request.content_length and request.content_length > BIG:
             await request.read()
             return web.json_response(CANNED)
+        if b'"bomb"' in await request.read():  # the policy writes the arguments
+            return web.json_response(BOMB_REPLY)
         return await handler(request)
 
     app = make_engine_app(EngineConfig(flavor="vllm"))
@@ -66,6 +81,12 @@ class Beside:
                                     timeout=60)
         self.latencies: list[float] = []
 
+    def __enter__(self) -> Beside:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+
     def call(self) -> None:
         start = time.monotonic()
         reply = self.client.chat.completions.create(model="mock-model", messages=MESSAGES,
@@ -84,8 +105,16 @@ class Beside:
 
 
 def _in_thread(work) -> tuple[threading.Thread, list]:
+    """``work()`` in a thread; its result (or the exception it raised) in the list."""
     out: list = []
-    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except Exception as exc:  # handed to the test to assert on
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
 
@@ -100,21 +129,79 @@ def test_storing_5_mib_of_tiny_messages_does_not_stall_other_calls(
         body = json.dumps({"model": "mock-model", "messages": messages,
                            "max_tokens": 2}).encode()
         assert len(body) > 5 << 20
-        beside = Beside(proxy.episode_url("beside"))
-        beside.call()  # connections and the first call's work out of the way
-        beside.latencies.clear()
-        sent, replies = _in_thread(lambda: raw_request(
-            proxy, "POST", "/episodes/big/v1/chat/completions",
-            {"Content-Type": "application/json"}, body))
+        with Beside(proxy.episode_url("beside")) as beside:
+            beside.call()  # connections and the first call's work out of the way
+            beside.latencies.clear()
+            sent, replies = _in_thread(lambda: raw_request(
+                proxy, "POST", "/episodes/big/v1/chat/completions",
+                {"Content-Type": "application/json"}, body))
 
-        def stored() -> bool:
-            if sent.is_alive():
-                return False
-            status, episode = proxy.admin("GET", "/tracetap/episodes/big")
-            return status == 200 and len(episode["calls"]) == 1
+            def stored() -> bool:
+                if sent.is_alive():
+                    return False
+                status, episode = proxy.admin("GET", "/tracetap/episodes/big")
+                return status == 200 and len(episode["calls"]) == 1
 
-        worst = beside.until(stored)
+            worst = beside.until(stored)
         assert replies[0][0] == 200, replies
+        assert worst < LATENCY_BOUND, sorted(beside.latencies)[-5:]
+    finally:
+        proxy.stop()
+
+
+def test_a_body_is_cut_into_a_bounded_number_of_blocks():
+    messages = [{"role": "user", "content": str(i)} for i in range(3 * MAX_CUT_ELEMENTS)]
+    text = json.dumps({"model": "m", "messages": messages, "max_tokens": 2})
+    pieces, prefix = cut_text(text)
+    assert len(pieces) == MAX_CUT_ELEMENTS + 2  # before the list, each message, the rest
+    assert join_text(data for _, data in pieces) == text
+    # The next call of the conversation continues after the prefix, bounded again.
+    longer = json.dumps({"model": "m", "messages": [*messages, *messages], "max_tokens": 2})
+    again, _ = cut_text(longer, previous=prefix)
+    assert len(pieces) - 1 < len(again) <= len(pieces) - 1 + MAX_CUT_ELEMENTS + 2
+    assert join_text(data for _, data in again[len(pieces) - 1:]) == longer[len(prefix[0]):]
+
+
+# -- The shipped tool-arguments validator on the agent's schema ----------------------------
+
+def test_the_validator_checks_ordinary_schemas_and_gives_up_on_costly_ones():
+    schema = BOMB_TOOL["function"]["parameters"]
+    assert schema_error({"xs": [1, 2]}, schema) is None
+    assert schema_error({"xs": [1, 2.5]}, schema) == "arguments.xs[1] matches none of its " \
+        "allowed shapes"
+    started = time.process_time()
+    with pytest.raises(Unchecked):  # 700 x 700 steps: past MAX_STEPS
+        schema_error(json.loads(BOMB_ARGS), schema)
+    with pytest.raises(Unchecked):  # an enum is counted by its entries
+        schema_error("x", {"enum": ["y"] * (MAX_STEPS + 1)})
+    deep, value = {"type": "integer"}, 1
+    for _ in range(500):  # nested deeper than any tool's arguments: no RecursionError
+        deep, value = {"type": "array", "items": deep}, [value]
+    with pytest.raises(Unchecked):
+        schema_error(value, deep)
+    assert time.process_time() - started < 1.0
+
+VALIDATOR = "validator=tracetap.proxy.overlays.examples:tool_args_validator"
+
+
+def test_the_tool_args_validator_bounds_what_an_agents_schema_costs(
+        quick_upstream, migrated_sqlite, tmp_path):
+    proxy = _proxy(quick_upstream, migrated_sqlite(tmp_path / "v.db"), tmp_path,
+                   "--overlay", VALIDATOR)
+    try:
+        assert proxy.admin("POST", "/tracetap/episodes",
+                           {"id": "bomb", "overlay": "validator"})[0] == 201
+        agent = openai.OpenAI(base_url=proxy.episode_url("bomb"), api_key="x", max_retries=0,
+                              timeout=120)
+        with agent, Beside(proxy.episode_url("beside")) as beside:
+            beside.call()
+            beside.latencies.clear()
+            sent, replies = _in_thread(lambda: agent.chat.completions.create(
+                model="mock-model", messages=MESSAGES, tools=[BOMB_TOOL], max_tokens=8))
+            worst = beside.until(lambda: not sent.is_alive())
+        assert not isinstance(replies[0], Exception), replies
+        (call,) = replies[0].choices[0].message.tool_calls  # left unchecked, as it came
+        assert call.function.arguments == BOMB_ARGS
         assert worst < LATENCY_BOUND, sorted(beside.latencies)[-5:]
     finally:
         proxy.stop()
