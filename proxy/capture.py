@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from tracetap.proxy import continuation, lineage
+from tracetap.proxy import continuation, deadline, lineage
 from tracetap.proxy.bodies import read_body
 from tracetap.proxy.budgets import BudgetExceeded, Reservation, reservation_size
 from tracetap.proxy.call_record import call_record
@@ -105,7 +105,7 @@ class ModelCall(CallReview):
         metrics.inflight.inc()
         try:
             try:
-                return await self._drive(request, path, front)
+                return await deadline.bounded(self, request, self._drive(request, path, front))
             except BudgetExceeded as error:
                 metrics.child(metrics.budget_exceeded, error.limit).inc()
                 return self.fail(error, "budget_exceeded")

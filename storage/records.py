@@ -130,4 +130,5 @@ STATUSES = (
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
+    "deadline_exceeded",  # ended past --call-deadline (proxy.deadline)
 )

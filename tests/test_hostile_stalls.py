@@ -15,6 +15,7 @@ but far below the seconds the attacks held the loop for before.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -22,10 +23,12 @@ import openai
 import pytest
 from aiohttp import web
 from helpers.hostile import MESSAGES, raw_request
-from helpers.servers import ProxyProcess
+from helpers.loop import free_port, wait_until
+from helpers.servers import Proxy, ProxyProcess
 
 from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.proxy.overlays.examples import MAX_STEPS, Unchecked, schema_error
+from tracetap.proxy.settings import Settings
 from tracetap.storage.blocks import MAX_CUT_ELEMENTS, cut_text, join_text
 
 # A stall this long is the attack working; a loaded machine adds well under it.
@@ -203,5 +206,72 @@ def test_the_tool_args_validator_bounds_what_an_agents_schema_costs(
         (call,) = replies[0].choices[0].message.tool_calls  # left unchecked, as it came
         assert call.function.arguments == BOMB_ARGS
         assert worst < LATENCY_BOUND, sorted(beside.latencies)[-5:]
+    finally:
+        proxy.stop()
+
+
+# -- A stream that is never read, under a pause in abort mode ------------------------------
+
+DEADLINE = 6.0
+DUMMY_TOOL = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
+
+
+def test_a_stream_never_read_is_ended_at_the_call_deadline_and_frees_the_pause(
+        loop_thread, quick_upstream, migrated_sqlite, tmp_path):
+    settings = Settings(upstream=quick_upstream, db=migrated_sqlite(tmp_path / "d.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        upstream_flavor="vllm", call_deadline=DEADLINE)
+    proxy = Proxy(loop_thread, settings).start()
+    # A long stream the pause cannot cut (a tool is declared: it could not be continued
+    # exactly), to a client that reads nothing (a tiny receive window, never read).
+    body = json.dumps({"model": "mock-model", "messages": MESSAGES, "stream": True,
+                       "tools": [DUMMY_TOOL], "tool_choice": "none",
+                       "max_tokens": 30_000, "mock_completion_tokens": 30_000}).encode()
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        stuck.connect(("127.0.0.1", settings.port))
+        stuck.sendall(b"POST /episodes/stuck/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        started = time.monotonic()
+        wait_until(lambda: proxy.state.gate.inflight == 1, "the stream in flight")
+        status, paused = proxy.admin("POST", "/tracetap/pause",
+                                     {"mode": "abort", "timeout": 3 * DEADLINE})
+        waited = time.monotonic() - started
+        assert status == 200 and paused["drained"] is True, paused
+        assert waited < 2 * DEADLINE, waited
+        assert proxy.admin("POST", "/tracetap/resume", {})[0] == 200
+        with Beside(proxy.episode_url("beside")) as beside:
+            beside.call()  # the proxy serves on
+        (call,) = wait_until(lambda: proxy.calls("stuck"), "the stuck call stored")
+        assert call["status"] == "deadline_exceeded", call["status"]
+        assert "--call-deadline 6 s" in call["error"] and "not read" in call["error"]
+        stuck.settimeout(30)
+        received = b""
+        while chunk := stuck.recv(1 << 20):  # closed by the proxy: the stream was cut
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+    finally:
+        stuck.close()
+        proxy.stop()
+
+
+def test_a_reply_not_begun_by_the_deadline_is_a_504_in_the_clients_shape(
+        loop_thread, quick_upstream, migrated_sqlite, tmp_path):
+    settings = Settings(upstream=quick_upstream, db=migrated_sqlite(tmp_path / "d.db"),
+                        data_dir=str(tmp_path / "data"), port=free_port(),
+                        upstream_flavor="vllm", call_deadline=1.0)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        with openai.OpenAI(base_url=proxy.episode_url("slow"), api_key="x",
+                           max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as raised:
+                client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                               max_tokens=2, extra_body={"mock_delay_s": 5})
+        assert raised.value.status_code == 504
+        assert raised.value.body["code"] == "deadline_exceeded"
+        (call,) = proxy.calls("slow")
+        assert call["status"] == "deadline_exceeded"
     finally:
         proxy.stop()
