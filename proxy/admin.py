@@ -329,6 +329,19 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Open to any scraper: everything but the families that grade episodes."""
+    return _metrics(request, outcomes=False)
+
+
+@_errors
+async def admin_metrics(request: web.Request) -> web.Response:
+    """Everything, rewards and integrity verdicts included: the admin's (proxy.metrics)."""
+    _require_admin(request)
+    return _metrics(request, outcomes=True)
+
+
+def _metrics(request: web.Request, outcomes: bool) -> web.Response:
     state = request.app[STATE]
     state.metrics.refresh(state)
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=state.metrics.render(outcomes),
+                        headers={"Content-Type": CONTENT_TYPE})

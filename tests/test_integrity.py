@@ -10,7 +10,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 from helpers.chat_upstreams import scripted_chat_app
-from helpers.http import fetch, metrics_text
+from helpers.http import admin_metrics_text, fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 
@@ -60,7 +60,7 @@ def test_an_exhausted_budget_makes_an_episode_infra_everywhere(proxy, tmp_path, 
     for episode in ("clean", "starved"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                            {"reward": 1.0})[0] == 200
-    metrics = metrics_text(proxy.url)
+    metrics = admin_metrics_text(proxy.url, proxy.admin_token)
     assert 'tracetap_episodes_integrity_total{integrity="clean"} 1.0' in metrics
     assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics
     assert 'tracetap_episode_integrity_causes_total{cause="budget_exceeded"} 1.0' in metrics
