@@ -7,7 +7,9 @@ abort mode cuts such a stream only when it can be continued exactly
 and every other call behind it, for good. The deadline bounds that and every other wait
 of a call: past it the call is ended (the upstream reply closed, so the engine aborts it;
 a stream already begun is cut, a reply not begun is a 504 in the client's shape) and its
-record is stored with status ``deadline_exceeded`` and what it was waiting for.
+record is stored with what it was waiting for: ``client_stalled`` when its client had not
+read what was written to it (the agent's doing: no infrastructure cause), else
+``deadline_exceeded`` (storage.integrity's cause of that name).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.capture import ModelCall
 
 STATUS = "deadline_exceeded"
+CLIENT_STALLED = "client_stalled"
 
 
 async def bounded(call: ModelCall, request: web.Request,
@@ -45,9 +48,11 @@ async def bounded(call: ModelCall, request: web.Request,
         return call.fail(ProxyError(504, message, "server_error", STATUS), STATUS)
     transport = request.transport
     unread = transport.get_write_buffer_size() if transport is not None else 0
-    call.abort(STATUS, f"{message}: its stream was cut, " + (
-        f"{unread} bytes the client had not read" if unread
-        else "the upstream had not finished it"))
+    if unread:
+        call.abort(CLIENT_STALLED, f"{message}: its stream was cut, {unread} bytes written "
+                   "to the client that it had not read")
+    else:
+        call.abort(STATUS, f"{message}: its stream was cut, the upstream had not finished it")
     if transport is not None:
         transport.abort()
     # The stream cannot become an error reply: the handler ends as for a client gone.

@@ -28,7 +28,11 @@ no_token_ids         stored without usable token ids (``ids_missing``)
 record_dropped       its record was lost: the journal was full (a tombstone)
 record_quarantined   its record was refused by the database (a tombstone; the record is
                      in the dead-letter file)
+deadline_exceeded    ran past --call-deadline waiting on the upstream (or a pause)
 ==================== =====================================================================
+
+A call ended at the deadline because its client did not read its stream
+(``client_stalled``) is the agent's doing: no cause.
 
 An attempt a weight sync cut and sent again (``weight_sync_retried``) is no cause: the
 agent's answer is its retry's, which is judged as any call.
@@ -50,7 +54,7 @@ INFRA = "infra"
 INTEGRITY = (CLEAN, INFRA)
 CAUSES = ("upstream_error", "upstream_timeout", "refused", "paused", "budget_exceeded",
           "overlay_failed", "proxy_error", "client_disconnected", "no_token_ids",
-          "record_dropped", "record_quarantined")
+          "record_dropped", "record_quarantined", "deadline_exceeded")
 
 _BY_STATUS = {
     "upstream_error": "upstream_error",
@@ -64,6 +68,7 @@ _BY_STATUS = {
     "client_disconnected": "client_disconnected",
     "record_dropped": "record_dropped",
     "record_quarantined": "record_quarantined",
+    "deadline_exceeded": "deadline_exceeded",
 }
 # Statuses whose HTTP status is the upstream's own answer.
 _ANSWERED = ("ok", "passthrough", "vetoed")

@@ -131,4 +131,5 @@ STATUSES = (
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.continuation)
     "deadline_exceeded",  # ended past --call-deadline (proxy.deadline)
+    "client_stalled",  # ended past --call-deadline, its client not reading the stream
 )

@@ -30,6 +30,7 @@ from tracetap.demo.engine import EngineConfig, make_engine_app
 from tracetap.proxy.overlays.examples import MAX_STEPS, Unchecked, schema_error
 from tracetap.proxy.settings import Settings
 from tracetap.storage.blocks import MAX_CUT_ELEMENTS, cut_text, join_text
+from tracetap.storage.integrity import cause_of
 
 # A stall this long is the attack working; a loaded machine adds well under it.
 LATENCY_BOUND = 1.0
@@ -245,8 +246,9 @@ def test_a_stream_never_read_is_ended_at_the_call_deadline_and_frees_the_pause(
         with Beside(proxy.episode_url("beside")) as beside:
             beside.call()  # the proxy serves on
         (call,) = wait_until(lambda: proxy.calls("stuck"), "the stuck call stored")
-        assert call["status"] == "deadline_exceeded", call["status"]
+        assert call["status"] == "client_stalled", call["status"]
         assert "--call-deadline 6 s" in call["error"] and "not read" in call["error"]
+        assert cause_of(call["status"], call["http_status"]) is None  # the agent's doing
         stuck.settimeout(30)
         received = b""
         while chunk := stuck.recv(1 << 20):  # closed by the proxy: the stream was cut
@@ -264,14 +266,14 @@ def test_a_reply_not_begun_by_the_deadline_is_a_504_in_the_clients_shape(
                         upstream_flavor="vllm", call_deadline=1.0)
     proxy = Proxy(loop_thread, settings).start()
     try:
-        with openai.OpenAI(base_url=proxy.episode_url("slow"), api_key="x",
-                           max_retries=0) as client:
-            with pytest.raises(openai.APIStatusError) as raised:
-                client.chat.completions.create(model="mock-model", messages=MESSAGES,
-                                               max_tokens=2, extra_body={"mock_delay_s": 5})
+        client = openai.OpenAI(base_url=proxy.episode_url("slow"), api_key="x", max_retries=0)
+        with client, pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(model="mock-model", messages=MESSAGES,
+                                           max_tokens=2, extra_body={"mock_delay_s": 5})
         assert raised.value.status_code == 504
         assert raised.value.body["code"] == "deadline_exceeded"
         (call,) = proxy.calls("slow")
         assert call["status"] == "deadline_exceeded"
+        assert cause_of(call["status"], call["http_status"]) == "deadline_exceeded"
     finally:
         proxy.stop()
