@@ -8,24 +8,22 @@ held), ``capture`` (the API's reassembly), ``timings`` (``proxy.call_timings``),
 ``services`` (``proxy.call_services``: the parts of the proxy a call uses; the driver
 alone is given the front besides: tagger, body limits, overlays, pool).
 
-``run`` takes the steps in order: ``tag`` (arrival order), ``parse_request`` (the body to
-send upstream; ``reroute`` after ``--translate auto``'s 404), ``reserve`` (the episode's
-budget), the overlay's session, ``admit`` (the pause gate; the policy version), the send
-(with proxy.continuation's weight-sync wrappers), ``replied``, the relay (``reply_body``
-for a whole reply, or the stream handed to ``Relay.pump`` once), and ``finish`` always,
-after ``fail`` (refused before relaying) or ``abort`` (cut mid-relay) when the call ends
-early. A reviewing overlay (``proxy.overlays.review``) drives the attempts through
-``CallReview``'s methods (``proxy.call_review``), which are ModelCall's own.
+``run`` takes the steps in order, within ``--call-deadline`` (proxy.deadline): ``tag``
+(arrival order), ``parse_request`` (the body to send upstream; ``reroute`` after
+``--translate auto``'s 404), ``reserve`` (the episode's budget), the overlay's session,
+``admit`` (the pause gate; the policy version), the send (with proxy.continuation's
+weight-sync wrappers), ``replied``, the relay (``reply_body`` for a whole reply, or the
+stream handed to ``Relay.pump`` once), and ``finish`` always, after ``fail`` (refused
+before relaying) or ``abort`` (cut mid-relay) when the call ends early. A reviewing
+overlay (``proxy.overlays.review``) drives the attempts through ``CallReview``'s methods.
 
-Three rules live here and nowhere else: the record is journaled exactly once
-(``journal``); it is journaled before the client is given the bytes that end the reply
-(``end_reached``, which the relay and ``release`` call), so a call that completed for the
-client is on disk even if the process dies next; and each attempt's tokens are spent
-from the episode's budget exactly once (``_spend``; the first attempt's reservation is
-settled with it). ``proxy.call_record.call_record`` builds the stored record,
-``Metrics.observe_call`` the metrics. What differs between wire APIs lives in ``api``
-(the API spoken to the upstream) and ``translation`` (set when the client speaks another
-API than the upstream: its request and replies are converted to and from chat).
+Three rules live here and nowhere else: the record is journaled exactly once (``journal``); it is
+journaled before the client is given the bytes that end the reply (``end_reached``, which the relay
+and ``release`` call), so a call that completed for the client is on disk even if the process dies
+next; and each attempt's tokens are spent from the episode's budget exactly once (``_spend``; the
+first attempt's reservation is settled with it). The record is built by ``proxy.call_record``. What
+differs between wire APIs lives in ``api`` (the API spoken to the upstream) and ``translation``
+(set when the client speaks another API: its request and replies are converted to and from chat).
 """
 
 from __future__ import annotations
@@ -105,7 +103,9 @@ class ModelCall(CallReview):
         metrics.inflight.inc()
         try:
             try:
-                return await deadline.bounded(self, request, self._drive(request, path, front))
+                async with (limit := deadline.Deadline(self, request, front.settings)):
+                    return await self._drive(request, path, front)
+                return limit.response  # past the deadline before the reply began
             except BudgetExceeded as error:
                 metrics.child(metrics.budget_exceeded, error.limit).inc()
                 return self.fail(error, "budget_exceeded")
