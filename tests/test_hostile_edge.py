@@ -358,6 +358,38 @@ def test_one_peer_with_2000_idle_connections_does_not_lock_others_out(upstream, 
         proxy.stop()
 
 
+def test_at_the_descriptor_limit_idle_connections_make_way(upstream, tmp_path):
+    """A hard open-files limit of 1024 (it cannot be raised): 1,100 idle connections from
+    one address fill what the process keeps for clients, and another client is served."""
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    upgrade(db)
+    proxy = ProxyProcess(upstream=upstream, db=db, data_dir=tmp_path / "d",
+                         log=tmp_path / "proxy.log")
+    proxy.args = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit("
+                  "resource.RLIMIT_NOFILE, (1024, 1024)); os.execv(sys.executable, sys.argv[1:])",
+                  *proxy.args]
+    attackers: list[socket.socket] = []
+    try:
+        proxy.start()
+        for _ in range(1100):
+            sock = socket.socket()
+            sock.settimeout(60)
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", proxy.port))
+            attackers.append(sock)
+        client = openai.OpenAI(base_url=proxy.episode_url("normal"), api_key="x",
+                               max_retries=0)
+        with client:
+            assert client.chat.completions.create(
+                model="mock-model", messages=MESSAGES, max_tokens=2).choices
+        closed = _closed(attackers)
+        assert 0 < len(closed) < 1100 and closed == set(range(len(closed)))  # the oldest
+    finally:
+        for sock in attackers:
+            sock.close()
+        proxy.stop()
+
+
 def _closed(socks: list[socket.socket], wait: float = 1.0) -> set[int]:
     """The indexes of the sockets the proxy closed without answering (an EOF to read)."""
     time.sleep(wait)  # the proxy closes them as it accepts newer ones: let that land
