@@ -223,6 +223,11 @@ def join_text(pieces: Iterable[bytes]) -> str:
 # contents are skipped with str.find (memchr speed), not character by character.
 _STOP = re.compile(r'["{}\[\],:]')
 _LISTS = ('"messages"', '"input"')  # chat and Messages, Responses
+# Messages cut into blocks of their own per body, at most: past it the rest of the body is
+# one block. Bounds the rows one request makes (an agent's 5 MiB of tiny messages would
+# otherwise be 170,000 blocks, each hashed, packed and inserted); a conversation adds its
+# new messages each call, so a long one still shares all but the last call's tail.
+MAX_CUT_ELEMENTS = 4096
 
 
 def segments(text: str) -> list[str]:
@@ -278,6 +283,8 @@ def _element_ends(tokens: Iterator[tuple[str, int, int]], cuts: list[int], *,
             depth -= 1
             if depth == 0:
                 cuts.append(end)
+                if len(cuts) > MAX_CUT_ELEMENTS:
+                    return cuts  # the rest, whatever it holds, is one block
     return None
 
 

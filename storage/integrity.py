@@ -32,6 +32,7 @@ no_token_ids         stored without usable token ids (``ids_missing``)
 record_dropped       its record was lost: the journal was full (a tombstone)
 record_quarantined   its record was refused by the database (a tombstone; the record is
                      in the dead-letter file)
+deadline_exceeded    ran past --call-deadline waiting on the upstream (or a pause)
 ==================== =====================================================================
 
 The agent's own (``AGENT_CAUSES``; the episode stays clean):
@@ -42,6 +43,7 @@ agent_bad_request         the proxy refused its request (4xx: body too large or 
                           upstream answered 4xx (not 429: "context too long")
 agent_disconnect          it went away mid-reply (closed its stream early)
 agent_budget              its episode's calls / tokens / seconds budget refused the call
+agent_stalled             it did not read its stream: the call was ended at the deadline
 agent_unsupported_request stored without ids because the request is one tracetap cannot
                           tokenize (a batch of prompts)
 ========================= ================================================================
@@ -65,9 +67,10 @@ CLEAN = "clean"
 INFRA = "infra"
 INTEGRITY = (CLEAN, INFRA)
 INFRA_CAUSES = ("upstream_error", "upstream_timeout", "paused", "overlay_failed",
-                "proxy_error", "no_token_ids", "record_dropped", "record_quarantined")
+                "proxy_error", "no_token_ids", "record_dropped", "record_quarantined",
+                "deadline_exceeded")
 AGENT_CAUSES = ("agent_bad_request", "agent_disconnect", "agent_budget",
-                "agent_unsupported_request")
+                "agent_unsupported_request", "agent_stalled")
 CAUSES = INFRA_CAUSES + AGENT_CAUSES
 
 _BY_STATUS = {
@@ -82,6 +85,8 @@ _BY_STATUS = {
     "client_disconnected": "agent_disconnect",
     "record_dropped": "record_dropped",
     "record_quarantined": "record_quarantined",
+    "deadline_exceeded": "deadline_exceeded",
+    "client_stalled": "agent_stalled",
 }
 # Statuses whose HTTP status is the upstream's own answer.
 _ANSWERED = ("ok", "passthrough", "vetoed")

@@ -133,4 +133,6 @@ STATUSES = (
     "error",  # the proxy failed on the request itself (500 internal_error)
     "proxy_stopped",  # the proxy was stopped under the call (past --drain-timeout)
     "other_model",  # served a model outside its episode's policy models (--other-models store)
+    "deadline_exceeded",  # ended past --call-deadline (proxy.call.deadline)
+    "client_stalled",  # ended past --call-deadline, its client not reading the stream
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -172,16 +173,17 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
         if dialect == "postgresql":
             async with raw.transaction():
                 planned = await _plan(raw, dialect, records, cache)
-                for (sql, names), rows in zip(_PG_INSERTS, _batches(records, planned)):
+                for (sql, _), rows in zip(_PG_INSERTS, await _off_loop(
+                        _pg_batches, records, planned)):
                     if rows:
-                        await raw.executemany(sql, [tuple(r[n] for n in names) for r in rows])
+                        await raw.executemany(sql, rows)
                 if search_index:  # the viewer's search (0011, 0012)
                     await index_calls(raw, dialect, records)
             cache.commit(planned)
             return
         try:
             planned = await _plan(raw, dialect, records, cache)  # opens the transaction
-            for table, rows in zip(_TABLES, _batches(records, planned)):
+            for table, rows in zip(_TABLES, await _off_loop(_batches, records, planned)):
                 for sql, params in _sqlite_inserts(table.__table__, rows):
                     await raw.execute(sql, params)
             if search_index:  # the viewer's search (0011, 0012)
@@ -200,7 +202,21 @@ async def _plan(raw, dialect: str, records: list[CallRecord], cache: BlockCache)
     forgotten = sorted(episodes.difference(parents))
     if forgotten:
         parents.update(await last_calls(raw, dialect, forgotten))
-    return plan(records, parents)
+    return await _off_loop(plan, records, parents)
+
+
+async def _off_loop(work, *args):
+    """``work(*args)`` in a thread: cutting, hashing and packing a batch is CPU bound and
+    grows with what the agent sent (a 5 MiB request of tiny messages is 170,000 blocks,
+    seconds of CPU); on the event loop it would hold every other call that long. Pure
+    functions of their arguments, so nothing else touches what they read meanwhile."""
+    return await asyncio.to_thread(work, *args)
+
+
+def _pg_batches(records: list[CallRecord], planned) -> list[list[tuple]]:
+    """``_batches`` as asyncpg's executemany takes them: tuples in the columns' order."""
+    return [[tuple(r[n] for n in names) for r in rows]
+            for (_, names), rows in zip(_PG_INSERTS, _batches(records, planned))]
 
 
 def _batches(records: list[CallRecord], planned) -> tuple[list[dict], ...]:

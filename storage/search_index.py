@@ -19,6 +19,7 @@ nothing.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from sqlalchemy import delete, select, text
@@ -67,14 +68,21 @@ def words(body: str) -> list[str]:
     return [w for w in out if len(w) <= MAX_WORD]
 
 
+def _word_rows(records: list[CallRecord]) -> list[tuple[str, str, str]]:
+    return [(c, e, " ".join(words(body))) for c, e, body in rows_for(records)]
+
+
 async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
     """Index the records on the writer's raw connection, inside its transaction
-    (asyncpg or aiosqlite)."""
-    rows = rows_for(records)
-    if not rows:
-        return
+    (asyncpg or aiosqlite). The text is found in a thread (storage.rows._off_loop: it
+    grows with what the agent sent)."""
     if dialect == "postgresql":
-        await raw.executemany(_PG_INSERT, [(c, e, " ".join(words(body))) for c, e, body in rows])
+        rows = await asyncio.to_thread(_word_rows, records)
+        if rows:
+            await raw.executemany(_PG_INSERT, rows)
+        return
+    rows = await asyncio.to_thread(rows_for, records)
+    if not rows:
         return
     bodies = {c: body for c, _, body in rows}
     added = []

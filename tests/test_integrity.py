@@ -12,7 +12,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 from helpers.chat_upstreams import scripted_chat_app
-from helpers.http import fetch, metrics_text
+from helpers.http import admin_metrics_text, fetch
 from helpers.loop import free_port
 from helpers.servers import Proxy
 from sqlalchemy import text
@@ -140,7 +140,7 @@ def test_an_exhausted_budget_is_the_agents_and_an_upstream_failure_infra_everywh
     for episode in ("clean", "starved", "down"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish",
                            {"reward": 1.0})[0] == 200
-    metrics = metrics_text(proxy.url)
+    metrics = admin_metrics_text(proxy.url, proxy.admin_token)
     db = proxy.settings.db
     assert 'tracetap_episodes_integrity_total{integrity="clean"} 2.0' in metrics
     assert 'tracetap_episodes_integrity_total{integrity="infra"} 1.0' in metrics

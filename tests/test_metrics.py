@@ -17,7 +17,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from helpers.http import post
+from helpers.http import admin_metrics_text, post
 from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,6 +43,11 @@ def scrape(proxy: Proxy) -> Samples:
     with urllib.request.urlopen(proxy.url + "/metrics") as resp:
         assert resp.headers["Content-Type"].startswith("text/plain")
         return _parse(resp.read().decode())
+
+
+def admin_scrape(proxy: Proxy) -> Samples:
+    """The admin's page: /metrics and the episode outcome families."""
+    return _parse(admin_metrics_text(proxy.url, proxy.admin_token))
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -301,10 +306,14 @@ def test_pause_and_finished_episodes(own_proxy):
     for episode, body in [("e1", {"reward": 0.5}), ("e2", {"reward": 1.5}), ("e3", {})]:
         assert own_proxy.admin("POST", "/tracetap/episodes", {"id": episode})[0] == 201
         assert own_proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", body)[0] == 200
-    samples = scrape(own_proxy)
+    samples = admin_scrape(own_proxy)
     assert value(samples, "tracetap_episodes_finished_total") == 3
     assert value(samples, "tracetap_episode_reward_count") == 2  # e3 reported none
     assert value(samples, "tracetap_episode_reward_sum") == 2.0
+    # The open page counts the episodes but grades none of them.
+    samples = scrape(own_proxy)
+    assert value(samples, "tracetap_episodes_finished_total") == 3
+    assert not {name for name, _ in samples if "reward" in name or "integrity" in name}
 
 
 def _plain_upstream() -> web.Application:

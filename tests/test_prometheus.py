@@ -79,13 +79,26 @@ def recorded() -> set[str]:
     return {rule["record"] for rule in rules() if "record" in rule}
 
 
-def exposed() -> set[str]:
-    """Every sample name a proxy's /metrics can carry, from its declared families."""
+def exposed(outcomes: bool = False) -> set[str]:
+    """Every sample name a proxy's /metrics can carry, from its declared families (with
+    ``outcomes``: its admin page, /tracetap/metrics)."""
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
                 "summary": ("_sum", "_count")}
     return {family.name + suffix
-            for family in text_string_to_metric_families(Metrics().render().decode())
+            for family in text_string_to_metric_families(Metrics().render(outcomes).decode())
             for suffix in suffixes[family.type]}
+
+
+def test_the_open_page_grades_no_episode():
+    graded = {name for name in exposed(outcomes=True) - exposed()
+              if not name.endswith("_created")}  # prometheus_client's creation stamps
+    assert graded == {"tracetap_episode_reward_sum", "tracetap_episode_reward_count",
+                      "tracetap_episodes_integrity_total",
+                      "tracetap_episode_integrity_causes_total"}
+    # The shipped Prometheus scrapes the open page only: what it stores, anyone who can
+    # query it (its port is published) could read.
+    (job,) = yaml.safe_load(PROM_CONFIG.read_text())["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and "authorization" not in job
 
 
 def metric_names(expr: str) -> set[str]:
@@ -202,7 +215,7 @@ def test_dashboard_is_importable_and_reads_only_existing_metrics():
             "tracetap_upstream_duration_seconds_bucket", "outcome:tracetap_records:rate5m",
             "tracetap_journal_bytes", "tracetap_db_batch_size_bucket",
             "tracetap_db_write_duration_seconds_bucket", "tracetap_episodes_finished_total",
-            "tracetap_episode_reward_sum", "tracetap_upstream_healthy"} <= read
+            "tracetap_upstream_healthy"} <= read
     job = variables["job"]
     assert metric_names(job["definition"].removeprefix("label_values(").split(",")[0]) <= known
 
@@ -348,8 +361,9 @@ def test_a_real_prometheus_scrapes_tracetap_and_evaluates_the_shipped_rules(
          "a scrape of the first round")
     drive_traffic(scraped_proxy, "prom-2", drop=True)
     names = own_scrape(scraped_proxy)
-    assert {"tracetap_requests_total", "tracetap_episode_reward_sum",
+    assert {"tracetap_requests_total", "tracetap_episodes_finished_total",
             "tracetap_upstream_healthy"} <= names
+    assert not {name for name in names if "reward" in name or "integrity" in name}
 
     def stored_names() -> set[str] | None:
         found = set(prometheus.api("label/__name__/values", **{"match[]": f"{{{job}}}"}))
@@ -373,7 +387,8 @@ def test_a_real_prometheus_scrapes_tracetap_and_evaluates_the_shipped_rules(
         # Labelled by reason, so no series at all while none is missing.
         f"sum(tracetap_token_ids_missing_total{{{job}}}) or vector(0)": 0,
         f"tracetap_episodes_finished_total{{{job}}}": 2,
-        f"tracetap_episode_reward_sum{{{job}}}": 1.5,
+        # The grades never reach it (the open page has none).
+        f"count({{{job}, __name__=~\".*(reward|integrity).*\"}}) or vector(0)": 0,
         f"tracetap_upstream_healthy{{{job}}}": 1,
         f"tracetap_db_writes_ok{{{job}}}": 1,
         f"tracetap_paused{{{job}}}": 0,

@@ -41,7 +41,7 @@ class EpisodeCreate(msgspec.Struct, forbid_unknown_fields=True):
     repair_history: bool | None = None  # None: the proxy's --repair-history
     overlay: str | None = None  # a loaded --overlay NAME; kept in metadata["overlay"] too
     parent: str | None = None  # the episode this one is a sub-agent of (a lineage's parent)
-    # The models its calls may use (proxy.policy_models); kept in metadata["policy_models"].
+    # The models its calls may use (proxy.episodes.policy_models), kept in its metadata.
     policy_models: list[str] | None = None
 
 
@@ -353,6 +353,19 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Open to any scraper: everything but the families that grade episodes."""
+    return _metrics(request, outcomes=False)
+
+
+@_errors
+async def admin_metrics(request: web.Request) -> web.Response:
+    """Everything, rewards and integrity verdicts included: the admin's (proxy.runtime.metrics)."""
+    _require_admin(request)
+    return _metrics(request, outcomes=True)
+
+
+def _metrics(request: web.Request, outcomes: bool) -> web.Response:
     state = request.app[STATE]
     state.metrics.refresh(state)
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=state.metrics.render(outcomes),
+                        headers={"Content-Type": CONTENT_TYPE})

@@ -3,7 +3,7 @@ state), its request, relay, timings, record, review API for overlays, the contin
 of a call cut by a weight sync, and the routed experts it asks for.
 
 Owns: `handlers`, `driver`, `request`, `relay`, `timings`, `record`, `review`, `services`,
-`continuation`, `routed_experts`.
+`continuation`, `routed_experts`, `deadline`.
 May import: `http`, `upstream`, `apis`, `tokens`, `episodes`, `policy`,
 `overlays`, `runtime`.
 """

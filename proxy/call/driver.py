@@ -2,29 +2,28 @@
 
 ``ModelCall`` is the one driver of a call's life: the handler hands it the request once
 (``ModelCall.run``), and nothing else changes its state. Its parts, each with one job:
-``request`` (``proxy.call.request``: the request as the client sent it and as it goes
-upstream), ``relay`` (``proxy.call.relay``: a stream's reads parsed, captured, rewritten,
-held), ``capture`` (the API's reassembly), ``timings`` (``proxy.call.timings``), and
-``services`` (``proxy.call.services``: the parts of the proxy a call uses; the driver
-alone is given the front besides: tagger, body limits, overlays, pool).
+``request`` (``call.request``: the request as the client sent it and as it goes
+upstream), ``relay`` (``call.relay``: a stream's reads parsed, captured, rewritten, held),
+``capture`` (the API's reassembly), ``timings`` (``call.timings``), and ``services``
+(``call.services``: the parts of the proxy a call uses; the driver alone is given the
+front besides: tagger, body limits, overlays, pool).
 
-``run`` takes the steps in order: ``tag`` (arrival order), ``parse_request`` (the body to
-send upstream; ``reroute`` after ``--translate auto``'s 404), ``reserve`` (the episode's
-budget), the overlay's session, ``admit`` (the pause gate; the policy version), the send
-(with ``proxy.call.continuation``'s weight-sync wrappers), ``replied``, the relay (``reply_body``
-for a whole reply, or the stream handed to ``Relay.pump`` once), and ``finish`` always,
-after ``fail`` (refused before relaying) or ``abort`` (cut mid-relay) when the call ends
-early. A reviewing overlay (``proxy.overlays.review``) drives the attempts through
-``CallReview``'s methods (``proxy.call.review``), which are ModelCall's own.
+``run`` takes the steps in order, within ``--call-deadline`` (``call.deadline``): ``tag``
+(arrival order), ``parse_request`` (the body to send upstream; ``reroute`` after
+``--translate auto``'s 404), ``reserve`` (the episode's budget), the overlay's session,
+``admit`` (the pause gate; the policy version), the send (with ``call.continuation``'s
+weight-sync wrappers), ``replied``, the relay (``reply_body``, or the stream handed to
+``Relay.pump`` once), and ``finish`` always, after ``fail`` (refused before relaying) or
+``abort`` (cut mid-relay). A reviewing overlay drives the attempts through
+``CallReview``'s methods (``call.review``), which are ModelCall's own.
 
 Three rules live here and nowhere else: the record is journaled exactly once
-(``journal``); it is journaled before the client is given the bytes that end the reply
+(``journal``), and before the client is given the bytes that end the reply
 (``end_reached``, which the relay and ``release`` call), so a call that completed for the
-client is on disk even if the process dies next; and each attempt's tokens are spent
-from the episode's budget exactly once (``_spend``; the first attempt's reservation is
-settled with it). ``proxy.call.record`` builds the stored record and the metrics' values.
-What differs between wire APIs lives in ``api`` (the API spoken to the upstream) and
-``translation`` (set when the client speaks another API: converted to and from chat).
+client is on disk even if the process dies next; each attempt's tokens are spent from the
+episode's budget exactly once (``_spend``). ``call.record`` builds the stored record and
+the metrics' values. What differs between wire APIs lives in ``api`` (spoken upstream)
+and ``translation`` (set when the client speaks another API: converted to and from chat).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tracetap.proxy.apis.routing import Route
-from tracetap.proxy.call import continuation
+from tracetap.proxy.call import continuation, deadline
 from tracetap.proxy.call.record import call_outcome, call_record
 from tracetap.proxy.call.relay import Hold, Relay, broken_error, whole_reply
 from tracetap.proxy.call.request import CallRequest
@@ -103,7 +102,9 @@ class ModelCall(CallReview):
         metrics.inflight.inc()
         try:
             try:
-                return await self._drive(request, path, front)
+                async with (limit := deadline.Deadline(self, request, front.settings)):
+                    return await self._drive(request, path, front)
+                return limit.response  # past the deadline before the reply began
             except BudgetExceeded as error:
                 metrics.child(metrics.budget_exceeded, error.limit).inc()
                 return self.fail(error, "budget_exceeded")
@@ -232,8 +233,7 @@ class ModelCall(CallReview):
         self.seq = self.services.arrivals.next(episode_id)  # arrival order, not completion
 
     async def reserve(self, keyed: bool, body_bytes: int) -> None:
-        """Hold the call's tokens in the episode's budget (raises BudgetExceeded); the
-        request must be parsed (its completion cap decides how many)."""
+        """Hold the call's tokens in the episode's budget (raises BudgetExceeded)."""
         payload = self.request.client_payload or self.request.payload
         self.reservation = await self.services.budgets.reserve_call(
             self.episode_id, payload, body_bytes, keyed=keyed)
@@ -247,8 +247,8 @@ class ModelCall(CallReview):
         self.versions.admit()  # token versions are judged from here
 
     async def rejoin(self) -> bool:
-        """After a weight sync cut the call (proxy.call.continuation): wait for the resume,
-        then run on the new version; False when the pause outlasted its timeout."""
+        """After a weight sync cut the call: wait for the resume, run on the new version
+        (False: the pause outlasted its timeout)."""
         if not await self.services.gate.hold():
             return False
         self.policy_version = self.services.controls.policy_version

@@ -54,7 +54,7 @@ class CallRequest:
         self.experts: experts.CallExperts | None = None  # the MoE routing asked for
         self.stream = False
         self.model: str | None = None  # the model asked of the upstream (a string), if any
-        self.other_model = False  # not its episode's policy model (proxy.policy_models)
+        self.other_model = False  # not its episode's policy model (proxy.episodes.policy_models)
 
     def model_view(self, messages: list[dict[str, Any]], harness: list[dict[str, Any]]) -> bytes:
         """The upstream body with ``messages`` in place of the harness's (an overlay's

@@ -74,8 +74,10 @@ class ToolArgsValidator:
             else:
                 try:
                     problem = schema_error(json.loads(call.arguments), schemas[call.name])
-                except ValueError:
+                except (ValueError, RecursionError):
                     problem = "the arguments are not valid JSON"
+                except Unchecked:
+                    continue  # left as the model wrote it: as if there were no validator
             if problem is not None:
                 return Veto(
                     feedback=f"Your call to {call.name} was rejected: {problem}. "
@@ -89,32 +91,65 @@ def tool_args_validator() -> ToolArgsValidator:
     return ToolArgsValidator()
 
 
-def schema_error(value: Any, schema: Any, where: str = "arguments") -> str | None:
-    """The first way ``value`` breaks ``schema`` (a common subset), or None."""
+# The schema comes from the agent's request and the arguments from the model: both are the
+# policy's. A check runs on the event loop every call shares, so its work is bounded: at
+# most MAX_STEPS schema nodes visited (an enum's entries count each) and MAX_DEPTH levels;
+# past either the call is left unchecked. Real tool schemas take tens of steps.
+MAX_STEPS = 20_000
+MAX_DEPTH = 64
+
+
+class Unchecked(Exception):
+    """The schema and arguments need more work than a check may take."""
+
+
+class _Budget:
+    def __init__(self, steps: int = MAX_STEPS):
+        self.steps = steps
+
+    def spend(self, steps: int = 1) -> None:
+        self.steps -= steps
+        if self.steps < 0:
+            raise Unchecked
+
+
+def schema_error(value: Any, schema: Any, where: str = "arguments",
+                 budget: _Budget | None = None, depth: int = 0) -> str | None:
+    """The first way ``value`` breaks ``schema`` (a common subset), or None; raises
+    Unchecked past MAX_STEPS or MAX_DEPTH."""
     if not isinstance(schema, dict):
         return None
+    budget = budget or _Budget()
+    budget.spend()
+    if depth > MAX_DEPTH:
+        raise Unchecked
     for check in (_value_error, _type_error, _bounds_error, _items_error, _object_error):
-        problem = check(value, schema, where)
+        problem = check(value, schema, where, budget, depth + 1)
         if problem is not None:
             return problem
     return None
 
 
-def _value_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+def _value_error(value: Any, schema: dict[str, Any], where: str, budget: _Budget,
+                 depth: int) -> str | None:
     """const, enum, anyOf / oneOf."""
     if "const" in schema and value != schema["const"]:
         return f"{where} must be {schema['const']!r}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"{where} must be one of {schema['enum']!r}"
+    if "enum" in schema:
+        if isinstance(schema["enum"], list):
+            budget.spend(len(schema["enum"]))
+        if value not in schema["enum"]:
+            return f"{where} must be one of {schema['enum']!r}"
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and all(
-            schema_error(value, option, where) for option in schema[key]
+            schema_error(value, option, where, budget, depth) for option in schema[key]
         ):
             return f"{where} matches none of its allowed shapes"
     return None
 
 
-def _type_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+def _type_error(value: Any, schema: dict[str, Any], where: str, budget: _Budget,
+                depth: int) -> str | None:
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
     if kinds and not any(_is(value, k) for k in kinds):
@@ -122,7 +157,8 @@ def _type_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
     return None
 
 
-def _bounds_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+def _bounds_error(value: Any, schema: dict[str, Any], where: str, budget: _Budget,
+                  depth: int) -> str | None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     if "minimum" in schema and value < schema["minimum"]:
@@ -132,21 +168,25 @@ def _bounds_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
     return None
 
 
-def _items_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+def _items_error(value: Any, schema: dict[str, Any], where: str, budget: _Budget,
+                 depth: int) -> str | None:
     if not isinstance(value, list):
         return None
     if len(value) < schema.get("minItems", 0):
         return f"{where} needs at least {schema['minItems']} items"
     for i, item in enumerate(value):
-        if (problem := schema_error(item, schema.get("items"), f"{where}[{i}]")) is not None:
+        problem = schema_error(item, schema.get("items"), f"{where}[{i}]", budget, depth)
+        if problem is not None:
             return problem
     return None
 
 
-def _object_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
+def _object_error(value: Any, schema: dict[str, Any], where: str, budget: _Budget,
+                  depth: int) -> str | None:
     if not isinstance(value, dict):
         return None
-    properties = schema.get("properties") or {}
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
     for name in schema.get("required") or ():
         if name not in value:
             return f"{where} lacks the required {name!r}"
@@ -155,7 +195,7 @@ def _object_error(value: Any, schema: dict[str, Any], where: str) -> str | None:
         if extra:
             return f"{where} has unknown properties {extra}"
     for name, item in value.items():
-        problem = schema_error(item, properties.get(name), f"{where}.{name}")
+        problem = schema_error(item, properties.get(name), f"{where}.{name}", budget, depth)
         if problem is not None:
             return problem
     return None

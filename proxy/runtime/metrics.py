@@ -5,6 +5,10 @@ multiprocess directory and any worker's /metrics reads them all: counters, histo
 summaries are summed over the workers (those of a worker that was restarted included);
 each gauge says how it combines in its ``multiprocess_mode`` (``livesum``: summed over
 the running workers; ``livemax``/``livemin``; ``min``; ``liveall``: one series per pid).
+
+The families that grade episodes (OUTCOMES: rewards, integrity verdicts) are rendered
+only for the admin (``GET /tracetap/metrics``): ``/metrics`` is open, and an agent that
+scraped it around its own finish would read its reward (the sum moves by exactly it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 DB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 OTHER = "other"
+# What an agent must not read about its own episode (module doc): family names.
+OUTCOMES = frozenset({"tracetap_episode_reward", "tracetap_episodes_integrity",
+                      "tracetap_episode_integrity_causes"})
 
 
 class CallOutcome(msgspec.Struct, frozen=True):
@@ -301,14 +308,27 @@ class Metrics(WriterObserver):
         for target in state.pool.targets:
             self.child(self.upstream_healthy, target.base_url).set(target.healthy)
 
-    def render(self) -> bytes:
-        if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        # Every worker's values, read from the files they write (a fresh registry each
-        # scrape, as prometheus_client's multiprocess mode asks).
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
-        return generate_latest(registry)
+    def render(self, outcomes: bool = False) -> bytes:
+        """The text exposition; the OUTCOMES families only with ``outcomes`` (the admin's)."""
+        registry = self.registry
+        if self.multiprocess_dir is not None:
+            # Every worker's values, read from the files they write (a fresh registry each
+            # scrape, as prometheus_client's multiprocess mode asks).
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry if outcomes else _WithoutOutcomes(registry))
 
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+class _WithoutOutcomes:
+    """A registry's families but the OUTCOMES (what generate_latest reads: ``collect``)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            if family.name.removesuffix("_total") not in OUTCOMES:
+                yield family
+
+
+__all__ = ["CONTENT_TYPE", "OUTCOMES", "Metrics"]

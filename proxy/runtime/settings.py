@@ -57,6 +57,7 @@ class Settings(msgspec.Struct, kw_only=True):
     overhead_header: bool = True
     public_url: str | None = None
     pause_timeout: float = 120.0
+    call_deadline: float = 1800.0  # proxy.call.deadline; 0: none
     allow_path: list[str] = []
     allow_request_field: list[str] = []  # engine fields agents may send (proxy.apis.fields)
     admin_port: int | None = None
@@ -141,6 +142,8 @@ class Settings(msgspec.Struct, kw_only=True):
         for name in ("body_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not self.call_deadline >= 0:
+            raise ValueError("--call-deadline must be 0 (none) or more")
         if self.max_peer_connections < 0:
             raise ValueError("--max-peer-connections must be 0 (no cap) or more")
         if not 0 < self.workers <= MAX_WORKERS:
@@ -366,6 +369,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
            "(docs/scaling.md)")
     a("--pause-timeout", type=float, default=float(_env("pause_timeout", d.pause_timeout)),
       help="seconds a call waits while paused (POST /tracetap/pause) before a 503")
+    a("--call-deadline", type=float, default=float(_env("call_deadline", d.call_deadline)),
+      help="seconds a model call may take in all, however it is stuck (a stream its client "
+           "does not read holds a pause): then it is ended and stored as deadline_exceeded; "
+           "0: no deadline")
     a("--routed-experts", action="store_true", default=_env_bool("routed_experts"),
       help="ask the engine for the MoE experts it routed each completion token to "
            "(return_routed_experts; vLLM: serve with --enable-return-routed-experts), keep "

@@ -56,6 +56,7 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_put("/tracetap/overlays/{name}", admin_overlays.put_overlay)
     r.add_delete("/tracetap/overlays/{name}", admin_overlays.delete_overlay)
     r.add_post("/tracetap/overlays/{name}/replay", admin_overlays.replay_overlay)
+    r.add_get("/tracetap/metrics", admin.admin_metrics)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
     r.add_get("/readyz", admin.readyz)

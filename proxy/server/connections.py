@@ -8,9 +8,13 @@ one at start; a connection that has not sent a whole request's headers within
 keep-alive timer, which runs from the connection's start since aiohttp 3.14.4: earlier
 ones left a connection that never sent a request open for good; tests/test_hostile_edge.py
 checks it); a stalled body is cut off by
-``proxy.http.bodies``; and a peer (an IP address) past ``--max-peer-connections`` open
-connections, or any peer once the process nears its descriptor limit, is answered a 429
-or 503 in the OpenAI error shape and closed at once.
+``proxy.http.bodies``; and a peer (an IP address) holds at most ``--max-peer-connections``
+open connections, and all peers together what the descriptor limit leaves. At a cap, a
+new connection first takes the place of the longest idle one (of that peer; at the
+descriptor limit, of the peer holding most): an idle connection costs its client only a
+reconnect, while refusing the new one would refuse whoever shares the address (agents in
+sandboxes on one host, or behind one NAT) because of one of them. Only when none is idle
+is the new connection answered a 429 or 503 in the OpenAI error shape and closed at once.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import resource
-from collections import Counter
 from collections.abc import Callable
 
 from aiohttp import web
@@ -54,14 +57,15 @@ def runner(app: web.Application, settings: Settings, **kwargs) -> web.AppRunner:
 
 
 class PeerLimit:
-    """Counts open client connections per peer address on one aiohttp server, and
-    refuses those past the caps as soon as they are made (before a byte is read)."""
+    """Counts open client connections per peer address on one aiohttp server, and keeps
+    them within the caps as soon as one is made (before a byte is read)."""
 
     def __init__(self, per_peer: int, total: int, on_refused: Callable[[str], None]):
         self.per_peer = per_peer  # 0: no per-peer cap
         self.total = total
         self._on_refused = on_refused
-        self._open: Counter[str] = Counter()
+        # Each peer's open connections (aiohttp's request handlers), oldest first.
+        self._open: dict[str, dict[object, None]] = {}
         self._peer_of: dict[object, str] = {}
 
     def install(self, server: web.Server) -> None:
@@ -74,31 +78,48 @@ class PeerLimit:
             self._made(handler, transport)
 
         def connection_lost(handler, exc=None) -> None:
-            peer = self._peer_of.pop(handler, None)
-            if peer is not None:
-                self._open[peer] -= 1
-                if not self._open[peer]:
-                    del self._open[peer]
+            self._forget(handler)
             lost(handler, exc)
 
         server.connection_made = connection_made
         server.connection_lost = connection_lost
+
+    def _forget(self, handler) -> None:
+        peer = self._peer_of.pop(handler, None)
+        if peer is not None:
+            handlers = self._open[peer]
+            del handlers[handler]
+            if not handlers:
+                del self._open[peer]
 
     def _made(self, handler, transport) -> None:
         peername = transport.get_extra_info("peername")
         if not isinstance(peername, tuple):  # a Unix socket: the admin listener, not agents
             return
         peer = peername[0]
-        if len(self._peer_of) >= self.total:
+        if len(self._peer_of) >= self.total and not self._evict(
+                max(self._open, key=lambda p: len(self._open[p]))):
             self._refuse(transport, 503, "service_unavailable", "the proxy has as many "
                          "connections open as it has descriptors for; try again shortly")
-        elif self.per_peer and self._open[peer] >= self.per_peer:
+        elif (self.per_peer and len(self._open.get(peer, ())) >= self.per_peer
+              and not self._evict(peer)):
             self._refuse(transport, 429, "too_many_connections", f"{peer} has "
-                         f"{self._open[peer]} connections open to this proxy, its limit "
-                         "(--max-peer-connections); reuse them or close some")
+                         f"{self.per_peer} connections open to this proxy, all busy, its "
+                         "limit (--max-peer-connections); reuse them or close some")
         else:
-            self._open[peer] += 1
+            self._open.setdefault(peer, {})[handler] = None
             self._peer_of[handler] = peer
+
+    def _evict(self, peer: str) -> bool:
+        """Close ``peer``'s longest idle connection; False when none is idle."""
+        idle = [h for h in self._open.get(peer, ()) if _idle(h)]
+        if not idle:
+            return False
+        handler = min(idle, key=_idle_since)
+        self._forget(handler)  # counted out now: its connection_lost comes later
+        handler.force_close()
+        self._on_refused("idle_connection_closed")
+        return True
 
     def _refuse(self, transport, status: int, code: str, message: str) -> None:
         self._on_refused(code)
@@ -110,6 +131,20 @@ class PeerLimit:
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
             f"{body}".encode())
         transport.close()
+
+
+# aiohttp's request handler keeps no public "idle" flag. Waiting for a request's headers
+# (none yet, or some: a slow sender is as idle) it awaits ``_waiter``; its keep-alive
+# deadline, ``_next_keepalive_close_time``, is set at connect and after each reply, so
+# the smallest is the longest idle (aiohttp >= 3.14.4, as pinned).
+def _idle(handler) -> bool:
+    waiter = getattr(handler, "_waiter", None)
+    return (waiter is not None and not waiter.done()
+            and not getattr(handler, "_request_in_progress", True))
+
+
+def _idle_since(handler) -> float:
+    return getattr(handler, "_next_keepalive_close_time", 0.0)
 
 
 def limit_peers(runner: web.AppRunner, settings: Settings,

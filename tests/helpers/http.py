@@ -80,6 +80,13 @@ def metrics_text(url: str, timeout: float = 10.0) -> str:
         return reply.read().decode()
 
 
+def admin_metrics_text(url: str, token: str, timeout: float = 10.0) -> str:
+    """The admin's ``/tracetap/metrics`` page (the episode outcome families included)."""
+    status, page = fetch("GET", url + "/tracetap/metrics", token=token, timeout=timeout)
+    assert status == 200, page
+    return page.decode()
+
+
 def admin_call(url: str, method: str, path: str, body=None,
                token: str | None = None) -> tuple[int, dict]:
     """One admin API request; returns (status, decoded JSON body) without raising."""
