@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.routing import Routing
     from tracetap.proxy.settings import Settings
     from tracetap.proxy.tagging import Tagger
+    from tracetap.storage.intents import Intents, NoIntents
     from tracetap.storage.records import CallRecord
 
 
@@ -42,6 +43,7 @@ class CallServices(Protocol):
     repair: Repair  # history repair, and its memory of replies
     prompt_prefixes: PromptPrefixes  # prompt ids decoded in their new tokens only
     metrics: Metrics
+    intents: Intents | NoIntents  # each call's intent, stored before its answer ends
     routed_experts: bool  # --routed-experts: ask the engine for each token's MoE routing
 
     def submit(self, record: CallRecord) -> None:

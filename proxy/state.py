@@ -30,6 +30,7 @@ from tracetap.proxy.resolve import TokenResolver
 from tracetap.proxy.routing import Routing
 from tracetap.proxy.settings import Settings
 from tracetap.proxy.tagging import Tagger
+from tracetap.storage.intents import Intents, NoIntents
 from tracetap.storage.records import CallRecord
 from tracetap.storage.writer import Writer
 
@@ -42,6 +43,7 @@ class ProxyState:
     admin_token: str
     engine: AsyncEngine
     writer: Writer
+    intents: Intents | NoIntents  # each call known to the database before it is answered
     resolver: TokenResolver
     pool: Pool
     tagger: Tagger

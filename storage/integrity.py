@@ -28,6 +28,8 @@ no_token_ids         stored without usable token ids (``ids_missing``)
 record_dropped       its record was lost: the journal was full (a tombstone)
 record_quarantined   its record was refused by the database (a tombstone; the record is
                      in the dead-letter file)
+record_lost          its replica was admitting it when it died, or was declared lost
+                     (a tombstone, storage.intents)
 ==================== =====================================================================
 
 An attempt a weight sync cut and sent again (``weight_sync_retried``) is no cause: the
@@ -50,7 +52,7 @@ INFRA = "infra"
 INTEGRITY = (CLEAN, INFRA)
 CAUSES = ("upstream_error", "upstream_timeout", "refused", "paused", "budget_exceeded",
           "overlay_failed", "proxy_error", "client_disconnected", "no_token_ids",
-          "record_dropped", "record_quarantined")
+          "record_dropped", "record_quarantined", "record_lost")
 
 _BY_STATUS = {
     "upstream_error": "upstream_error",
@@ -64,6 +66,7 @@ _BY_STATUS = {
     "client_disconnected": "client_disconnected",
     "record_dropped": "record_dropped",
     "record_quarantined": "record_quarantined",
+    "record_lost": "record_lost",
 }
 # Statuses whose HTTP status is the upstream's own answer.
 _ANSWERED = ("ok", "passthrough", "vetoed")
