@@ -73,7 +73,8 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
     # Replicas share a Postgres: each call's intent is stored before its answer ends
     # (storage.intents), under the id its journal directory keeps across restarts.
     intents = (Intents(engine, replica_id(journal.directory),
-                       journal=f"{os.uname().nodename}:{journal.directory}")
+                       journal=f"{os.uname().nodename}:{journal.directory}",
+                       directory=journal.directory)
                if engine.dialect.name == "postgresql" else NoIntents())
     return ProxyState(
         settings=settings,

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("journal", type=Path, metavar="JOURNAL_DIR",
                         help="the replica's journal directory (its data dir's journal/)")
     replay.add_argument("--force", action="store_true",
-                        help="even if its lease was renewed in the last 10 s")
+                        help="even if its lease was renewed in the last 10 s [default off]")
     config.add_location_options(replay, use="to write into")
     replay.set_defaults(db_run=_replay)
     lost = commands.add_parser(
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(record_lost, integrity infra) and export stops waiting for it")
     lost.add_argument("replica", help="its id (`tracetap db replicas`)")
     lost.add_argument("--force", action="store_true",
-                      help="even if its lease was renewed in the last 10 s")
+                      help="even if its lease was renewed in the last 10 s [default off]")
     config.add_location_options(lost, use="to write into")
     lost.set_defaults(db_run=_lost)
 

@@ -32,6 +32,7 @@ from typing import Protocol
 from sqlalchemy import and_, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.journal import ADOPTED_FILE, REPLICA_FILE
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import dialect_insert, insert_ignoring_duplicates
 from tracetap.storage.tables import Call, CallIntent, Replica
@@ -48,7 +49,6 @@ class Ending(Protocol):
     done: bool
 
 OPEN, CLOSED, GONE = "open", "closed", "lost"  # a lease's states
-REPLICA_FILE = "replica"  # in the journal directory: the replica's id, kept across restarts
 _BATCH = 5000  # intents per transaction
 _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lease stays
 _CLEANUP_SECONDS = 5.0  # how often intents whose call row is stored are deleted
@@ -80,8 +80,9 @@ class Intents:
     """One process's intents and its replica's lease (see the module's docstring)."""
 
     def __init__(self, engine: AsyncEngine, replica: str, *, journal: str | None = None,
-                 wait: float = 0.5, heartbeat: float = 1.0):
+                 directory: Path | None = None, wait: float = 0.5, heartbeat: float = 1.0):
         self.engine = engine
+        self.directory = directory  # the journal's: replicas it adopted are named there
         self.replica = replica
         self.incarnation = os.urandom(8).hex()
         self.journal = journal
@@ -234,11 +235,20 @@ class Intents:
 
     # -- a restart on a journal --------------------------------------------------------
     async def previous(self) -> list[CallRecord]:
-        """Tombstones for the intents an earlier life of this replica left without a
-        call row; call once its journal is replayed (the records it held are stored)."""
-        return await leftovers(self.engine, self.replica, exclude=self.incarnation,
-                               reason="the replica stopped before this call's record was "
-                                      "journaled (a stream cut by a crash)")
+        """Tombstones for the intents an earlier life of this replica (or a replica whose
+        journal it adopted: ``serve --workers`` run with fewer workers) left without a
+        call row; call once its journal is replayed (the records it held are stored).
+        The adopted replicas' leases are closed."""
+        reason = "the replica stopped before this call's record was journaled (a crash)"
+        stones = await leftovers(self.engine, self.replica, exclude=self.incarnation,
+                                 reason=reason)
+        adopted = self.directory / ADOPTED_FILE if self.directory is not None else None
+        if adopted is not None and adopted.exists():
+            for other in set(adopted.read_text().split()):
+                stones += await leftovers(self.engine, other, reason=reason)
+                await set_state(self.engine, other, CLOSED)
+            adopted.unlink()
+        return stones
 
 
 async def leftovers(engine: AsyncEngine, replica: str, *, exclude: str | None = None,
