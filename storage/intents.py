@@ -164,11 +164,13 @@ class Intents:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if clean and not self._queue and self._pinned is None:
-            try:
-                await asyncio.wait_for(self._renew(state=CLOSED), 5)
-            except Exception as exc:
-                log.warning("could not close this replica's lease: %s", exc)
+        if not clean:  # its journal holds records: the lease stays open for its restart
+            return
+        try:  # every call it admitted is stored: intents still queued are moot
+            await asyncio.wait_for(self._renew(state=CLOSED), 5)
+            await asyncio.wait_for(self._cleanup(), 5)
+        except Exception as exc:
+            log.warning("could not close this replica's lease: %s", exc)
 
     async def _run(self) -> None:
         backoff = 0.2
