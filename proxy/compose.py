@@ -40,7 +40,7 @@ from tracetap.proxy.tagging import Tagger
 from tracetap.proxy.upstream import UpstreamClient
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
-from tracetap.storage.intents import Intents, NoIntents, replica_id
+from tracetap.storage.intents import Intents, NoIntents, intents_engine, replica_id
 from tracetap.storage.journal import Journal
 from tracetap.storage.writer import Writer
 
@@ -72,9 +72,9 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
     instance = instance_id()
     # Replicas share a Postgres: each call's intent is stored before its answer ends
     # (storage.intents), under the id its journal directory keeps across restarts.
-    intents = (Intents(engine, replica_id(journal.directory),
+    intents = (Intents(intents_engine(settings.database_url), replica_id(journal.directory),
                        journal=f"{os.uname().nodename}:{journal.directory}",
-                       directory=journal.directory)
+                       directory=journal.directory, owns_engine=True)
                if engine.dialect.name == "postgresql" else NoIntents())
     return ProxyState(
         settings=settings,

@@ -2,13 +2,13 @@
 answered, without the request path waiting for the database.
 
 ``admit`` queues a small row (call id, episode, replica) and wakes a background task
-that writes what is queued in one transaction, at once (calls that come meanwhile make
-the next batch). The call's answer waits for its row only if it has not landed by then
-(``wait``, bounded: a call of a few milliseconds, or a database that is slow); past the
-bound, or while the database is down, the answer goes out and the call counts as
-``late``. Each write also renews the replica's lease (``replicas`` row): ``settled_at``,
-the time before which every call it admitted has its intent stored, and a heartbeat each
-``heartbeat`` seconds when idle. Export holds back an episode that still has an intent
+that gathers the intents of the calls in flight for up to 50 ms and writes them in one
+transaction. The call's answer waits for its row only if it has not landed by then
+(``wait``, which has it written at once; bounded: a call of a few milliseconds, or a
+database that is slow); past the bound, or while the database is down, the answer goes
+out and the call counts as ``late``. Each ``heartbeat`` seconds the replica's lease
+(``replicas`` row) is renewed: ``settled_at``, the time before which every call it
+admitted has its intent stored. Export holds back an episode that still has an intent
 without its call row, or that finished after an open replica's ``settled_at``
 (storage.replicas), so a call answered from a journal that never reached the database
 is waited for, never exported as missing.
@@ -22,6 +22,7 @@ does not move (``ready``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -32,6 +33,7 @@ from typing import Protocol
 from sqlalchemy import and_, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.engine import create_engine
 from tracetap.storage.journal import ADOPTED_FILE, REPLICA_FILE
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import dialect_insert, insert_ignoring_duplicates
@@ -51,6 +53,9 @@ class Ending(Protocol):
 OPEN, CLOSED, GONE = "open", "closed", "lost"  # a lease's states
 _BATCH = 5000  # intents per transaction
 _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lease stays
+# Intents of calls in flight are gathered this long into one transaction; an answer
+# that reaches its end before then has its intent written at once.
+_GATHER_SECONDS = 0.05
 _CLEANUP_SECONDS = 5.0  # how often intents whose call row is stored are deleted
 
 
@@ -67,6 +72,15 @@ def replica_id(journal_dir: str | os.PathLike) -> str:
         return value
 
 
+def intents_engine(url: str) -> AsyncEngine:
+    """The intents' own connections (Postgres): what a short call's answer may wait for
+    is one statement. Their commits do not wait for the WAL's flush (an intent lost with
+    a database crash leaves its call to the replica's journal and lease, as a late one),
+    and no ping precedes each use (a broken connection fails one write, retried)."""
+    return create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=False,
+                         connect_args={"server_settings": {"synchronous_commit": "off"}})
+
+
 def lost_tombstone(call_id: str, episode_id: str | None, replica: str,
                    admitted_at: float, reason: str) -> CallRecord:
     """The row a call leaves when its replica died before its record was journaled (a
@@ -80,8 +94,10 @@ class Intents:
     """One process's intents and its replica's lease (see the module's docstring)."""
 
     def __init__(self, engine: AsyncEngine, replica: str, *, journal: str | None = None,
-                 directory: Path | None = None, wait: float = 0.5, heartbeat: float = 1.0):
+                 directory: Path | None = None, wait: float = 0.5, heartbeat: float = 1.0,
+                 owns_engine: bool = False):
         self.engine = engine
+        self.owns_engine = owns_engine  # disposed by close (intents_engine)
         self.directory = directory  # the journal's: replicas it adopted are named there
         self.replica = replica
         self.incarnation = os.urandom(8).hex()
@@ -95,10 +111,13 @@ class Intents:
         self._queue: list[dict] = []  # in admission order
         self._unlanded: dict[str, asyncio.Future | None] = {}  # same order
         self._pinned: float | None = None  # the first admission whose intent was not kept
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # the first intent queued, or a heartbeat due
+        self._hurry = asyncio.Event()  # an answer waits for its intent
         self._task: asyncio.Task | None = None
         self._cleaned = 0.0
+        self._renewed = -float("inf")  # monotonic time of the last renewal
         self._started = time.time()
+        self._insert = insert_ignoring_duplicates(engine.dialect.name, CallIntent.__table__)
 
     # -- the request path: no await on the database --------------------------------
     def admit(self, call_id: str, episode_id: str | None) -> None:
@@ -118,7 +137,8 @@ class Intents:
                             "replica": self.replica, "incarnation": self.incarnation,
                             "admitted_at": now})
         self._unlanded[call_id] = None
-        self._wake.set()
+        if len(self._queue) == 1:  # the writer gathers a batch from here
+            self._wake.set()
 
     def landed(self, call_id: str) -> bool:
         return call_id not in self._unlanded
@@ -134,6 +154,7 @@ class Intents:
         future = self._unlanded[call_id]
         if future is None:
             future = self._unlanded[call_id] = asyncio.get_running_loop().create_future()
+        self._hurry.set()  # an answer waits: write now, not at the end of the gathering
         try:
             await asyncio.wait_for(asyncio.shield(future), self.wait_seconds)
         except asyncio.TimeoutError:
@@ -164,13 +185,15 @@ class Intents:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if not clean:  # its journal holds records: the lease stays open for its restart
-            return
-        try:  # every call it admitted is stored: intents still queued are moot
-            await asyncio.wait_for(self._renew(state=CLOSED), 5)
-            await asyncio.wait_for(self._cleanup(), 5)
+        try:
+            if clean:  # every call it admitted is stored: intents still queued are moot
+                await asyncio.wait_for(self._renew(state=CLOSED), 5)
+                await asyncio.wait_for(self._cleanup(), 5)
         except Exception as exc:
             log.warning("could not close this replica's lease: %s", exc)
+        finally:  # not clean: its journal holds records, the lease waits for its restart
+            if self.owns_engine:
+                await self.engine.dispose()
 
     async def _run(self) -> None:
         backoff = 0.2
@@ -180,6 +203,10 @@ class Intents:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            if self._queue and not self._hurry.is_set():  # calls in flight: gather theirs
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), _GATHER_SECONDS)
+            self._hurry.clear()
             try:
                 await self.flush()
             except asyncio.CancelledError:
@@ -195,9 +222,12 @@ class Intents:
             self.healthy, backoff = True, 0.2
 
     async def flush(self) -> None:
-        """Store what is queued and renew the lease (one transaction)."""
+        """Store what is queued, and renew the lease when it is due (one transaction)."""
         batch = self._queue[:_BATCH]
-        await self._renew(batch=batch)
+        due = time.monotonic() - self._renewed >= self.heartbeat
+        if not batch and not due:
+            return
+        await self._renew(batch=batch, lease=due)
         del self._queue[:len(batch)]
         for row in batch:
             future = self._unlanded.pop(row["call_id"], None)
@@ -207,7 +237,11 @@ class Intents:
             self._cleaned = time.monotonic()
             await self._cleanup()
 
-    async def _renew(self, batch: list[dict] = (), state: str = OPEN) -> None:
+    async def _renew(self, batch: list[dict] = (), state: str = OPEN,
+                     lease: bool = True) -> None:
+        """Store ``batch``; with ``lease``, renew the lease too (at most once a heartbeat:
+        an intent alone is one statement, what a short call's answer may wait for)."""
+        started = time.monotonic()
         now = time.time()  # read before the transaction: admissions after it are not covered
         settled = now if len(self._queue) <= len(batch) else self._queue[len(batch)][
             "admitted_at"]
@@ -216,17 +250,25 @@ class Intents:
         values = {"incarnation": self.incarnation, "journal": self.journal,
                   "state": state, "heartbeat_at": now}
         dialect = self.engine.dialect.name
+        if batch and not lease:  # one statement, no BEGIN/COMMIT: what a short call waits for
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                await conn.execute(self._insert, list(batch))
+            return
         async with self.engine.begin() as conn:
             if batch:
-                await conn.execute(insert_ignoring_duplicates(dialect, CallIntent.__table__),
-                                   list(batch))
-            upsert = dialect_insert(dialect, Replica.__table__).values(
-                replica=self.replica, started_at=self._started, settled_at=settled, **values)
-            # A restarted replica's lease stays where its previous life left it until
-            # that life's intents are resolved (``ready``).
-            changes = {**values, **({"settled_at": settled} if self.ready else {})}
-            await conn.execute(upsert.on_conflict_do_update(index_elements=["replica"],
-                                                            set_=changes))
+                await conn.execute(self._insert, list(batch))
+            if lease:
+                upsert = dialect_insert(dialect, Replica.__table__).values(
+                    replica=self.replica, started_at=self._started, settled_at=settled,
+                    **values)
+                # A restarted replica's lease stays where its previous life left it until
+                # that life's intents are resolved (``ready``).
+                changes = {**values, **({"settled_at": settled} if self.ready else {})}
+                await conn.execute(upsert.on_conflict_do_update(index_elements=["replica"],
+                                                                set_=changes))
+        if lease:
+            self._renewed = started
 
     async def _cleanup(self) -> None:
         """Delete this replica's intents whose call row is stored."""
