@@ -43,13 +43,6 @@ from tracetap.storage.tombstones import LOST
 log = logging.getLogger("tracetap.intents")
 Write = Callable[[bytes], Awaitable[object]]
 
-
-class Ending(Protocol):
-    """A call whose stream is relayed: its id, and whether its end has been seen."""
-
-    call_id: str
-    done: bool
-
 OPEN, CLOSED, GONE = "open", "closed", "lost"  # a lease's states
 _BATCH = 5000  # intents per transaction
 _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lease stays
@@ -57,6 +50,14 @@ _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lea
 # that reaches its end before then has its intent written at once.
 _GATHER_SECONDS = 0.05
 _CLEANUP_SECONDS = 5.0  # how often intents whose call row is stored are deleted
+_LOG_EVERY = 1000  # late answers: the first is logged, then one in this many
+
+
+class Ending(Protocol):
+    """A call whose stream is relayed: its id, and whether its end has been seen."""
+
+    call_id: str
+    done: bool
 
 
 def replica_id(journal_dir: str | os.PathLike) -> str:
@@ -159,8 +160,10 @@ class Intents:
             await asyncio.wait_for(asyncio.shield(future), self.wait_seconds)
         except asyncio.TimeoutError:
             self.late += 1
-            log.warning("call %s answered before its intent was stored (%.1f s); its "
-                        "episode waits for this replica's lease", call_id, self.wait_seconds)
+            if self.late % _LOG_EVERY == 1:
+                log.warning("call %s answered before its intent was stored (%.1f s; %d so "
+                            "far): its episode waits for this replica's lease", call_id,
+                            self.wait_seconds, self.late)
 
     def before_end(self, call: Ending, write: Write) -> Write:
         """``write`` for a stream's pieces: the piece that ends it (``call.done``: the

@@ -112,6 +112,10 @@ def _fault(engine, db: str, run_proxy, loop_thread, tmp_path: Path):
     _ask(c.episode_url("cut"), "cut-0")
     answered.append("cut-0")
     finish(b, "early")
+    # Every lease has passed its finish (renewed each second): "early" is settled.
+    wait_until(lambda: _sql(db, "SELECT 1 WHERE (SELECT min(settled_at) FROM replicas) >= "
+                                "(SELECT finished_at FROM episodes WHERE id = 'early')"),
+               "the leases to pass early's finish", 10)
     with _calls_locked(loop_thread, db):
         _ask(a.episode_url("split"), "split-journal-only")  # 200: journaled, not stored
         answered.append("split-journal-only")
