@@ -27,6 +27,7 @@ from helpers.loop import wait_until
 from helpers.servers import stored_calls
 
 from tracetap.exporters import export
+from tracetap.exporters.prune import prune_exported
 from tracetap.migrations import upgrade
 from tracetap.storage.replicas import STALE_SECONDS
 
@@ -157,6 +158,7 @@ def test_a_killed_replica_s_answered_call_is_exported_once_after_it_restarts(
     db, out = fresh_postgres, tmp_path / "out"
     a_dir, answered = _fault(engine, db, run_proxy, loop_thread, tmp_path)
     _first_export_holds_the_fault(db, out, answered)
+    assert prune_exported(db, out).counts.episodes == 1  # early; split and cut wait
 
     a = run_proxy(engine.url, db, data_dir=a_dir)  # restarts on its journal: replays it
     wait_until(lambda: _backlog(a) == 0, "a's journal to be replayed", 30)
@@ -174,6 +176,9 @@ def test_a_killed_replica_s_answered_call_is_exported_once_after_it_restarts(
     assert statuses["record_lost"] == 1
     assert export(db, out, incremental=True).episodes == 0  # nothing comes twice
     assert _union_once(out, 3, answered)
+    pruned = prune_exported(db, out).counts  # the late call was exported: nothing is kept
+    assert (pruned.episodes, pruned.kept_late_calls) == (2, 0)
+    assert not _sql(db, "SELECT 1 FROM calls") and not _sql(db, "SELECT 1 FROM call_intents")
 
 
 @pytest.mark.parametrize("resolve", ["replay", "lost"])
