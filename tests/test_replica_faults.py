@@ -23,8 +23,8 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 from helpers.http import finish, get
-from helpers.loop import wait_until
-from helpers.servers import stored_calls
+from helpers.loop import free_port, wait_until
+from helpers.servers import Forwarder, stored_calls
 
 from tracetap.exporters import export
 from tracetap.exporters.prune import prune_exported
@@ -221,3 +221,40 @@ def _db_command(db: str, *args: str, ok: bool = True) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 or not ok, done.stderr
     return done
+
+
+def test_a_replica_cut_off_from_the_database_holds_episodes_until_it_returns(
+        engine, fresh_postgres, run_proxy, loop_thread, tmp_path):
+    """The database is unreachable for replica a: the call it answers meanwhile cannot
+    even leave its intent, so only a's lease (stopped at the outage) tells export to
+    wait; a killed, then back: the call is exported once, with the rest."""
+    db, out = fresh_postgres, tmp_path / "out"
+    upgrade(db)
+    forwarder = Forwarder(loop_thread, free_port())
+    forwarder.start()
+    a = run_proxy(engine.url, forwarder.route(db), data_dir=tmp_path / "a")
+    b = run_proxy(engine.url, db, data_dir=tmp_path / "b")
+    _ask(a.episode_url("e"), "e-0")
+    _ask(b.episode_url("e"), "e-1")
+    wait_until(lambda: _backlog(a) == 0, "e-0 to be stored", 30)
+    forwarder.cut()
+    _ask(a.episode_url("e"), "e-outage")  # 200: journaled; its intent cannot be stored
+    a.signal(signal.SIGKILL)
+    assert a.wait() == -signal.SIGKILL
+    finish(b, "e")
+    first = export(db, out, incremental=True)
+    assert (first.episodes, first.held) == (0, 1)
+    assert not _sql(db, "SELECT 1 FROM call_intents i WHERE NOT EXISTS "
+                        "(SELECT 1 FROM calls c WHERE c.call_id = i.call_id)")
+
+    forwarder.start()
+    a = run_proxy(engine.url, forwarder.route(db), data_dir=tmp_path / "a")
+    try:
+        wait_until(lambda: _backlog(a) == 0, "a's journal to be replayed", 30)
+        second = export(db, out, incremental=True)
+        assert (second.episodes, second.held) == (1, 0)
+        assert _integrity(out, 1) == {"e": "clean"}
+        _union_once(out, 2, ["e-0", "e-1", "e-outage"])
+    finally:
+        a.stop()  # before its way to the database goes: the forwarder's sockets close
+        forwarder.cut()
