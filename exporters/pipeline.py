@@ -48,6 +48,7 @@ from tracetap.exporters.schema import (
 from tracetap.exporters.settled import current_holds, without_held
 from tracetap.exporters.trajectories import build_trajectories
 from tracetap.exporters.watermark import Recent
+from tracetap.storage.replicas import Holds
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
 
 
@@ -191,6 +192,7 @@ class ExportRun:
         self.previous: Manifest | None = None
         self.summary = ExportSummary(out=self.out)
         self.recent = Recent(None, {})
+        self.holds = Holds()  # episodes left for a later run (exporters/settled.py)
         self.rid = ""  # the run's id, from its start time
         self.total = 0  # episodes the filter selects, for progress
 
