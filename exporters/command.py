@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.exclude_infra:
         print(f"left out: {summary.excluded_infra} episodes with integrity infra "
               "(--exclude-infra)")
+    if summary.held:
+        print(f"held for a later run: {summary.held} episodes whose calls are not all "
+              "stored yet (a replica's journal; `tracetap db replicas`)", file=sys.stderr)
     if args.metrics_file:
         write_metrics(args.metrics_file, summary.splits)
     if summary.left_out:

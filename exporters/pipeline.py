@@ -45,8 +45,10 @@ from tracetap.exporters.schema import (
     trajectories_batch,
     with_metadata,
 )
+from tracetap.exporters.settled import current_holds, without_held
 from tracetap.exporters.trajectories import build_trajectories
 from tracetap.exporters.watermark import Recent
+from tracetap.storage.replicas import Holds
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError, ScanPage
 
 
@@ -84,6 +86,8 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     not_finished: list[str] = []
     # Episodes left out by --exclude-infra (their integrity verdict is infra).
     excluded_infra: int = 0
+    # Episodes left for a later run: calls not all stored yet (exporters/settled.py).
+    held: int = 0
 
     @property
     def tokens(self) -> int:
@@ -188,6 +192,7 @@ class ExportRun:
         self.previous: Manifest | None = None
         self.summary = ExportSummary(out=self.out)
         self.recent = Recent(None, {})
+        self.holds = Holds()  # episodes left for a later run (exporters/settled.py)
         self.rid = ""  # the run's id, from its start time
         self.total = 0  # episodes the filter selects, for progress
 
@@ -196,7 +201,7 @@ class ExportRun:
             self.location)
         target = target.open()
         try:
-            self._prepare(target)
+            await self._prepare(target)
             await self._stream()
             self._commit(target)
             self.summary.seconds = time.perf_counter() - self.clock
@@ -211,14 +216,15 @@ class ExportRun:
         finally:
             target.close()
 
-    def _prepare(self, target) -> None:
+    async def _prepare(self, target) -> None:
         """The manifest extended, the summary begun, the datasets' writers opened."""
         selection = self.selection
         previous = _previous(target.manifest, selection, self.incremental, self.overwrite)
         self.previous = previous
         self.summary = ExportSummary(out=self.out, orphans_deleted=target.orphans_deleted)
+        self.holds = await current_holds(self.reader)
         self.recent = Recent(previous.watermark if previous else None,
-                              previous.recent if previous else {})
+                              previous.recent if previous else {}, self.holds.floor)
         self.rid = run_id(self.started)
         self.writers = {name: DatasetWriter(target, name, self.rid,
                                             with_metadata(SCHEMAS[name], name, __version__))
@@ -263,6 +269,8 @@ class ExportRun:
         # ahead must end while the database is still open (see _prefetched).
         async with contextlib.aclosing(_prefetched(self.reader.episodes(filt))) as pages:
             async for whole in pages:
+                whole, held = without_held(whole, self.holds)
+                summary.held += len(held)
                 notes = page_notes(whole.rows)  # integrity verdicts, lineages
                 await adopt(self.reader.engine, whole, notes)
                 page, excluded = (without_infra(whole, notes) if selection.exclude_infra

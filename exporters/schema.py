@@ -23,9 +23,10 @@ from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "4"  # 2: token origin, the engine's view of the request, drift columns;
+SCHEMA_VERSION = "5"  # 2: token origin, the engine's view of the request, drift columns;
 # 3: harness_factors (trajectories), overlay (calls); 4: integrity and lineage columns
-# (both datasets; exporters.annotate), policy spans and mixed_policy (both), routed experts
+# (both datasets; exporters.annotate), policy spans and mixed_policy (both), routed experts;
+# 5: finish_seq (both: which export of a finished-again episode supersedes which)
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -67,6 +68,8 @@ CALLS = pa.schema([
     ("prompt_tokens", pa.int32()),
     ("completion_tokens", pa.int32()),
     ("reward", pa.float64()),
+    # The episode's finish this row was exported with (1, 2, ...): a later one supersedes.
+    ("finish_seq", pa.int32()),
     # The episode's integrity verdict (storage.integrity), this call's own cause, and the
     # conversation inside the episode the call belongs to (exporters.lineages).
     ("integrity", pa.string()),
@@ -99,6 +102,7 @@ TRAJECTORIES = pa.schema([
     ("finish_reason", pa.string()),
     ("policy_versions", pa.list_(pa.string())),
     ("reward", pa.float64()),
+    ("finish_seq", pa.int32()),  # the finish exported (a later one supersedes this row)
     ("rewards", pa.string()),  # JSON {name: value}
     ("outcome", pa.string()),
     ("harness", pa.string()),
@@ -186,6 +190,7 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         "group_id": of_episode("group_id"),
         "task_id": of_episode("task_id"),
         "reward": of_episode("reward"),
+        "finish_seq": list(map({e.id: finish_seq(e) for e in episodes}.get, episode_ids)),
         "t_start": _times(columns["t_start"]),
         "t_end": _times(columns["t_end"]),
         "prompt_ids": list_column(columns["prompt_ids"], pa.int32()),
@@ -199,6 +204,13 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
     return _batch(built, schema)
+
+
+def finish_seq(episode: ScannedEpisode) -> int | None:
+    """The episode's finish as exported: 1 for a finish stored before they were counted."""
+    if episode.finish_seq is None and episode.finished_at is not None:
+        return 1
+    return episode.finish_seq
 
 
 def _call_notes(columns: dict, notes: PageNotes) -> dict[str, list]:
@@ -260,6 +272,7 @@ def _episode_columns(episodes: Sequence[ScannedEpisode]) -> dict:
         "group_id": [e.group_id for e in episodes],
         "task_id": [e.task_id for e in episodes],
         "reward": [e.reward for e in episodes],
+        "finish_seq": [finish_seq(e) for e in episodes],
         "rewards": [e.rewards for e in episodes],
         "outcome": [e.outcome for e in episodes],
         "harness": [e.harness_name for e in episodes],

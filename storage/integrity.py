@@ -33,6 +33,8 @@ record_dropped       its record was lost: the journal was full (a tombstone)
 record_quarantined   its record was refused by the database (a tombstone; the record is
                      in the dead-letter file)
 deadline_exceeded    ran past --call-deadline waiting on the upstream (or a pause)
+record_lost          its replica was admitting it when it died, or was declared lost
+                     (a tombstone, storage.intents)
 ==================== =====================================================================
 
 The agent's own (``AGENT_CAUSES``; the episode stays clean):
@@ -68,7 +70,7 @@ INFRA = "infra"
 INTEGRITY = (CLEAN, INFRA)
 INFRA_CAUSES = ("upstream_error", "upstream_timeout", "paused", "overlay_failed",
                 "proxy_error", "no_token_ids", "record_dropped", "record_quarantined",
-                "deadline_exceeded")
+                "deadline_exceeded", "record_lost")
 AGENT_CAUSES = ("agent_bad_request", "agent_disconnect", "agent_budget",
                 "agent_unsupported_request", "agent_stalled")
 CAUSES = INFRA_CAUSES + AGENT_CAUSES
@@ -87,6 +89,7 @@ _BY_STATUS = {
     "record_quarantined": "record_quarantined",
     "deadline_exceeded": "deadline_exceeded",
     "client_stalled": "agent_stalled",
+    "record_lost": "record_lost",
 }
 # Statuses whose HTTP status is the upstream's own answer.
 _ANSWERED = ("ok", "passthrough", "vetoed")

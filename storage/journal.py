@@ -35,6 +35,8 @@ _END = 0xFFFFFFFF  # the length of the marker a sealed segment ends with
 _SUFFIX = ".seg"
 _SPARE = ".spare"
 _SPARES = 2  # committed segment files kept to be written over
+REPLICA_FILE = "replica"  # the id of the replica that owns the journal (storage.intents)
+ADOPTED_FILE = "adopted"  # ids of replicas whose segments this journal took over
 
 
 class Journal:
@@ -156,6 +158,11 @@ def adopt(orphan: Path, into: Path) -> int:
     for spare in orphan.glob("*" + _SPARE):
         spare.unlink()
     into.mkdir(parents=True, exist_ok=True)
+    owner = orphan / REPLICA_FILE  # its lease is settled by the adopter (storage.intents)
+    if owner.exists():
+        with open(into / ADOPTED_FILE, "a") as adopted:
+            adopted.write(owner.read_text().strip() + "\n")
+        owner.unlink()
     after = max((int(p.stem) for p in into.glob("*" + _SUFFIX)), default=0)
     for number, segment in enumerate(segments, start=after + 1):
         os.replace(segment, into / f"{number:012d}{_SUFFIX}")

@@ -82,6 +82,14 @@ async def create_episode(
             await open_budget(conn, episode_id, budget, time.time(), registered=True)
 
 
+class Finished(msgspec.Struct, frozen=True):
+    """A finish as stored: ``changed`` False when it repeated the stored result (nothing
+    was written); ``finish_seq`` counts the finishes that changed it (docs/export.md)."""
+
+    changed: bool
+    finish_seq: int
+
+
 async def finish_episode(
     engine: AsyncEngine,
     episode_id: str,
@@ -91,21 +99,33 @@ async def finish_episode(
     outcome: str | None,
     info: Any,
     create_missing: bool = True,
-) -> bool:
-    """Record the episode's result; returns whether the episode exists. A missing row is
-    created unless ``create_missing`` is False (the admin API: a typo must not pass)."""
+) -> Finished | None:
+    """Record the episode's result; None when the episode does not exist. A missing row
+    is created unless ``create_missing`` is False (the admin API: a typo must not pass).
+    Idempotent: the result it already has (a trainer's retried finish) changes nothing,
+    so it is not exported again; another result is a new finish (``finish_seq`` + 1, a
+    new finished_at: exported again, superseding the earlier rows)."""
+    given = {"reward": reward, "rewards": rewards, "outcome": outcome, "info": info}
     async with engine.begin() as conn:
         if create_missing:
             stmt = insert_ignoring_duplicates(engine.dialect.name, Episode.__table__)
             await conn.execute(stmt, [{"id": episode_id, "created_at": time.time(),
                                        "registered": False}])
-        result = await conn.execute(
-            update(Episode)
-            .where(Episode.id == episode_id)
-            .values(finished_at=time.time(), reward=reward, rewards=_dumps(rewards),
-                    outcome=outcome, info=_dumps(info))
-        )
-        return result.rowcount == 1
+        row = (await conn.execute(
+            select(Episode.finished_at, Episode.finish_seq, Episode.reward, Episode.rewards,
+                   Episode.outcome, Episode.info)
+            .where(Episode.id == episode_id).with_for_update())).first()
+        if row is None:
+            return None
+        seq = row.finish_seq or (1 if row.finished_at is not None else 0)
+        stored = {"reward": row.reward, "rewards": _loads(row.rewards),
+                  "outcome": row.outcome, "info": _loads(row.info)}
+        if row.finished_at is not None and stored == given:
+            return Finished(changed=False, finish_seq=seq)
+        await conn.execute(update(Episode).where(Episode.id == episode_id).values(
+            finished_at=time.time(), finish_seq=seq + 1, reward=reward,
+            rewards=_dumps(rewards), outcome=outcome, info=_dumps(info)))
+        return Finished(changed=True, finish_seq=seq + 1)
 
 
 def _episode_dict(row) -> dict[str, Any]:

@@ -129,6 +129,7 @@ STATUSES = (
     "overlay_failed",  # an overlay hook failed under --overlay-fail closed
     "record_dropped",  # a tombstone: the record was lost, the journal was full
     "record_quarantined",  # a tombstone: the database refused the record (dead-letter file)
+    "record_lost",  # a tombstone: its replica died or was declared lost (storage.intents)
     "weight_sync_retried",  # cut by a pause in abort mode and sent again (proxy.call.continuation)
     "error",  # the proxy failed on the request itself (500 internal_error)
     "proxy_stopped",  # the proxy was stopped under the call (past --drain-timeout)

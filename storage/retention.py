@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.blockstore import begin_sweeping, mark_swept
 from tracetap.storage.search_index import forget
-from tracetap.storage.tables import Call, Choice, Episode
+from tracetap.storage.tables import Call, CallIntent, Choice, Episode
 
 # Exported calls per episode, per finished_at it was exported with.
 Proven = dict[str, dict[float | None, set[str]]]
@@ -165,6 +165,8 @@ async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) 
         await forget(conn, chunk)
         await conn.execute(delete(Choice).where(Choice.call_id.in_(chunk)))
         await conn.execute(delete(Call).where(Call.call_id.in_(chunk)))
+        # Their intents too: without its row an intent would read as a call not stored.
+        await conn.execute(delete(CallIntent).where(CallIntent.call_id.in_(chunk)))
     for chunk in _chunks(episodes):
         # A call stored meanwhile (SQLite has no row lock) keeps its episode.
         await conn.execute(delete(Episode).where(

@@ -106,6 +106,7 @@ class ScannedEpisode(msgspec.Struct, gc=False):
     rewards: str | None = None  # JSON text
     outcome: str | None = None
     parent_id: str | None = None  # the episode it is a sub-agent of (registration)
+    finish_seq: int | None = None  # which finish this is (0014; null: unfinished or older)
     calls: list[ScannedCall] = []  # not a column
 
 

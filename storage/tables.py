@@ -56,6 +56,9 @@ class Episode(Base):
     info: Mapped[str | None] = mapped_column(Text)  # JSON
     # The episode this one is a sub-agent of (registration field ``parent``, 0010).
     parent_id: Mapped[str | None] = mapped_column(String(128))
+    # How many finishes changed its result (0014): 1 for the first; a finish that repeats
+    # the stored result changes nothing (docs/export.md, finish_seq).
+    finish_seq: Mapped[int | None] = mapped_column(Integer)
 
 
 class Call(Base):
@@ -213,6 +216,36 @@ class OverlayPatch(Base):
     hooks: Mapped[str] = mapped_column(Text)  # JSON list: the hooks it defines
     after_model_sees: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class CallIntent(Base):
+    """A call a replica admitted whose row is not stored yet (0014, storage.intents):
+    written off the request path before the call is answered, deleted once the call's
+    row (or its tombstone) is stored. Export holds its episode back meanwhile."""
+
+    __tablename__ = "call_intents"
+
+    call_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    episode_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    replica: Mapped[str] = mapped_column(String(64), index=True)
+    incarnation: Mapped[str] = mapped_column(String(32))  # the process that admitted it
+    admitted_at: Mapped[float] = mapped_column(Float)
+
+
+class Replica(Base):
+    """One replica's lease (0014, storage.replicas): every call it admitted before
+    ``settled_at`` has its intent stored; ``state`` open (running, or gone without
+    saying), closed (stopped with its journal written) or lost (an operator said so)."""
+
+    __tablename__ = "replicas"
+
+    replica: Mapped[str] = mapped_column(String(64), primary_key=True)  # its journal's id
+    incarnation: Mapped[str] = mapped_column(String(32))
+    journal: Mapped[str | None] = mapped_column(String(512))  # host:directory, for operators
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    settled_at: Mapped[float] = mapped_column(Float)
 
 
 metadata = Base.metadata

@@ -23,6 +23,9 @@ from tracetap.storage.records import CallRecord
 
 DROPPED = "record_dropped"
 QUARANTINED = "record_quarantined"
+# A call its replica admitted (storage.intents) whose record never reached the journal: a
+# stream cut by the replica's death, or a replica an operator declared lost.
+LOST = "record_lost"
 # What tombstones may use beyond the journal's bound (a tombstone is ~200 bytes): a 64th
 # of it, at least SLACK_MIN.
 SLACK_FRACTION = 64
@@ -52,7 +55,7 @@ def tombstone(record: CallRecord, status: str, reason: str) -> CallRecord:
 
 def tombstones(records) -> int:
     """How many of ``records`` are tombstones."""
-    return sum(1 for r in records if r.status in (DROPPED, QUARANTINED))
+    return sum(1 for r in records if r.status in (DROPPED, QUARANTINED, LOST))
 
 
 def _clean(value: str | None, size: int) -> str | None:

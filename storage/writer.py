@@ -83,6 +83,7 @@ class Writer:
             p: None for p in journal.recovered()
         }
         self._failed: set[Path] = set(self._cache)
+        self._recovered: set[Path] = set(self._cache)  # left by a previous process
         self._wake = asyncio.Event()
         self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
         self._task: asyncio.Task | None = None
@@ -104,6 +105,11 @@ class Writer:
         """Records journaled and waiting until ``prepare`` can complete them (part of
         ``pending``)."""
         return len(self._held)
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the segments a previous process left are all written."""
+        return not self._recovered
 
     @property
     def pending(self) -> int:
@@ -266,6 +272,7 @@ class Writer:
         self.observer.records("replayed" if replayed else "written",
                               len(records) - len(outcome.refused) - tombstones(records))
         self._failed.discard(segment)
+        self._recovered.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))

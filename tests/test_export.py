@@ -333,7 +333,8 @@ DOCUMENTED_CALLS = pa.schema([
     ("completion_logprobs", pa.list_(pa.float32())), ("token_source", pa.string()),
     ("finish_reason", pa.string()), ("status", pa.string()), ("http_status", pa.int32()),
     ("error", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("reward", pa.float64()), ("integrity", pa.string()), ("integrity_cause", pa.string()),
+    ("reward", pa.float64()), ("finish_seq", pa.int32()),
+    ("integrity", pa.string()), ("integrity_cause", pa.string()),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
     ("policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
     ("routed_experts", _ROUTING),
@@ -345,7 +346,8 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("response_mask", pa.list_(pa.int8())), ("response_logprobs", pa.list_(pa.float32())),
     ("num_turns", pa.int32()), ("split_reason", pa.string()), ("finish_reason", pa.string()),
     ("policy_versions", pa.list_(pa.string())), ("reward", pa.float64()),
-    ("rewards", pa.string()), ("outcome", pa.string()), ("harness", pa.string()),
+    ("finish_seq", pa.int32()), ("rewards", pa.string()), ("outcome", pa.string()),
+    ("harness", pa.string()),
     ("harness_config", pa.string()),
     ("harness_factors", pa.list_(pa.struct([("factor", pa.string()), ("level", pa.string())]))),
     ("drift_cause", pa.string()), ("drift_position", pa.int32()),
@@ -369,7 +371,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"4"
+        assert written.metadata[b"tracetap.schema_version"] == b"5"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

@@ -399,3 +399,45 @@ def test_a_manifest_without_recent_finishes_keeps_its_watermark(db_url, tmp_path
     assert export(db_url, out, incremental=True).episodes == 0
     assert manifest(out)["watermark"] == t + 30
     assert export(db_url, out, incremental=True).episodes == 0
+
+
+def intent(episode: str, call_id: str):
+    """A call a replica admitted and answered whose row is not stored (storage.intents)."""
+    async def step(engine):
+        async with engine.begin() as conn:
+            await conn.execute(text(
+                "INSERT INTO call_intents (call_id, episode_id, replica, incarnation, "
+                "admitted_at) VALUES (:c, :e, 'replica-a', 'i1', :t)"),
+                {"c": call_id, "e": episode, "t": time.time()})
+    return step
+
+
+def stored(episode: str, call_id: str):
+    """That call's record, replayed from the replica's journal."""
+    async def step(engine):
+        await insert_calls(engine, [CallRecord(
+            call_id=call_id, episode_id=episode, seq=5, endpoint="chat.completions",
+            t_start=time.time(), http_status=200, prompt_ids=[1, 2, 3],
+            choices=[ChoiceRecord(index=0, finish_reason="stop", completion_ids=[4],
+                                  token_source="engine")])])
+    return step
+
+
+def test_an_episode_waiting_for_a_journal_is_exported_by_a_later_run(db_url, tmp_path):
+    """An episode with a call still in a replica's journal is left out, and the watermark
+    stays below it however much later the next episode finished; once the call is stored,
+    the next run exports the episode whole, and nothing else twice."""
+    out, late_call = tmp_path / "out", uuid7()
+    _db(db_url, calls("held"), finish("held", 1.0), intent("held", late_call),
+        calls("later"))
+    t = finished_at(db_url, "held")
+    _db(db_url, finish("later", 0.5, at=t + 3 * SETTLE))
+    first = export(db_url, out, incremental=True)
+    assert (first.episodes, first.held) == (1, 1) and episodes_of(out, 0) == [("later", 0.5)]
+    assert manifest(out)["watermark"] <= t
+    assert export(db_url, out, incremental=True).episodes == 0  # still waiting
+    _db(db_url, stored("held", late_call))
+    third = export(db_url, out, incremental=True)
+    assert (third.episodes, third.held) == (1, 0) and set(episodes_of(out, 2)) == {("held", 1.0)}
+    assert late_call in {r["call_id"] for r in run_rows(out, 2, "calls")}
+    assert export(db_url, out, incremental=True).episodes == 0

@@ -208,11 +208,13 @@ async def finish_episode(request: web.Request) -> web.Response:
         raise not_found(f"no episode {episode_id!r}: it was never registered and no call was "
                         "tagged with it (a typo?)")
     state.tagger.finished(episode_id)  # graded: its key takes no more calls (409)
-    state.metrics.episode_finished(spec.reward)
-    if (verdict := await verdict_at_finish(state, episode_id)) is not None:
-        state.metrics.episode_integrity(verdict)
+    if found.changed:  # a retried finish with the same result changes nothing
+        state.metrics.episode_finished(spec.reward)
+        if (verdict := await verdict_at_finish(state, episode_id)) is not None:
+            state.metrics.episode_integrity(verdict)
     state.prompt_prefixes.forget(episode_id)  # no call of it extends its prompt again
-    return web.json_response({"id": episode_id, "finished": True})
+    return web.json_response({"id": episode_id, "finished": True, "changed": found.changed,
+                              "finish_seq": found.finish_seq})
 
 
 @_errors

@@ -124,6 +124,7 @@ class ModelCall(CallReview):
         finally:
             metrics.inflight.dec()
             self.finish()
+            await self.services.intents.wait(self.call_id)  # stored before the answer ends
 
     async def _drive(self, request: web.Request, path: str,
                      front: CallFront) -> web.StreamResponse:
@@ -184,7 +185,8 @@ class ModelCall(CallReview):
                                       headers=response_headers(reply.headers.items()))
         try:
             await response.prepare(request)
-            tail = await self.start_relay().pump(reads, response.write)
+            write = self.services.intents.before_end(self, response.write)  # intent first
+            tail = await self.start_relay().pump(reads, write)
             if tail:
                 await response.write(tail)
             await response.write_eof()
@@ -207,8 +209,7 @@ class ModelCall(CallReview):
 
     async def _relay_body(self, reply: Reply, overhead_header: bool,
                           again: Callable[[], Awaitable[Reply]]) -> web.Response:
-        """A whole reply, read (sent again if a weight sync cut it), captured, and
-        rewritten for the client."""
+        """A whole reply: read (sent again if a weight sync cut it), captured, rewritten."""
         try:
             reply = await continuation.whole(self, reply, again)
             body = await reply.read()
@@ -231,6 +232,7 @@ class ModelCall(CallReview):
         self.episode_id = episode_id
         self.lineage = lineage
         self.seq = self.services.arrivals.next(episode_id)  # arrival order, not completion
+        self.services.intents.admit(self.call_id, episode_id)  # told the database, off-path
 
     async def reserve(self, keyed: bool, body_bytes: int) -> None:
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded)."""
@@ -265,16 +267,14 @@ class ModelCall(CallReview):
         return upstream
 
     def reroute(self, route: Route, body: bytes) -> bytes:
-        """Speak another API to the upstream (the first answered 404): the client's
-        request is prepared again from its original bytes."""
+        """Speak another API to the upstream (it answered 404): the request prepared again."""
         self._use(route)
         self.request = CallRequest()
         return self.parse_request(body)
 
     def _use(self, route: Route) -> None:
-        self.route = route
-        self.api, self.translation, self.endpoint = route.api, route.translation, route.endpoint
-        self.label = route.label
+        self.route, self.api, self.translation = route, route.api, route.translation
+        self.endpoint, self.label = route.endpoint, route.label
 
     @property
     def stream(self) -> bool:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.runtime.settings import Settings
     from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
     from tracetap.proxy.upstream.pool import Pool
+    from tracetap.storage.intents import Intents, NoIntents
     from tracetap.storage.records import CallRecord
 
 
@@ -45,6 +46,7 @@ class CallServices(Protocol):
     repair: Repair  # history repair, and its memory of replies
     prompt_prefixes: PromptPrefixes  # prompt ids decoded in their new tokens only
     metrics: Metrics
+    intents: Intents | NoIntents  # each call's intent, stored before its answer ends
     routed_experts: bool  # --routed-experts: ask the engine for each token's MoE routing
 
     def submit(self, record: CallRecord) -> None:

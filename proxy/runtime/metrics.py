@@ -165,6 +165,10 @@ class Metrics(WriterObserver):
         self.db_writes_ok = Gauge("tracetap_db_writes_ok",
                                   "1 while the writer's last database write succeeded",
                                   multiprocess_mode="livemin", registry=r)
+        self.intents_late = Gauge("tracetap_intents_late_calls",
+                                  "Calls answered before their intent reached the database "
+                                  "(storage.intents), since start",
+                                  multiprocess_mode="livesum", registry=r)
         self.journal_recovered_bytes = Gauge(
             "tracetap_journal_recovered_bytes",
             "Journal bytes a previous process left on disk, found at this start",
@@ -304,6 +308,7 @@ class Metrics(WriterObserver):
         self.journal_bytes.set(writer.journal.bytes)
         self.journal_recovered_bytes.set(writer.journal.recovered_bytes)
         self.db_writes_ok.set(writer.db_healthy)
+        self.intents_late.set(state.intents.late)
         self.pause_timeout.set(state.settings.pause_timeout)
         for target in state.pool.targets:
             self.child(self.upstream_healthy, target.base_url).set(target.healthy)

@@ -33,6 +33,10 @@ from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 from tracetap.proxy.tokens.resolve import TokenResolver
 from tracetap.proxy.upstream.flavor import Flavor
 from tracetap.proxy.upstream.pool import Pool
+from tracetap.proxy.episodes.repair import Repair
+from tracetap.proxy.apis.routing import Routing
+from tracetap.proxy.episodes.tagging import Tagger
+from tracetap.storage.intents import Intents, NoIntents
 from tracetap.storage.records import CallRecord
 from tracetap.storage.writer import Writer
 
@@ -45,6 +49,7 @@ class ProxyState:
     admin_token: str
     engine: AsyncEngine
     writer: Writer
+    intents: Intents | NoIntents  # each call known to the database before it is answered
     resolver: TokenResolver
     pool: Pool
     tagger: Tagger

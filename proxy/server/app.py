@@ -95,6 +95,7 @@ async def _lifecycle(app: web.Application):
         log.warning("cannot read the shared controls (pause, policy version) at start: %s", exc)
     await state.overlays.patches.refresh()  # a restarted proxy runs the stored patches
     state.writer.start()
+    state.intents.start()
     background = await _background(state, worker is not None)
     try:
         yield
@@ -109,7 +110,8 @@ async def _lifecycle(app: web.Application):
 async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     """The tasks that run beside the calls, started (the flavor asked first, if auto)."""
     pool, settings = state.pool, state.settings
-    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
+    background = [asyncio.create_task(_settle_previous(state)),
+                  asyncio.create_task(state.controls.run()), asyncio.create_task(
         state.tagger.follow(functools.partial(queries.registered_since, state.engine))),
         asyncio.create_task(state.tagger.follow_finished(
             functools.partial(queries.finished_since, state.engine))),
@@ -135,11 +137,35 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     return background
 
 
+async def _settle_previous(state: ProxyState) -> None:
+    """Once the journal a previous process left is written, the calls that process
+    admitted and never journaled (streams its death cut) become tombstones, and this
+    replica's lease may move (storage.intents)."""
+    writer, intents = state.writer, state.intents
+    while not (writer.replayed and writer.held == 0):
+        await asyncio.sleep(0.2)  # polling the writer's replay, which runs on its own
+    while True:
+        try:
+            stones = await intents.previous()
+            break
+        except Exception as exc:  # the database is down: the lease waits with it
+            log.warning("cannot read the intents a previous process left: %s", exc)
+            await asyncio.sleep(2)
+    for stone in stones:
+        state.submit(stone)
+    if stones:
+        log.warning("%d calls were cut when this replica's previous process stopped: "
+                    "stored as tombstones (record_lost)", len(stones))
+    intents.ready = True
+
+
 async def _close(state: ProxyState) -> None:
     await state.controls.close()
     await state.overlays.patches.close()  # their worker processes
     await state.budgets.settled()  # what calls held is released before the DB closes
     await state.writer.close(timeout=state.settings.drain_timeout)
+    # The lease closes only when everything this process took is stored.
+    await state.intents.close(clean=state.writer.pending == 0 and state.intents.ready)
     await state.pool.client.close()
     try:
         await asyncio.wait_for(state.engine.dispose(), 10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ from tracetap.proxy.upstream.flavor import Flavor
 from tracetap.proxy.upstream.pool import Pool
 from tracetap.storage import queries
 from tracetap.storage.engine import create_engine
+from tracetap.storage.intents import Intents, NoIntents, intents_engine, replica_id
 from tracetap.storage.journal import Journal
 from tracetap.storage.writer import Writer
 
@@ -70,12 +72,19 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         address=pool.address)  # records name an upstream with its credentials masked
     gate = Gate(settings.pause_timeout)
     instance = instance_id()
+    # Replicas share a Postgres: each call's intent is stored before its answer ends
+    # (storage.intents), under the id its journal directory keeps across restarts.
+    intents = (Intents(intents_engine(settings.database_url), replica_id(journal.directory),
+                       journal=f"{os.uname().nodename}:{journal.directory}",
+                       directory=journal.directory, owns_engine=True)
+               if engine.dialect.name == "postgresql" else NoIntents())
     return ProxyState(
         settings=settings,
         admin_token=settings.admin_token or ensure_admin_token(settings.data_dir)[0],
         engine=engine,
         writer=Writer(engine, journal, observer=metrics, prepare=resolver,
                       search_index=settings.search_index),
+        intents=intents,
         resolver=resolver,
         pool=pool,
         tagger=Tagger(

@@ -1,0 +1,99 @@
+"""storage.intents on its own: an admitted call's intent and the replica's lease reach the
+database off the request path; an answer waits for its intent only within a bound; a
+journal adopted from another replica settles that replica's lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sqlalchemy import select
+
+from tracetap.storage.engine import create_engine
+from tracetap.storage.intents import CLOSED, OPEN, Intents, replica_id
+from tracetap.storage.journal import adopt
+from tracetap.storage.replicas import holds
+from tracetap.storage.tables import CallIntent, Replica
+
+
+def _run(url: str, work):
+    async def go():
+        engine = create_engine(url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+    return asyncio.run(go())
+
+
+def test_an_admitted_call_is_stored_and_the_lease_covers_it(db_url, tmp_path):
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path)
+        intents.ready = True
+        intents.start()
+        admitted = time.time()
+        intents.admit("call-1", "ep")
+        intents.admit("call-0", None)  # untagged: no episode to hold back
+        assert not intents.landed("call-1") and intents.landed("call-0")
+        await intents.wait("call-1")  # the answer's end: lands well within the bound
+        assert intents.landed("call-1") and intents.late == 0
+        async with engine.connect() as conn:
+            stored = (await conn.execute(select(CallIntent.call_id))).scalars().all()
+            lease = (await conn.execute(select(Replica))).one()
+            found = await holds(conn)
+        await intents.close(clean=True)
+        async with engine.connect() as conn:
+            closed = (await conn.execute(select(Replica.state))).scalar()
+        return stored, lease, found, admitted, closed
+
+    stored, lease, found, admitted, closed = _run(db_url, work)
+    assert stored == ["call-1"]
+    assert lease.state == OPEN and lease.settled_at >= admitted
+    assert "ep" in found.waiting  # no call row yet: its episode is held
+    assert closed == CLOSED
+
+
+def test_an_answer_waits_for_its_intent_only_within_the_bound(tmp_path):
+    # A database that does not answer: the first answer waits the bound, later ones not.
+    async def work(engine):
+        intents = Intents(engine, "r", wait=0.2, heartbeat=0.05)
+        intents.start()
+        intents.admit("c1", "ep")
+        started = time.monotonic()
+        await intents.wait("c1")
+        first = time.monotonic() - started
+        await asyncio.sleep(0.3)  # the writer has failed by now
+        intents.admit("c2", "ep")
+        started = time.monotonic()
+        await intents.wait("c2")
+        second = time.monotonic() - started
+        await intents.close(clean=False)
+        return first, second, intents.late, intents.healthy
+
+    first, second, late, healthy = _run("postgresql://nobody@127.0.0.1:9/none", work)
+    assert 0.15 < first < 2.0 and second < 0.05
+    assert late == 2 and not healthy
+
+
+def test_an_adopted_journal_settles_its_replica(db_url, tmp_path):
+    orphan, into = tmp_path / "journal-2", tmp_path / "journal"
+    gone = replica_id(orphan)
+
+    async def work(engine):
+        old = Intents(engine, gone)
+        old.ready = True
+        old.admit("cut-call", "ep")  # a stream cut when its worker went away
+        await old.flush()
+        adopt(orphan, into)
+        intents = Intents(engine, replica_id(into), directory=into)
+        stones = await intents.previous()
+        async with engine.connect() as conn:
+            state = (await conn.execute(select(Replica.state).where(
+                Replica.replica == gone))).scalar()
+        return stones, state
+
+    stones, state = _run(db_url, work)
+    assert [(s.call_id, s.episode_id, s.status) for s in stones] == [
+        ("cut-call", "ep", "record_lost")]
+    assert state == CLOSED
+    assert not (into / "adopted").exists() and not (orphan / "replica").exists()
