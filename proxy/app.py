@@ -10,14 +10,16 @@ import os
 
 from aiohttp import web
 
-from tracetap.proxy import admin, admin_overlays, flavor, handlers
+from tracetap.proxy import admin, admin_overlays, flavor, handlers, tagging
 from tracetap.proxy.compose import compose_state
+from tracetap.proxy.controls import IDLE_POLL_SECONDS
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.settings import Settings, Worker
 from tracetap.proxy.state import ProxyState
 from tracetap.proxy.ui import mount_viewer
 from tracetap.storage import queries
+from tracetap.storage.notify import EPISODES
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
@@ -105,8 +107,15 @@ async def _lifecycle(app: web.Application):
 async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     """The tasks that run beside the calls, started (the flavor asked first, if auto)."""
     pool, settings = state.pool, state.settings
-    background = [asyncio.create_task(state.controls.run()), asyncio.create_task(
-        state.tagger.follow(functools.partial(queries.registered_since, state.engine))),
+    notices = state.controls.notices
+    # Registrations made elsewhere: read on their notice, or every FOLLOW_SECONDS while
+    # no notices come (storage.notify).
+    follow_wait = functools.partial(notices.wait, EPISODES, tagging.FOLLOW_SECONDS,
+                                    IDLE_POLL_SECONDS)
+    background = [asyncio.create_task(notices.run()),
+                  asyncio.create_task(state.controls.run()), asyncio.create_task(
+        state.tagger.follow(functools.partial(queries.registered_since, state.engine),
+                            wait=follow_wait)),
         asyncio.create_task(state.overlays.patches.follow())]  # patches installed elsewhere
     if is_worker:
         # Gauges mirrored from a worker's state are read from files by whichever worker is

@@ -218,9 +218,11 @@ class Tagger:
         return False
 
     async def follow(self, registered_since: Callable[[float], Awaitable[list]],
-                     clock=time.time) -> None:
+                     clock=time.time,
+                     wait: Callable[[], Awaitable[None]] | None = None) -> None:
         """Keep up with registrations made by any process (runs for the app's life): an id
-        registered elsewhere is known here within FOLLOW_SECONDS, so ids found unregistered
+        registered elsewhere is known here within FOLLOW_SECONDS (or as soon as ``wait``
+        returns: the registration's notice, storage.notify), so ids found unregistered
         need not be asked about again. While the database cannot answer, misses fall back
         to MISS_SECONDS; once it answers, the registrations made meanwhile are read."""
         watermark = clock()
@@ -242,7 +244,10 @@ class Tagger:
                                 "are asked about again every %gs meanwhile", exc, MISS_SECONDS)
                 self.following = False
                 self._forget_misses()
-            await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
+            if wait is None:
+                await asyncio.sleep(FOLLOW_SECONDS)  # polling: no notices to wait on
+            else:
+                await wait()
 
     def _forget_misses(self) -> None:
         """Misses believed while following are no longer safe to believe."""

@@ -13,6 +13,7 @@ from tracetap.storage.budget_ledger import Limits, open_budget
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.dedup import BODIES
 from tracetap.storage.inflate import IDS, TEXT, resolve
+from tracetap.storage.notify import EPISODES, send
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -71,6 +72,7 @@ async def create_episode(
             raise EpisodeExists(episode_id)
         if budget is not None:
             await open_budget(conn, episode_id, budget, time.time(), registered=True)
+        await send(conn, EPISODES)  # other processes learn of it at once (proxy.tagging)
 
 
 async def finish_episode(

@@ -83,7 +83,8 @@ class Writer:
             p: None for p in journal.recovered()
         }
         self._failed: set[Path] = set(self._cache)
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # flush now: a full batch, or close
+        self._work = asyncio.Event()  # something to write: the idle loop wakes
         self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -132,6 +133,7 @@ class Writer:
         self._active.append(record)
         self._pending_count += 1
         self._fresh += 1
+        self._work.set()
         if self.journal.active_full:
             self._seal()
         # A transaction per record would cost more CPU than the request itself: wake the
@@ -171,6 +173,7 @@ class Writer:
         # leave the driver's connection wedged, and the batch would be rewritten anyway.
         self._closing = True
         self._wake.set()
+        self._work.set()
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
@@ -196,6 +199,7 @@ class Writer:
     async def _run(self) -> None:
         backoff = 0.2
         while not self._closing:
+            await self._idle()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval)
             except asyncio.TimeoutError:
@@ -221,6 +225,13 @@ class Writer:
                 log.warning("database is back; journal replayed")
             self.db_healthy = True
             backoff = 0.2
+
+    async def _idle(self) -> None:
+        """Sleep while nothing waits to be written: an idle proxy that woke every flush
+        interval to find nothing spent more CPU on that than on anything else."""
+        self._work.clear()
+        if self._pending_count == 0 and not self.journal.pending() and not self._closing:
+            await self._work.wait()
 
     def _seal(self) -> None:
         segment = self.journal.seal()
