@@ -57,7 +57,8 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_post("/tracetap/overlays/{name}/replay", admin_overlays.replay_overlay)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
-    r.add_get("/readyz", admin.readyz)
+    r.add_get("/readyz", admin.readyz)  # the model API's readiness (the engine answers)
+    r.add_get("/readyz/admin", admin.admin_readyz)  # the admin API's (never the engine)
     mount_viewer(app, settings)  # /tracetap/ui: before the agent routes' catch-all
     r.add_route("*", "/episodes/{episode}/v1/{tail:.*}", handlers.agent_request)
     r.add_route("*", "/episodes/{episode}", handlers.agent_request)
