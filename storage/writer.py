@@ -83,6 +83,10 @@ class Writer:
             p: None for p in journal.recovered()
         }
         self._failed: set[Path] = set(self._cache)
+        # Segments a previous process left, until written: then one line says how many
+        # records they held (after a SIGKILL, what it had answered but not yet stored).
+        self._recovered: set[Path] = set(self._cache)
+        self._replayed = 0
         self._wake = asyncio.Event()  # flush now: a full batch, or close
         self._work = asyncio.Event()  # something to write: the idle loop wakes
         self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
@@ -165,6 +169,10 @@ class Writer:
 
     def start(self) -> None:
         blocks.codec()  # the block codec (pyarrow) loaded now, not inside the first write
+        if self._recovered:
+            log.info("journal: %d segments (%d bytes) left by the previous process; "
+                     "writing them to the database", len(self._recovered),
+                     self.journal.recovered_bytes)
         self._task = asyncio.create_task(self._run(), name="tracetap-writer")
 
     async def close(self, timeout: float = 30.0) -> None:
@@ -252,6 +260,7 @@ class Writer:
         records = self._cache.get(segment)
         if records is None:
             records = self._read(segment)
+        read = len(records)
         held = await self._prepare(records, hold=True)
         if held:
             ids = {id(r) for r in held}
@@ -281,6 +290,16 @@ class Writer:
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))
         self._held.difference_update(r.call_id for r in records)
+        self._replayed_from(segment, read)
+
+    def _replayed_from(self, segment: Path, records: int) -> None:
+        if segment not in self._recovered:
+            return
+        self._recovered.discard(segment)
+        self._replayed += records
+        if not self._recovered:
+            log.info("journal: replayed %d records left by the previous process",
+                     self._replayed)
 
     def _read(self, segment: Path) -> list[CallRecord]:
         before = self.quarantine.overflow
