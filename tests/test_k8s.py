@@ -6,13 +6,19 @@ the pieces wired together the way docs/deploy.md says."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from helpers.k8s_render import render
+from helpers.loop import free_port
 from helpers.pod_security import pod_spec, violations
 
 from tracetap import __version__
@@ -209,8 +215,6 @@ def test_the_ingress_serves_the_model_api_only_with_affinity_by_episode(docs):
 
 def test_the_episode_capture_takes_the_id_without_its_secret(docs):
     """The Ingress path's regex (PCRE in nginx; the same here) on the base URLs agents use."""
-    import re
-
     ingress = docs[("Ingress", "tracetap")]
     (path,) = [p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]
                if p["path"].startswith("/episodes/")]
@@ -250,3 +254,44 @@ def test_servicemonitor_scrapes_every_replica_on_the_admin_port(docs):
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint == {"port": "admin", "path": "/metrics", "interval": "15s"}
     assert all(d["metadata"]["namespace"] == "tracetap" for d in docs.values())
+
+
+def test_the_proxy_runs_on_a_read_only_root_with_only_its_volumes_writable(
+        engine, tmp_path):
+    """What readOnlyRootFilesystem plus the two emptyDirs give it: the root read-only (here
+    bubblewrap's bind mounts), /tmp and the data dir writable. A call is journaled and
+    stored, and SIGTERM drains to exit 0."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        pytest.skip("bubblewrap not installed")
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "data").mkdir()
+    port = free_port()
+    command = [bwrap, "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
+               "--proc", "/proc",
+               "--bind", str(tmp_path / "tmp"), "/tmp",
+               "--bind", str(tmp_path / "data"), "/tmp/data",
+               sys.executable, "-m", "tracetap", "serve", "--upstream", engine.url,
+               "--db", "sqlite:////tmp/data/tracetap.db", "--data-dir", "/tmp/data",
+               "--port", str(port), "--admin-token", "r" * 40]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while b"listening on" not in log.read_bytes():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)  # polling for the start-up line
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/episodes/ro/v1", api_key="x",
+                           max_retries=3) as client:
+            client.chat.completions.create(model="mock-model", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    finally:
+        # To tracetap itself: bubblewrap does not pass signals on (it exits with the
+        # status of the process it runs).
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text()
+        for pid in children.split():
+            os.kill(int(pid), signal.SIGTERM)
+        assert process.wait(30) == 0, log.read_text()
+    assert (tmp_path / "data" / "tracetap.db").stat().st_size > 0
+    assert "Read-only file system" not in log.read_text()
