@@ -9,7 +9,9 @@ listening (``Notices.run``), and a notice wakes the follower of its topic at onc
 followers still read the tables now and then (``Notices.wait``'s slow interval), so a
 notice lost with the listening connection costs seconds, not correctness; while nothing
 listens (the connection is down, or SQLite, which has no notices) they read at their
-fast interval, as before.
+fast interval, as before. Listening counts only once a notice of its own came back: behind
+a connection pooler in transaction mode (PgBouncer's default) LISTEN is accepted but no
+notice ever arrives, and the followers keep their fast interval.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ EPISODES = "episodes"
 TOPICS = (CONTROLS, EPISODES)
 RETRY_SECONDS = 2.0  # between attempts to listen again after the connection is lost
 CHECK_SECONDS = 60.0  # how often a quiet listening connection is asked whether it is alive
+PROBE_SECONDS = 5.0  # how long a notice of its own may take to come back
 _NOTIFY = text("SELECT pg_notify(:channel, :topic)")
 
 
@@ -47,6 +50,9 @@ class Notices:
         self.live = False  # a connection is listening: notices arrive
         self._events = {topic: asyncio.Event() for topic in TOPICS}
         self._failing = False
+        self._probe = f"probe:{id(self)}"  # a notice only this process waits for
+        self._probe_back = asyncio.Event()  # it came back, or PROBE_SECONDS passed
+        self._probe_arrived = False
 
     async def wait(self, topic: str, fast: float, slow: float) -> None:
         """Until a notice of ``topic`` arrives, or ``slow`` seconds pass (``fast`` while
@@ -70,8 +76,10 @@ class Notices:
             event.set()
 
     def _notice(self, _connection, _pid: int, _channel: str, payload: str) -> None:
-        event = self._events.get(payload)
-        if event is not None:
+        if payload == self._probe:
+            self._probe_arrived = True
+            self._probe_back.set()
+        elif (event := self._events.get(payload)) is not None:
             event.set()
 
     async def run(self) -> None:
@@ -95,21 +103,26 @@ class Notices:
             await asyncio.sleep(RETRY_SECONDS)
 
     async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
         async with self.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
-            lost = asyncio.Event()
-            raw.add_termination_listener(lambda _c: lost.set())
+            wake = asyncio.Event()  # the connection ended, or it is time to ask
+            raw.add_termination_listener(lambda _c: wake.set())
             await raw.add_listener(CHANNEL, self._notice)
             try:
                 if self._failing:
                     log.info("listening for change notices again")
                 self._failing = False
-                self.live = True
+                self.live = await self._notices_arrive()
                 self._wake_all()
-                while not raw.is_closed():
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(lost.wait(), CHECK_SECONDS)
-                    if lost.is_set():
+                while True:
+                    timer = loop.call_later(CHECK_SECONDS, wake.set)
+                    try:
+                        await wake.wait()
+                    finally:
+                        timer.cancel()
+                    wake.clear()
+                    if raw.is_closed():
                         await conn.invalidate()  # not handed back to the pool
                         return
                     await raw.execute("SELECT 1")  # a dead peer shows only when asked
@@ -117,3 +130,19 @@ class Notices:
                 if not raw.is_closed():
                     with contextlib.suppress(Exception):
                         await raw.remove_listener(CHANNEL, self._notice)
+
+    async def _notices_arrive(self) -> bool:
+        """Send a notice of its own and wait for it to come back."""
+        self._probe_back.clear()
+        self._probe_arrived = False
+        async with self.engine.begin() as conn:
+            await send(conn, self._probe)
+        timer = asyncio.get_running_loop().call_later(PROBE_SECONDS, self._probe_back.set)
+        try:
+            await self._probe_back.wait()
+        finally:
+            timer.cancel()
+        if not self._probe_arrived:
+            log.warning("change notices do not arrive (LISTEN through a connection pooler "
+                        "in transaction mode?); following the shared tables by polling")
+        return self._probe_arrived
