@@ -14,7 +14,9 @@ so a busy machine slows the run but hardly moves the figures. In order:
    HAProxy's own idle cost;
 3. --calls non-streamed calls (64 tokens), --concurrency at a time, through HAProxy;
 4. --calls streams of --short-tokens and of --long-tokens tokens, through HAProxy. The cost
-   of a stream is a + b * tokens: b is the cost per token, a the cost per stream.
+   of a stream is a + b * tokens: b is the cost per token, a the cost per stream;
+5. the replica's CPU per health check: GET /readyz and /readyz/admin, each on a new
+   connection as HAProxy's checks are.
 
 Postgres's CPU (the writer's inserts) is not in these figures: it runs in its own
 processes, and docs/scaling.md gives the database's load per 1,000 calls.
@@ -94,6 +96,19 @@ async def per_call(session, url, pids, args, stream: bool, tokens: int) -> dict[
     return {n: (cpu_seconds(p) - before[n]) / args.calls for n, p in pids.items()}
 
 
+async def per_check(port: int, pid: int, checks: int = 500) -> dict[str, float]:
+    """CPU seconds of the replica per health check, a new connection each."""
+    out = {}
+    for path in ("/readyz", "/readyz/admin"):
+        before = cpu_seconds(pid)
+        for _ in range(checks):
+            async with aiohttp.ClientSession() as session, session.get(
+                    f"http://127.0.0.1:{port}{path}") as reply:
+                await reply.read()
+        out[path] = (cpu_seconds(pid) - before) / checks
+    return out
+
+
 async def measure(args, replica, lb: HAProxy) -> dict:
     pids = {"replica": replica.pid, "haproxy": lb.process.pid}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -106,6 +121,7 @@ async def measure(args, replica, lb: HAProxy) -> dict:
                                              args.short_tokens)
         out["stream_long"] = await per_call(session, lb.url, pids, args, True,
                                             args.long_tokens)
+    out["check"] = await per_check(args.port, replica.pid)
     return out
 
 
@@ -130,6 +146,9 @@ def table(figures: dict, args) -> str:
         shown = "-" if alone is None else f"{alone:.3%} of a core"
         lines.append(f"| {who} | {shown} | {checked:.3%} of a core | {call * 1e3:.3f} ms "
                      f"| {stream * 1e3:.3f} ms | {token * 1e6:.1f} µs |")
+    lines.append("")
+    lines += [f"replica CPU per health check {path}: {cost * 1e3:.3f} ms"
+              for path, cost in figures["check"].items()]
     return "\n".join(lines)
 
 
@@ -169,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return await idle({"replica": replica.pid}, args.idle_seconds)
 
         idle_alone = asyncio.run(alone())
+        args.port = port
         lb = HAProxy(work, {"r1": f"127.0.0.1:{port}"}).start()
         figures = asyncio.run(measure(args, replica, lb))
         figures["idle_alone"] = idle_alone
