@@ -12,7 +12,6 @@ from aiohttp import web
 
 from tracetap.proxy import admin, admin_overlays, flavor, handlers, tagging
 from tracetap.proxy.compose import compose_state
-from tracetap.proxy.controls import IDLE_POLL_SECONDS
 from tracetap.proxy.keys import STATE
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.settings import Settings, Worker
@@ -112,7 +111,7 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     # Registrations made elsewhere: read on their notice, or every FOLLOW_SECONDS while
     # no notices come (storage.notify).
     follow_wait = functools.partial(notices.wait, EPISODES, tagging.FOLLOW_SECONDS,
-                                    IDLE_POLL_SECONDS)
+                                    tagging.IDLE_FOLLOW_SECONDS)
     background = [asyncio.create_task(notices.run()),
                   asyncio.create_task(state.controls.run()), asyncio.create_task(
         state.tagger.follow(functools.partial(queries.registered_since, state.engine),

@@ -97,9 +97,7 @@ class Controls:
             beat = Heartbeat(
                 self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
             )
-            await table.store(
-                self.engine, table.HEARTBEAT + self.instance, msgspec.json.encode(beat).decode()
-            )
+            await table.beat(self.engine, self.instance, msgspec.json.encode(beat).decode())
 
     async def set_policy(self, version: str) -> None:
         self._apply(POLICY, version, await table.store(self.engine, POLICY, version))

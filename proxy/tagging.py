@@ -44,6 +44,9 @@ OUTAGE_LOG_SECONDS = 60.0
 # and how far back it reads again each time (commit delays, clocks of replicas that
 # disagree by less than that).
 FOLLOW_SECONDS = 0.5
+# While registrations' notices arrive (storage.notify), the read they trigger is what keeps
+# up; this slow read besides only costs an idle process CPU.
+IDLE_FOLLOW_SECONDS = 30.0
 FOLLOW_OVERLAP = 5.0
 FOLLOW_BATCH = 10_000
 
