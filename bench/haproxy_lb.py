@@ -17,19 +17,27 @@ import time
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy" / "haproxy.cfg"
-BACKEND = "tracetap"
+BACKEND = "tracetap"  # model calls
+ADMIN_BACKEND = "tracetap_admin"  # /tracetap/* and /metrics, its own health check
+BACKENDS = (BACKEND, ADMIN_BACKEND)
 SERVER_LINE = re.compile(r"^\s*server\s.*\n", re.M)
+SECTION = re.compile(r"^(?=\S)", re.M)  # a section starts at an unindented line
 
 
 def render(servers: dict[str, str], config: str | None = None) -> str:
-    """The shipped config with ``servers`` (name -> host:port) as the backend's servers."""
+    """The shipped config with ``servers`` (name -> host:port) as each backend's servers."""
     text = CONFIG.read_text() if config is None else config
     lines = "".join(f"    server {name} {addr}\n" for name, addr in servers.items())
-    without = SERVER_LINE.sub("", text)
-    head, sep, tail = without.partition(f"backend {BACKEND}\n")
-    assert sep, f"the config lost its 'backend {BACKEND}' section"
-    # Servers go last in the backend section (the file ends with it).
-    return head + sep + tail.rstrip("\n") + "\n" + lines
+    sections = SECTION.split(SERVER_LINE.sub("", text))
+    found = set()
+    for i, section in enumerate(sections):
+        name = section.split("\n", 1)[0].split()
+        if name[:1] == ["backend"] and name[1] in BACKENDS:
+            found.add(name[1])
+            # Servers go last in the backend section.
+            sections[i] = section.rstrip("\n") + "\n" + lines + "\n"
+    assert found == set(BACKENDS), f"the config lost a backend: has {found}"
+    return "".join(sections)
 
 
 def free_port() -> int:
@@ -47,6 +55,8 @@ class HAProxy:
         self.socket = workdir / "haproxy.sock"
         self.config = workdir / "haproxy.cfg"
         self.config.write_text(render(servers))
+        # The errorfiles, where the config (default-path config) looks for them.
+        shutil.copytree(CONFIG.parent / "errors", workdir / "errors", dirs_exist_ok=True)
         self.log = workdir / "haproxy.log"
         self.env = {**os.environ, "HAPROXY_BIND": f"127.0.0.1:{self.port}",
                     "HAPROXY_STATS_SOCKET": str(self.socket)}
@@ -78,27 +88,30 @@ class HAProxy:
                 chunks.append(chunk)
         return b"".join(chunks).decode()
 
-    def states(self) -> dict[str, str]:
-        """Server name -> HAProxy's status (UP, DOWN, MAINT, ...)."""
+    def states(self, backend: str = BACKEND) -> dict[str, str]:
+        """Server name -> HAProxy's status (UP, DOWN, MAINT, ...) in ``backend``."""
         rows = self.command("show stat").splitlines()
         header = rows[0].lstrip("# ").split(",")
         found = {}
         for row in rows[1:]:
             fields = dict(zip(header, row.split(","), strict=False))
-            if fields.get("pxname") == BACKEND and fields.get("svname") not in (
+            if fields.get("pxname") == backend and fields.get("svname") not in (
                     "BACKEND", "FRONTEND", None):
                 found[fields["svname"]] = fields["status"]
         return found
 
-    def up(self) -> list[str]:
-        return sorted(name for name, status in self.states().items() if status.startswith("UP"))
+    def up(self, backend: str = BACKEND) -> list[str]:
+        return sorted(name for name, status in self.states(backend).items()
+                      if status.startswith("UP"))
 
     def add_server(self, name: str, addr: str) -> None:
-        """A new replica joins the ring at runtime (no reload), health-checked like the rest."""
-        for line in (f"add server {BACKEND}/{name} {addr} check inter 1s fall 1 rise 2",
-                     f"enable health {BACKEND}/{name}", f"enable server {BACKEND}/{name}"):
-            answer = self.command(line)
-            assert "rror" not in answer and "nknown" not in answer, (line, answer)
+        """A new replica joins both backends at runtime (no reload), health-checked like the
+        rest (each backend's own check)."""
+        for backend in BACKENDS:
+            for line in (f"add server {backend}/{name} {addr} check inter 1s fall 1 rise 2",
+                         f"enable health {backend}/{name}", f"enable server {backend}/{name}"):
+                answer = self.command(line)
+                assert "rror" not in answer and "nknown" not in answer, (line, answer)
 
     def wait_until(self, condition, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -1,7 +1,7 @@
 """The ``controls`` table: shared switches (pause, policy version) and process heartbeats.
 
-Read by every proxy process every few hundred milliseconds, written by admin calls; never
-on the model-call path.
+Read by every proxy process when a change notice comes (``storage.notify``) and every few
+seconds besides, written by admin calls; never on the model-call path.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.notify import CONTROLS, send
 from tracetap.storage.rows import dialect_insert
 from tracetap.storage.tables import Control
 
@@ -18,7 +19,8 @@ HEARTBEAT = "worker:"
 
 
 async def store(engine: AsyncEngine, name: str, value: str | None) -> int:
-    """Set one control; returns its new serial (one more than the last, per row)."""
+    """Set one control; returns its new serial (one more than the last, per row). Every
+    process is notified of the change (heartbeats are ``beat``'s)."""
     insert = dialect_insert(engine.dialect.name, Control.__table__)
     now = time.time()
     statement = insert.values(name=name, value=value, serial=1, updated_at=now)
@@ -28,9 +30,22 @@ async def store(engine: AsyncEngine, name: str, value: str | None) -> int:
     )
     async with engine.begin() as conn:
         await conn.execute(statement)
+        await send(conn, CONTROLS)
         # In the same transaction: the row is locked (Postgres) or the database is
         # (SQLite), so this is the serial of our own write.
         return (await conn.execute(select(Control.serial).where(Control.name == name))).scalar_one()
+
+
+async def beat(engine: AsyncEngine, instance: str, value: str) -> None:
+    """Write this process's heartbeat: one statement (nobody reads a heartbeat's serial,
+    and it sends no notice: only the pauser reads heartbeats)."""
+    insert = dialect_insert(engine.dialect.name, Control.__table__)
+    now = time.time()
+    statement = insert.values(name=HEARTBEAT + instance, value=value, serial=1, updated_at=now)
+    statement = statement.on_conflict_do_update(index_elements=[Control.name],
+                                                set_={"value": value, "updated_at": now})
+    async with engine.begin() as conn:
+        await conn.execute(statement)
 
 
 async def read(engine: AsyncEngine, names: tuple[str, ...]) -> dict[str, tuple[str | None, int]]:

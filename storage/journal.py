@@ -4,6 +4,9 @@ Records are framed (length, crc32, payload) into segment files. The writer seals
 active segment, writes it to the database, and deletes it only after the commit; a
 segment left over from a crash or an outage is replayed. A torn last frame (SIGKILL
 mid-write) fails its checksum and is ignored: that record never reached the client.
+Reading stops at the first frame that is not whole; that is only worth a warning when
+records of the segment follow it (damage in the middle). A segment its process never
+sealed (SIGKILL, OOM) normally ends that way, and says so at info level.
 
 A committed segment's file is kept (two at most) and written over by a later segment:
 appending to a new file makes the kernel find a fresh page for every 4 KiB, which
@@ -144,10 +147,36 @@ def read_segment(segment: Path) -> Iterator[bytes]:
         start = offset + _HEADER.size
         payload = data[start : start + length]
         if len(payload) < length or zlib.crc32(payload, seed) != crc:
-            log.warning("journal %s: torn record at byte %d ignored", segment.name, offset)
+            _stopped(segment.name, data, offset, seed)
             return
         yield payload
         offset = start + length
+
+
+def _stopped(name: str, data: bytes, offset: int, seed: int) -> None:
+    """Say why reading stopped at ``offset``: damage in the middle (the segment's end
+    marker, or an intact frame of this segment, comes later) is a warning; the tail of a
+    segment whose process was killed before sealing it (a write cut short, or the leftover
+    of the file's earlier use, whose frames fail this segment's seed) is expected."""
+    sealed = data.find(_HEADER.pack(_END, seed), offset + _HEADER.size) != -1
+    if sealed or _intact_after(data, offset, seed):
+        log.warning("journal %s: damaged record at byte %d; the records after it are not "
+                    "read", name, offset)
+    else:
+        log.info("journal %s: its process stopped before sealing it; the %d bytes after "
+                 "its last whole record (byte %d) are no record of it and are ignored",
+                 name, len(data) - offset, offset)
+
+
+def _intact_after(data: bytes, offset: int, seed: int) -> bool:
+    """Whether a frame of this segment starts where the damaged one says it ends."""
+    length, _ = _HEADER.unpack_from(data, offset)
+    after = offset + _HEADER.size + length
+    if after + _HEADER.size > len(data):
+        return False
+    length, crc = _HEADER.unpack_from(data, after)
+    payload = data[after + _HEADER.size : after + _HEADER.size + length]
+    return len(payload) == length and zlib.crc32(payload, seed) == crc
 
 
 def adopt(orphan: Path, into: Path) -> int:

@@ -13,6 +13,7 @@ from tracetap.storage.budget_ledger import Limits, open_budget
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.dedup import BODIES
 from tracetap.storage.inflate import IDS, TEXT, resolve
+from tracetap.storage.notify import EPISODES, FINISHED, send
 from tracetap.storage.rows import insert_ignoring_duplicates
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -80,6 +81,7 @@ async def create_episode(
             raise EpisodeExists(episode_id)
         if budget is not None:
             await open_budget(conn, episode_id, budget, time.time(), registered=True)
+        await send(conn, EPISODES)  # other processes learn of it at once (proxy.episodes.tagging)
 
 
 class Finished(msgspec.Struct, frozen=True):
@@ -125,6 +127,7 @@ async def finish_episode(
         await conn.execute(update(Episode).where(Episode.id == episode_id).values(
             finished_at=time.time(), finish_seq=seq + 1, reward=reward,
             rewards=_dumps(rewards), outcome=outcome, info=_dumps(info)))
+        await send(conn, FINISHED)  # every process refuses its key at once (tagging)
         return Finished(changed=True, finish_seq=seq + 1)
 
 

@@ -83,8 +83,12 @@ class Writer:
             p: None for p in journal.recovered()
         }
         self._failed: set[Path] = set(self._cache)
-        self._recovered: set[Path] = set(self._cache)  # left by a previous process
-        self._wake = asyncio.Event()
+        # Segments a previous process left, until written: then one line says how many
+        # records they held (after a SIGKILL, what it had answered but not yet stored).
+        self._recovered: set[Path] = set(self._cache)
+        self._replayed = 0
+        self._wake = asyncio.Event()  # flush now: a full batch, or close
+        self._work = asyncio.Event()  # something to write: the idle loop wakes
         self._flushing = asyncio.Lock()  # the background loop and drain/tests may both flush
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -138,6 +142,7 @@ class Writer:
         self._active.append(record)
         self._pending_count += 1
         self._fresh += 1
+        self._work.set()
         if self.journal.active_full:
             self._seal()
         # A transaction per record would cost more CPU than the request itself: wake the
@@ -169,6 +174,10 @@ class Writer:
 
     def start(self) -> None:
         blocks.codec()  # the block codec (pyarrow) loaded now, not inside the first write
+        if self._recovered:
+            log.info("journal: %d segments (%d bytes) left by the previous process; "
+                     "writing them to the database", len(self._recovered),
+                     self.journal.recovered_bytes)
         self._task = asyncio.create_task(self._run(), name="tracetap-writer")
 
     async def close(self, timeout: float = 30.0) -> None:
@@ -177,6 +186,7 @@ class Writer:
         # leave the driver's connection wedged, and the batch would be rewritten anyway.
         self._closing = True
         self._wake.set()
+        self._work.set()
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
@@ -202,6 +212,7 @@ class Writer:
     async def _run(self) -> None:
         backoff = 0.2
         while not self._closing:
+            await self._idle()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval)
             except asyncio.TimeoutError:
@@ -228,6 +239,13 @@ class Writer:
             self.db_healthy = True
             backoff = 0.2
 
+    async def _idle(self) -> None:
+        """Sleep while nothing waits to be written: an idle proxy that woke every flush
+        interval to find nothing spent more CPU on that than on anything else."""
+        self._work.clear()
+        if self._pending_count == 0 and not self.journal.pending() and not self._closing:
+            await self._work.wait()
+
     def _seal(self) -> None:
         segment = self.journal.seal()
         if segment is None:
@@ -247,6 +265,7 @@ class Writer:
         records = self._cache.get(segment)
         if records is None:
             records = self._read(segment)
+        read = len(records)
         held = await self._prepare(records, hold=True)
         if held:
             ids = {id(r) for r in held}
@@ -272,11 +291,20 @@ class Writer:
         self.observer.records("replayed" if replayed else "written",
                               len(records) - len(outcome.refused) - tombstones(records))
         self._failed.discard(segment)
-        self._recovered.discard(segment)
         self._cache.pop(segment, None)
         self.journal.remove(segment)
         self._pending_count = max(0, self._pending_count - len(records))
         self._held.difference_update(r.call_id for r in records)
+        self._replayed_from(segment, read)
+
+    def _replayed_from(self, segment: Path, records: int) -> None:
+        if segment not in self._recovered:
+            return
+        self._recovered.discard(segment)
+        self._replayed += records
+        if not self._recovered:
+            log.info("journal: replayed %d records left by the previous process",
+                     self._replayed)
 
     def _read(self, segment: Path) -> list[CallRecord]:
         before = self.quarantine.overflow

@@ -202,3 +202,17 @@ def test_replicas_bench_measures_every_size_and_the_database_load(postgres):
     for target in ("direct", "replica-1-direct", "haproxy-1", "haproxy-2", "haproxy-4"):
         assert re.search(rf"^\| {target} \|", out, re.M), out
     assert re.search(r"rows inserted per 1,000 calls: [1-9]", out), out
+
+
+def test_replica_cpu_bench_prints_every_figure_for_the_replica_and_haproxy(postgres):
+    if (shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists()
+            and not os.environ.get("CI")):
+        pytest.skip("haproxy not installed (apt-get install haproxy; .ci/run does)")
+    out = run("replica_cpu.py", "--idle-seconds", "1", "--calls", "40", "--concurrency", "4",
+              "--json")
+    for who in ("replica", "haproxy"):
+        assert re.search(rf"^\| {who} \|( [^|]+ \|){{5}}$", out, re.M), out
+    figures = json.loads(out[out.index("{"):])
+    assert figures["call"]["replica"] > 0 and figures["stream_long"]["replica"] > 0
+    assert set(figures["idle_checked"]) == {"replica", "haproxy"}
+

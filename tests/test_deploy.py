@@ -193,7 +193,9 @@ def test_replicas_profile_puts_haproxy_in_front_of_every_replica(compose):
     services = compose["services"]
     cfg = (REPO / "deploy" / "haproxy" / "haproxy.cfg").read_text()
     servers = re.findall(r"^\s*server\s+(\S+)\s+(\S+)", cfg, re.M)
-    targets = [addr.rsplit(":", 1) for _, addr in servers]
+    # Both backends (model calls, admin API) list the same replicas under the same names.
+    assert len(servers) == 2 * len(set(servers))
+    targets = [addr.rsplit(":", 1) for _, addr in set(servers)]
     # Every server line names a compose service on the proxy's port, and every replica is one.
     replicas = [name for name, svc in services.items()
                 if svc.get("command") == ["serve"]]
@@ -209,8 +211,7 @@ def test_replicas_profile_puts_haproxy_in_front_of_every_replica(compose):
     assert len(set(data)) == len(replicas)
     haproxy = services["haproxy"]
     assert haproxy["profiles"] == ["replicas"] == services["tracetap-2"]["profiles"]
-    assert ("./deploy/haproxy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro"
-            in haproxy["volumes"])
+    assert "./deploy/haproxy:/usr/local/etc/haproxy:ro" in haproxy["volumes"]
     assert haproxy["environment"]["HAPROXY_BIND"] == ":8090"
     assert haproxy["ports"] == ["8090:8090"]
 
@@ -221,6 +222,7 @@ def test_haproxy_routes_by_episode_with_consistent_hashing_and_readyz_checks():
     assert "balance hash var(txn.episode)" in lines
     assert "hash-type consistent" in lines
     assert "option httpchk GET /readyz" in lines
+    assert "option httpchk GET /readyz/admin" in lines  # the admin backend's own check
     # The episode's sources in tracetap's own order: path, key, header.
     sources = [line for line in lines if line.startswith("http-request set-var(txn.episode)")]
     assert [s.split()[2] for s in sources] == [

@@ -68,6 +68,12 @@ def test_sigkill_then_restart_recovers_every_completed_call(engine, db_url, run_
     assert len(contents) == len(set(contents)), "a call was stored twice"
     missing = {f"call-{i}" for i in completed} - set(contents)
     assert not missing, f"completed calls lost: {sorted(missing)}"
+    # A kill is expected: the journal's cut tail is no warning, and the start says what it
+    # replayed (when the kill left records behind).
+    log = restarted.log.read_text()
+    assert "WARNING tracetap.journal" not in log, log
+    if "left by the previous process; writing them" in log:
+        assert re.search(r"journal: replayed \d+ records left by the previous process", log)
 
 
 def test_sigterm_drains_streams_in_flight_and_exits_zero(engine, fresh_postgres, run_proxy):

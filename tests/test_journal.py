@@ -49,22 +49,54 @@ def test_records_come_back_in_order_from_a_private_segment(tmp_path):
     assert journal.pending() == [] and journal.bytes == 0 and not segment.exists()
 
 
-def test_a_torn_last_record_is_ignored_and_said_where(tmp_path, caplog):
+def test_a_torn_last_record_is_ignored_and_said_where_without_a_warning(tmp_path, caplog):
     segment = _crashed(tmp_path)
     segment.write_bytes(segment.read_bytes()[:-3])  # SIGKILL in the middle of the last write
-    with caplog.at_level(logging.WARNING, logger="tracetap.journal"):
+    with caplog.at_level(logging.INFO, logger="tracetap.journal"):
         assert list(read_segment(segment)) == PAYLOADS[:-1]
     offset = FILE_HEADER + _size(PAYLOADS[:-1])
-    assert [r.getMessage() for r in caplog.records] == [
-        f"journal {segment.name}: torn record at byte {offset} ignored"]
+    # Expected after a kill: said at info level, where it stopped.
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(
+        logging.INFO, f"journal {segment.name}: its process stopped before sealing it; "
+        f"the {FRAME + len(PAYLOADS[-1]) - 3} bytes after its last whole record "
+        f"(byte {offset}) are no record of it and are ignored")]
 
 
-def test_a_corrupt_record_ends_the_segment_there(tmp_path):
+def test_a_killed_process_over_a_reused_file_leaves_no_warning(tmp_path, caplog):
+    """The active segment written over a committed one's file: after a SIGKILL the old
+    frames follow the new ones; they are no torn record."""
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20)
+    for payload in PAYLOADS * 3:
+        journal.append(payload)
+    journal.remove(journal.seal())
+    journal.append(b"new")  # killed here: never sealed
+    with caplog.at_level(logging.INFO, logger="tracetap.journal"):
+        (segment,) = Journal(tmp_path / "j", 1 << 20).recovered()
+        assert list(read_segment(segment)) == [b"new"]
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+
+
+def test_a_corrupt_record_ends_the_segment_there_with_a_warning(tmp_path, caplog):
     _, segment = _sealed(tmp_path)
     data = bytearray(segment.read_bytes())
-    data[FILE_HEADER + _size(PAYLOADS[:2]) + FRAME + 500] ^= 0xFF  # bit rot in the 3rd payload
+    offset = FILE_HEADER + _size(PAYLOADS[:2])
+    data[offset + FRAME + 500] ^= 0xFF  # bit rot in the 3rd payload
     segment.write_bytes(bytes(data))
-    assert list(read_segment(segment)) == PAYLOADS[:2]
+    with caplog.at_level(logging.INFO, logger="tracetap.journal"):
+        assert list(read_segment(segment)) == PAYLOADS[:2]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(
+        logging.WARNING, f"journal {segment.name}: damaged record at byte {offset}; the "
+        "records after it are not read")]
+
+
+def test_damage_in_the_middle_of_a_killed_process_segment_is_a_warning(tmp_path, caplog):
+    segment = _crashed(tmp_path)  # never sealed: no end marker to find
+    data = bytearray(segment.read_bytes())
+    data[FILE_HEADER + FRAME] ^= 0xFF  # the first payload; intact records follow
+    segment.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="tracetap.journal"):
+        assert list(read_segment(segment)) == []
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
 def test_an_empty_last_record_is_read(tmp_path):

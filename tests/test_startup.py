@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from helpers.loop import free_port
 
 
@@ -79,3 +80,27 @@ def test_the_command_reference_is_up_to_date():
     written = (Path(__file__).parent.parent / "docs" / "reference.md").read_text()
     assert written == render(build_parser()), (
         "docs/reference.md is stale: python -m tracetap.reference > docs/reference.md")
+
+
+@pytest.mark.parametrize("given", ["flag", "variable", "file flag", "file variable", "none"])
+def test_the_start_up_line_names_where_the_admin_token_came_from(given, engine, run_proxy,
+                                                                  tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("t" * 40 + "\n")
+    extra, env = {
+        "flag": (("--admin-token", "f" * 40), {}),
+        "variable": ((), {"TRACETAP_ADMIN_TOKEN": "v" * 40}),
+        "file flag": (("--admin-token-file", str(token_file)), {}),
+        "file variable": ((), {"TRACETAP_ADMIN_TOKEN_FILE": str(token_file)}),
+        "none": ((), {}),
+    }[given]
+    proxy = run_proxy(engine.url, f"sqlite:///{tmp_path / 't.db'}", *extra,
+                      env={"TRACETAP_ADMIN_TOKEN": "", "TRACETAP_ADMIN_TOKEN_FILE": "", **env})
+    (line,) = [x for x in proxy.log.read_text().splitlines() if "listening on" in x]
+    assert line.endswith({
+        "flag": "admin token from --admin-token",
+        "variable": "admin token from TRACETAP_ADMIN_TOKEN",
+        "file flag": f"admin token from the file {token_file} (--admin-token-file)",
+        "file variable": f"admin token from the file {token_file} (TRACETAP_ADMIN_TOKEN_FILE)",
+        "none": f"admin token in {tmp_path / 'data' / 'admin-token'}",
+    }[given]), line

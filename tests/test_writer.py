@@ -151,6 +151,31 @@ def test_a_segment_cut_mid_record_still_replays_every_earlier_record(db_url, tmp
     assert list((tmp_path / "j").glob("*.seg")) == []
 
 
+def test_a_restart_after_a_kill_says_what_it_replayed_and_warns_of_nothing(db_url, tmp_path,
+                                                                          caplog):
+    async def run():
+        engine = create_engine(db_url)
+        killed = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20))
+        for i in range(3):
+            killed.submit(_record("killed", i))
+        segment = tmp_path / "j" / "000000000001.seg"  # active when the process dies
+        segment.write_bytes(segment.read_bytes()[:-5])  # SIGKILL inside the third write
+        restarted = Writer(engine, Journal(tmp_path / "j", max_bytes=1 << 20))
+        restarted.start()
+        await restarted.flush()
+        await restarted.close()
+        await engine.dispose()
+
+    with caplog.at_level(logging.INFO, logger="tracetap"):
+        asyncio.run(run())
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.name in ("tracetap.writer", "tracetap.journal")]
+    assert all(level == logging.INFO for level, _ in said), said
+    messages = [m for _, m in said]
+    assert messages[0].startswith("journal: 1 segments (")
+    assert "journal: replayed 2 records left by the previous process" in messages
+
+
 @pytest.fixture
 def forwarder(loop_thread) -> Forwarder:
     """Postgres behind a TCP forwarder the test can cut (an outage) and restore."""

@@ -337,8 +337,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when an upstream answers and the process is not draining; the journal backlog
-    is reported, the DB is not asked."""
+    """Ready for model calls: an upstream answers and the process is not draining; the
+    journal backlog is reported, the DB is not asked. The admin API's readiness is
+    ``admin_readyz`` (``/readyz/admin``)."""
     state = request.app[STATE]
     await state.pool.check_health()
     upstreams = state.pool.describe()
@@ -351,6 +352,18 @@ async def readyz(request: web.Request) -> web.Response:
         "journal": {"bytes": state.writer.journal.bytes, "pending_records": state.writer.pending},
         "database_writes_ok": state.writer.db_healthy,
     }
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def admin_readyz(request: web.Request) -> web.Response:
+    """Ready for the admin API: the process serves and is not draining. Neither the engine
+    nor the database is asked: registering, finishing, pausing and resuming go on while
+    the engine is down (a weight sync restarts it), and a database outage is answered by
+    each admin call with its own 503 in the API's shape, not by a load balancer's page."""
+    state = request.app[STATE]
+    ready = not state.draining
+    body = {"ready": ready, "draining": state.draining, "paused": state.gate.paused,
+            "database_writes_ok": state.writer.db_healthy}
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -44,6 +44,9 @@ OUTAGE_LOG_SECONDS = 60.0
 # and how far back it reads again each time (commit delays, clocks of replicas that
 # disagree by less than that).
 FOLLOW_SECONDS = 0.5
+# While registrations' notices arrive (storage.notify), the read they trigger is what keeps
+# up; this slow read besides only costs an idle process CPU.
+IDLE_FOLLOW_SECONDS = 30.0
 FOLLOW_OVERLAP = 5.0
 FOLLOW_BATCH = 10_000
 
@@ -241,9 +244,11 @@ class Tagger:
         return False
 
     async def follow(self, registered_since: Callable[[float], Awaitable[list]],
-                     clock=time.time) -> None:
+                     clock=time.time,
+                     wait: Callable[[], Awaitable[None]] | None = None) -> None:
         """Keep up with registrations made by any process (runs for the app's life): an id
-        registered elsewhere is known here within FOLLOW_SECONDS, so ids found unregistered
+        registered elsewhere is known here within FOLLOW_SECONDS (or as soon as ``wait``
+        returns: the registration's notice, storage.notify), so ids found unregistered
         need not be asked about again. While the database cannot answer, misses fall back
         to MISS_SECONDS; once it answers, the registrations made meanwhile are read."""
         watermark = clock()
@@ -265,13 +270,18 @@ class Tagger:
                                 "are asked about again every %gs meanwhile", exc, MISS_SECONDS)
                 self.following = False
                 self._forget_misses()
-            await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
+            if wait is None:
+                await asyncio.sleep(FOLLOW_SECONDS)  # polling: no notices to wait on
+            else:
+                await wait()
 
     async def follow_finished(self, finished_since: Callable[[float], Awaitable[list]],
-                              clock=time.time) -> None:
+                              clock=time.time,
+                              wait: Callable[[], Awaitable[None]] | None = None) -> None:
         """Keep up with finishes made by any process (runs for the app's life): a
-        finished episode's key is refused here within FOLLOW_SECONDS. A database that
-        cannot answer is asked again at the next tick, from the same watermark."""
+        finished episode's key is refused here within FOLLOW_SECONDS (or as soon as
+        ``wait`` returns: the finish's notice, storage.notify). A database that cannot
+        answer is asked again at the next tick, from the same watermark."""
         watermark = clock()
         while True:
             try:
@@ -280,7 +290,10 @@ class Tagger:
                     watermark = max(watermark, finished_at)
             except Exception as exc:  # the database cannot answer: next tick
                 log.debug("cannot follow episode finishes: %s", exc)
-            await asyncio.sleep(FOLLOW_SECONDS)  # polling: the database sends no events
+            if wait is None:
+                await asyncio.sleep(FOLLOW_SECONDS)  # polling: no notices to wait on
+            else:
+                await wait()
 
     def _forget_misses(self) -> None:
         """Misses believed while following are no longer safe to believe."""

@@ -1,11 +1,14 @@
 """Pause and policy version, shared by every proxy process on one database.
 
 An admin call stores the change (``storage.controls``), applies it in its own process at
-once, and returns; every other process (``--workers``, replicas) reads the table every
-POLL_SECONDS in the background and applies what changed, so a change reaches them within
-about POLL_SECONDS plus one query. Both survive a restart: a process starts with what the
-table says. Each process also writes a heartbeat (whether it holds the pause, how many
-calls it has in flight), which is how a pause waits for every process to drain.
+once, and returns; every other process (``--workers``, replicas) reads the table when the
+change's notice arrives (``storage.notify``: Postgres) and applies what changed, so a change
+reaches them within a query's time. They read it every IDLE_POLL_SECONDS besides (a lost
+notice), and every POLL_SECONDS while no notices come (SQLite, a lost listening connection)
+or while paused (the heartbeat then reports each process's calls in flight). Both survive a
+restart: a process starts with what the table says. Each process also writes a heartbeat
+(whether it holds the pause, how many calls it has in flight), which is how a pause waits
+for every process to drain.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.policy.gate import Gate
 from tracetap.storage import controls as table
+from tracetap.storage.notify import CONTROLS, Notices
 
 log = logging.getLogger("tracetap")
 
@@ -28,8 +32,11 @@ POLICY = "policy_version"
 PAUSED = "paused"
 ABORT = "abort"  # the paused row's value for a pause that cuts calls in flight
 POLL_SECONDS = 0.2
-HEARTBEAT_SECONDS = 1.0
-LIVE_SECONDS = 5.0  # a process whose heartbeat is older is taken for gone
+IDLE_POLL_SECONDS = 5.0  # while notices arrive and nothing is paused
+# A running process's heartbeat only says it is alive (a pause waits for the live ones):
+# each one is a database write, the largest part of an idle process's CPU at 1 s.
+HEARTBEAT_SECONDS = 4.0
+LIVE_SECONDS = 12.0  # a process whose heartbeat is older is taken for gone
 FORGET_SECONDS = 60.0
 
 
@@ -45,8 +52,10 @@ class Controls:
         gate: Gate,
         instance: str,
         on_pause: Callable[[bool], None] = lambda paused: None,
+        notices: Notices | None = None,
     ):
         self.engine = engine
+        self.notices = notices or Notices(engine)
         self.gate = gate
         self.instance = instance
         self.on_pause = on_pause
@@ -89,9 +98,7 @@ class Controls:
             beat = Heartbeat(
                 self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
             )
-            await table.store(
-                self.engine, table.HEARTBEAT + self.instance, msgspec.json.encode(beat).decode()
-            )
+            await table.beat(self.engine, self.instance, msgspec.json.encode(beat).decode())
 
     async def set_policy(self, version: str) -> None:
         self._apply(POLICY, version, await table.store(self.engine, POLICY, version))
@@ -139,7 +146,8 @@ class Controls:
                 if not self._failing:
                     log.warning("cannot read the shared controls (pause, policy version): %s", exc)
                 self._failing = True
-            await asyncio.sleep(POLL_SECONDS)
+            await self.notices.wait(CONTROLS, POLL_SECONDS,
+                                    POLL_SECONDS if self.gate.paused else IDLE_POLL_SECONDS)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # stale heartbeats are ignored anyway

@@ -33,9 +33,6 @@ from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 from tracetap.proxy.tokens.resolve import TokenResolver
 from tracetap.proxy.upstream.flavor import Flavor
 from tracetap.proxy.upstream.pool import Pool
-from tracetap.proxy.episodes.repair import Repair
-from tracetap.proxy.apis.routing import Routing
-from tracetap.proxy.episodes.tagging import Tagger
 from tracetap.storage.intents import Intents, NoIntents
 from tracetap.storage.records import CallRecord
 from tracetap.storage.writer import Writer

@@ -14,6 +14,7 @@ from tracetap.proxy.admin import api as admin
 from tracetap.proxy.admin import overlays as admin_overlays
 from tracetap.proxy.admin.ui import mount_viewer
 from tracetap.proxy.call import handlers
+from tracetap.proxy.episodes import tagging
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.runtime.keys import STATE
 from tracetap.proxy.runtime.settings import Settings, Worker
@@ -21,6 +22,7 @@ from tracetap.proxy.runtime.state import ProxyState
 from tracetap.proxy.server.compose import compose_state
 from tracetap.proxy.upstream import flavor
 from tracetap.storage import queries
+from tracetap.storage.notify import EPISODES, FINISHED
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
@@ -59,7 +61,8 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_get("/tracetap/metrics", admin.admin_metrics)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)
-    r.add_get("/readyz", admin.readyz)
+    r.add_get("/readyz", admin.readyz)  # the model API's readiness (the engine answers)
+    r.add_get("/readyz/admin", admin.admin_readyz)  # the admin API's (never the engine)
     mount_viewer(app, settings)  # /tracetap/ui: before the agent routes' catch-all
     r.add_route("*", "/episodes/{episode}/v1/{tail:.*}", handlers.agent_request)
     r.add_route("*", "/episodes/{episode}", handlers.agent_request)
@@ -110,11 +113,19 @@ async def _lifecycle(app: web.Application):
 async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
     """The tasks that run beside the calls, started (the flavor asked first, if auto)."""
     pool, settings = state.pool, state.settings
-    background = [asyncio.create_task(_settle_previous(state)),
+    notices = state.controls.notices
+    # Registrations and finishes made elsewhere: read on their notice, or every
+    # FOLLOW_SECONDS while no notices come (storage.notify).
+    follow_wait, finished_wait = (
+        functools.partial(notices.wait, topic, tagging.FOLLOW_SECONDS,
+                          tagging.IDLE_FOLLOW_SECONDS) for topic in (EPISODES, FINISHED))
+    background = [asyncio.create_task(notices.run()),
+                  asyncio.create_task(_settle_previous(state)),
                   asyncio.create_task(state.controls.run()), asyncio.create_task(
-        state.tagger.follow(functools.partial(queries.registered_since, state.engine))),
+        state.tagger.follow(functools.partial(queries.registered_since, state.engine),
+                            wait=follow_wait)),
         asyncio.create_task(state.tagger.follow_finished(
-            functools.partial(queries.finished_since, state.engine))),
+            functools.partial(queries.finished_since, state.engine), wait=finished_wait)),
         asyncio.create_task(state.overlays.patches.follow())]  # patches installed elsewhere
     if is_worker:
         # Gauges mirrored from a worker's state are read from files by whichever worker is

@@ -15,6 +15,25 @@ from tracetap.proxy.runtime.settings import settings_from_args
 __all__ = ["add_arguments", "run"]
 
 
+def admin_token_note(args: argparse.Namespace, token: str | None) -> str | None:
+    """Where a given admin token came from, as the start-up line says it: its file (named
+    by flag or variable), the variable, or the flag (a flag's value wins over the
+    variable's, so a token equal to the variable's is the variable's); None when none
+    was given (then it is the data dir's file)."""
+    from tracetap.storage import config
+
+    path = getattr(args, "admin_token_file", None)
+    if path:
+        via = ("TRACETAP_ADMIN_TOKEN_FILE" if path == config.env("admin_token_file")
+               else "--admin-token-file")
+        return f"admin token from the file {path} ({via})"
+    if not token:
+        return None
+    if token == config.env("admin_token"):
+        return "admin token from TRACETAP_ADMIN_TOKEN"
+    return "admin token from --admin-token"
+
+
 def run(args: argparse.Namespace) -> int:
     from tracetap.migrations import prepare_schema
     from tracetap.proxy.admin.token import ensure_admin_token
@@ -25,10 +44,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_upstreams(settings.upstreams, settings.upstream_api_key)
     prepare_schema(settings.database_url)
-    if settings.admin_token:
-        token_note = "admin token from --admin-token"
-    else:
-        token_note = f"admin token in {ensure_admin_token(settings.data_dir)[1]}"
+    token_note = admin_token_note(args, settings.admin_token) or (
+        f"admin token in {ensure_admin_token(settings.data_dir)[1]}")
     if settings.workers > 1:
         from tracetap.proxy.server import workers
         return workers.supervise(settings, args.log_level, token_note)

@@ -1,0 +1,149 @@
+"""Change notices between proxy processes on one Postgres (LISTEN/NOTIFY).
+
+Every process follows what others change in the shared database: the controls (pause,
+policy version) and new registrations. Reading those tables every 200 ms, so that a pause
+reaches every replica that fast, kept an idle replica at ~2% of a core. Instead the
+transaction that changes a control or registers an episode sends a notice (``send``:
+``pg_notify``, delivered at its commit), each process keeps one pooled connection
+listening (``Notices.run``), and a notice wakes the follower of its topic at once. The
+followers still read the tables now and then (``Notices.wait``'s slow interval), so a
+notice lost with the listening connection costs seconds, not correctness; while nothing
+listens (the connection is down, or SQLite, which has no notices) they read at their
+fast interval, as before. Listening counts only once a notice of its own came back: behind
+a connection pooler in transaction mode (PgBouncer's default) LISTEN is accepted but no
+notice ever arrives, and the followers keep their fast interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+log = logging.getLogger("tracetap")
+
+CHANNEL = "tracetap_changes"
+CONTROLS = "controls"
+EPISODES = "episodes"
+FINISHED = "finished"  # an episode finished: its key takes no more calls anywhere
+TOPICS = (CONTROLS, EPISODES, FINISHED)
+RETRY_SECONDS = 2.0  # between attempts to listen again after the connection is lost
+CHECK_SECONDS = 60.0  # how often a quiet listening connection is asked whether it is alive
+PROBE_SECONDS = 5.0  # how long a notice of its own may take to come back
+_NOTIFY = text("SELECT pg_notify(:channel, :topic)")
+
+
+async def send(conn: AsyncConnection, topic: str) -> None:
+    """Notify every listening process of ``topic``, at the commit of ``conn``'s transaction
+    (Postgres; nothing on SQLite, whose followers poll)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(_NOTIFY, {"channel": CHANNEL, "topic": topic})
+
+
+class Notices:
+    """One listening connection per process and an event per topic."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.live = False  # a connection is listening: notices arrive
+        self._events = {topic: asyncio.Event() for topic in TOPICS}
+        self._failing = False
+        self._probe = f"probe:{id(self)}"  # a notice only this process waits for
+        self._probe_back = asyncio.Event()  # it came back, or PROBE_SECONDS passed
+        self._probe_arrived = False
+
+    async def wait(self, topic: str, fast: float, slow: float) -> None:
+        """Until a notice of ``topic`` arrives, or ``slow`` seconds pass (``fast`` while
+        nothing listens). Returns with the event cleared, so a notice that arrives while
+        the caller reads the table wakes its next wait at once."""
+        event = self._events[topic]
+        if not event.is_set():
+            # The timeout sets the event too (a timer, not wait_for: no task per wait).
+            timer = asyncio.get_running_loop().call_later(slow if self.live else fast,
+                                                          event.set)
+            try:
+                await event.wait()
+            finally:
+                timer.cancel()
+        event.clear()
+
+    def _wake_all(self) -> None:
+        """A change of ``live``: followers read the tables now (what changed while nobody
+        listened) and wait at the interval that now applies."""
+        for event in self._events.values():
+            event.set()
+
+    def _notice(self, _connection, _pid: int, _channel: str, payload: str) -> None:
+        if payload == self._probe:
+            self._probe_arrived = True
+            self._probe_back.set()
+        elif (event := self._events.get(payload)) is not None:
+            event.set()
+
+    async def run(self) -> None:
+        """Listen until cancelled, again after a lost connection (Postgres only)."""
+        if self.engine.dialect.name != "postgresql":
+            return
+        while True:
+            try:
+                await self._listen()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database is down: the followers poll meanwhile
+                if not self._failing:
+                    log.warning("cannot listen for change notices (%s); following the "
+                                "shared tables by polling until it can", exc)
+                self._failing = True
+            finally:
+                if self.live:
+                    self.live = False
+                    self._wake_all()
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with self.engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            wake = asyncio.Event()  # the connection ended, or it is time to ask
+            raw.add_termination_listener(lambda _c: wake.set())
+            await raw.add_listener(CHANNEL, self._notice)
+            try:
+                if self._failing:
+                    log.info("listening for change notices again")
+                self._failing = False
+                self.live = await self._notices_arrive()
+                self._wake_all()
+                while True:
+                    timer = loop.call_later(CHECK_SECONDS, wake.set)
+                    try:
+                        await wake.wait()
+                    finally:
+                        timer.cancel()
+                    wake.clear()
+                    if raw.is_closed():
+                        await conn.invalidate()  # not handed back to the pool
+                        return
+                    await raw.execute("SELECT 1")  # a dead peer shows only when asked
+            finally:
+                if not raw.is_closed():
+                    with contextlib.suppress(Exception):
+                        await raw.remove_listener(CHANNEL, self._notice)
+
+    async def _notices_arrive(self) -> bool:
+        """Send a notice of its own and wait for it to come back."""
+        self._probe_back.clear()
+        self._probe_arrived = False
+        async with self.engine.begin() as conn:
+            await send(conn, self._probe)
+        timer = asyncio.get_running_loop().call_later(PROBE_SECONDS, self._probe_back.set)
+        try:
+            await self._probe_back.wait()
+        finally:
+            timer.cancel()
+        if not self._probe_arrived:
+            log.warning("change notices do not arrive (LISTEN through a connection pooler "
+                        "in transaction mode?); following the shared tables by polling")
+        return self._probe_arrived

@@ -1,0 +1,91 @@
+"""Change notices (storage/notify.py) on a real Postgres: a notice wakes its topic's
+follower at once; where notices never come back (a pooler in transaction mode), or on
+SQLite, followers keep their fast interval."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tracetap.storage import notify
+from tracetap.storage.engine import create_engine
+from tracetap.storage.notify import CONTROLS, EPISODES, Notices, send
+
+
+async def _listening(notices: Notices, seconds: float = 10.0) -> asyncio.Task:
+    task = asyncio.create_task(notices.run())
+    deadline = time.monotonic() + seconds
+    while not notices.live:
+        assert time.monotonic() < deadline, "not listening"
+        await asyncio.sleep(0.02)  # polling the listener's state
+    return task
+
+
+async def _stop(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_notice_wakes_the_follower_of_its_topic_only(migrated_postgres):
+    async def run():
+        engine = create_engine(migrated_postgres)
+        notices = Notices(engine)
+        task = await _listening(notices)
+        try:
+            await notices.wait(CONTROLS, 0.01, 0.01)  # the wake of going live, consumed
+            await notices.wait(EPISODES, 0.01, 0.01)
+            async with engine.begin() as conn:
+                await send(conn, CONTROLS)
+            started = time.monotonic()
+            await notices.wait(CONTROLS, 30, 30)
+            woke = time.monotonic() - started
+            started = time.monotonic()
+            await notices.wait(EPISODES, 30, 0.3)  # no notice of its own: its slow timeout
+            slept = time.monotonic() - started
+        finally:
+            await _stop(task)
+            await engine.dispose()
+        return woke, slept
+
+    woke, slept = asyncio.run(run())
+    assert woke < 1.0
+    assert slept >= 0.29
+
+
+def test_notices_that_never_come_back_leave_the_followers_polling(migrated_postgres,
+                                                                  monkeypatch, caplog):
+    monkeypatch.setattr(notify, "PROBE_SECONDS", 0.3)
+
+    async def run():
+        engine = create_engine(migrated_postgres)
+        notices = Notices(engine)
+        notices._notice = lambda *args: None  # what LISTEN behind PgBouncer gets: nothing
+        task = asyncio.create_task(notices.run())
+        try:
+            await asyncio.sleep(1.5)
+            started = time.monotonic()
+            await notices.wait(CONTROLS, 0.05, 30)
+            return notices.live, time.monotonic() - started
+        finally:
+            await _stop(task)
+            await engine.dispose()
+
+    with caplog.at_level(logging.WARNING, logger="tracetap"):
+        live, waited = asyncio.run(run())
+    assert live is False and waited < 1.0  # the fast interval, not the slow one
+    assert any("change notices do not arrive" in r.getMessage() for r in caplog.records)
+
+
+def test_sqlite_has_no_notices_and_its_followers_poll(tmp_path):
+    async def run():
+        engine = create_engine(f"sqlite:///{tmp_path / 't.db'}")
+        notices = Notices(engine)
+        await notices.run()  # returns at once: nothing to listen to
+        started = time.monotonic()
+        await notices.wait(CONTROLS, 0.05, 30)
+        await engine.dispose()
+        return notices.live, time.monotonic() - started
+
+    live, waited = asyncio.run(run())
+    assert live is False and waited < 1.0
