@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import msgspec
+from sqlalchemy import column, table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -17,10 +18,13 @@ from tracetap.storage.dedup import BlockCache, packed_prompt, plan
 from tracetap.storage.policy_spans import encode_spans
 from tracetap.storage.records import CallRecord, has_prompt_ids
 from tracetap.storage.search_index import index_calls
-from tracetap.storage.tables import Block, Call, Choice, Episode
+from tracetap.storage.tables import Block, Call, Choice
 
 _json = msgspec.json.encode
-_EPISODE_NULLS = dict.fromkeys(c.name for c in Episode.__table__.columns)
+# An episode first seen through a call gets its id, first time and registered=False; every
+# other column is null, so they are left out of the INSERT (a journal replayed into a
+# database one migration behind this code still stores its calls).
+_EPISODE_STUB = table("episodes", column("id"), column("created_at"), column("registered"))
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
@@ -118,8 +122,7 @@ def episode_rows(records: list[CallRecord]) -> list[dict]:
         if record.episode_id is not None:
             t = first.get(record.episode_id)
             first[record.episode_id] = record.t_start if t is None else min(t, record.t_start)
-    # Every column given, so one INSERT shape serves both databases.
-    return [{**_EPISODE_NULLS, "id": eid, "created_at": t, "registered": False}
+    return [{"id": eid, "created_at": t, "registered": False}
             for eid, t in first.items()]
 
 
@@ -155,8 +158,8 @@ def _sqlite_inserts(table, rows: list[dict]) -> Iterator[tuple[str, list]]:
 
 # Postgres batches go straight to asyncpg's executemany: the same SQL SQLAlchemy would
 # send, at a third of the CPU (measured by bench/writer_bench.py).
-_TABLES = (Block, Episode, Call, Choice)
-_PG_INSERTS = [_postgres_insert(t.__table__) for t in _TABLES]
+_TABLES = (Block.__table__, _EPISODE_STUB, Call.__table__, Choice.__table__)
+_PG_INSERTS = [_postgres_insert(t) for t in _TABLES]
 _SQLITE_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
@@ -184,7 +187,7 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
         try:
             planned = await _plan(raw, dialect, records, cache)  # opens the transaction
             for table, rows in zip(_TABLES, await _off_loop(_batches, records, planned)):
-                for sql, params in _sqlite_inserts(table.__table__, rows):
+                for sql, params in _sqlite_inserts(table, rows):
                     await raw.execute(sql, params)
             if search_index:  # the viewer's search (0011, 0012)
                 await index_calls(raw, dialect, records)

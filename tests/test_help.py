@@ -111,7 +111,7 @@ def test_every_option_a_variable_sets_names_it_and_every_named_variable_sets_it(
 
 
 def test_the_variables_read_after_parsing_do_set_their_options(monkeypatch):
-    from tracetap.proxy.runtime.settings import settings_from_args
+    from tracetap.proxy.server.serve_flags import settings_from_args
 
     monkeypatch.setenv("TRACETAP_UPSTREAM", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("TRACETAP_ALLOW_PATH", "/health, /version")

@@ -184,7 +184,7 @@ def test_a_plain_request_is_forwarded_byte_for_byte_when_nothing_is_dropped(star
 
 
 def test_allow_request_field_flag_and_environment():
-    code = ("import argparse, sys; from tracetap.proxy.runtime import settings as s;"
+    code = ("import argparse, sys; from tracetap.proxy.server import serve_flags as s;"
             "p = argparse.ArgumentParser(); s.add_serve_arguments(p);"
             "print(s.settings_from_args(p.parse_args(sys.argv[1:])).allow_request_field)")
     env = {**os.environ, "TRACETAP_ALLOW_REQUEST_FIELD": "priority,cache_salt"}

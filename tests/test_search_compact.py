@@ -252,7 +252,7 @@ def test_the_index_turned_off_writes_no_rows(db_url):
 
 def test_the_setting_is_read_from_the_flag_and_the_variable(monkeypatch):
     from tracetap.cli import build_parser
-    from tracetap.proxy.runtime.settings import settings_from_args
+    from tracetap.proxy.server.serve_flags import settings_from_args
 
     monkeypatch.delenv("TRACETAP_SEARCH_INDEX", raising=False)
     serve = ["serve", "--upstream", "http://127.0.0.1:9/v1"]

@@ -28,6 +28,20 @@ def call_outcome(call: ModelCall, elapsed: float) -> CallOutcome:
         fields_dropped=call.request.fields_dropped, capture=call.capture)
 
 
+def _prompt(call: ModelCall) -> tuple[bytes | None, list[int] | None, str | None]:
+    """The prompt's ids as the record carries them: packed as decoded (chat streams: no
+    list of the prompt is made), the engine's list, or a completions request's own token
+    prompt; and where they came from when not from the engine."""
+    capture = call.capture
+    prompt_packed = getattr(capture, "prompt_packed", None)
+    if prompt_packed is not None:
+        return prompt_packed, None, None
+    if capture.prompt_ids is None and call.api.prompt_in_request:
+        ids = _token_prompt(call.request.payload.get("prompt"))
+        return None, ids, None if ids is None else "request"
+    return None, capture.prompt_ids, None
+
+
 def call_record(call: ModelCall) -> CallRecord:
     """The record storage keeps of ``call``, at its end: the reassembled response in the
     client's API, the engine's ids, the timings. Notes capture's errors on the call."""
@@ -51,13 +65,7 @@ def call_record(call: ModelCall) -> CallRecord:
     else:
         response = call.client_body
     prompt_tokens, completion_tokens = capture.tokens()
-    # Packed as decoded (chat streams): the record carries the bytes, no list of the prompt.
-    prompt_packed = getattr(capture, "prompt_packed", None)
-    prompt_ids = None if prompt_packed is not None else capture.prompt_ids
-    prompt_source = None
-    if prompt_ids is None and prompt_packed is None and call.api.prompt_in_request:
-        prompt_ids = _token_prompt(request.payload.get("prompt"))
-        prompt_source = None if prompt_ids is None else "request"
+    prompt_packed, prompt_ids, prompt_source = _prompt(call)
     model = capture.model or request.model
     return CallRecord(
         call_id=call.call_id,

@@ -3,7 +3,7 @@ composes its state, the listening sockets and their limits, workers on one port,
 heap kept between turns, and the `serve` and `db` commands.
 
 Owns: `app`, `compose`, `serve`, `workers`, `connections`, `heap`, `serve_command`,
-`db_command`.
+`serve_flags`, `db_command`.
 May import: `http`, `upstream`, `apis`, `tokens`, `episodes`, `policy`,
 `overlays`, `runtime`, `call`, `admin`.
 """

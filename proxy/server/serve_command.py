@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from tracetap.proxy.runtime.settings import add_serve_arguments as add_arguments
-from tracetap.proxy.runtime.settings import settings_from_args
+from tracetap.proxy.server.serve_flags import add_serve_arguments as add_arguments
+from tracetap.proxy.server.serve_flags import settings_from_args
 
 __all__ = ["add_arguments", "run"]
 
