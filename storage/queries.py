@@ -228,27 +228,21 @@ async def is_finished(engine: AsyncEngine, episode_id: str) -> bool:
 async def finished_since(engine: AsyncEngine, since: float,
                          limit: int = 10_000) -> list[tuple[str, float]]:
     """Episodes finished at or after ``since`` (wall clock), oldest first."""
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            select(Episode.id, Episode.finished_at)
-            .where(Episode.finished_at >= since)
-            .order_by(Episode.finished_at)
-            .limit(limit)
-        )
-        return [(r.id, r.finished_at) for r in rows]
+    return await _since(engine, Episode.finished_at, since, limit)
 
 
 async def registered_since(engine: AsyncEngine, since: float,
                            limit: int = 10_000) -> list[tuple[str, float]]:
     """Episodes registered at or after ``since`` (wall clock), oldest first."""
+    return await _since(engine, Episode.registered_at, since, limit)
+
+
+async def _since(engine: AsyncEngine, column, since: float,
+                 limit: int) -> list[tuple[str, float]]:
     async with engine.connect() as conn:
-        rows = await conn.execute(
-            select(Episode.id, Episode.registered_at)
-            .where(Episode.registered_at >= since)
-            .order_by(Episode.registered_at)
-            .limit(limit)
-        )
-        return [(r.id, r.registered_at) for r in rows]
+        rows = await conn.execute(select(Episode.id, column).where(column >= since)
+                                  .order_by(column).limit(limit))
+        return [(r[0], r[1]) for r in rows]
 
 
 async def calls_of(engine: AsyncEngine, episode_id: str | None) -> list[dict[str, Any]]:
