@@ -256,6 +256,12 @@ def test_servicemonitor_scrapes_every_replica_on_the_admin_port(docs):
     assert all(d["metadata"]["namespace"] == "tracetap" for d in docs.values())
 
 
+def _under_tmp(*paths: Path) -> list[str]:
+    """Read-only binds of those of ``paths`` under /tmp, which the sandbox replaces."""
+    return [arg for path in dict.fromkeys(paths) if path.is_relative_to("/tmp")
+            for arg in ("--ro-bind", str(path), str(path))]
+
+
 def test_the_proxy_runs_on_a_read_only_root_with_only_its_volumes_writable(
         engine, tmp_path):
     """What readOnlyRootFilesystem plus the two emptyDirs give it: the root read-only (here
@@ -271,6 +277,9 @@ def test_the_proxy_runs_on_a_read_only_root_with_only_its_volumes_writable(
                "--proc", "/proc",
                "--bind", str(tmp_path / "tmp"), "/tmp",
                "--bind", str(tmp_path / "data"), "/tmp/data",
+               # A checkout (and its venv) under /tmp stays visible, read-only, as the
+               # image's installed code is.
+               *_under_tmp(Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()),
                sys.executable, "-m", "tracetap", "serve", "--upstream", engine.url,
                "--db", "sqlite:////tmp/data/tracetap.db", "--data-dir", "/tmp/data",
                "--port", str(port), "--admin-token", "r" * 40]
@@ -289,8 +298,8 @@ def test_the_proxy_runs_on_a_read_only_root_with_only_its_volumes_writable(
     finally:
         # To tracetap itself: bubblewrap does not pass signals on (it exits with the
         # status of the process it runs).
-        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text()
-        for pid in children.split():
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+        for pid in (children.read_text().split() if process.poll() is None else ()):
             os.kill(int(pid), signal.SIGTERM)
         assert process.wait(30) == 0, log.read_text()
     assert (tmp_path / "data" / "tracetap.db").stat().st_size > 0
