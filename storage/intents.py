@@ -201,10 +201,11 @@ class Intents:
     async def _run(self) -> None:
         backoff = 0.2
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.heartbeat)
-            except asyncio.TimeoutError:
-                pass
+            # Asleep only while nothing is queued: intents queued during a flush are the
+            # next batch's at once (admit wakes the writer only when the queue was empty).
+            if not self._queue:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.heartbeat)
             self._wake.clear()
             if self._queue and not self._hurry.is_set():  # calls in flight: gather theirs
                 with contextlib.suppress(asyncio.TimeoutError):

@@ -97,3 +97,35 @@ def test_an_adopted_journal_settles_its_replica(db_url, tmp_path):
         ("cut-call", "ep", "record_lost")]
     assert state == CLOSED
     assert not (into / "adopted").exists() and not (orphan / "replica").exists()
+
+
+def test_intents_queued_during_a_flush_are_the_next_batch_at_once(db_url, tmp_path):
+    """The writer sleeps only while nothing is queued: a call admitted while the previous
+    batch is being written (admit wakes the writer only when the queue was empty) is
+    written right after it, not at the next heartbeat, so its answer does not wait the
+    bound (a long heartbeat here: it would)."""
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path, wait=2.0,
+                          heartbeat=30.0)
+        intents.ready = True
+        renew, writes = intents._renew, []
+
+        async def renew_admitting_another(*args, **kwargs):
+            writes.append(args)
+            if len(writes) == 1:  # during the first batch's write
+                intents.admit("call-2", "ep")
+            await renew(*args, **kwargs)
+
+        intents._renew = renew_admitting_another
+        intents.start()
+        intents.admit("call-1", "ep")
+        await intents.wait("call-1")
+        started = time.monotonic()
+        await intents.wait("call-2")
+        waited = time.monotonic() - started
+        late = intents.late
+        await intents.close(clean=True)
+        return waited, late
+
+    waited, late = _run(db_url, work)
+    assert late == 0 and waited < 1.0, (waited, late)
