@@ -45,7 +45,7 @@ _WIDTH = {IDS: 4, FLOATS: 8}  # bytes per value; a reference's length counts val
 _RAW, _ZSTD, _ZSTD_PLANES4, _ZSTD_PLANES8, _ZSTD_DECIMAL = 0, 1, 2, 3, 4
 # An image payload (storage.images): the bytes its base64 text encodes, as they are
 # (pictures are compressed already); read back as the text.
-_IMAGE = 5
+_IMAGE = images.FORM
 _PLANES = {_ZSTD_PLANES4: 4, _ZSTD_PLANES8: 8}
 _MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
 # zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is

@@ -87,7 +87,7 @@ def _walk(value: Any, out: list[ImagePart], depth: int) -> None:
         return
     if not isinstance(value, dict):
         return
-    part = _part(value)
+    part = image_of(value)
     if part is not None:
         out.append(part)
         return
@@ -96,7 +96,7 @@ def _walk(value: Any, out: list[ImagePart], depth: int) -> None:
             _walk(item, out, depth + 1)
 
 
-def _part(value: dict) -> ImagePart | None:
+def image_of(value: dict) -> ImagePart | None:
     """The image ``value`` is (an unreadable one: all fields None, so that the images
     after it keep their places), or None when it is no image part."""
     part = _image(value)

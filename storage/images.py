@@ -22,6 +22,7 @@ import binascii
 import re
 
 IMAGE = b"image"  # the kind an image block's hash is made with (storage.blocks.digest)
+FORM = 5  # the format byte of a stored image block (storage.blocks.pack_block)
 # Shorter payloads are not worth a block of their own (a reference costs 20 bytes).
 MIN_PAYLOAD = 1024
 # Payloads cut out of one segment at most: the rest stays text (bounds the rows a body of

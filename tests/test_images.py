@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from tracetap.demo import tokenizer as tok
 from tracetap.storage import queries
+from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.dedup import BlockCache
 from tracetap.storage.engine import create_engine
 from tracetap.storage.image_parts import image_parts
@@ -121,6 +122,7 @@ def test_image_parts_are_read_from_each_api_in_order_and_never_trusted():
 @pytest.fixture
 def proxy_settings(engine, db_url, tmp_path):
     from helpers.loop import free_port
+
     from tracetap.proxy.runtime.settings import Settings
 
     return Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "data"),
@@ -195,3 +197,55 @@ def test_every_image_is_recoverable_from_the_export_with_its_placeholder_span(pr
     last = max((r for r in calls_rows), key=lambda r: len(r["images"]))
     assert len(last["images"]) == 10
     assert all(last["prompt_ids"][i["start"]] == tok.IMAGE_PAD for i in last["images"])
+
+
+def _get(url: str, token: str | None) -> tuple[int, dict, bytes]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Accept": "*/*", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=30) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, dict(err.headers), err.read()
+
+
+def test_the_viewer_shows_thumbnails_and_serves_only_real_images_behind_its_gate(proxy):
+    import openai
+
+    from tracetap.storage.image_blocks import key
+
+    png = screenshot(7, 3_000)
+    svg = b"<svg xmlns='http://www.w3.org/2000/svg' onload='alert(1)'>" + b" " * 2000 + b"</svg>"
+    client = openai.OpenAI(base_url=proxy.episode_url("thumbs"), api_key="k", max_retries=0)
+    client.chat.completions.create(model="mock", max_tokens=4, messages=[{"role": "user",
+                                                                         "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png)}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(svg)}}]}])
+    [call] = proxy.calls("thumbs")
+    ui = proxy.url + "/tracetap/ui"
+    status, _, page = _get(f"{ui}/calls/{call['call_id']}", proxy.admin_token)
+    assert status == 200
+    assert f'<img class="thumb" src="/tracetap/ui/images/{key(png)}"'.encode() in page
+    assert f"[image {key(png)}]".encode() in page  # the conversation's mark for it
+
+    status, headers, body = _get(f"{ui}/images/{key(png)}", proxy.admin_token)
+    assert (status, headers["Content-Type"], body) == (200, "image/png", png)
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert _get(f"{ui}/images/{key(png)}", None)[0] == 401  # behind the gate
+    assert _get(f"{ui}/images/{key(svg)}", proxy.admin_token)[0] == 404  # sent as image/png
+    text_block = unpack_refs(_refs(proxy, call["call_id"]))[0][0]  # the JSON before messages
+    assert _get(f"{ui}/images/{text_block.hex()}", proxy.admin_token)[0] == 404
+    assert _get(f"{ui}/images/{'0' * 32}", proxy.admin_token)[0] == 404
+
+
+def _refs(proxy, call_id: str) -> bytes:
+    async def read():
+        async with proxy.state.engine.connect() as conn:
+            return (await conn.execute(text("SELECT request_refs FROM calls WHERE call_id = :c"),
+                                       {"c": call_id})).scalar()
+
+    return bytes(proxy.loop.run(read()))
