@@ -8,6 +8,8 @@ only the new tokens make new ones); a conversation's first call is cut from posi
 so the samples of a GRPO group, which share it, share its blocks. A request is cut at its
 messages (``segments``): the JSON before the first message, each message with the
 separator before it, and the rest; a message resent in every later turn is stored once.
+An image's base64 inside a segment is a block of its own, stored as its bytes
+(storage.images): one block per image, whatever JSON shape holds it.
 Pure functions: no database here (storage.dedup plans, storage.inflate reads).
 """
 

@@ -158,17 +158,33 @@ def _chat_episode(proxy, shots: list[bytes]) -> None:
         history.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
+def _responses_episode(proxy, shots: list[bytes]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.episode_url("shots-responses"), api_key="k",
+                           max_retries=0)
+    history: list[dict] = []
+    for i, shot in enumerate(shots):
+        history.append({"role": "user", "content": [
+            {"type": "input_text", "text": f"step {i}"},
+            {"type": "input_image", "image_url": "data:image/png;base64," + b64(shot)}]})
+        reply = client.responses.create(model="mock", max_output_tokens=8, input=history,
+                                        store=False)
+        history.append({"role": "assistant", "content": reply.output_text})
+
+
 def test_every_image_is_recoverable_from_the_export_with_its_placeholder_span(proxy, tmp_path):
-    """Through the proxy with the real SDKs (Messages translated to chat, and chat) to
-    the mock engine: 20 screenshots, each resent every later turn."""
+    """Through the proxy with the real SDKs (Messages and Responses translated to chat,
+    and chat) to the mock engine: 20 screenshots, each resent every later turn."""
     import pyarrow.dataset as ds
 
     from tracetap.exporters import export
 
     shots = [screenshot(i, 4_000) for i in range(20)]
-    _messages_episode(proxy, shots[:10])
-    _chat_episode(proxy, shots[10:])
-    for episode in ("shots-messages", "shots-chat"):
+    _messages_episode(proxy, shots[:8])
+    _responses_episode(proxy, shots[8:14])
+    _chat_episode(proxy, shots[14:])
+    for episode in ("shots-messages", "shots-responses", "shots-chat"):
         assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {})[0] == 200
     calls = proxy.calls("shots-messages")
     assert calls[-1]["upstream_request"] is not None  # translated: two bodies per call
@@ -195,7 +211,7 @@ def test_every_image_is_recoverable_from_the_export_with_its_placeholder_span(pr
     calls_rows = ds.dataset(tmp_path / "out" / "calls").to_table(
         columns=["call_id", "images", "prompt_ids"]).to_pylist()
     last = max((r for r in calls_rows), key=lambda r: len(r["images"]))
-    assert len(last["images"]) == 10
+    assert len(last["images"]) == 8
     assert all(last["prompt_ids"][i["start"]] == tok.IMAGE_PAD for i in last["images"])
 
 
@@ -224,13 +240,16 @@ def test_the_viewer_shows_thumbnails_and_serves_only_real_images_behind_its_gate
     client.chat.completions.create(model="mock", max_tokens=4, messages=[{"role": "user",
                                                                          "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png)}},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(svg)}}]}])
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(svg)}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@" + "A" * 3000}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
     [call] = proxy.calls("thumbs")
     ui = proxy.url + "/tracetap/ui"
     status, _, page = _get(f"{ui}/calls/{call['call_id']}", proxy.admin_token)
     assert status == 200
     assert f'<img class="thumb" src="/tracetap/ui/images/{key(png)}"'.encode() in page
     assert f"[image {key(png)}]".encode() in page  # the conversation's mark for it
+    assert b"[image https://example.com/a.png]" in page and b"[image]" in page
 
     status, headers, body = _get(f"{ui}/images/{key(png)}", proxy.admin_token)
     assert (status, headers["Content-Type"], body) == (200, "image/png", png)
