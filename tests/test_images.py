@@ -213,6 +213,11 @@ def test_every_image_is_recoverable_from_the_export_with_its_placeholder_span(pr
     last = max((r for r in calls_rows), key=lambda r: len(r["images"]))
     assert len(last["images"]) == 8
     assert all(last["prompt_ids"][i["start"]] == tok.IMAGE_PAD for i in last["images"])
+    # Without calls/, the trajectories read the bodies they need themselves.
+    export(proxy.settings.db, tmp_path / "only", datasets=["trajectories"])
+    alone = ds.dataset(tmp_path / "only" / "trajectories").to_table().to_pylist()
+    assert [r["images"] for r in alone] == [r["images"] for r in rows]
+    assert ds.dataset(tmp_path / "only" / "images").count_rows() == 20
 
 
 def _get(url: str, token: str | None) -> tuple[int, dict, bytes]:
@@ -268,3 +273,32 @@ def _refs(proxy, call_id: str) -> bytes:
                                        {"c": call_id})).scalar()
 
     return bytes(proxy.loop.run(read()))
+
+
+def test_placeholder_runs_are_matched_one_to_one_or_not_at_all():
+    from array import array
+
+    from tracetap.exporters.images import pad_runs, placed
+    from tracetap.storage.image_parts import from_bytes
+
+    ids = array("i", [1, 261, 261, 2, 261, 3, 151655, 151655, 151655]).tobytes()
+    assert pad_runs(ids, 261) == [(1, 3), (4, 5)]
+    assert pad_runs(b"\x00" + array("i", [261 << 8]).tobytes()[:3] + b"\x00" * 4, 1) == []
+    one, two = from_bytes(b"GIF89a1"), from_bytes(b"GIF89a2")
+    # Qwen's pad comes first among known ids, but has one run for two images: the mock's.
+    assert [(p["start"], p["end"]) for p in placed([one, two], ids)] == [(1, 3), (4, 5)]
+    assert [(p["start"], p["end"]) for p in placed([one], ids)] == [(6, 9)]
+    assert [p["start"] for p in placed([one, two, one], ids)] == [None] * 3  # no match
+
+
+def test_a_body_of_many_images_is_cut_into_a_bounded_number_of_blocks():
+    from tracetap.storage.blocks import cut_text, join_text, pack_block, unpack_block
+    from tracetap.storage.images import MAX_PER_SEGMENT
+
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(
+        screenshot(3, 1_200))}}
+    body = json.dumps({"messages": [{"role": "user", "content": [part] * 600}]})
+    pieces, _ = cut_text(body)
+    assert len(pieces) <= 2 * MAX_PER_SEGMENT + 4
+    assert len({h for (h, _), _ in pieces}) < 10  # one image: one block, however often
+    assert join_text(unpack_block(pack_block(d)) for _, d in pieces) == body
