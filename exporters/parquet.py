@@ -41,9 +41,10 @@ FILE_ROWS = {"calls": 2_000_000, "trajectories": 250_000, IMAGES: 20_000}
 _DICTIONARY = ["episode_id", "group_id", "task_id", "endpoint", "model", "policy_version",
                "token_source", "finish_reason", "status", "split_reason", "outcome",
                "harness", "harness_config", "rewards"]
+# No min/max statistics for these: lists, bodies, an image's bytes (its own statistic).
 _LIST_COLUMNS = {"prompt_ids", "completion_ids", "completion_logprobs", "response_ids",
                  "response_mask", "response_logprobs", "call_ids", "choice_indices",
-                 "policy_versions", "request", "response"}
+                 "policy_versions", "request", "response", "data", "images"}
 
 
 class ExportError(Exception):
