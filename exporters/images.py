@@ -132,14 +132,14 @@ async def trajectory_images(rows: Sequence[tuple[ScannedEpisode, Trajectory]], r
     is the row's prompt_ids + response_ids but for that call's own completion), placed in
     prompt_ids + response_ids. Read without bodies (no calls dataset), the bodies of the
     rows whose tokens hold a known pad id are read here."""
-    tokens = [t.prompt_ids.tobytes() + t.response_ids.tobytes() for _, t in rows]
     calls = {c.call_id: c for e, _ in rows for c in e.calls}
     if not reader.with_bodies:
-        calls = await reader.bodies(sorted({t.call_ids[-1] for (_, t), ids in zip(rows, tokens)
-                                            if t.call_ids and may_hold_images(ids)}))
+        calls = await reader.bodies(sorted({t.call_ids[-1] for _, t in rows if t.call_ids and (
+            may_hold_images(t.prompt_ids.tobytes()) or may_hold_images(t.response_ids.tobytes()))}))
     out = []
-    for (_, t), ids in zip(rows, tokens):
+    for _, t in rows:
         call = calls.get(t.call_ids[-1]) if t.call_ids else None
-        body = engine_body(call.request, call.upstream_request) if call else None
-        out.append(placed(sink.images(body), ids) if body else [])
+        parts = sink.images(engine_body(call.request, call.upstream_request)) if call else []
+        out.append(placed(parts, t.prompt_ids.tobytes() + t.response_ids.tobytes())
+                   if parts else [])
     return out
