@@ -6,6 +6,7 @@
     python bench/storage_bytes.py --search-index off       # without the viewer's search index
     python bench/storage_bytes.py --writer-steps --sessions 1   # the writer's CPU per call, by step
     python bench/storage_bytes.py --db postgres --index-floor   # the search index beside its floor
+    python bench/storage_bytes.py --screenshots            # 30 turns of 200 KB screenshots
 
 The run has the shape of the agentic replay (bench/agentic.py): ``--sessions`` sessions of
 ``--turns`` turns sharing a ``--system``-token system prompt; each turn adds a tool result
@@ -349,7 +350,13 @@ def main() -> None:
     parser.add_argument("--index-floor", action="store_true",
                         help="Postgres: the search index's parts beside the least any exact "
                              "index of the same words holds")
+    parser.add_argument("--screenshots", action="store_true",
+                        help="a screenshot-heavy replay instead (bench/image_bytes.py)")
     args = parser.parse_args()
+    if args.screenshots:
+        from image_bytes import main as screenshots
+        screenshots(["--db", args.db])
+        return
     batches = records(args)
     if args.writer_cpu:
         writer_cpu(batches)

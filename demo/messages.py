@@ -10,7 +10,8 @@ no logprobs and no token ids. The mapping, for a proxy that translates to chat:
   into ``content``, ``tool_use`` blocks become ``tool_calls`` ``{"id", "type": "function",
   "function": {"name", "arguments": canonical JSON of input}}``, each ``tool_result`` in a
   user turn becomes a ``{"role": "tool", "tool_call_id", "content"}`` message placed before
-  the turn's text (a user turn with no text left is dropped); ``thinking`` and ``image``
+  the turn's text (a user turn with no text left is dropped); a user turn's ``image``
+  block is its placeholder tokens (demo.tokenizer.IMAGE_TEXT) among the text; ``thinking``
   blocks are dropped.
 - tools → ``{"type": "function", "function": {"name", "description" (when given),
   "parameters": input_schema}}``; ``tool_choice`` auto/any/none/tool → "auto"/"required"/
@@ -91,6 +92,8 @@ def _turn(i: int, role: str, blocks: list[Any]) -> list[dict[str, Any]]:
         kind = block.get("type")
         if kind == "text" and block.get("text"):
             texts.append(block["text"])
+        elif kind == "image" and role == "user":  # as vLLM: the image's placeholder tokens
+            texts.append(tok.IMAGE_TEXT)
         elif kind == "tool_use":
             calls.append(_tool_use(block))
         elif kind == "tool_result" and role == "user":

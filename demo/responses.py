@@ -68,8 +68,8 @@ class ResponsesRequest(EngineRequest, kw_only=True):
 def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text") or "" for p in content if isinstance(p, Mapping))
+    if isinstance(content, list):  # content parts: text, and images as placeholders
+        return "".join(map(tok.part_text, content))
     raise InputError("content must be a string or a list of parts", "input")
 
 

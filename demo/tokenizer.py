@@ -16,13 +16,27 @@ IM_START = 256
 IM_END = 257
 TOOL_CALL_START = 258
 TOOL_CALL_END = 259
+# An image in the prompt, as vLLM renders one for a Qwen2-VL-style model: a start token,
+# the image's pad token repeated once per vision embedding, an end token. Real models
+# repeat the pad a number of times that grows with the image's size; the mock uses a
+# fixed count, the same for every image.
+VISION_START = 260
+IMAGE_PAD = 261
+VISION_END = 262
+IMAGE_PAD_TOKENS = 16
 SPECIAL_TOKENS: dict[str, int] = {
     "<|im_start|>": IM_START,
     "<|im_end|>": IM_END,
     "<tool_call>": TOOL_CALL_START,
     "</tool_call>": TOOL_CALL_END,
+    "<|vision_start|>": VISION_START,
+    "<|image_pad|>": IMAGE_PAD,
+    "<|vision_end|>": VISION_END,
 }
-VOCAB_SIZE = 260
+VOCAB_SIZE = 263
+IMAGE_TEXT = "<|vision_start|>" + "<|image_pad|>" * IMAGE_PAD_TOKENS + "<|vision_end|>"
+# The content parts that carry an image: chat's, Responses', Messages'.
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 EOS = IM_END
 
 _SPECIAL_BY_ID = {token_id: text for text, token_id in SPECIAL_TOKENS.items()}
@@ -76,13 +90,23 @@ def render_tool_call(name: str, arguments: str) -> str:
     return "".join(tool_call_parts(name, arguments))
 
 
+def part_text(part: Any) -> str:
+    """A content part as the template renders it: its text, or an image's placeholder."""
+    if not isinstance(part, Mapping):
+        return ""
+    if part.get("type") in IMAGE_PARTS:
+        return IMAGE_TEXT
+    text = part.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _content_text(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, Sequence):  # OpenAI content parts: keep the text ones
-        return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    if isinstance(content, Sequence):  # content parts: text, and images as placeholders
+        return "".join(map(part_text, content))
     return str(content)
 
 

@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 from tracetap.exporters.location import Location
 from tracetap.exporters.parquet import (
     DATASETS,
+    IMAGES,
     LEDGER,
     MANIFEST,
     ExportError,
@@ -92,7 +93,7 @@ class StoreDir:
         self._delete_obsolete()
         listed = set(self.manifest.written) if self.manifest else set()
         old = time.time() - ORPHAN_GRACE_SECONDS
-        for directory in (*DATASETS, LEDGER):
+        for directory in (*DATASETS, IMAGES, LEDGER):
             selector = pafs.FileSelector(self.location.path(directory), allow_not_found=True,
                                          recursive=True)
             for info in self.fs.get_file_info(selector):

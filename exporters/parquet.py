@@ -26,22 +26,25 @@ import pyarrow.parquet as pq
 MANIFEST = "_manifest.json"
 FORMAT = "tracetap-export"
 DATASETS = ("calls", "trajectories")
+# The images the rows of either name, once per run (exporters.images): written with them.
+IMAGES = "images"
 # Which calls each run wrote (exporters.ledger): what `tracetap prune` trusts.
 LEDGER = "_ledger"
 _LOCK = ".tracetap-export.lock"
 _TEMP_SUFFIX = ".tmp"
 
 # Row groups sized for trainers: whole groups are what readers fetch and decode at once.
-ROW_GROUP_ROWS = {"calls": 4096, "trajectories": 1024}
+ROW_GROUP_ROWS = {"calls": 4096, "trajectories": 1024, IMAGES: 64}
 ROW_GROUP_BYTES = 16 << 20  # also cut a group when its rows hold this much data
-FILE_ROWS = {"calls": 2_000_000, "trajectories": 250_000}
+FILE_ROWS = {"calls": 2_000_000, "trajectories": 250_000, IMAGES: 20_000}
 # Low-cardinality strings; ids, JSON bodies and token lists are not worth a dictionary.
 _DICTIONARY = ["episode_id", "group_id", "task_id", "endpoint", "model", "policy_version",
                "token_source", "finish_reason", "status", "split_reason", "outcome",
                "harness", "harness_config", "rewards"]
+# No min/max statistics for these: lists, bodies, an image's bytes (its own statistic).
 _LIST_COLUMNS = {"prompt_ids", "completion_ids", "completion_logprobs", "response_ids",
                  "response_mask", "response_logprobs", "call_ids", "choice_indices",
-                 "policy_versions", "request", "response"}
+                 "policy_versions", "request", "response", "data", "images"}
 
 
 class ExportError(Exception):
@@ -302,7 +305,7 @@ class ExportDir:
             if name not in committed:
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / name).unlink()
-        for dataset in (*DATASETS, LEDGER):
+        for dataset in (*DATASETS, IMAGES, LEDGER):
             directory = self.root / dataset
             if directory.is_dir():
                 for temp in directory.glob(".part-*" + _TEMP_SUFFIX):

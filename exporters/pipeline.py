@@ -1,5 +1,4 @@
-"""One export run (``ExportRun``): pages of episodes in, trajectories built, both datasets
-streamed, commit.
+"""One export run (``ExportRun``): pages of episodes in, trajectories built, datasets out.
 
 Incremental runs keep a watermark in the manifest (exporters/watermark.py): the
 finished_at below which every episode has been exported. It trails the newest exported
@@ -23,6 +22,7 @@ import pyarrow.compute as pc
 from tracetap import __version__
 from tracetap.exporters.annotate import PageNotes, adopt, page_notes, without_infra
 from tracetap.exporters.drift import explain
+from tracetap.exporters.images import IMAGES, ImageSink, trajectory_images
 from tracetap.exporters.ledger import LedgerWriter
 from tracetap.exporters.location import Location, resolve
 from tracetap.exporters.objectstore import StoreDir
@@ -195,6 +195,7 @@ class ExportRun:
         self.holds = Holds()  # episodes left for a later run (exporters/settled.py)
         self.rid = ""  # the run's id, from its start time
         self.total = 0  # episodes the filter selects, for progress
+        self.images = ImageSink()  # the images the rows name, each written once
 
     async def run(self) -> ExportSummary:
         target = ExportDir(self.location.local) if self.location.local else StoreDir(
@@ -228,7 +229,7 @@ class ExportRun:
         self.rid = run_id(self.started)
         self.writers = {name: DatasetWriter(target, name, self.rid,
                                             with_metadata(SCHEMAS[name], name, __version__))
-                        for name in selection.datasets}
+                        for name in (*selection.datasets, IMAGES)}
         self.ledger = LedgerWriter(target, self.rid) if "calls" in self.writers else None
 
     def _commit(self, target) -> None:
@@ -236,7 +237,7 @@ class ExportRun:
         summary, previous = self.summary, self.previous
         kept = previous.files if previous else []
         for name, writer in self.writers.items():
-            empty = not any(f.startswith(name + "/") for f in kept)
+            empty = name != IMAGES and not any(f.startswith(name + "/") for f in kept)
             summary.files += writer.finish(ensure_file=empty)
         watermark, overlap = (self.recent.result() if self.selection.finished_only
                               else (None, {}))
@@ -281,6 +282,7 @@ class ExportRun:
                     await asyncio.sleep(0)  # lets the prefetched page's queries move on
                 if trajectories is not None:
                     await self._add_trajectories(trajectories, page, notes)
+                self.images.write(self.writers[IMAGES])
                 summary.episodes += len(page.episodes)
                 for episode in whole.episodes:
                     if episode.finished_at is not None:
@@ -291,6 +293,7 @@ class ExportRun:
                                       or selection.group_id):
             async for page in self.reader.untagged_calls(filt):
                 self._add_calls(calls, page, page_notes(page.rows))
+                self.images.write(self.writers[IMAGES])
             self._report()
 
     def _report(self) -> None:
@@ -302,7 +305,7 @@ class ExportRun:
 
     def _add_calls(self, writer: DatasetWriter, page: ScanPage, notes: PageNotes) -> None:
         summary = self.summary
-        for batch in calls_batches(page.rows, page.episodes, writer.schema, notes):
+        for batch in calls_batches(page.rows, page.episodes, writer.schema, notes, self.images):
             writer.add(batch)
             self.ledger.add(ledger_batch(batch, page.episodes))
             summary.calls += pc.count_distinct(batch.column("call_id")).as_py()
@@ -329,7 +332,8 @@ class ExportRun:
             if t.split_reason is not None:
                 cause = t.drift_cause or t.split_reason
                 summary.splits[cause] = summary.splits.get(cause, 0) + 1
-        batch = trajectories_batch(rows, writer.schema, notes)
+        images = await trajectory_images(rows, self.reader, self.images)
+        batch = trajectories_batch(rows, writer.schema, notes, images)
         writer.add(batch)
         summary.trajectories += batch.num_rows
         summary.trajectory_ids += _tokens(batch, "prompt_ids", "response_ids")

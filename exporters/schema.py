@@ -17,16 +17,18 @@ import pyarrow.compute as pc
 from tracetap.exporters.annotate import PageNotes
 from tracetap.exporters.experts import call_experts
 from tracetap.exporters.factors import factors_of_json
+from tracetap.exporters.images import IMAGE_ROWS, IMAGES_COLUMN, ImageSink, call_images
 from tracetap.exporters.policy import call_spans
 from tracetap.exporters.trajectories import Trajectory
 from tracetap.storage.scan import BODIES, COLUMN, ROW, ScannedEpisode
 
 # Bump when a column is added, removed or changes type; readers can check the file
 # metadata key below.
-SCHEMA_VERSION = "5"  # 2: token origin, the engine's view of the request, drift columns;
+SCHEMA_VERSION = "6"  # 2: token origin, the engine's view of the request, drift columns;
 # 3: harness_factors (trajectories), overlay (calls); 4: integrity and lineage columns
 # (both datasets; exporters.annotate), policy spans and mixed_policy (both), routed experts;
 # 5: finish_seq (both: which export of a finished-again episode supersedes which)
+# 6: images (both: each image with its placeholder span; exporters.images), images/
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -82,6 +84,7 @@ CALLS = pa.schema([
     ("policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
     ("routed_experts", ROUTING),  # aligned with completion_ids (--routed-experts)
+    ("images", IMAGES_COLUMN),  # [{sha256, media_type, url, start, end}] in prompt_ids
 ])
 
 _CAUSES = pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))
@@ -128,11 +131,13 @@ TRAJECTORIES = pa.schema([
     ("response_policy_spans", SPANS),
     ("mixed_policy", pa.bool_()),
     ("response_routed_experts", ROUTING),  # aligned with response_ids (--routed-experts)
+    # [{sha256, media_type, url, start, end}]: spans in prompt_ids + response_ids.
+    ("images", IMAGES_COLUMN),
 ])
 _DRIFT = ("drift_cause", "drift_position", "drift_expected_token", "drift_received_token",
           "drift_message_index", "drift_expected_text", "drift_received_text", "drift_call_id")
 
-SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES}
+SCHEMAS = {"calls": CALLS, "trajectories": TRAJECTORIES, "images": IMAGE_ROWS}
 # A run's ledger (exporters.parquet.LEDGER): each call written to calls/, once, with its
 # episode's finished_at as stored (the version exported): what `tracetap prune` trusts.
 CALL_LEDGER = pa.schema([
@@ -156,8 +161,8 @@ def with_metadata(schema: pa.Schema, dataset: str, tracetap_version: str) -> pa.
 
 
 def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
-                  schema: pa.Schema = CALLS,
-                  notes: PageNotes | None = None) -> Iterator[pa.RecordBatch]:
+                  schema: pa.Schema = CALLS, notes: PageNotes | None = None,
+                  images: ImageSink | None = None) -> Iterator[pa.RecordBatch]:
     """``calls_batch`` over ``rows`` cut at call boundaries into pieces whose bodies fit
     one Arrow string array (2 GiB): a page of long agent episodes resends the whole
     conversation in every request."""
@@ -167,14 +172,15 @@ def calls_batches(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         size = sum(len(row[b] or "") for b in BODIES)
         new_call = i > start and row[call_id] != rows[i - 1][call_id]
         if new_call and chars + size > BODY_CHARS_PER_BATCH:
-            yield calls_batch(rows[start:i], episodes, schema, notes)
+            yield calls_batch(rows[start:i], episodes, schema, notes, images)
             start, chars = i, 0
         chars += size
-    yield calls_batch(rows[start:], episodes, schema, notes)
+    yield calls_batch(rows[start:], episodes, schema, notes, images)
 
 
 def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
-                schema: pa.Schema = CALLS, notes: PageNotes | None = None) -> pa.RecordBatch:
+                schema: pa.Schema = CALLS, notes: PageNotes | None = None,
+                images: ImageSink | None = None) -> pa.RecordBatch:
     """Scanned rows (storage.scan.ROW, one per call and choice) → the calls dataset.
 
     Column by column: the rows are transposed once, in C, and no Python code runs per row
@@ -200,6 +206,7 @@ def calls_batch(rows: Sequence[tuple], episodes: Sequence[ScannedEpisode],
         **_call_notes(columns, notes or PageNotes({}, {}, {})),
         **call_spans(columns),
         "routed_experts": call_experts(columns),
+        "images": call_images(columns, images or ImageSink()),
     }
     # Every other column is the scanned column of the same name, as it is.
     built.update((name, columns[name]) for name in schema.names if name not in built)
@@ -235,11 +242,13 @@ def ledger_batch(calls: pa.RecordBatch, episodes: Sequence[ScannedEpisode],
 
 
 def trajectories_batch(rows: Sequence[TrajectoryRow], schema: pa.Schema = TRAJECTORIES,
-                       notes: PageNotes | None = None) -> pa.RecordBatch:
+                       notes: PageNotes | None = None,
+                       images: Sequence[list] | None = None) -> pa.RecordBatch:
     episodes = [e for e, _ in rows]
     trajectories = [t for _, t in rows]
     columns = {**_trajectory_columns(trajectories), **_episode_columns(episodes),
-               **_trajectory_notes(episodes, trajectories, notes)}
+               **_trajectory_notes(episodes, trajectories, notes),
+               "images": images if images is not None else [[]] * len(rows)}
     return _batch(columns, schema)
 
 

@@ -8,6 +8,8 @@ only the new tokens make new ones); a conversation's first call is cut from posi
 so the samples of a GRPO group, which share it, share its blocks. A request is cut at its
 messages (``segments``): the JSON before the first message, each message with the
 separator before it, and the rest; a message resent in every later turn is stored once.
+An image's base64 inside a segment is a block of its own, stored as its bytes
+(storage.images): one block per image, whatever JSON shape holds it.
 Pure functions: no database here (storage.dedup plans, storage.inflate reads).
 """
 
@@ -21,6 +23,9 @@ from collections.abc import Iterable, Iterator
 from itertools import pairwise
 
 import msgspec
+
+from tracetap.storage import images
+from tracetap.storage.images import IMAGE, Base64Text
 
 HASH_BYTES = 16
 _ENTRY = struct.Struct("<16sI")  # a reference: the block's hash, its length
@@ -40,6 +45,9 @@ _WIDTH = {IDS: 4, FLOATS: 8}  # bytes per value; a reference's length counts val
 # Logprobs have a third way, whichever is smaller: zstd of their shortest decimal forms
 # (what the engine's JSON said: a few digits each, where the float's low bytes are noise).
 _RAW, _ZSTD, _ZSTD_PLANES4, _ZSTD_PLANES8, _ZSTD_DECIMAL = 0, 1, 2, 3, 4
+# An image payload (storage.images): the bytes its base64 text encodes, as they are
+# (pictures are compressed already); read back as the text.
+_IMAGE = images.FORM
 _PLANES = {_ZSTD_PLANES4: 4, _ZSTD_PLANES8: 8}
 _MIN_COMPRESS = 64  # bytes; below, the codec's header costs more than it saves
 # zstd at level 1: as small as zlib's best at a twentieth of its CPU (the writer's CPU is
@@ -79,6 +87,8 @@ def refs_length(data: bytes) -> int:
 def pack_block(data: bytes, kind: bytes = TEXT) -> bytes:
     """A block as stored: compressed (after its format byte and its size, uint32) when
     that is smaller, else as it is (after its format byte)."""
+    if isinstance(data, Base64Text):
+        return bytes((_IMAGE,)) + data.raw
     if len(data) >= _MIN_COMPRESS:
         width = _WIDTH.get(kind, 1) if len(data) % _WIDTH.get(kind, 1) == 0 else 1
         form = {1: _ZSTD, 4: _ZSTD_PLANES4, 8: _ZSTD_PLANES8}[width]
@@ -99,6 +109,8 @@ def unpack_block(stored: bytes) -> bytes:
     form = stored[0]
     if form == _RAW:
         return stored[1:]
+    if form == _IMAGE:
+        return images.encoded(stored[1:])
     if form != _ZSTD and form != _ZSTD_DECIMAL and form not in _PLANES:
         raise ValueError(f"unknown block format {form}")
     size = int.from_bytes(stored[1:5], "little")
@@ -196,23 +208,43 @@ def cut_text(text: str, messages: bool = True, previous: Prefix | None = None,
         at = len(previous[0])
         ends = _element_ends(_tokens(text, at), [], expect_object=False)
         if ends is not None:
-            new = _named([text[a:b] for a, b in pairwise([at, *ends, len(text)])])
-            prefix = (text[:ends[-1]], previous[1] + [r for r, _ in new[:-1]]) if ends \
+            groups = _grouped([text[a:b] for a, b in pairwise([at, *ends, len(text)])])
+            prefix = (text[:ends[-1]], previous[1] + _refs(groups[:-1])) if ends \
                 else previous
-            return [(r, None) for r in previous[1]] + new, prefix
+            return [(r, None) for r in previous[1]] + _flat(groups), prefix
     cuts = _message_cuts(text)
     if len(cuts) < 2:  # no message: one piece, nothing for the next call to reuse
         return _named(segments(text)), None
-    pieces = _named([text[a:b] for a, b in pairwise([0, *cuts, len(text)])])
-    return pieces, (text[:cuts[-1]], [r for r, _ in pieces[:-1]])
+    groups = _grouped([text[a:b] for a, b in pairwise([0, *cuts, len(text)])])
+    return _flat(groups), (text[:cuts[-1]], _refs(groups[:-1]))
 
 
 def _named(segments: list[str]) -> list[tuple[Ref, bytes]]:
+    return _flat(_grouped(segments))
+
+
+def _grouped(segments: list[str]) -> list[list[tuple[Ref, bytes]]]:
+    """Each segment's blocks: its text, with each image payload in it a block of its
+    own (storage.images), named by the image's bytes."""
     out = []
     for segment in segments:
-        data = segment.encode("utf-8", "surrogatepass")
-        out.append(((digest(TEXT, data), len(data)), data))
+        pieces = []
+        for part, raw in images.split(segment):
+            data = part.encode("utf-8", "surrogatepass")
+            if raw is None:
+                pieces.append(((digest(TEXT, data), len(data)), data))
+            else:
+                pieces.append(((digest(IMAGE, raw), len(data)), Base64Text(data, raw)))
+        out.append(pieces)
     return out
+
+
+def _flat(groups: list[list[tuple[Ref, bytes]]]) -> list[tuple[Ref, bytes]]:
+    return [piece for group in groups for piece in group]
+
+
+def _refs(groups: list[list[tuple[Ref, bytes]]]) -> list[Ref]:
+    return [ref for group in groups for ref, _ in group]
 
 
 def join_text(pieces: Iterable[bytes]) -> str:

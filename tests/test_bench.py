@@ -216,3 +216,12 @@ def test_replica_cpu_bench_prints_every_figure_for_the_replica_and_haproxy(postg
     assert figures["call"]["replica"] > 0 and figures["stream_long"]["replica"] > 0
     assert set(figures["idle_checked"]) == {"replica", "haproxy"}
 
+
+
+def test_the_screenshot_replay_stores_each_image_once_through_either_api():
+    lines = [json.loads(line) for line in run(
+        "image_bytes.py", "--db", "sqlite", "--turns", "4", "--image-kb", "40",
+        "--image-tokens", "8").splitlines()]
+    assert [line["api"] for line in lines] == ["chat", "messages"]
+    for line in lines:  # each screenshot once, not once per turn or per JSON shape
+        assert 0.9 < line["bytes_per_image_byte"] < 1.5, line

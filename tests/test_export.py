@@ -322,6 +322,8 @@ _TIME, _IDS = pa.timestamp("us", tz="UTC"), pa.list_(pa.int32())
 _SPANS = pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
                              ("version", pa.string())]))
 _ROUTING = pa.list_(pa.list_(pa.list_(pa.int16())))
+_IMAGES = pa.list_(pa.struct([("sha256", pa.string()), ("media_type", pa.string()),
+                              ("url", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
 DOCUMENTED_CALLS = pa.schema([
     ("call_id", pa.string()), ("choice_index", pa.int32()), ("episode_id", pa.string()),
     ("group_id", pa.string()), ("task_id", pa.string()), ("seq", pa.int64()),
@@ -337,7 +339,7 @@ DOCUMENTED_CALLS = pa.schema([
     ("integrity", pa.string()), ("integrity_cause", pa.string()),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
     ("policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
-    ("routed_experts", _ROUTING),
+    ("routed_experts", _ROUTING), ("images", _IMAGES),
 ])
 DOCUMENTED_TRAJECTORIES = pa.schema([
     ("trajectory_id", pa.string()), ("episode_id", pa.string()), ("group_id", pa.string()),
@@ -358,7 +360,7 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("integrity_causes", pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
     ("response_policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
-    ("response_routed_experts", _ROUTING),
+    ("response_routed_experts", _ROUTING), ("images", _IMAGES),
 ])
 
 
@@ -371,7 +373,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"5"
+        assert written.metadata[b"tracetap.schema_version"] == b"6"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

@@ -16,7 +16,17 @@ from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.scan import ScanError
-from tracetap.viewer import PREFIX, access, compare, engineer, live, pages, search, variants
+from tracetap.viewer import (
+    PREFIX,
+    access,
+    compare,
+    engineer,
+    images,
+    live,
+    pages,
+    search,
+    variants,
+)
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
@@ -61,6 +71,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r.add_get(base + "/episodes/{episode}", pages.episode)
     r.add_get(base + "/calls/{call}", pages.call)
     r.add_get(base + "/calls/{call}/{body:request|response}.json", pages.call_body)
+    r.add_get(base + "/images/{key:[0-9a-f]{32}}", images.serve)
     # Side-by-side comparison, harness variants, coverage heatmap
     r.add_get(base + "/compare", compare.episodes_page)
     r.add_get(base + "/compare/calls", compare.calls_page)

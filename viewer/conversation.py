@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from tracetap.viewer.images import MARK, mark
+
 TEXT_LIMIT = 20_000
 
 
@@ -28,6 +30,7 @@ class Turn(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall] = []
     tool_call_id: str | None = None  # a tool result: which call it answers
     reply: bool = False  # the model's reply to this request
+    images: list[str] = []  # keys of the stored images its text names (viewer.images)
 
 
 def turns(endpoint: str, request: str | None, response: str | None) -> list[Turn]:
@@ -62,9 +65,14 @@ def _text(value: Any) -> str:
             elif isinstance(part, str):
                 parts.append(part)
             else:
-                parts.append(pretty(part))
+                parts.append(_part(part))
         return "\n".join(parts)
     return pretty(value)
+
+
+def _part(part: Any) -> str:
+    """A content part that is not text: an image as its mark, anything else as JSON."""
+    return (mark(part) if isinstance(part, dict) else None) or pretty(part)
 
 
 def pretty(value: Any) -> str:
@@ -82,7 +90,8 @@ def _arguments(value: Any) -> str:
 
 def _turn(role: str, text: str, **fields) -> Turn:
     cut = max(0, len(text) - TEXT_LIMIT)
-    return Turn(role=str(role), text=text[:TEXT_LIMIT], cut=cut, **fields)
+    return Turn(role=str(role), text=text[:TEXT_LIMIT], cut=cut, images=MARK.findall(text),
+                **fields)
 
 
 def _chat(req: dict, res: dict) -> list[Turn]:
@@ -188,7 +197,7 @@ def _anthropic_message(m: dict) -> list[Turn]:
             out.append(_turn("tool", _text(block.get("content")),
                              tool_call_id=block.get("tool_use_id")))
         else:
-            texts.append(pretty(block))
+            texts.append(_part(block))
     if texts or calls:
         out.insert(0, _turn(role, "\n".join(texts), tool_calls=calls))
     return out
