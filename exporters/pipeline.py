@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -22,6 +23,7 @@ import pyarrow.compute as pc
 
 from tracetap import __version__
 from tracetap.exporters.annotate import PageNotes, adopt, page_notes, without_infra
+from tracetap.exporters.compaction import bodies_of, segments
 from tracetap.exporters.drift import explain
 from tracetap.exporters.ledger import LedgerWriter
 from tracetap.exporters.location import Location, resolve
@@ -276,11 +278,11 @@ class ExportRun:
                 page, excluded = (without_infra(whole, notes) if selection.exclude_infra
                                   else (whole, 0))
                 summary.excluded_infra += excluded
+                if trajectories is not None:  # first: linking compactions moves lineages
+                    await self._add_trajectories(trajectories, page, notes)
                 if calls is not None:
                     self._add_calls(calls, page, notes)
                     await asyncio.sleep(0)  # lets the prefetched page's queries move on
-                if trajectories is not None:
-                    await self._add_trajectories(trajectories, page, notes)
                 summary.episodes += len(page.episodes)
                 for episode in whole.episodes:
                     if episode.finished_at is not None:
@@ -311,12 +313,13 @@ class ExportRun:
 
     async def _add_trajectories(self, writer: DatasetWriter, page: ScanPage,
                                 notes: PageNotes) -> None:
-        summary = self.summary
+        summary, keep = self.summary, self.selection.keep_untokenized
         rows = [(episode, notes.lineage_rows(t)) for episode in page.episodes
-                for t in build_trajectories(episode.calls,
-                                            keep_untokenized=self.selection.keep_untokenized,
-                                            left_out=summary.left_out,
-                                            lineages=notes.lineages)]
+                for t in await segments(episode.calls, build_trajectories(
+                    episode.calls, keep_untokenized=keep, left_out=summary.left_out,
+                    lineages=notes.lineages), notes.lineages, functools.partial(
+                        build_trajectories, episode.calls, keep_untokenized=keep),
+                    bodies_of(self.reader, episode.calls))]
         drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
         if drifted:  # only split rows need bodies; read here when the page came without them
             calls = {c.call_id: c for e, _ in drifted for c in e.calls}
@@ -327,7 +330,7 @@ class ExportRun:
                 explain(t, calls)
         for _, t in rows:
             if t.split_reason is not None:
-                cause = t.drift_cause or t.split_reason
+                cause = t.drift_cause if t.split_reason == "non_prefix" else t.split_reason
                 summary.splits[cause] = summary.splits.get(cause, 0) + 1
         batch = trajectories_batch(rows, writer.schema, notes)
         writer.add(batch)

@@ -371,7 +371,7 @@ def test_the_files_have_the_documented_schema_and_version(proxy, tmp_path):
         written = pq.read_schema(file)
         assert written.remove_metadata() == documented, name
         # Changing a column means a new schema version, which readers can check.
-        assert written.metadata[b"tracetap.schema_version"] == b"5"
+        assert written.metadata[b"tracetap.schema_version"] == b"6"
         assert written.metadata[b"tracetap.dataset"] == name.encode()
 
 

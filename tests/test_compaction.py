@@ -1,0 +1,179 @@
+"""Compacted conversations export as linked segments (exporters.compaction): scripted
+through the proxy with the real SDKs, and the text matching on the harnesses' shapes."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pyarrow.parquet as pq
+from helpers.http import finish, register
+
+from tracetap.exporters import export
+from tracetap.exporters.compaction import find
+from tracetap.proxy.episodes.lineage import conversation
+
+SYSTEM = "You are a careful agent. Use the tool, then answer."
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+ASK_SUMMARY = "Summarise the conversation so far inside <summary></summary> tags."
+# The engine writes a summary this long (it is sampled text like any other reply).
+SUMMARY_TOKENS = {"mock_completion_tokens": 90}
+
+
+def _exported(proxy, episode, tmp_path):
+    finish(proxy, episode)
+    summary = export(proxy.settings.db, tmp_path / "out", episodes=[episode])
+    rows = pq.read_table(tmp_path / "out" / "trajectories").to_pylist()
+    calls = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    return summary, rows, calls
+
+
+def _assert_trained_once(rows, calls):
+    """Every sampled token is trainable in exactly one row (a row's response is, per
+    call of its path, the observation since the previous call, then its completion)."""
+    by_id = {c["call_id"]: c for c in calls}
+    trained: dict[str, int] = {}
+    for row in rows:
+        at, end = 0, len(row["prompt_ids"])
+        for call_id in row["call_ids"]:
+            call = by_id[call_id]
+            at += len(call["prompt_ids"]) - end
+            n = len(call["completion_ids"])
+            assert row["response_ids"][at:at + n] == call["completion_ids"]
+            if n and all(row["response_mask"][at:at + n]):
+                trained[call_id] = trained.get(call_id, 0) + 1
+            at, end = at + n, len(call["prompt_ids"]) + n
+    assert sum(sum(r["response_mask"]) for r in rows) == sum(
+        len(c["completion_ids"]) for c in calls)
+    assert trained == {c["call_id"]: 1 for c in calls}, trained
+
+
+def _linked(rows, calls, summary_seq):
+    by_seq = {c["seq"]: c["call_id"] for c in calls}
+    summary_call = by_seq[summary_seq]
+    compacted = [r for r in rows if r["split_reason"] == "compaction"]
+    assert len(compacted) == 1, [(r["call_ids"], r["split_reason"]) for r in rows]
+    segment = compacted[0]
+    main = next(r for r in rows if r["trajectory_id"] == segment["continues_trajectory_id"])
+    written = next(r for r in rows if r["call_ids"] == [summary_call])
+    assert segment["summary_call_id"] == summary_call
+    assert main["split_reason"] is None and main["lineage_id"] == segment["lineage_id"]
+    assert main["call_ids"] == [by_seq[s] for s in range(summary_seq)]
+    # The summary call: a lineage of its own under the conversation it summarised.
+    assert written["split_reason"] is None
+    assert written["lineage_id"] == summary_call != main["lineage_id"]
+    assert written["parent_lineage_id"] == main["lineage_id"]
+    # The calls dataset agrees.
+    lineage = {c["call_id"]: c["lineage_id"] for c in calls}
+    assert lineage[summary_call] == summary_call
+    assert {lineage[c] for c in segment["call_ids"]} == {main["lineage_id"]}
+    return main, segment
+
+
+def test_a_scripted_compaction_exports_as_linked_segments(proxy, tmp_path):
+    """Chat: two turns, a call that writes a summary, then the history starts over from
+    that summary for two more turns."""
+    register(proxy, "ep", harness={"name": "scripted"})
+    client = openai.OpenAI(base_url=proxy.episode_url("ep"), api_key="k", max_retries=0)
+
+    def turn(messages, **extra):
+        reply = client.chat.completions.create(model="mock-model", messages=messages,
+                                               tools=TOOLS, extra_body=extra or None)
+        message = reply.choices[0].message.model_dump(exclude_none=True)
+        out = [*messages, message]
+        out += [{"role": "tool", "tool_call_id": c["id"], "content": "It is north."}
+                for c in message.get("tool_calls") or ()]
+        return out, message.get("content") or ""
+
+    history, _ = turn([{"role": "system", "content": SYSTEM},
+                       {"role": "user", "content": "Where is the harbor?"}])
+    history, _ = turn(history)
+    _, written = turn([*history, {"role": "user", "content": ASK_SUMMARY}], **SUMMARY_TOKENS)
+    assert len(written) >= 40
+    after, _ = turn([{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": f"Summary of the work so far:\n{written}\n"
+                                                 "Go on with the task."}])
+    turn([*after, {"role": "user", "content": "And then?"}])
+
+    summary, rows, calls = _exported(proxy, "ep", tmp_path)
+    main, segment = _linked(rows, calls, summary_seq=2)
+    assert segment["call_ids"] == [c["call_id"] for c in calls if c["seq"] >= 3]
+    assert summary.splits == {"compaction": 1}
+    _assert_trained_once(rows, calls)
+    assert {r["reward"] for r in rows} == {1.0}
+
+
+def test_a_header_line_that_changes_at_compaction_keeps_the_lineage(proxy, tmp_path):
+    """Messages, as Claude Code 2.1 sends them: a billing header at the start of the
+    system prompt whose values change at /compact; the summary kept without its
+    analysis."""
+    register(proxy, "cc", harness={"name": "scripted-claude"})
+    client = anthropic.Anthropic(base_url=proxy.episode_url("cc").removesuffix("/v1"),
+                                 api_key="k", max_retries=0)
+
+    def system(build):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.{build}; "
+                                         "cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": SYSTEM}]
+
+    def turn(build, messages, **extra):
+        reply = client.messages.create(model="mock-model", max_tokens=300, messages=messages,
+                                       system=system(build), extra_body=extra or None)
+        text = "".join(b.text for b in reply.content if b.type == "text")
+        return [*messages, {"role": "assistant", "content": text}], text
+
+    history, _ = turn("a1", [{"role": "user", "content": "Where is the harbor?"}])
+    history, _ = turn("a1", [*history, {"role": "user", "content": "And the river?"}])
+    _, written = turn("a1", [*history, {"role": "user", "content": ASK_SUMMARY}],
+                      **SUMMARY_TOKENS)
+    assert len(written) >= 80
+    kept = written[12:]  # the start ("<analysis>...") dropped, the summary kept
+    after, _ = turn("f9", [{"role": "user", "content": "This session is being continued from "
+                                                        f"a previous conversation.\n\n{kept}"}])
+    turn("f9", [*after, {"role": "user", "content": "Go on."}])
+
+    summary, rows, calls = _exported(proxy, "cc", tmp_path)
+    _linked(rows, calls, summary_seq=2)
+    assert summary.splits == {"compaction": 1}
+    _assert_trained_once(rows, calls)
+
+
+def test_the_conversation_hash_skips_a_leading_header_line_only():
+    def start(system):
+        return conversation({"system": system, "messages": [{"role": "user", "content": "t"}]})
+
+    plain = start([{"type": "text", "text": "Be brief."}])
+    header = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
+    assert start([{"type": "text", "text": header.format("344")},
+                  {"type": "text", "text": "Be brief."}]) == plain
+    assert start(header.format("cf6") + "\nBe brief.") == plain
+    # Anywhere else, or not key=value pairs: part of the prompt.
+    assert start("Be brief.\n" + header.format("344")) != plain
+    assert start("x-note: be brief\nBe brief.") != start("x-note: be terse\nBe brief.")
+
+
+class _Body:
+    def __init__(self, request=None, response=None):
+        self.request, self.response = request, response
+
+
+def test_the_summary_is_found_in_each_harness_shape_and_short_replies_are_not():
+    import json
+    summary = "The user asked where the harbor is. " * 4
+    codex = _Body(json.dumps({"instructions": "x", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "task"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another language model "
+                                      f"started... {summary[10:]}"}]}]}))
+    responses = _Body(response=json.dumps({"object": "response", "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": summary}]}]}))
+    other = _Body(response=json.dumps({"choices": [{"index": 0, "message": {
+        "role": "assistant", "content": "Something else entirely, at length."}}]}))
+    assert find(codex, [other, responses], ["o", "r"]) == "r"
+    # Said by the assistant itself, not told to it: no compaction.
+    echoed = _Body(json.dumps({"messages": [{"role": "user", "content": "t"},
+                                            {"role": "assistant", "content": summary}]}))
+    assert find(echoed, [responses], ["r"]) is None
+    short = _Body(response=json.dumps({"choices": [{"index": 0, "message": {
+        "role": "assistant", "content": "Done."}}]}))
+    told = _Body(json.dumps({"messages": [{"role": "user", "content": "Done. Go on."}]}))
+    assert find(told, [short], ["s"]) is None
