@@ -22,6 +22,8 @@ Then, for each compaction found (``relink``):
   row is that lineage's main line: its completion is trained once, like any other;
 - a start that began a lineage of its own (a system prompt that changed at the
   compaction) is merged back into the lineage it continues;
+- a summary links only the first start told it (it stays in every later prompt of the
+  segment, whose own splits are not compactions);
 - the start's row says ``split_reason = "compaction"``, ``summary_call_id`` (the call that
   wrote the summary) and ``continues_trajectory_id``: the row of the same lineage whose
   last call is the latest to finish before the summary call started (the context that was
@@ -70,9 +72,15 @@ async def segments(calls: Sequence[Any], rows: list[Trajectory], lineages: dict[
     ordered = sorted((c for c in calls if c.status == "ok"), key=lambda c: c.t_start)
     earlier = {s: _earlier(ordered, s) for s in starts}
     read = await bodies(sorted({*starts, *(e.call_id for s in starts for e in earlier[s])}))
-    found = [Compaction(s, summary) for s in starts
-             if (summary := find(read.get(s), [read.get(e.call_id) for e in earlier[s]],
-                                 [e.call_id for e in earlier[s]])) is not None]
+    found: list[Compaction] = []
+    for start in sorted(starts, key=lambda s: next(i for i, c in enumerate(ordered)
+                                                   if c.call_id == s)):
+        summary = find(read.get(start), [read.get(e.call_id) for e in earlier[start]],
+                       [e.call_id for e in earlier[start]])
+        # The summary stays in every later prompt of the segment: a later split there
+        # (template drift, a dropped turn) is not another compaction.
+        if summary is not None and all(f.summary != summary for f in found):
+            found.append(Compaction(start, summary))
     if not found:
         return rows
     timing = {c.call_id: c for c in calls}

@@ -28,7 +28,7 @@ def _exported(proxy, episode, tmp_path):
     return summary, rows, calls
 
 
-def _assert_trained_once(rows, calls):
+def assert_trained_once(rows, calls):
     """Every sampled token is trainable in exactly one row (a row's response is, per
     call of its path, the observation since the previous call, then its completion)."""
     by_id = {c["call_id"]: c for c in calls}
@@ -67,7 +67,7 @@ def _linked(rows, calls, summary_seq):
     lineage = {c["call_id"]: c["lineage_id"] for c in calls}
     assert lineage[summary_call] == summary_call
     assert {lineage[c] for c in segment["call_ids"]} == {main["lineage_id"]}
-    return main, segment
+    return segment
 
 
 def test_a_scripted_compaction_exports_as_linked_segments(proxy, tmp_path):
@@ -96,10 +96,10 @@ def test_a_scripted_compaction_exports_as_linked_segments(proxy, tmp_path):
     turn([*after, {"role": "user", "content": "And then?"}])
 
     summary, rows, calls = _exported(proxy, "ep", tmp_path)
-    main, segment = _linked(rows, calls, summary_seq=2)
+    segment = _linked(rows, calls, summary_seq=2)
     assert segment["call_ids"] == [c["call_id"] for c in calls if c["seq"] >= 3]
     assert summary.splits == {"compaction": 1}
-    _assert_trained_once(rows, calls)
+    assert_trained_once(rows, calls)
     assert {r["reward"] for r in rows} == {1.0}
 
 
@@ -135,7 +135,7 @@ def test_a_header_line_that_changes_at_compaction_keeps_the_lineage(proxy, tmp_p
     summary, rows, calls = _exported(proxy, "cc", tmp_path)
     _linked(rows, calls, summary_seq=2)
     assert summary.splits == {"compaction": 1}
-    _assert_trained_once(rows, calls)
+    assert_trained_once(rows, calls)
 
 
 def test_the_conversation_hash_skips_a_leading_header_line_only():

@@ -30,6 +30,7 @@ from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
 
 from tests.harness_matrix import runs, steer
+from tests.test_compaction import assert_trained_once
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.exporters.history import CAUSES
@@ -41,7 +42,7 @@ from tracetap.proxy.runtime.settings import Settings
 RUN_TIMEOUT_S = 180
 # Runs at once (module fixture `launched`); the processes mostly wait, even on 2 cores.
 LAUNCH_WORKERS = 4
-OTHER_SPLITS = {"sample", "retry", "branch"}
+OTHER_SPLITS = {"sample", "retry", "branch", "compaction"}
 
 
 @dataclass(frozen=True)
@@ -256,3 +257,53 @@ def assert_lineages(rows: list[dict], harness: Harness) -> None:
     roots = [lineage for lineage, parent in lineages.items() if parent is None]
     assert len(lineages) >= 2 and len(roots) == 1, lineages
     assert all(parent in lineages for parent in lineages.values() if parent), lineages
+
+
+def test_claude_code_compact_exports_linked_segments(tools, proxies, tmp_path_factory):
+    """``/compact`` between two prompts of one Claude Code session: the turns after it
+    continue the main conversation's lineage (its system prompt's billing header changes
+    there), their row says ``compaction`` and links the row it continues and the call
+    that wrote the summary, a lineage of its own; every sampled token trained once."""
+    proxy, folder = proxies[()], tmp_path_factory.mktemp("claude-compact")
+    episode = "matrix-claude-code-compact"
+    status, body = proxy.admin("POST", "/tracetap/episodes", {"id": episode})
+    assert status == 201, body
+    place = runs.Place(tools=tools, proxy=proxy.url, episode=episode, home=folder / "home",
+                       work=folder / "work", episode_url=body["base_url"].removesuffix("/v1"))
+    place.home.mkdir()
+    place.work.mkdir()
+    (place.work / "notes.txt").write_text(runs.NOTES)
+    for run in runs.claude_code_compacted(place):
+        done = subprocess.run(run.argv, env=run.env, cwd=place.work, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, (run.argv, done.stdout[-2000:], done.stderr[-2000:])
+    calls = proxy.calls(episode)
+    assert_captured(calls)
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
+    out = folder / "out"
+    summary = export(proxy.settings.db, out, episodes=[episode])
+    rows = pq.read_table(out / "trajectories").to_pylist()
+    assert_trajectories(rows, calls)
+    seq = {c["call_id"]: c["seq"] for c in calls}
+    shown = [([seq[c] for c in r["call_ids"]], r["split_reason"], r["drift_cause"],
+              seq.get(r["summary_call_id"]), seq[r["lineage_id"]]) for r in rows]
+    assert [r["split_reason"] for r in rows].count("compaction") == 1, shown
+    [segment] = [r for r in rows if r["split_reason"] == "compaction"]
+    asked = next(c for c in calls if c["call_id"] == segment["summary_call_id"])
+    assert "<summary>" in asked["request"]  # the call Claude Code asked for the summary
+    [written] = [r for r in rows if r["call_ids"] == [asked["call_id"]]]
+    assert written["split_reason"] is None and written["lineage_id"] == asked["call_id"]
+    assert written["parent_lineage_id"] == segment["lineage_id"]
+    main = next(r for r in rows if r["trajectory_id"] == segment["continues_trajectory_id"])
+    # The row it continues: the conversation's, up to the last call before the summary's.
+    assert main["lineage_id"] == segment["lineage_id"] == calls[0]["call_id"]
+    assert main["parent_lineage_id"] is None and seq[main["call_ids"][-1]] == seq[
+        asked["call_id"]] - 1
+    # The turns after /compact stay in the conversation's lineage (no new lineage for
+    # the new billing header), rows of its own after the compaction row.
+    start = seq[segment["call_ids"][0]]
+    after = [r for r in rows if seq[r["call_ids"][0]] >= start]
+    assert len(after) >= 1 and {r["lineage_id"] for r in after} == {segment["lineage_id"]}
+    assert {seq[c] for r in after for c in r["call_ids"]} == set(range(start, len(calls)))
+    assert summary.splits.get("compaction") == 1
+    assert_trained_once(rows, pq.read_table(out / "calls").to_pylist())

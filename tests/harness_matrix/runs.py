@@ -195,3 +195,14 @@ def framework(name: str):
         return Run([python, str(HERE / "frameworks.py"), name], env)
 
     return run
+
+
+def claude_code_compacted(place: Place) -> list[Run]:
+    """Claude Code's /compact, driven without a terminal: the task, then ``/compact`` and
+    one more prompt in the same session (``--continue``: the latest session of the
+    working directory)."""
+    first = claude_code(place)
+    again = [first.argv[0], "--continue", "-p"]
+    rest = first.argv[3:]  # the tool settings and the turn limit
+    return [first, Run([*again, "/compact"], first.env),
+            Run([*again, "Now say the answer again.", *rest], first.env)]
