@@ -206,3 +206,14 @@ def claude_code_compacted(place: Place) -> list[Run]:
     rest = first.argv[3:]  # the tool settings and the turn limit
     return [first, Run([*again, "/compact"], first.env),
             Run([*again, "Now say the answer again.", *rest], first.env)]
+
+
+def codex_compacted(place: Place) -> Run:
+    """Codex with auto-compaction at a limit below its first prompt: it compacts after
+    the first tool round (tests/harness_matrix/steer.py ends the turn after that)."""
+    run = codex(place)
+    config = place.home / ".codex" / "config.toml"
+    config.write_text(config.read_text().replace(
+        "check_for_update_on_startup = false\n",
+        "check_for_update_on_startup = false\nmodel_auto_compact_token_limit = 1000\n"))
+    return run
