@@ -35,6 +35,7 @@ a lineage of its own changes which row trains its tokens, never how many times.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -69,25 +70,42 @@ async def segments(calls: Sequence[Any], rows: list[Trajectory], lineages: dict[
     starts = _candidates(rows, lineages)
     if not starts:
         return rows
-    ordered = sorted((c for c in calls if c.status == "ok"), key=lambda c: c.t_start)
-    earlier = {s: _earlier(ordered, s) for s in starts}
-    read = await bodies(sorted({*starts, *(e.call_id for s in starts for e in earlier[s])}))
+    found = await _found(calls, starts, bodies)
+    if not found:
+        return rows
+    relink(found, lineages, [c.call_id for c in calls])
+    rows = build(lineages=lineages)
+    mark(rows, found, lineages, {c.call_id: c for c in calls})
+    return rows
+
+
+async def _found(calls: Sequence[Any], starts: list[str], bodies: Bodies) -> list[Compaction]:
+    """The compactions among ``starts``, in arrival order (module doc)."""
+    position = {c.call_id: i for i, c in enumerate(sorted(calls, key=_arrival))}
+    finished = sorted((c for c in calls if c.status == "ok" and c.t_end is not None),
+                      key=lambda c: c.t_end)
+    ends = [c.t_end for c in finished]
+    begun = {c.call_id: c.t_start for c in calls}
+    earlier = {}
+    for start in starts:  # the nearest LOOKBACK calls that finished before it began
+        at = bisect_right(ends, begun[start])
+        earlier[start] = [c.call_id for c in reversed(finished[max(0, at - LOOKBACK - 1):at])
+                          if c.call_id != start][:LOOKBACK]
+    read = await bodies(sorted({*starts, *(i for s in starts for i in earlier[s])}))
+    texts = {i: _sampled(_json(getattr(read.get(i), "response", None)))
+             for i in {i for s in starts for i in earlier[s]}}
     found: list[Compaction] = []
-    for start in sorted(starts, key=lambda s: next(i for i, c in enumerate(ordered)
-                                                   if c.call_id == s)):
-        summary = find(read.get(start), [read.get(e.call_id) for e in earlier[start]],
-                       [e.call_id for e in earlier[start]])
+    for start in sorted(starts, key=position.__getitem__):
+        summary = find(read.get(start), [(i, texts[i]) for i in earlier[start]])
         # The summary stays in every later prompt of the segment: a later split there
         # (template drift, a dropped turn) is not another compaction.
         if summary is not None and all(f.summary != summary for f in found):
             found.append(Compaction(start, summary))
-    if not found:
-        return rows
-    timing = {c.call_id: c for c in calls}
-    relink(found, lineages, [c.call_id for c in ordered])
-    rows = build(lineages=lineages)
-    mark(rows, found, lineages, timing)
-    return rows
+    return found
+
+
+def _arrival(call: Any) -> tuple:
+    return call.t_start, getattr(call, "instance", ""), getattr(call, "seq", 0)
 
 
 def bodies_of(reader: Any, calls: Sequence[Any]) -> Bodies:
@@ -114,25 +132,14 @@ def _candidates(rows: list[Trajectory], lineages: Mapping[str, Lineage]) -> list
     return starts
 
 
-def _earlier(ordered: Sequence[Any], start: str) -> list[Any]:
-    """The calls that finished before ``start`` began, nearest first, at most LOOKBACK."""
-    begun = next((c.t_start for c in ordered if c.call_id == start), None)
-    if begun is None:
-        return []
-    done = [c for c in ordered if c.call_id != start and c.t_end is not None
-            and c.t_end <= begun]
-    done.sort(key=lambda c: c.t_end, reverse=True)
-    return done[:LOOKBACK]
-
-
-def find(start: Any, earlier: Sequence[Any], ids: Sequence[str]) -> str | None:
-    """The id (of ``ids``, aligned with ``earlier``'s bodies) of the nearest call whose
-    reply text the ``start`` call's request was sent; None if none was."""
+def find(start: Any, earlier: Sequence[tuple[str, str]]) -> str | None:
+    """The id of the first of ``earlier`` (call id, the text its reply holds; nearest
+    first) whose text the ``start`` call's request (a body with ``request``) was sent;
+    None if none was."""
     told = _told(_json(getattr(start, "request", None)))
     if not told:
         return None
-    for body, call_id in zip(earlier, ids):
-        text = _sampled(_json(getattr(body, "response", None)))
+    for call_id, text in earlier:
         if len(text) >= MIN_CHARS and _contains(told, text):
             return call_id
     return None

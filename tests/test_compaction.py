@@ -3,13 +3,15 @@ through the proxy with the real SDKs, and the text matching on the harnesses' sh
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pyarrow.parquet as pq
 from helpers.http import finish, register
 
 from tracetap.exporters import export
-from tracetap.exporters.compaction import find
+from tracetap.exporters.compaction import _sampled, find
 from tracetap.proxy.episodes.lineage import conversation
 
 SYSTEM = "You are a careful agent. Use the tool, then answer."
@@ -153,27 +155,28 @@ def test_the_conversation_hash_skips_a_leading_header_line_only():
 
 
 class _Body:
-    def __init__(self, request=None, response=None):
-        self.request, self.response = request, response
+    def __init__(self, request=None):
+        self.request = request
 
 
 def test_the_summary_is_found_in_each_harness_shape_and_short_replies_are_not():
-    import json
     summary = "The user asked where the harbor is. " * 4
     codex = _Body(json.dumps({"instructions": "x", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "task"}]},
         {"role": "user", "content": [{"type": "input_text", "text": "Another language model "
                                       f"started... {summary[10:]}"}]}]}))
-    responses = _Body(response=json.dumps({"object": "response", "output": [
-        {"type": "message", "content": [{"type": "output_text", "text": summary}]}]}))
-    other = _Body(response=json.dumps({"choices": [{"index": 0, "message": {
-        "role": "assistant", "content": "Something else entirely, at length."}}]}))
-    assert find(codex, [other, responses], ["o", "r"]) == "r"
+    other = "Something else entirely, at length."
+    assert find(codex, [("o", other), ("r", summary.strip())]) == "r"
+    # The reply text of each API, as export reads it.
+    for response in ({"object": "response", "output": [{"type": "message", "content": [
+                        {"type": "output_text", "text": summary}]}]},
+                     {"type": "message", "content": [{"type": "text", "text": summary}]},
+                     {"choices": [{"index": 0, "message": {"role": "assistant",
+                                                           "content": summary}}]}):
+        assert _sampled(response) == summary.strip()
     # Said by the assistant itself, not told to it: no compaction.
     echoed = _Body(json.dumps({"messages": [{"role": "user", "content": "t"},
                                             {"role": "assistant", "content": summary}]}))
-    assert find(echoed, [responses], ["r"]) is None
-    short = _Body(response=json.dumps({"choices": [{"index": 0, "message": {
-        "role": "assistant", "content": "Done."}}]}))
+    assert find(echoed, [("r", summary.strip())]) is None
     told = _Body(json.dumps({"messages": [{"role": "user", "content": "Done. Go on."}]}))
-    assert find(told, [short], ["s"]) is None
+    assert find(told, [("s", "Done.")]) is None
