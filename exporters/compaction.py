@@ -49,7 +49,7 @@ from tracetap.exporters.trajectories import Trajectory
 LOOKBACK = 16  # earlier calls read per start, nearest first
 MIN_CHARS = 12  # a shorter reply ("OK", "Done.") is no evidence of a summary
 WINDOW = 64  # a long summary is found by any one of its pieces this long
-_PIECES = 32  # pieces tried per summary, spread over it
+_PIECES = 8  # pieces tried per summary, spread over it (and its end)
 _decode = msgspec.json.Decoder(dict).decode
 
 Build = Callable[..., list[Trajectory]]  # lineages= → the episode's rows
