@@ -81,7 +81,7 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     # (call, choice) pairs left out of trajectories/ for lack of token ids, by why.
     left_out: dict[str, int] = {}
     # Rows off an episode's main line, by cause: the drift cause of a "non_prefix" row,
-    # else its split_reason (sample, retry, branch, no_token_ids).
+    # else its split_reason (sample, retry, branch, compaction, no_token_ids).
     splits: dict[str, int] = {}
     # Of the --episode ids asked for, those not exported for these reasons.
     not_found: list[str] = []

@@ -180,3 +180,45 @@ def test_the_summary_is_found_in_each_harness_shape_and_short_replies_are_not():
     assert find(echoed, [("r", summary.strip())]) is None
     told = _Body(json.dumps({"messages": [{"role": "user", "content": "Done. Go on."}]}))
     assert find(told, [("s", "Done.")]) is None
+
+
+def test_a_lineage_that_began_at_the_compaction_is_merged_back():
+    """Stored before the header rule (or a harness whose system prompt changes at the
+    compaction): the turns after it began a lineage of their own under the conversation;
+    linking merges them back, and the summary call becomes its own lineage."""
+    import asyncio
+    import functools
+
+    from tests.test_trajectories import make_call
+    from tracetap.exporters.compaction import segments
+    from tracetap.exporters.lineages import CallView, assign
+    from tracetap.exporters.trajectories import build_trajectories
+
+    summary = "Looked up the harbor: it is north of the river."
+    calls = [make_call("a", 0, [1, 2], [[3]], finish_reason="tool_calls"),
+             make_call("b", 2, [1, 2, 3, 4], [[5]]),
+             make_call("s", 4, [1, 2, 3, 4, 5, 6], [[7, 7]]),  # asked for the summary
+             make_call("c", 6, [9, 8, 7, 7], [[10]]),  # a new system prompt, the summary
+             make_call("d", 8, [9, 8, 7, 7, 10, 11], [[12]])]
+    starts = {"a": "s1:f1", "b": "s1:f1", "s": "s1:f1", "c": "s2:f2", "d": "s2:f2"}
+    lineages = assign([CallView(call_id=c.call_id, t_start=c.t_start, t_end=c.t_end,
+                                conversation=starts[c.call_id]) for c in calls])
+    assert lineages["c"].parent == "a" and lineages["c"].id == "c"  # as detected
+
+    bodies = {"c": _Body(json.dumps({"messages": [
+        {"role": "system", "content": "new"}, {"role": "user", "content": summary}]}))}
+    bodies["s"] = _Body()
+    bodies["s"].response = json.dumps({"choices": [{"index": 0, "message": {
+        "role": "assistant", "content": summary}}]})
+
+    async def read(ids):
+        return {i: bodies[i] for i in ids if i in bodies}
+
+    build = functools.partial(build_trajectories, calls)
+    rows = asyncio.run(segments(calls, build(lineages=lineages), lineages, build, read))
+    got = {tuple(r.call_ids): (r.split_reason, r.summary_call_id, r.continues_trajectory_id,
+                               lineages[r.call_ids[-1]].id) for r in rows}
+    assert got == {("a", "b"): (None, None, None, "a"), ("s",): (None, None, None, "s"),
+                   ("c", "d"): ("compaction", "s", "b:0", "a")}
+    assert lineages["s"].parent == "a"
+    assert sum(sum(r.response_mask) for r in rows) == 1 + 1 + 2 + 1 + 1
