@@ -8,7 +8,9 @@ so every episode has at least two calls. Then: every call is captured with token
 logprobs for its whole completion, and the episode exports as one trajectory or splits
 with a named cause (exporters.history.CAUSES, or sample/retry/branch), among those
 docs/harnesses.md gives for that harness. A harness release that changes the shape of
-its requests or how it resends its history turns this red.
+its requests or how it resends its history turns this red. Claude Code's ``/compact`` and
+Codex's auto-compaction run as episodes of their own, whose export must link the
+segments before and after the compaction (docs/export.md, "Compacted conversations").
 
 Skipped when the harnesses are not installed, except in CI, where it fails.
 """
