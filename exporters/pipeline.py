@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 
 import msgspec
@@ -21,6 +22,7 @@ import pyarrow.compute as pc
 
 from tracetap import __version__
 from tracetap.exporters.annotate import PageNotes, adopt, page_notes, without_infra
+from tracetap.exporters.compaction import bodies_of, segments
 from tracetap.exporters.drift import explain
 from tracetap.exporters.images import IMAGES, ImageSink, trajectory_images
 from tracetap.exporters.ledger import LedgerWriter
@@ -36,6 +38,7 @@ from tracetap.exporters.parquet import (
     Selection,
     run_id,
 )
+from tracetap.exporters.prefetch import prefetched
 from tracetap.exporters.report import missing_note
 from tracetap.exporters.schema import (
     SCHEMA_VERSION,
@@ -79,7 +82,7 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     # (call, choice) pairs left out of trajectories/ for lack of token ids, by why.
     left_out: dict[str, int] = {}
     # Rows off an episode's main line, by cause: the drift cause of a "non_prefix" row,
-    # else its split_reason (sample, retry, branch, no_token_ids).
+    # else its split_reason (sample, retry, branch, compaction, no_token_ids).
     splits: dict[str, int] = {}
     # Of the --episode ids asked for, those not exported for these reasons.
     not_found: list[str] = []
@@ -267,8 +270,8 @@ class ExportRun:
         self.total = await self.reader.count(filt)
         self._report()
         # Closed here, not left to the event loop's shutdown, when a write fails: the read
-        # ahead must end while the database is still open (see _prefetched).
-        async with contextlib.aclosing(_prefetched(self.reader.episodes(filt))) as pages:
+        # ahead must end while the database is still open (see prefetch.prefetched).
+        async with contextlib.aclosing(prefetched(self.reader.episodes(filt))) as pages:
             async for whole in pages:
                 whole, held = without_held(whole, self.holds)
                 summary.held += len(held)
@@ -277,11 +280,11 @@ class ExportRun:
                 page, excluded = (without_infra(whole, notes) if selection.exclude_infra
                                   else (whole, 0))
                 summary.excluded_infra += excluded
+                if trajectories is not None:  # first: linking compactions moves lineages
+                    await self._add_trajectories(trajectories, page, notes)
                 if calls is not None:
                     self._add_calls(calls, page, notes)
                     await asyncio.sleep(0)  # lets the prefetched page's queries move on
-                if trajectories is not None:
-                    await self._add_trajectories(trajectories, page, notes)
                 self.images.write(self.writers[IMAGES])
                 summary.episodes += len(page.episodes)
                 for episode in whole.episodes:
@@ -314,12 +317,13 @@ class ExportRun:
 
     async def _add_trajectories(self, writer: DatasetWriter, page: ScanPage,
                                 notes: PageNotes) -> None:
-        summary = self.summary
+        summary, keep = self.summary, self.selection.keep_untokenized
         rows = [(episode, notes.lineage_rows(t)) for episode in page.episodes
-                for t in build_trajectories(episode.calls,
-                                            keep_untokenized=self.selection.keep_untokenized,
-                                            left_out=summary.left_out,
-                                            lineages=notes.lineages)]
+                for t in await segments(episode.calls, build_trajectories(
+                    episode.calls, keep_untokenized=keep, left_out=summary.left_out,
+                    lineages=notes.lineages), notes.lineages, functools.partial(
+                        build_trajectories, episode.calls, keep_untokenized=keep),
+                    bodies_of(self.reader, episode.calls))]
         drifted = [(e, t) for e, t in rows if t.drift_call_id is not None]
         if drifted:  # only split rows need bodies; read here when the page came without them
             calls = {c.call_id: c for e, _ in drifted for c in e.calls}
@@ -330,7 +334,7 @@ class ExportRun:
                 explain(t, calls)
         for _, t in rows:
             if t.split_reason is not None:
-                cause = t.drift_cause or t.split_reason
+                cause = t.drift_cause if t.split_reason == "non_prefix" else t.split_reason
                 summary.splits[cause] = summary.splits.get(cause, 0) + 1
         images = await trajectory_images(rows, self.reader, self.images)
         batch = trajectories_batch(rows, writer.schema, notes, images)
@@ -343,26 +347,6 @@ class ExportRun:
 def _tokens(batch, *columns: str) -> int:
     """Token ids in ``columns`` (list columns of a freshly built batch)."""
     return sum(len(batch.column(name).values) for name in columns)
-
-
-async def _prefetched(pages: AsyncIterator) -> AsyncIterator:
-    """Read the next page while the current one is turned into rows."""
-    iterator = pages.__aiter__()
-    pending = asyncio.ensure_future(iterator.__anext__())
-    try:
-        while True:
-            try:
-                page = await pending
-            except StopAsyncIteration:
-                return
-            pending = asyncio.ensure_future(iterator.__anext__())
-            yield page
-    finally:
-        # Waited for, not cancelled: a cancelled read leaves its query running on the
-        # database driver's thread (aiosqlite), which then reports to an event loop that
-        # has closed ("Exception in thread ..." at exit, under the CLI's error line).
-        await asyncio.gather(pending, return_exceptions=True)
-        await iterator.aclose()
 
 
 def _previous(manifest: Manifest | None, selection: Selection, incremental: bool,

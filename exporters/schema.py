@@ -28,7 +28,8 @@ SCHEMA_VERSION = "6"  # 2: token origin, the engine's view of the request, drift
 # 3: harness_factors (trajectories), overlay (calls); 4: integrity and lineage columns
 # (both datasets; exporters.annotate), policy spans and mixed_policy (both), routed experts;
 # 5: finish_seq (both: which export of a finished-again episode supersedes which)
-# 6: images (both: each image with its placeholder span; exporters.images), images/
+# 6: images (both: each image with its placeholder span; exporters.images), images/;
+#    continues_trajectory_id and summary_call_id (trajectories: compacted segments)
 METADATA_SCHEMA_VERSION = b"tracetap.schema_version"
 METADATA_TRACETAP_VERSION = b"tracetap.version"
 METADATA_DATASET = b"tracetap.dataset"
@@ -125,6 +126,10 @@ TRAJECTORIES = pa.schema([
     ("integrity_causes", _CAUSES),  # [{cause, calls}], empty when clean
     ("lineage_id", pa.string()),  # the conversation inside the episode (exporters.lineages)
     ("parent_lineage_id", pa.string()),
+    # A "compaction" row: the row it continues, the call that wrote the summary
+    # (exporters.compaction).
+    ("continues_trajectory_id", pa.string()),
+    ("summary_call_id", pa.string()),
     # The policy version of each response token as runs (exporters.policy), and
     # whether the trained tokens are not all from one known version (a weight sync
     # landed mid-trajectory).
@@ -301,6 +306,8 @@ def _trajectory_notes(episodes: Sequence[ScannedEpisode], trajectories: Sequence
                              for v in verdicts],
         "lineage_id": [t.lineage_id for t in trajectories],
         "parent_lineage_id": [t.parent_lineage_id for t in trajectories],
+        "continues_trajectory_id": [t.continues_trajectory_id for t in trajectories],
+        "summary_call_id": [t.summary_call_id for t in trajectories],
     }
 
 

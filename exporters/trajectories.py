@@ -22,6 +22,9 @@ it leaves it (the top of its trainable part):
                   its own: each lineage is merged on its own, with its own main line)
   "no_token_ids"  the upstream gave no token ids; a single-turn row, never stitched (only
                   with keep_untokenized: such rows are not training data)
+  "compaction"    a "non_prefix" root whose prompt holds the summary an earlier call
+                  wrote: the conversation compacted its history (exporters.compaction
+                  marks it and links the segments after the rows are built)
   "vetoed"        a reply an overlay rejected (the model sampled again, docs/overlays.md):
                   a single-turn row of its own, never stitched, never a parent, so it is
                   never trained as part of the trajectory the harness went on with
@@ -48,7 +51,8 @@ import msgspec
 from tracetap.exporters.experts import trajectory_experts
 from tracetap.exporters.policy import trajectory_runs
 
-SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids", "vetoed")
+SPLIT_REASONS = (None, "sample", "retry", "branch", "non_prefix", "no_token_ids", "vetoed",
+                 "compaction")
 
 
 class ChoiceLike(Protocol):
@@ -99,6 +103,9 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     # The conversation inside the episode the row belongs to (exporters.lineages).
     lineage_id: str | None = None
     parent_lineage_id: str | None = None
+    # A "compaction" row: the row it continues and the call that wrote the summary.
+    continues_trajectory_id: str | None = None
+    summary_call_id: str | None = None
     # Off-policy tokens told apart: [start, end) runs of the completions' tokens in
     # response_ids with their policy version (None: unknown); whether the trained ones
     # mix versions (exporters.policy).

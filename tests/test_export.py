@@ -359,6 +359,7 @@ DOCUMENTED_TRAJECTORIES = pa.schema([
     ("integrity", pa.string()),
     ("integrity_causes", pa.list_(pa.struct([("cause", pa.string()), ("calls", pa.int32())]))),
     ("lineage_id", pa.string()), ("parent_lineage_id", pa.string()),
+    ("continues_trajectory_id", pa.string()), ("summary_call_id", pa.string()),
     ("response_policy_spans", _SPANS), ("mixed_policy", pa.bool_()),
     ("response_routed_experts", _ROUTING), ("images", _IMAGES),
 ])

@@ -8,7 +8,9 @@ so every episode has at least two calls. Then: every call is captured with token
 logprobs for its whole completion, and the episode exports as one trajectory or splits
 with a named cause (exporters.history.CAUSES, or sample/retry/branch), among those
 docs/harnesses.md gives for that harness. A harness release that changes the shape of
-its requests or how it resends its history turns this red.
+its requests or how it resends its history turns this red. Claude Code's ``/compact`` and
+Codex's auto-compaction run as episodes of their own, whose export must link the
+segments before and after the compaction (docs/export.md, "Compacted conversations").
 
 Skipped when the harnesses are not installed, except in CI, where it fails.
 """
@@ -30,6 +32,7 @@ from helpers.loop import LoopThread, free_port
 from helpers.servers import Proxy
 
 from tests.harness_matrix import runs, steer
+from tests.test_compaction import assert_trained_once
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.exporters.history import CAUSES
@@ -41,7 +44,7 @@ from tracetap.proxy.runtime.settings import Settings
 RUN_TIMEOUT_S = 180
 # Runs at once (module fixture `launched`); the processes mostly wait, even on 2 cores.
 LAUNCH_WORKERS = 4
-OTHER_SPLITS = {"sample", "retry", "branch"}
+OTHER_SPLITS = {"sample", "retry", "branch", "compaction"}
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,8 @@ def launched(request, tools, proxies, tmp_path_factory) -> Iterator[dict[str, Fu
     """Every selected harness, started at once: a run mostly waits (on its runtime's
     start, on the proxy), so the matrix takes about its slowest run, not their sum."""
     names = [item.callspec.params["name"] for item in request.session.items
-             if item.module is request.module and hasattr(item, "callspec")]
+             if item.module is request.module and hasattr(item, "callspec")
+             and "name" in item.callspec.params]
     with ThreadPoolExecutor(max_workers=LAUNCH_WORKERS) as pool:
         yield {name: pool.submit(run_harness, name, tools, proxies[HARNESSES[name].serve],
                                  tmp_path_factory.mktemp(name))
@@ -256,3 +260,68 @@ def assert_lineages(rows: list[dict], harness: Harness) -> None:
     roots = [lineage for lineage, parent in lineages.items() if parent is None]
     assert len(lineages) >= 2 and len(roots) == 1, lineages
     assert all(parent in lineages for parent in lineages.values() if parent), lineages
+
+
+# Harnesses whose compaction can be driven without a terminal: their runs (one after the
+# other, in one working directory), the serve settings, and a text of the prompt with
+# which the harness asks for its summary.
+COMPACTING = {
+    # /compact between two prompts of one session (--continue); its system prompt's
+    # billing header changes at the compaction.
+    "claude-code": (runs.claude_code_compacted, (), "<summary>"),
+    # Auto-compaction under a small model_auto_compact_token_limit (steer.py ends the
+    # turn after it).
+    "codex": (lambda place: [runs.codex_compacted(place)], (("steer_agents", True),),
+              "CONTEXT CHECKPOINT COMPACTION"),
+}
+
+
+@pytest.mark.parametrize("compacting", list(COMPACTING))
+def test_a_compaction_exports_linked_segments(compacting, tools, proxies, tmp_path_factory):
+    """The turns after the compaction continue the conversation's lineage; their first
+    row says ``compaction`` and links the row it continues and the call that wrote the
+    summary, a lineage of its own; every sampled token is trained once."""
+    make_runs, serve, asks = COMPACTING[compacting]
+    proxy, folder = proxies[serve], tmp_path_factory.mktemp(f"{compacting}-compact")
+    episode = f"matrix-{compacting}-compact"
+    status, body = proxy.admin("POST", "/tracetap/episodes", {"id": episode})
+    assert status == 201, body
+    place = runs.Place(tools=tools, proxy=proxy.url, episode=episode, home=folder / "home",
+                       work=folder / "work", episode_url=body["base_url"].removesuffix("/v1"))
+    place.home.mkdir()
+    place.work.mkdir()
+    (place.work / "notes.txt").write_text(runs.NOTES)
+    for run in make_runs(place):
+        done = subprocess.run(run.argv, env=run.env, cwd=place.work, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, (run.argv, done.stdout[-2000:], done.stderr[-2000:])
+    calls = proxy.calls(episode)
+    assert_captured(calls)
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {"reward": 1.0})[0] == 200
+    out = folder / "out"
+    summary = export(proxy.settings.db, out, episodes=[episode])
+    rows = pq.read_table(out / "trajectories").to_pylist()
+    assert_trajectories(rows, calls)
+    seq = {c["call_id"]: c["seq"] for c in calls}
+    shown = [([seq[c] for c in r["call_ids"]], r["split_reason"], r["drift_cause"],
+              seq.get(r["summary_call_id"]), seq[r["lineage_id"]]) for r in rows]
+    assert [r["split_reason"] for r in rows].count("compaction") == 1, shown
+    [segment] = [r for r in rows if r["split_reason"] == "compaction"]
+    asked = next(c for c in calls if c["call_id"] == segment["summary_call_id"])
+    assert asks in asked["request"], shown  # the call the harness asked for its summary
+    [written] = [r for r in rows if r["call_ids"] == [asked["call_id"]]]
+    assert written["split_reason"] is None and written["lineage_id"] == asked["call_id"]
+    assert written["parent_lineage_id"] == segment["lineage_id"]
+    # The row it continues: the conversation's, up to the last call before the summary's.
+    main = next(r for r in rows if r["trajectory_id"] == segment["continues_trajectory_id"])
+    assert main["lineage_id"] == segment["lineage_id"] == calls[0]["call_id"]
+    assert main["parent_lineage_id"] is None and seq[main["call_ids"][-1]] == seq[
+        asked["call_id"]] - 1
+    # The turns after the compaction stay in the conversation's lineage, rows of their
+    # own from the compaction row on.
+    start = seq[segment["call_ids"][0]]
+    after = [r for r in rows if seq[r["call_ids"][0]] >= start]
+    assert {r["lineage_id"] for r in after} == {segment["lineage_id"]}, shown
+    assert {seq[c] for r in after for c in r["call_ids"]} == set(range(start, len(calls)))
+    assert summary.splits.get("compaction") == 1
+    assert_trained_once(rows, pq.read_table(out / "calls").to_pylist())

@@ -13,12 +13,17 @@ title generator, a summariser. The export groups calls into *lineages*
   rewrote its history (a summary in place of the old turns) keeps S.
 
 Text is hashed, not JSON: a content block's ``cache_control`` (which Claude Code moves
-from turn to turn) and other markup do not change the hash.
+from turn to turn) and other markup do not change the hash. Nor does a header line that a
+harness puts at the very start of its system prompt, ``x-NAME: key=value; key=value;``
+(Claude Code 2.1: ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;``):
+its values change with the build and the session (at ``/compact`` among others), not
+with the conversation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +31,11 @@ from tracetap.proxy.http.headers import LINEAGE_HEADER, PARENT_HEADER
 
 _SYSTEM_ROLES = ("system", "developer")
 _NAME_CHARS = 128  # calls.lineage
+# A header line of ``key=value;`` pairs at the very start, then the end of its block or
+# line. A value holds no ``=`` or ``;``: each pair parses one way (no backtracking blow-up
+# on a long system prompt that almost matches).
+_HEADER = re.compile(r"\Ax-[A-Za-z0-9-]{1,64}:(?:[ \t]*[\w.-]+=[^;=\n\x1f\x1e]*;)+[ \t]*"
+                     r"(?:[\n\x1f\x1e]|\Z)")
 
 
 def names(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
@@ -53,7 +63,7 @@ def conversation(payload: Mapping[str, Any]) -> str | None:
         elif first is None:
             first = _text(message.get("content", message))
             break
-    start = "\x1e".join(s for s in system if s)
+    start = _HEADER.sub("", "\x1e".join(s for s in system if s))
     return f"{_hash(start)}:{_hash(start + chr(0x1d) + (first or ''))}"
 
 

@@ -195,3 +195,25 @@ def framework(name: str):
         return Run([python, str(HERE / "frameworks.py"), name], env)
 
     return run
+
+
+def claude_code_compacted(place: Place) -> list[Run]:
+    """Claude Code's /compact, driven without a terminal: the task, then ``/compact`` and
+    one more prompt in the same session (``--continue``: the latest session of the
+    working directory)."""
+    first = claude_code(place)
+    again = [first.argv[0], "--continue", "-p"]
+    rest = first.argv[3:]  # the tool settings and the turn limit
+    return [first, Run([*again, "/compact"], first.env),
+            Run([*again, "Now say the answer again.", *rest], first.env)]
+
+
+def codex_compacted(place: Place) -> Run:
+    """Codex with auto-compaction at a limit below its first prompt: it compacts after
+    the first tool round (tests/harness_matrix/steer.py ends the turn after that)."""
+    run = codex(place)
+    config = place.home / ".codex" / "config.toml"
+    config.write_text(config.read_text().replace(
+        "check_for_update_on_startup = false\n",
+        "check_for_update_on_startup = false\nmodel_auto_compact_token_limit = 1000\n"))
+    return run

@@ -8,6 +8,12 @@ after the run has ended). Here the engine is shown that schema with the type fix
 ``general-purpose`` and ``run_in_background`` to false. It sees the steered schema on
 every call of the run, so its token ids stay consistent from turn to turn; tracetap
 stores what Claude Code sent.
+
+It also ends a Codex run after its auto-compaction: the turn that starts from Codex's
+summary (its user message begins with ``CODEX_SUMMARY``) is answered in text. The mock
+engine calls a tool while the conversation holds fewer tool results than its rounds, and
+a compacted history holds none, so under a small ``model_auto_compact_token_limit``
+every new tool round would compact again, without end.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ import aiohttp
 from aiohttp import web
 
 _DROPPED = ("model", "effort", "isolation", "name", "team_name", "mode")
+CODEX_SUMMARY = "Another language model started to solve this problem"
 
 
 def steered(body: dict[str, Any]) -> dict[str, Any]:
+    if any(isinstance(m, dict) and m.get("role") == "user"
+           and CODEX_SUMMARY in json.dumps(m.get("content")) for m in body.get("messages") or []):
+        body["mock_tool_rounds"] = 0
     for tool in body.get("tools") or []:
         spec = tool.get("function") if isinstance(tool.get("function"), dict) else tool
         if spec.get("name") != "Agent":
