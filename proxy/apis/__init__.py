@@ -8,9 +8,12 @@ translated to chat completions (``responses/translate.py``, ``messages/translate
 Handlers and ``ModelCall`` never branch on the API. ``routing`` says which API (native
 or translated) captures a path.
 
+Each API package also reads its stored calls as a conversation (``conversation.py``,
+``storage.conversation``'s types), for everything that reads a conversation.
+
 Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `registry` (the
-APIs, one line each), `routing`, `fields` (what may reach the engine), `dropped`,
-`translate_errors`, `wire_out`, `reasoning_options`.
+APIs, one line each, and their ``readers``), `routing`, `fields` (what may reach the
+engine), `dropped`, `translate_errors`, `wire_out`, `reasoning_options`.
 May import: `http`.
 """
 
@@ -23,6 +26,7 @@ import msgspec
 
 from tracetap.proxy.http.errors import ErrorShape
 from tracetap.proxy.http.sse import Event
+from tracetap.storage.conversation import Reader
 from tracetap.storage.records import ChoiceRecord
 
 
@@ -130,3 +134,6 @@ class ClientApi(NamedTuple):
     native: Callable[[], WireApi] | None  # its capture when spoken to the upstream as is
     native_flavors: tuple[str, ...]  # engines that serve it token-exact natively
     translation: Translation | None  # spoken to the upstream as chat instead, when set
+    # Its stored request and reply read as a conversation (its ``conversation.py``): what
+    # the viewer, analysis and lineage read instead of its shapes.
+    reader: Reader

@@ -1,8 +1,9 @@
 """Every wire API a client may speak. Adding one is a package under ``apis/`` (the same
 files as the others: ``api.py`` with its ``ClientApi``, ``capture.py``, ``errors.py``,
-``request.py``, and ``translate.py`` when it is spoken to engines as chat) and its line
-here; routing, the allowlist of paths and the error shapes follow from this table
-(docs/architecture.md, "Adding a wire API")."""
+``request.py``, ``conversation.py`` (its stored calls read as a conversation), and
+``translate.py`` when it is spoken to engines as chat) and its line here; routing, the
+allowlist of paths, the error shapes and the conversation readers follow from this table
+(docs/architecture.md, "Adding a wire API")"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tracetap.proxy.apis import ClientApi
 from tracetap.proxy.apis.chat.api import CHAT_CLIENT, COMPLETIONS_CLIENT
 from tracetap.proxy.apis.messages.api import MESSAGES
 from tracetap.proxy.apis.responses.api import RESPONSES
+from tracetap.storage.conversation import Readers
 
 APIS: tuple[ClientApi, ...] = (CHAT_CLIENT, COMPLETIONS_CLIENT, RESPONSES, MESSAGES)
 BY_PATH = {api.path: api for api in APIS}
@@ -20,3 +22,12 @@ TRANSLATABLE = tuple(api.name for api in APIS if api.translation is not None)
 def exposed_paths() -> tuple[str, ...]:
     """What an agent may POST to reach the model APIs (``http/exposure.py``'s rules)."""
     return tuple(path for api in APIS for path in api.exposed)
+
+
+def readers() -> Readers:
+    """Each API's conversation reader, by the names ``calls.endpoint`` stores: its name,
+    its native capture's endpoint (chat's ``chat.completions``), and ``<client>:chat``'s
+    upstream side (``chat``). Handed to the viewer, analysis and lineage at composition."""
+    by_name = {api.name: api.reader for api in APIS}
+    by_name.update({api.native().endpoint: api.reader for api in APIS if api.native})
+    return Readers(by_name)

@@ -7,8 +7,9 @@ from __future__ import annotations
 from tracetap.proxy.apis import ClientApi
 from tracetap.proxy.apis.responses import translate
 from tracetap.proxy.apis.responses.capture import ResponsesApi
+from tracetap.proxy.apis.responses.conversation import read_responses
 from tracetap.proxy.apis.responses.errors import ERRORS
 
 RESPONSES = ClientApi(
     name="responses", path=ResponsesApi.path, exposed=(ResponsesApi.path,), errors=ERRORS,
-    native=ResponsesApi, native_flavors=("vllm",), translation=translate)
+    native=ResponsesApi, native_flavors=("vllm",), translation=translate, reader=read_responses)
