@@ -101,6 +101,8 @@ def _part_text(part: Part) -> str:
         return _text(part.parts)
     if type(part) is CalledTool:
         return pretty({"name": part.name, "arguments": part.arguments})
+    if type(part) is Other and isinstance(part.value, str):
+        return part.value
     return pretty(part.value if type(part) is Other else part)
 
 

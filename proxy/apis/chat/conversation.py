@@ -71,9 +71,7 @@ def parts(content: Any) -> list[Part]:
 
 
 def _part(p: Any) -> Part:
-    if isinstance(p, str):
-        return Text(p)
-    if not isinstance(p, dict):
+    if not isinstance(p, dict):  # a bare string is no content part: kept, not read as text
         return Other(value=p)
     if isinstance(p.get("text"), str):
         return Text(p["text"])
