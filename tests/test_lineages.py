@@ -6,6 +6,7 @@ from __future__ import annotations
 from tests.test_trajectories import make_call
 from tracetap.exporters.lineages import CallView, assign
 from tracetap.exporters.trajectories import build_trajectories
+from tracetap.proxy.apis.registry import readers
 from tracetap.proxy.episodes.lineage import conversation, names
 
 MAIN = "s1:f1"
@@ -95,12 +96,14 @@ def test_the_conversation_hash_ignores_markup_and_follows_the_start():
                                "content": [{"type": "text", "text": "task",
                                             "cache_control": {"type": "ephemeral"}}]}]}
     responses = {"instructions": "be brief", "input": "task"}
-    key = conversation(first)
-    assert key == conversation(later) == conversation(anthropic) == conversation(responses)
+    read = readers().reader
+    key = conversation(read("chat.completions")(first, {}))
+    assert key == conversation(read("chat.completions")(later, {})) == conversation(
+        read("messages:chat")(anthropic, {})) == conversation(read("responses")(responses, {}))
     summary = {"messages": [first["messages"][0], {"role": "user", "content": "summary"}]}
-    other = conversation(summary)
+    other = conversation(read("chat.completions")(summary, {}))
     assert other.split(":")[0] == key.split(":")[0] and other != key
-    assert conversation({"prompt": [1, 2, 3]}) is None
+    assert conversation(read("completions")({"prompt": [1, 2, 3]}, {})) is None
 
 
 def test_lineage_headers_are_read_and_trimmed():

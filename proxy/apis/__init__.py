@@ -12,8 +12,8 @@ Each API package also reads its stored calls as a conversation (``conversation.p
 ``storage.conversation``'s types), for everything that reads a conversation.
 
 Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `registry` (the
-APIs, one line each, and their ``readers``), `routing`, `fields` (what may reach the
-engine), `dropped`, `translate_errors`, `wire_out`, `reasoning_options`.
+APIs, one line each, and their conversation readers), `routing`, `fields` (what may
+reach the engine), `dropped`, `translate_errors`, `wire_out`, `reasoning_options`.
 May import: `http`.
 """
 

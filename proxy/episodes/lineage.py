@@ -12,7 +12,8 @@ title generator, a summariser. The export groups calls into *lineages*
   conversation resends the same start, so its calls share F; a conversation that
   rewrote its history (a summary in place of the old turns) keeps S.
 
-Text is hashed, not JSON: a content block's ``cache_control`` (which Claude Code moves
+The request is read by its API's reader (``storage.conversation``). Text is hashed, not
+JSON: a content block's ``cache_control`` (which Claude Code moves
 from turn to turn) and other markup do not change the hash.
 """
 
@@ -20,11 +21,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
 
 from tracetap.proxy.http.headers import LINEAGE_HEADER, PARENT_HEADER
+from tracetap.storage.conversation import (
+    SYSTEM_ROLES,
+    Conversation,
+    Image,
+    Other,
+    Part,
+    Text,
+    ToolCall,
+    ToolResult,
+)
 
-_SYSTEM_ROLES = ("system", "developer")
 _NAME_CHARS = 128  # calls.lineage
 
 
@@ -33,46 +42,41 @@ def names(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
     return _name(headers.get(LINEAGE_HEADER)), _name(headers.get(PARENT_HEADER))
 
 
-def conversation(payload: Mapping[str, Any]) -> str | None:
-    """``S:F`` for a request with messages (chat, Anthropic Messages, Responses); None
-    for one without (a completions prompt)."""
-    messages = payload.get("messages")
-    if messages is None:
-        messages = payload.get("input")
-    if isinstance(messages, str):  # Responses: the input as one user message
-        messages = [{"role": "user", "content": messages}]
-    if not isinstance(messages, list):
+def conversation(read: Conversation) -> str | None:
+    """``S:F`` for a request with messages (its API's reader read them: chat, Anthropic
+    Messages, Responses); None for one without (a completions prompt)."""
+    if read.messages is None:
         return None
-    system = [_text(payload.get("system")), _text(payload.get("instructions"))]
+    system = []
     first = None
-    for message in messages:
-        if not isinstance(message, Mapping):
+    for message in read.messages:
+        if message.role == "other":  # not a message (not an object): no part of the start
             continue
-        if message.get("role") in _SYSTEM_ROLES and first is None:
-            system.append(_text(message.get("content")))
-        elif first is None:
-            first = _text(message.get("content", message))
+        if message.role in SYSTEM_ROLES:
+            system.append(_text(message.parts))
+        else:
+            first = _text(message.parts)
             break
     start = "\x1e".join(s for s in system if s)
     return f"{_hash(start)}:{_hash(start + chr(0x1d) + (first or ''))}"
 
 
-def _text(value: Any) -> str:
-    """The text of a content value: a string, or the texts of its blocks joined (a
-    block that is not text counts by its type)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        text = value.get("text")
-        if isinstance(text, str):
-            return text
-        content = value.get("content")
-        return _text(content) if content is not None else str(value.get("type", ""))
-    if isinstance(value, list):
-        return "\x1f".join(_text(v) for v in value)
-    return str(value)
+def _text(parts: list[Part] | None) -> str:
+    """The text of a message's parts joined (a part that is not text counts by its type;
+    a tool result by its content)."""
+    return "\x1f".join(_part(p) for p in parts or ())
+
+
+def _part(part: Part) -> str:
+    if type(part) is Text:
+        return part.text
+    if type(part) is ToolResult:
+        return "tool_result" if part.parts is None else _text(part.parts)
+    if type(part) is Other:
+        return part.value if isinstance(part.value, str) else part.block
+    if type(part) is Image:
+        return part.block
+    return "tool_use" if type(part) is ToolCall else "thinking"
 
 
 def _hash(text: str) -> str:
