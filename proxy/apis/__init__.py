@@ -19,7 +19,7 @@ May import: `http`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -123,6 +123,21 @@ class Translation(Protocol):
     def untranslatable(self, exc: Exception) -> Exception: ...
 
 
+class Caps(NamedTuple):
+    """What a request lets the model generate (the episode budget's reservation)."""
+
+    tokens: int | None = None  # its completion-token cap; None: it states none
+    choices: int = 1  # completions generated (chat's ``n``)
+
+
+def read_caps(request: Mapping[str, Any], keys: tuple[str, ...], n: str | None = None) -> Caps:
+    """The first of ``keys`` that holds a positive integer, and ``n``'s count of choices
+    (1 to 128; else 1): what an API's ``caps`` reads with its own keys."""
+    cap = next((v for k in keys if type(v := request.get(k)) is int and v > 0), None)
+    count = request.get(n) if n is not None else None
+    return Caps(cap, count if type(count) is int and 0 < count <= 128 else 1)
+
+
 class ClientApi(NamedTuple):
     """One wire API a client may speak, as the registry (``apis/registry.py``) lists it:
     each API package's ``api.py`` makes its own."""
@@ -137,3 +152,4 @@ class ClientApi(NamedTuple):
     # Its stored request and reply read as a conversation (its ``conversation.py``): what
     # the viewer, analysis and lineage read instead of its shapes.
     reader: Reader
+    caps: Callable[[Mapping[str, Any]], Caps]  # its request's completion cap (the budgets')

@@ -7,7 +7,10 @@ allowlist of paths, the error shapes and the conversation readers follow from th
 
 from __future__ import annotations
 
-from tracetap.proxy.apis import ClientApi
+from collections.abc import Mapping
+from typing import Any
+
+from tracetap.proxy.apis import Caps, ClientApi
 from tracetap.proxy.apis.chat.api import CHAT_CLIENT, COMPLETIONS_CLIENT
 from tracetap.proxy.apis.messages.api import MESSAGES
 from tracetap.proxy.apis.responses.api import RESPONSES
@@ -17,6 +20,8 @@ APIS: tuple[ClientApi, ...] = (CHAT_CLIENT, COMPLETIONS_CLIENT, RESPONSES, MESSA
 BY_PATH = {api.path: api for api in APIS}
 BY_NAME = {api.name: api for api in APIS}
 TRANSLATABLE = tuple(api.name for api in APIS if api.translation is not None)
+# By the names calls.endpoint stores: an API's name, and its native capture's endpoint.
+_BY_ENDPOINT = {**BY_NAME, **{api.native().endpoint: api for api in APIS if api.native}}
 
 
 def exposed_paths() -> tuple[str, ...]:
@@ -24,10 +29,15 @@ def exposed_paths() -> tuple[str, ...]:
     return tuple(path for api in APIS for path in api.exposed)
 
 
+def caps(endpoint: str, request: Mapping[str, Any]) -> Caps:
+    """The completion cap of a request to ``endpoint`` (a route's), read by its client's
+    API (the budgets' reservation)."""
+    api = _BY_ENDPOINT.get(endpoint.split(":", 1)[0])
+    return Caps() if api is None else api.caps(request)
+
+
 def readers() -> Readers:
     """Each API's conversation reader, by the names ``calls.endpoint`` stores: its name,
     its native capture's endpoint (chat's ``chat.completions``), and ``<client>:chat``'s
     upstream side (``chat``). Handed to the viewer, analysis and lineage at composition."""
-    by_name = {api.name: api.reader for api in APIS}
-    by_name.update({api.native().endpoint: api.reader for api in APIS if api.native})
-    return Readers(by_name)
+    return Readers({name: api.reader for name, api in _BY_ENDPOINT.items()})

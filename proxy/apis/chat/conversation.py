@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tracetap.proxy.apis import Caps, read_caps
 from tracetap.storage.conversation import (
     Conversation,
     Image,
@@ -36,6 +37,14 @@ def read_completions(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Co
         prompt=parts(request.get("prompt")),
         reply=[Message(role="reply", parts=parts(c.get("text")))
                for c in reply.get("choices") or () if isinstance(c, dict)])
+
+
+def chat_caps(request: Mapping[str, Any]) -> Caps:
+    return read_caps(request, ("max_completion_tokens", "max_tokens"), "n")
+
+
+def completions_caps(request: Mapping[str, Any]) -> Caps:
+    return read_caps(request, ("max_tokens",), "n")
 
 
 def message(m: Any) -> Message:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tracetap.proxy.apis import Caps, read_caps
 from tracetap.storage.conversation import (
     Conversation,
     Image,
@@ -39,6 +40,10 @@ def read_messages(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conve
         tools=[Tool(name=t.get("name"), description=t.get("description"),
                     parameters=t.get("input_schema"))
                for t in tools if isinstance(t, dict)] if isinstance(tools, list) else [])
+
+
+def messages_caps(request: Mapping[str, Any]) -> Caps:
+    return read_caps(request, ("max_tokens",))  # no ``n``: one message
 
 
 def message(m: Any) -> Message:

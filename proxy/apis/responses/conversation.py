@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tracetap.proxy.apis import Caps, read_caps
 from tracetap.proxy.apis.chat.conversation import parts
 from tracetap.storage.conversation import (
     Conversation,
@@ -39,6 +40,10 @@ def read_responses(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conv
         tools=[Tool(name=t.get("name"), description=t.get("description"),
                     parameters=t.get("parameters"))
                for t in tools if isinstance(t, dict)] if isinstance(tools, list) else [])
+
+
+def responses_caps(request: Mapping[str, Any]) -> Caps:
+    return read_caps(request, ("max_output_tokens",))  # no ``n``: one response
 
 
 def items_as_messages(items: list[Any]) -> list[Message]:
