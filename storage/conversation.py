@@ -28,6 +28,7 @@ class Reasoning(msgspec.Struct, tag="reasoning"):
     Responses' reasoning items)."""
 
     text: str
+    block: str = ""  # the API's name for the block (thinking), when it is one
 
 
 class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True):
@@ -35,11 +36,13 @@ class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True):
     # As the API sent them: a JSON text (chat, Responses) or a JSON value (Messages' input).
     arguments: Any = None
     id: str | None = None
+    block: str = ""  # the API's name for the block (tool_use), when it is one
 
 
 class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True):
     call_id: str | None = None  # the ToolCall.id it answers
     parts: list[Part] | None = None  # None: the result has no content
+    block: str = ""  # the API's name for the block (tool_result), when it is one
 
 
 class Image(msgspec.Struct, tag="image", kw_only=True):

@@ -26,11 +26,9 @@ from tracetap.proxy.http.headers import LINEAGE_HEADER, PARENT_HEADER
 from tracetap.storage.conversation import (
     SYSTEM_ROLES,
     Conversation,
-    Image,
     Other,
     Part,
     Text,
-    ToolCall,
     ToolResult,
 )
 
@@ -70,13 +68,11 @@ def _text(parts: list[Part] | None) -> str:
 def _part(part: Part) -> str:
     if type(part) is Text:
         return part.text
-    if type(part) is ToolResult:
-        return "tool_result" if part.parts is None else _text(part.parts)
-    if type(part) is Other:
-        return part.value if isinstance(part.value, str) else part.block
-    if type(part) is Image:
-        return part.block
-    return "tool_use" if type(part) is ToolCall else "thinking"
+    if type(part) is ToolResult and part.parts is not None:
+        return _text(part.parts)
+    if type(part) is Other and isinstance(part.value, str):
+        return part.value
+    return part.block
 
 
 def _hash(text: str) -> str:

@@ -69,14 +69,14 @@ def _block(block: Any) -> Part:
     if kind == "text" or (kind == "" and isinstance(block.get("text"), str)):
         return Text(str(block.get("text", "")))
     if kind == "thinking":
-        return Reasoning(str(block.get("thinking", "")))
+        return Reasoning(str(block.get("thinking", "")), block=kind)
     if kind == "tool_use":
         return ToolCall(name=_str(block.get("name")), arguments=block.get("input"),
-                        id=_str(block.get("id")))
+                        id=_str(block.get("id")), block=kind)
     if kind == "tool_result":
         content = block.get("content")
         return ToolResult(call_id=_str(block.get("tool_use_id")),
-                          parts=None if content is None else blocks(content))
+                          parts=None if content is None else blocks(content), block=kind)
     if kind == "image":
         source = block.get("source")
         source = source if isinstance(source, dict) else {}

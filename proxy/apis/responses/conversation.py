@@ -65,14 +65,14 @@ def _item(item: Any) -> Message:
     if kind == "function_call":
         return Message(role="assistant", parts=[ToolCall(
             name=_str(item.get("name")), arguments=item.get("arguments"),
-            id=_str(item.get("call_id")))])
+            id=_str(item.get("call_id")), block=kind)])
     if kind == "function_call_output":
-        return Message(role="tool", parts=[ToolResult(call_id=_str(item.get("call_id")),
-                                                      parts=parts(item.get("output")))])
+        return Message(role="tool", parts=[ToolResult(
+            call_id=_str(item.get("call_id")), parts=parts(item.get("output")), block=kind)])
     if kind == "reasoning":
         said = parts(item.get("summary") or item.get("content"))
         text = "\n".join(p.text for p in said if type(p) is Text)
-        return Message(role="assistant", parts=[Reasoning(text)])
+        return Message(role="assistant", parts=[Reasoning(text, block=kind)])
     if kind == "message":
         return Message(role=str(item.get("role", "other")), parts=parts(item.get("content")))
     return Message(role="other", parts=[Other(value=item, block=str(kind))])
