@@ -47,7 +47,7 @@ class CallBodies(msgspec.Struct, kw_only=True, gc=False):
     """One call as the steps are read from it."""
 
     call_id: str
-    endpoint: str = "chat.completions"  # calls.endpoint: which reader reads the bodies
+    endpoint: str  # calls.endpoint: which API's reader reads the bodies
     status: str = "ok"
     failed: bool = False
     request: str | None = None

@@ -47,17 +47,20 @@ def test_a_summarised_history_keeps_every_step():
     calls = [
         CallBodies(
             call_id="k0",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER]}),
             response=_reply(_turn(0)),
         ),
         CallBodies(
             call_id="k1",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER, _turn(0), _result(0)]}),
             response=_reply(_turn(1)),
         ),
         # The harness drops its turns and sends a summary instead.
         CallBodies(
             call_id="k2",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, summary]}),
             response=_reply({"role": "assistant", "content": "It is north."}),
         ),
@@ -89,12 +92,14 @@ def test_what_an_overlay_added_is_marked_and_a_vetoed_turn_is_no_action():
     calls = [
         CallBodies(
             call_id="k0",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER]}),
             upstream_request=json.dumps({"messages": [SYSTEM, note, USER]}),
             response=_reply(_turn(0)),
         ),
         CallBodies(
             call_id="k1a",
+            endpoint="chat.completions",
             status="vetoed",
             failed=True,
             request=json.dumps({"messages": harness}),
@@ -102,6 +107,7 @@ def test_what_an_overlay_added_is_marked_and_a_vetoed_turn_is_no_action():
         ),
         CallBodies(
             call_id="k1",
+            endpoint="chat.completions",
             request=json.dumps({"messages": harness}),
             upstream_request=json.dumps({"messages": model}),
             response=_reply({"role": "assistant", "content": "north"}),

@@ -20,8 +20,6 @@ APIS: tuple[ClientApi, ...] = (CHAT_CLIENT, COMPLETIONS_CLIENT, RESPONSES, MESSA
 BY_PATH = {api.path: api for api in APIS}
 BY_NAME = {api.name: api for api in APIS}
 TRANSLATABLE = tuple(api.name for api in APIS if api.translation is not None)
-# By the names calls.endpoint stores: an API's name, and its native capture's endpoint.
-_BY_ENDPOINT = {**BY_NAME, **{api.native().endpoint: api for api in APIS if api.native}}
 
 
 def exposed_paths() -> tuple[str, ...]:
@@ -36,8 +34,17 @@ def caps(endpoint: str, request: Mapping[str, Any]) -> Caps:
     return Caps() if api is None else api.caps(request)
 
 
-def readers() -> Readers:
+def readers(apis: tuple[ClientApi, ...] = APIS) -> Readers:
     """Each API's conversation reader, by the names ``calls.endpoint`` stores: its name,
     its native capture's endpoint (chat's ``chat.completions``), and ``<client>:chat``'s
     upstream side (``chat``). Handed to the viewer, analysis and lineage at composition."""
-    return Readers({name: api.reader for name, api in _BY_ENDPOINT.items()})
+    return Readers({name: api.reader for name, api in _by_endpoint(apis).items()})
+
+
+def _by_endpoint(apis: tuple[ClientApi, ...]) -> dict[str, ClientApi]:
+    """By the names calls.endpoint stores: an API's name, its native capture's endpoint."""
+    return {**{api.name: api for api in apis},
+            **{api.native().endpoint: api for api in apis if api.native}}
+
+
+_BY_ENDPOINT = _by_endpoint(APIS)
