@@ -46,7 +46,8 @@ class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True):
 
 
 class Image(msgspec.Struct, tag="image", kw_only=True):
-    """An image by reference: its URL, or ``sha256:<hex>`` of inline data (never the data)."""
+    """An image by reference: its URL, or ``sha256:<hex>`` of its inline data (never the
+    data itself)."""
 
     ref: str
     block: str = "image"  # the API's name for the block (image_url, input_image, image)
@@ -125,7 +126,8 @@ def json_object(text: str | bytes | None) -> dict[str, Any]:
 
 
 def image_ref(url: Any, data: Any = None) -> str:
-    """A URL as it is; inline (``data:`` URLs, base64 data) as the digest of its bytes."""
+    """A URL as it is; an inline image (a ``data:`` URL, base64 data) as the sha256 of
+    its text as sent: the same image sent twice has one reference."""
     if isinstance(url, str) and not url.startswith("data:"):
         return url
     blob = data if isinstance(data, str) else url if isinstance(url, str) else ""
