@@ -13,17 +13,17 @@ reply as JSON values, never dropped.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import msgspec
 
 
-class Text(msgspec.Struct, tag="text"):
+class Text(msgspec.Struct, tag="text", gc=False):
     text: str
 
 
-class Reasoning(msgspec.Struct, tag="reasoning"):
+class Reasoning(msgspec.Struct, tag="reasoning", gc=False):
     """The model's reasoning (chat's ``reasoning_content``, Messages' thinking blocks,
     Responses' reasoning items)."""
 
@@ -31,7 +31,7 @@ class Reasoning(msgspec.Struct, tag="reasoning"):
     block: str = ""  # the API's name for the block (thinking), when it is one
 
 
-class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True):
+class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True, gc=False):
     name: str | None = None
     # As the API sent them: a JSON text (chat, Responses) or a JSON value (Messages' input).
     arguments: Any = None
@@ -39,13 +39,13 @@ class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True):
     block: str = ""  # the API's name for the block (tool_use), when it is one
 
 
-class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True):
+class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True, gc=False):
     call_id: str | None = None  # the ToolCall.id it answers
     parts: list[Part] | None = None  # None: the result has no content
     block: str = ""  # the API's name for the block (tool_result), when it is one
 
 
-class Image(msgspec.Struct, tag="image", kw_only=True):
+class Image(msgspec.Struct, tag="image", kw_only=True, gc=False):
     """An image by reference: its URL, or ``sha256:<hex>`` of its inline data (never the
     data itself)."""
 
@@ -53,7 +53,7 @@ class Image(msgspec.Struct, tag="image", kw_only=True):
     block: str = "image"  # the API's name for the block (image_url, input_image, image)
 
 
-class Other(msgspec.Struct, tag="other", kw_only=True):
+class Other(msgspec.Struct, tag="other", kw_only=True, gc=False):
     """A value the reader does not understand, kept as it was sent."""
 
     value: Any = None
@@ -63,20 +63,22 @@ class Other(msgspec.Struct, tag="other", kw_only=True):
 Part = Text | Reasoning | ToolCall | ToolResult | Image | Other
 
 
-class Message(msgspec.Struct, kw_only=True):
+class Message(msgspec.Struct, kw_only=True, gc=False):
     # system (a request's system prompt comes first as one), developer, user, assistant,
     # tool (a tool result), other (a message that is not an object)
     role: str
     parts: list[Part] = []
 
 
-class Tool(msgspec.Struct, kw_only=True):
+class Tool(msgspec.Struct, kw_only=True, gc=False):
     name: Any = None
     description: Any = None
     parameters: Any = None  # its JSON schema
 
 
-class Conversation(msgspec.Struct, kw_only=True):
+# gc=False: a conversation holds no cycles (an Other's value is a decoded JSON value), and
+# the collector need not walk the thousands of parts a long conversation makes.
+class Conversation(msgspec.Struct, kw_only=True, gc=False):
     # None: the request holds no list of messages (a completions prompt, or no body).
     messages: list[Message] | None = None
     prompt: list[Part] | None = None  # a legacy completions prompt
@@ -84,11 +86,18 @@ class Conversation(msgspec.Struct, kw_only=True):
     tools: list[Tool] = []
 
 
-# request (a decoded JSON object, ``{}`` when there was none), reply (likewise) → conversation
-Reader = Callable[[Mapping[str, Any], Mapping[str, Any]], Conversation]
+class Reader(Protocol):
+    def __call__(self, request: Mapping[str, Any], reply: Mapping[str, Any], *,
+                 first: int | None = None) -> Conversation:
+        """``request``: a decoded JSON object (``{}`` when there was none), ``reply``
+        likewise. ``first``: only the request's first messages are wanted (at least that
+        many when it has them, the system prompt counted as one): a reader may stop
+        there (the lineage hash reads the start of a long conversation)."""
+        ...
 
 
-def plain(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversation:
+def plain(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+          first: int | None = None) -> Conversation:
     """The reader of an API without one: its bodies as values."""
     return Conversation(
         messages=[Message(role="other", parts=[Other(value=dict(request))])] if request else [],

@@ -73,7 +73,7 @@ def _gemini_parts(content: dict) -> list:
     return parts
 
 
-def read_gemini(request, reply) -> Conversation:
+def read_gemini(request, reply, *, first=None) -> Conversation:
     """What ``proxy/apis/gemini/conversation.py`` would hold (docs/architecture.md)."""
     messages = [Message(role="system",
                         parts=_gemini_parts(request.get("systemInstruction") or {}))]
@@ -130,8 +130,8 @@ def test_a_fourth_api_is_read_everywhere_with_only_its_reader_and_registry_line(
     assert [(s.text, s.tool_calls, [o["content"] for o in s.observations]) for s in steps] == [
         (None, [{"name": "ls", "arguments": "{}"}], [RESULT]), (DONE, [], [])]
     # The lineage hash: the same start as the same conversation spoken in chat.
-    chat = WITH_GEMINI.reader("chat.completions")(CHAT, {})
-    assert lineage(WITH_GEMINI.reader("gemini:chat")(GEMINI, {})) == lineage(chat)
+    assert lineage(WITH_GEMINI.reader("gemini:chat"), GEMINI) == lineage(
+        WITH_GEMINI.reader("chat.completions"), CHAT)
     # Without its line the calls read as plain JSON: nothing of them is lost, nothing read.
     plain = viewer.turns(readers(), "gemini:chat", request, reply)
     assert [t.role for t in plain] == ["other", "reply"] and TASK in plain[0].text

@@ -144,8 +144,8 @@ def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_re
     """Messages has no native path: its package is entered to translate the request in
     the parse, for its completion cap (the budget's reservation), by the relay to make
     the client's stream (its translator made once, fed per chat chunk, finished at the
-    end) and by the record for the client's reply and its conversation, and from nowhere
-    else. Kills a translator made per read or per event, a translation the
+    end), by the record for the client's reply, and by the lineage for the start of its
+    conversation, and from nowhere else. Kills a translator made per read or per event, a translation the
     driver or the handler does itself, and a record that skips the client's shape."""
     walk = _walk(proxy, "/messages", {"model": "mock-model", "stream": True,
                                       "max_tokens": 8, **CASES["messages, translated"][2]})
@@ -162,4 +162,4 @@ def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_re
         *[("StreamTranslator.feed", "call/relay")] * feeds,
         ("StreamTranslator.finish", "call/relay"),
         ("from_chat", "call/record"),
-        ("read_messages", "call/record")]  # its conversation, for the lineage hash
+        ("read_messages", "episodes/lineage")]  # the start of its conversation, hashed

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 from tracetap.proxy.http.headers import LINEAGE_HEADER, PARENT_HEADER
 from tracetap.storage.conversation import (
     SYSTEM_ROLES,
-    Conversation,
+    Message,
     Other,
     Part,
+    Reader,
     Text,
     ToolResult,
 )
 
 _NAME_CHARS = 128  # calls.lineage
+_FIRST = 8  # messages read first: a system prompt or two, and the first turn
 
 
 def names(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
@@ -40,14 +43,15 @@ def names(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
     return _name(headers.get(LINEAGE_HEADER)), _name(headers.get(PARENT_HEADER))
 
 
-def conversation(read: Conversation) -> str | None:
-    """``S:F`` for a request with messages (its API's reader read them: chat, Anthropic
+def conversation(reader: Reader, payload: Mapping[str, Any]) -> str | None:
+    """``S:F`` for a request with messages (read by its API's reader: chat, Anthropic
     Messages, Responses); None for one without (a completions prompt)."""
-    if read.messages is None:
+    messages = _start(reader, payload)
+    if messages is None:
         return None
     system = []
     first = None
-    for message in read.messages:
+    for message in messages:
         if message.role == "other":  # not a message (not an object): no part of the start
             continue
         if message.role in SYSTEM_ROLES:
@@ -57,6 +61,18 @@ def conversation(read: Conversation) -> str | None:
             break
     start = "\x1e".join(s for s in system if s)
     return f"{_hash(start)}:{_hash(start + chr(0x1d) + (first or ''))}"
+
+
+def _start(reader: Reader, payload: Mapping[str, Any]) -> list[Message] | None:
+    """The request's messages up to its first one that is not the system prompt: read a
+    few at a time, as a long conversation's start is all the hash reads."""
+    wanted = _FIRST
+    while True:
+        messages = reader(payload, {}, first=wanted).messages
+        if messages is None or len(messages) < wanted or any(
+                m.role not in SYSTEM_ROLES and m.role != "other" for m in messages):
+            return messages
+        wanted *= 8
 
 
 def _text(parts: list[Part] | None) -> str:

@@ -23,8 +23,11 @@ from tracetap.storage.conversation import (
 )
 
 
-def read_chat(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversation:
+def read_chat(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+              first: int | None = None) -> Conversation:
     messages = request.get("messages")
+    if isinstance(messages, list) and first is not None:
+        messages = messages[:first]
     answers = [c.get("message") for c in reply.get("choices") or () if isinstance(c, dict)]
     return Conversation(
         messages=[message(m) for m in messages] if isinstance(messages, list) else None,
@@ -32,7 +35,8 @@ def read_chat(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversat
         tools=[tool(t) for t in request.get("tools") or () if isinstance(t, dict)])
 
 
-def read_completions(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversation:
+def read_completions(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+                     first: int | None = None) -> Conversation:
     return Conversation(
         prompt=parts(request.get("prompt")),
         reply=[Message(role="reply", parts=parts(c.get("text")))

@@ -24,8 +24,11 @@ from tracetap.storage.conversation import (
 )
 
 
-def read_messages(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversation:
+def read_messages(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+                  first: int | None = None) -> Conversation:
     items = request.get("messages")
+    if isinstance(items, list) and first is not None:
+        items = items[:first]
     messages = [message(m) for m in items] if isinstance(items, list) else None
     system = request.get("system")
     if system and messages is not None:

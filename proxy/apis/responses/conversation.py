@@ -22,7 +22,8 @@ from tracetap.storage.conversation import (
 )
 
 
-def read_responses(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conversation:
+def read_responses(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+                   first: int | None = None) -> Conversation:
     messages = []
     instructions = request.get("instructions")
     if instructions:
@@ -31,7 +32,7 @@ def read_responses(request: Mapping[str, Any], reply: Mapping[str, Any]) -> Conv
     if isinstance(items, str):
         messages.append(Message(role="user", parts=[Text(items)]))
     elif isinstance(items, list):
-        messages += items_as_messages(items)
+        messages += items_as_messages(items if first is None else items[:first])
     output = reply.get("output")
     tools = request.get("tools")
     return Conversation(
