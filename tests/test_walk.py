@@ -145,8 +145,9 @@ def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_re
     the parse, for its completion cap (the budget's reservation), by the relay to make
     the client's stream (its translator made once, fed per chat chunk, finished at the
     end), by the record for the client's reply, and by the lineage for the start of its
-    conversation, and from nowhere else. Kills a translator made per read or per event, a translation the
-    driver or the handler does itself, and a record that skips the client's shape."""
+    conversation, and from nowhere else. Kills a translator made per read or per event, a
+    translation the driver or the handler does itself, and a record that skips the
+    client's shape."""
     walk = _walk(proxy, "/messages", {"model": "mock-model", "stream": True,
                                       "max_tokens": 8, **CASES["messages, translated"][2]})
     [call] = proxy.calls("walk")

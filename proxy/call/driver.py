@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from tracetap.proxy.apis.registry import caps
 from tracetap.proxy.apis.routing import Route
 from tracetap.proxy.call import continuation, deadline
 from tracetap.proxy.call.record import call_outcome, call_record
@@ -239,7 +238,7 @@ class ModelCall(CallReview):
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded)."""
         payload = self.request.client_payload or self.request.payload
         self.reservation = await self.services.budgets.reserve_call(
-            self.episode_id, caps(self.endpoint, payload), body_bytes, keyed=keyed)
+            self.episode_id, self.endpoint, payload, body_bytes, keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""

@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.apis import Caps
+from tracetap.proxy.apis.registry import caps
 from tracetap.proxy.episodes.recent import Recent
 from tracetap.proxy.http.errors import ProxyError
 from tracetap.storage import budget_ledger
@@ -141,11 +143,14 @@ class Budgets:
         """An episode registered here: whether it has a budget is known without asking."""
         self._own.put(episode_id, limits is not None)
 
-    async def reserve_call(self, episode_id: str | None, caps: Caps,
-                           body_bytes: int, *, keyed: bool) -> Reservation | None:
-        """``reserve`` for a request: its completion cap plus its prompt's bytes."""
-        return await self.reserve(episode_id, reservation_size(caps, body_bytes),
-                                  keyed=keyed, completion=completion_cap(caps))
+    async def reserve_call(self, episode_id: str | None, endpoint: str,
+                           payload: dict[str, Any], body_bytes: int, *,
+                           keyed: bool) -> Reservation | None:
+        """``reserve`` for a request to ``endpoint`` (its route's): its completion cap, as
+        its API reads it, plus its prompt's bytes."""
+        asked = caps(endpoint, payload)
+        return await self.reserve(episode_id, reservation_size(asked, body_bytes),
+                                  keyed=keyed, completion=completion_cap(asked))
 
     async def reserve(self, episode_id: str | None, tokens: int, *, keyed: bool,
                       completion: int = 0) -> Reservation | None:
