@@ -138,6 +138,18 @@ def test_a_fourth_api_is_read_everywhere_with_only_its_reader_and_registry_line(
     assert analysis.read(readers(), "gemini:chat", request, None, reply, 200)[1] == []
 
 
+def test_every_api_of_the_registry_reads_through_its_own_package():
+    for api in APIS:
+        package = (api.native().__class__.__module__ if api.native
+                   else api.translation.__name__).split(".")[3]
+        for read in (api.reader, api.caps):
+            assert read.__module__ == f"tracetap.proxy.apis.{package}.conversation", api.name
+    names = readers()
+    for endpoint in ("chat", "chat.completions", "completions", "responses", "messages",
+                     "responses:chat", "messages:chat"):
+        assert names.reader(endpoint).__module__.endswith(".conversation"), endpoint
+
+
 def test_each_api_reads_its_own_completion_cap():
     assert caps("chat.completions", {"max_completion_tokens": 9, "max_tokens": 5, "n": 2}) == (
         9, 2)
