@@ -172,7 +172,7 @@ def _packets(args: argparse.Namespace) -> int:
             from tracetap.analysis.select import check_key
 
             check_key(options.batch, "--batch")
-        result = build(database_url(args), _filter(args), options)
+        result = build(database_url(args), _filter(args), options, args.readers())
         files = write(args.out, result)
         why = ", ".join(f"{r}: {n}" for r, n in result.reasons.items())
         print(

@@ -194,6 +194,7 @@ async def _run(args: argparse.Namespace) -> int:
             options,
             admin,
             engineer_admin,
+            readers=args.readers(),
         )
     finally:
         await admin.close()

@@ -27,6 +27,7 @@ from tracetap.analysis.integrity import clean
 from tracetap.analysis.packet_overlay import Overlay, events_by_action, overlay_of
 from tracetap.analysis.select import Selector, Success, value_of
 from tracetap.analysis.steps import CallBodies, read_steps
+from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import EpisodeFilter, ScannedCall
 from tracetap.storage.summaries import CallSummary, call_overlays, call_summaries
 
@@ -101,7 +102,9 @@ class PacketSet(msgspec.Struct, kw_only=True):
     failed: int = 0  # failed episodes with a packet before --per-batch left some out
 
 
-def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
+def build(db: str, filt: EpisodeFilter, options: Options, readers: Readers) -> PacketSet:
+    """The failure packets of the selected episodes; ``readers``: each wire API's
+    conversation reader (``proxy.apis.registry.readers()``, handed in by the command)."""
     unknown = set(options.failures) - set(FAILURES)
     if unknown or not options.failures:
         raise AnalysisError(f"--failure must be among {', '.join(FAILURES)}")
@@ -109,14 +112,15 @@ def build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
         raise AnalysisError("--steps and --max-chars must be at least 1")
     if options.per_batch is not None and options.per_batch < 1:
         raise AnalysisError("--per-batch must be at least 1")
-    return run(_build(db, filt, options))
+    return run(_build(db, filt, options, readers))
 
 
-async def _build(db: str, filt: EpisodeFilter, options: Options) -> PacketSet:
+async def _build(db: str, filt: EpisodeFilter, options: Options,
+                 readers: Readers) -> PacketSet:
     async with open_reader(db) as reader:
         episodes = await _selected(reader, filt, options.where)
         found = await _failed(reader, episodes, options)
-    packets = [_packet(e, reasons, found, options) for e, reasons in found.chosen]
+    packets = [_packet(e, reasons, found, options, readers) for e, reasons in found.chosen]
     packets.sort(key=lambda p: (p.batch or "", p.task_id or "", p.episode_id))
     failed = len(packets)
     if options.per_batch is not None:
@@ -207,19 +211,21 @@ def _errored(call: CallSummary) -> bool:
     return call.failed and call.status != "vetoed"
 
 
-def _packet(e: Episode, reasons: list[str], found: _Failed, options: Options) -> Packet:
+def _packet(e: Episode, reasons: list[str], found: _Failed, options: Options,
+            readers: Readers) -> Packet:
     s, budget = e.summary, options.max_chars
     calls = found.calls[e.id]
     read = []
     for c in calls:
         body = found.bodies.get(c.call_id)
         read.append(CallBodies(
-            call_id=c.call_id, status=c.status, failed=c.failed,
+            call_id=c.call_id, endpoint=body.endpoint if body else c.endpoint,
+            status=c.status, failed=c.failed,
             request=body.request if body else None,
             upstream_request=body.upstream_request if body else None,
             response=body.response if body else None,
         ))
-    task, steps, before = read_steps(read, budget)
+    task, steps, before = read_steps(readers, read, budget)
     overlay = overlay_of(e, calls, found.overlays, before, budget)
     if overlay is not None:
         own = events_by_action(calls, found.overlays, overlay.events)

@@ -29,19 +29,16 @@ import msgspec
 from tracetap.analysis.conversation import (
     Step,
     Task,
-    _action,
-    _Body,
-    _body,
-    _final_message,
-    _Message,
-    _message,
-    _messages,
-    _observations,
-    _text,
-    _tool,
+    action,
+    conversation_of,
     cut,
-    json_object,
+    final_message,
+    messages_of,
+    observations,
+    text,
+    tool,
 )
+from tracetap.storage.conversation import SYSTEM_ROLES, Message, Readers, ToolCall
 
 _WHOLE = 1 << 62  # a budget nothing reaches: texts compared before they are cut
 
@@ -50,6 +47,7 @@ class CallBodies(msgspec.Struct, kw_only=True, gc=False):
     """One call as the steps are read from it."""
 
     call_id: str
+    endpoint: str  # calls.endpoint: which API's reader reads the bodies
     status: str = "ok"
     failed: bool = False
     request: str | None = None
@@ -57,9 +55,10 @@ class CallBodies(msgspec.Struct, kw_only=True, gc=False):
     response: str | None = None
 
 
-def read_steps(calls: list[CallBodies], budget: int) -> tuple[Task, list[Step], list[dict]]:
+def read_steps(readers: Readers, calls: list[CallBodies],
+               budget: int) -> tuple[Task, list[Step], list[dict]]:
     """The task (from the first call), the steps, and what an overlay injected before the
-    first step (observations of no step)."""
+    first step (observations of no step); each call read by its API's reader."""
     task, steps, before = Task(), [], []
     names: dict[Any, Any] = {}  # tool call id -> tool name
     pending = False  # the last step's observations come from the next call's request
@@ -67,33 +66,29 @@ def read_steps(calls: list[CallBodies], budget: int) -> tuple[Task, list[Step], 
     for call in calls:
         if call.status == "vetoed":
             continue
-        harness = _messages(_body(call.request) or _Body())
+        harness = messages_of(readers, call.endpoint, call.request)
         model = None
         if call.upstream_request:  # the proxy or an overlay changed what the model got
-            model = _messages(_body(call.upstream_request) or _Body())
+            model = messages_of(readers, call.endpoint, call.upstream_request, upstream=True)
         marked = _marked(harness, None) if model is None else _marked(model, harness)
         if first:
-            task = Task(tools=_tools(call))
+            task = Task(tools=[tool(t) for t in conversation_of(
+                readers, call.endpoint, call.request, call.upstream_request).tools])
             _history(marked, task, steps, before, names, budget)
             first = False
         elif pending and steps:
             steps[-1].observations += _trailing(marked, task, names, budget)
         pending = False
-        final = None if call.failed else _final_message(json_object(call.response))
+        final = None if call.failed else final_message(readers, call.endpoint, call.response)
         if final is not None:
-            step = _action(_message(final), len(steps), names, budget)
+            step = action(final, len(steps), names, budget)
             step.call_id = call.call_id
             steps.append(step)
             pending = True
     return task, steps, before
 
 
-def _tools(call: CallBodies) -> list[dict[str, Any]]:
-    body = _body(call.upstream_request) or _body(call.request) or _Body()
-    return [_tool(t) for t in body.tools or ()]
-
-
-def _marked(messages: list[_Message], harness: list[_Message] | None) -> list[tuple]:
+def _marked(messages: list[Message], harness: list[Message] | None) -> list[tuple]:
     """Each message with, per observation it holds (one flag for any other message),
     whether an overlay added it: absent from the harness's own messages (``harness``
     None: the model was given the harness's request as it is). Observations are compared
@@ -113,16 +108,14 @@ def _marked(messages: list[_Message], harness: list[_Message] | None) -> list[tu
     return out
 
 
-def _keys(m: _Message) -> list[tuple]:
+def _keys(m: Message) -> list[tuple]:
     """A message by content, whichever API spelled it: one key per observation."""
     if m.role == "assistant":
-        calls = [c.function.name if c.function else None for c in m.tool_calls or ()]
-        if isinstance(m.content, list):  # Messages: tool_use blocks
-            calls += [b.name for b in m.content if b.type == "tool_use"]
-        return [("assistant", _text(m.content), tuple(calls))]
+        calls = [c.name for c in m.parts if type(c) is ToolCall]
+        return [("assistant", text(m), tuple(calls))]
     if m.role in ("user", "tool"):
-        return [("observation", o["content"]) for o in _observations(m, {}, _WHOLE)]
-    return [(m.role, _text(m.content))]
+        return [("observation", o["content"]) for o in observations(m, {}, _WHOLE)]
+    return [(m.role, text(m))]
 
 
 def _added(flags: list[bool]) -> bool:
@@ -134,14 +127,14 @@ def _history(marked, task: Task, steps: list[Step], before: list, names, budget)
     """The first call's conversation, as analysis.conversation.read reads a request."""
     for m, flags in marked:
         role, injected = m.role, _added(flags)
-        if role in ("system", "developer") and not steps and not injected:
+        if role in SYSTEM_ROLES and not steps and not injected:
             if task.system is None:
-                task.system = cut(_text(m.content), budget)
+                task.system = cut(text(m), budget)
         elif role == "assistant":
             if not injected:
-                steps.append(_action(m, len(steps), names, budget))
+                steps.append(action(m, len(steps), names, budget))
         elif role == "user" and task.user is None and not steps and not injected:
-            task.user = cut(_text(m.content), budget)
+            task.user = cut(text(m), budget)
         elif role in ("user", "tool", "system", "developer"):
             seen = _observed(m, flags, names, budget)
             (steps[-1].observations if steps else before).extend(seen)
@@ -157,12 +150,12 @@ def _trailing(marked, task: Task, names, budget) -> list[dict]:
     )
     if last is None:
         start = 0
-        while start < len(marked) and marked[start][0].role in ("system", "developer"):
+        while start < len(marked) and marked[start][0].role in SYSTEM_ROLES:
             start += 1
         rest = [
             (m, flags)
             for m, flags in marked[start:]
-            if not (m.role == "user" and cut(_text(m.content), budget) == task.user)
+            if not (m.role == "user" and cut(text(m), budget) == task.user)
         ]
     else:
         rest = marked[last + 1 :]
@@ -173,11 +166,11 @@ def _trailing(marked, task: Task, names, budget) -> list[dict]:
     return out
 
 
-def _observed(m: _Message, flags: list[bool], names, budget) -> list[dict]:
-    if m.role in ("system", "developer"):
-        found = [{"source": "system", "name": None, "content": cut(_text(m.content), budget)}]
+def _observed(m: Message, flags: list[bool], names, budget) -> list[dict]:
+    if m.role in SYSTEM_ROLES:
+        found = [{"source": "system", "name": None, "content": cut(text(m), budget)}]
     else:
-        found = _observations(m, names, budget)
+        found = observations(m, names, budget)
     if len(flags) != len(found):
         flags = [_added(flags)] * len(found)
     return [{**o, "injected": flag} for o, flag in zip(found, flags, strict=True)]

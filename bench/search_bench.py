@@ -40,6 +40,7 @@ from pgtemp import create_database, drop_database  # noqa: E402
 from ui_bench import TOKEN, fill_episodes, timed  # noqa: E402
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.viewer import PREFIX  # noqa: E402
 from tracetap.viewer.access import Access  # noqa: E402
 from tracetap.viewer.app import ViewerConfig, build_viewer  # noqa: E402
@@ -119,7 +120,7 @@ async def fill_search(url: str, episodes: int) -> None:
 
 async def measure(url: str, rounds: int) -> dict:
     app = build_viewer(ViewerConfig(database_url=url), Access(lambda _request: TOKEN),
-                       mounted=False)
+                       readers(), mounted=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

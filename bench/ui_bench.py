@@ -42,6 +42,7 @@ from pgtemp import create_database, drop_database  # noqa: E402
 
 from tracetap.demo.engine import EngineConfig, EngineServer  # noqa: E402
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
@@ -159,7 +160,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     engine = EngineServer(EngineConfig(model="m"))
     await engine.start()
     app = build_viewer(ViewerConfig(database_url=url, detokenize_url=engine.url),
-                       Access(lambda _request: TOKEN), mounted=False)
+                       Access(lambda _request: TOKEN), readers(), mounted=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -100,6 +100,7 @@ async def _demo(data_dir: Path | None):
     from tracetap.demo.engine import EngineConfig, EngineServer
     from tracetap.exporters import export_async
     from tracetap.migrations import upgrade_async
+    from tracetap.proxy.apis.registry import readers
     from tracetap.proxy.runtime.settings import Settings
     from tracetap.proxy.server.app import build_app
 
@@ -165,6 +166,7 @@ async def _demo(data_dir: Path | None):
             options,
             admin,
             admin,
+            readers=readers(),
         )
         print()
         print(render(rows, options.penalty))

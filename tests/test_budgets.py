@@ -15,6 +15,7 @@ from helpers.loop import free_port
 from sqlalchemy import event
 
 from tracetap.migrations import upgrade
+from tracetap.proxy.apis.registry import caps
 from tracetap.proxy.episodes.budgets import (
     Budget,
     BudgetExceeded,
@@ -78,17 +79,27 @@ def test_a_budget_limit_must_be_positive_and_unset_ones_come_from_the_defaults()
     assert Budget(max_seconds=2.5).limits() == Limits(None, None, 2.5)
 
 
+def size(payload, body_bytes, endpoint="chat.completions"):
+    """The reservation of a request to ``endpoint``, its caps read by its API."""
+    return reservation_size(caps(endpoint, payload), body_bytes)
+
+
 def test_a_reservation_counts_every_choice_and_only_integer_caps():
-    assert reservation_size({}, 7) == 4096 + 7
-    assert reservation_size({"max_tokens": 10, "n": 3}, 0) == 30
-    assert reservation_size({"max_tokens": 10, "n": 128}, 0) == 1280
-    assert reservation_size({"max_tokens": 1, "n": 1}, 0) == 1  # the smallest cap and count
+    assert size({}, 7) == 4096 + 7
+    assert size({"max_tokens": 10, "n": 3}, 0) == 30
+    assert size({"max_tokens": 10, "n": 128}, 0) == 1280
+    assert size({"max_tokens": 1, "n": 1}, 0) == 1  # the smallest cap and count
     for n in (0, -2, 129, "3", 2.0, None, True):  # not a count of choices: one
-        assert reservation_size({"max_tokens": 10, "n": n}, 1) == 11, n
+        assert size({"max_tokens": 10, "n": n}, 1) == 11, n
     for cap in (0, -5, True, 3.5):  # not a cap: the next key, then the default
-        assert reservation_size({"max_completion_tokens": cap, "max_tokens": 20}, 0) == 20
-        assert reservation_size({"max_output_tokens": cap}, 0) == 4096
-    assert reservation_size({"max_output_tokens": 1, "max_tokens": 2}, 0) == 2
+        assert size({"max_completion_tokens": cap, "max_tokens": 20}, 0) == 20
+        assert size({"max_output_tokens": cap}, 0, "responses") == 4096
+    assert size({"max_output_tokens": 1, "max_tokens": 2}, 0) == 2
+    # Each API reads its own cap, and only chat and completions generate ``n`` choices.
+    assert size({"max_output_tokens": 7, "max_tokens": 2, "n": 3}, 0, "responses:chat") == 7
+    assert size({"max_tokens": 5, "max_output_tokens": 9, "n": 3}, 0, "messages") == 5
+    assert size({"max_tokens": 5, "max_completion_tokens": 9, "n": 2}, 0, "completions") == 10
+    assert size({"max_tokens": 5}, 1, "a-new-api") == 4096 + 1  # no reader: the default
 
 
 def test_limits_are_stored_only_for_a_registration_with_a_budget():

@@ -25,6 +25,7 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.migrations import upgrade
+from tracetap.proxy.apis.registry import caps
 from tracetap.proxy.episodes.budgets import Budget, Budgets, reservation_size
 from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage import budget_ledger
@@ -160,10 +161,12 @@ def test_no_budget_means_no_database_on_the_call():
 
 
 def test_a_reservation_is_the_completion_cap_plus_the_prompt_bytes():
-    assert reservation_size({"max_tokens": 16}, 100) == 116
-    assert reservation_size({"max_completion_tokens": 8, "max_tokens": 99, "n": 2}, 10) == 26
-    assert reservation_size({"max_output_tokens": 5}, 1) == 6
-    assert reservation_size({"max_tokens": "many"}, 1) == 4097  # stated default: 4096
+    chat = "chat.completions"
+    assert reservation_size(caps(chat, {"max_tokens": 16}), 100) == 116
+    assert reservation_size(caps(chat, {"max_completion_tokens": 8, "max_tokens": 99, "n": 2}),
+                            10) == 26
+    assert reservation_size(caps("responses", {"max_output_tokens": 5}), 1) == 6
+    assert reservation_size(caps(chat, {"max_tokens": "many"}), 1) == 4097  # default: 4096
 
 
 def _spend_concurrently(proxies, base_urls, calls: int, max_tokens: int):
@@ -207,7 +210,7 @@ def test_parallel_calls_through_several_proxies_spend_at_most_the_budget(
             proxy.loop.run(proxy.state.budgets.settled())
         ledger = loop_thread.run(budget_ledger.spent(proxies[0].state.engine, "tight"))
         assert ledger.tokens_reserved == 0 and ledger.tokens_used == sum(spent)
-        one_reservation = reservation_size({"max_tokens": 16}, len(json.dumps(
+        one_reservation = reservation_size(caps("chat", {"max_tokens": 16}), len(json.dumps(
             {"messages": MESSAGES, "model": "mock-model", "max_tokens": 16})))
         assert sum(spent) <= limit + one_reservation  # the documented rule
         assert max(spent) <= one_reservation  # each call stayed within what it reserved

@@ -306,7 +306,8 @@ def test_the_architecture_page_lists_the_wings_in_their_order():
 
 def test_every_api_package_has_the_same_files():
     apis = PROXY / "apis"
-    common = {"__init__.py", "api.py", "capture.py", "errors.py", "request.py"}
+    common = {"__init__.py", "api.py", "capture.py", "conversation.py", "errors.py",
+              "request.py"}
     for package in (p for p in apis.iterdir() if (p / "__init__.py").exists()):
         files = {p.name for p in package.glob("*.py")}
         assert common <= files, f"{package.name}: missing {common - files}"

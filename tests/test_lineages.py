@@ -6,6 +6,7 @@ from __future__ import annotations
 from tests.test_trajectories import make_call
 from tracetap.exporters.lineages import CallView, assign
 from tracetap.exporters.trajectories import build_trajectories
+from tracetap.proxy.apis.registry import readers
 from tracetap.proxy.episodes.lineage import conversation, names
 
 MAIN = "s1:f1"
@@ -95,12 +96,20 @@ def test_the_conversation_hash_ignores_markup_and_follows_the_start():
                                "content": [{"type": "text", "text": "task",
                                             "cache_control": {"type": "ephemeral"}}]}]}
     responses = {"instructions": "be brief", "input": "task"}
-    key = conversation(first)
-    assert key == conversation(later) == conversation(anthropic) == conversation(responses)
+    chat = readers().reader("chat.completions")
+    key = conversation(chat, first)
+    assert key == conversation(chat, later) == conversation(
+        readers().reader("messages:chat"), anthropic) == conversation(
+        readers().reader("responses"), responses)
     summary = {"messages": [first["messages"][0], {"role": "user", "content": "summary"}]}
-    other = conversation(summary)
+    other = conversation(chat, summary)
     assert other.split(":")[0] == key.split(":")[0] and other != key
-    assert conversation({"prompt": [1, 2, 3]}) is None
+    assert conversation(readers().reader("completions"), {"prompt": [1, 2, 3]}) is None
+    # A start read a few messages at a time: a long system preamble is read whole.
+    preamble = [{"role": "system", "content": f"rule {n}"} for n in range(20)]
+    long = {"messages": [*preamble, {"role": "user", "content": "task"}]}
+    longer = {"messages": [*preamble, {"role": "user", "content": "other task"}]}
+    assert conversation(chat, long) != conversation(chat, longer)
 
 
 def test_lineage_headers_are_read_and_trimmed():

@@ -22,6 +22,7 @@ from tracetap.demo.agent import TASKS, TOOLS, run_agent
 from tracetap.demo.engine import EngineConfig, EngineServer
 from tracetap.exporters import export
 from tracetap.migrations import upgrade
+from tracetap.proxy.apis.registry import readers
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.runtime.settings import Settings
 
@@ -751,7 +752,7 @@ def test_a_vetoed_attempt_is_not_a_failed_call_in_the_packets(proxy):
         proxy.flush()
         assert [c["status"] for c in proxy.calls(episode)] == ["vetoed", "ok"]
         finish(proxy, episode, reward)
-    result = build(proxy.settings.db, EpisodeFilter(), Options())
+    result = build(proxy.settings.db, EpisodeFilter(), Options(), readers())
     [packet] = result.packets
     assert packet.episode_id == "veto-unsolved"
     assert packet.outcome.failure == ["unsuccessful"] and packet.outcome.call_errors == []

@@ -18,6 +18,7 @@ from tests.overlay_fixtures import NOTE
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE, Options, build
 from tracetap.analysis.steps import CallBodies, read_steps
+from tracetap.proxy.apis.registry import readers
 from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage.scan import EpisodeFilter
 
@@ -46,22 +47,25 @@ def test_a_summarised_history_keeps_every_step():
     calls = [
         CallBodies(
             call_id="k0",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER]}),
             response=_reply(_turn(0)),
         ),
         CallBodies(
             call_id="k1",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER, _turn(0), _result(0)]}),
             response=_reply(_turn(1)),
         ),
         # The harness drops its turns and sends a summary instead.
         CallBodies(
             call_id="k2",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, summary]}),
             response=_reply({"role": "assistant", "content": "It is north."}),
         ),
     ]
-    task, steps, before = read_steps(calls, 200)
+    task, steps, before = read_steps(readers(), calls, 200)
     assert (task.system, task.user, before) == ("Be an agent.", "Find it.", [])
     assert [(s.call_id, s.text, [c["name"] for c in s.tool_calls]) for s in steps] == [
         ("k0", None, ["look"]),
@@ -74,7 +78,8 @@ def test_a_summarised_history_keeps_every_step():
         [],
     ]
     # The last request alone (what packets read before) has lost the first two steps.
-    _, last_only = conversation.read(calls[-1].request, None, calls[-1].response, 200)
+    _, last_only = conversation.read(readers(), "chat.completions", calls[-1].request, None,
+                                     calls[-1].response, 200)
     assert [s.text for s in last_only] == ["It is north."]
 
 
@@ -87,12 +92,14 @@ def test_what_an_overlay_added_is_marked_and_a_vetoed_turn_is_no_action():
     calls = [
         CallBodies(
             call_id="k0",
+            endpoint="chat.completions",
             request=json.dumps({"messages": [SYSTEM, USER]}),
             upstream_request=json.dumps({"messages": [SYSTEM, note, USER]}),
             response=_reply(_turn(0)),
         ),
         CallBodies(
             call_id="k1a",
+            endpoint="chat.completions",
             status="vetoed",
             failed=True,
             request=json.dumps({"messages": harness}),
@@ -100,12 +107,13 @@ def test_what_an_overlay_added_is_marked_and_a_vetoed_turn_is_no_action():
         ),
         CallBodies(
             call_id="k1",
+            endpoint="chat.completions",
             request=json.dumps({"messages": harness}),
             upstream_request=json.dumps({"messages": model}),
             response=_reply({"role": "assistant", "content": "north"}),
         ),
     ]
-    task, steps, before = read_steps(calls, 200)
+    task, steps, before = read_steps(readers(), calls, 200)
     assert before == [
         {"source": "system", "name": None, "content": "Overlay note.", "injected": True}
     ]
@@ -138,15 +146,19 @@ def test_a_call_translated_between_apis_marks_only_what_the_overlay_added():
     first = {"system": "Be an agent.", "messages": messages["messages"][:1]}
     reply = {"type": "message", "role": "assistant", "content": uses}
     calls = [
-        CallBodies(call_id="k0", request=json.dumps(first), response=json.dumps(reply)),
+        CallBodies(call_id="k0", endpoint="messages:chat", request=json.dumps(first),
+                   response=json.dumps(reply)),
         CallBodies(
             call_id="k1",
+            endpoint="messages:chat",
             request=json.dumps(messages),
             upstream_request=json.dumps(chat),
-            response=_reply({"role": "assistant", "content": "north"}),
+            # the client's shape: a translated call stores the reply its client read
+            response=json.dumps({"type": "message", "role": "assistant",
+                                 "content": [{"type": "text", "text": "north"}]}),
         ),
     ]
-    _, steps, before = read_steps(calls, 200)
+    _, steps, before = read_steps(readers(), calls, 200)
     assert before == [] and [s.call_id for s in steps] == ["k0", "k1"]
     assert steps[0].observations == [
         {"source": "tool", "name": "look", "content": "saw 0", "injected": False},
@@ -180,7 +192,8 @@ def test_packets_carry_the_overlay_its_events_and_every_step(proxy):
     proxy.flush()
     for episode in ("noted", "vetoed"):
         finish(proxy, episode, 0.0)
-    result = build(proxy.settings.db, EpisodeFilter(), Options(max_chars=400, steps=10))
+    result = build(proxy.settings.db, EpisodeFilter(), Options(max_chars=400, steps=10),
+                   readers())
     noted, vetoed = sorted(result.packets, key=lambda p: p.episode_id)
     calls = proxy.calls("noted")
 
@@ -229,8 +242,8 @@ def test_packets_stay_byte_identical_with_overlays(proxy, tmp_path):
     run_episode(proxy, "vetoed", faithful, turns=2)
     proxy.flush()
     finish(proxy, "vetoed", 0.0)
-    one = write(tmp_path / "one", build(proxy.settings.db, EpisodeFilter(), Options()))
-    two = write(tmp_path / "two", build(proxy.settings.db, EpisodeFilter(), Options()))
+    one = write(tmp_path / "one", build(proxy.settings.db, EpisodeFilter(), Options(), readers()))
+    two = write(tmp_path / "two", build(proxy.settings.db, EpisodeFilter(), Options(), readers()))
     assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
     schema = json.loads(SCHEMA_FILE.read_text())
     for line in (tmp_path / "one" / "packets.jsonl").read_text().splitlines():

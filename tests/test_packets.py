@@ -15,6 +15,7 @@ from helpers.seeding import seed
 from tracetap import cli
 from tracetap.analysis import conversation
 from tracetap.analysis.packets import SCHEMA_FILE
+from tracetap.proxy.apis.registry import readers
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -212,7 +213,8 @@ def test_messages_and_responses_bodies_read_as_steps():
         "role": "assistant",
         "content": [{"type": "text", "text": "a and b"}],
     }
-    task, steps = conversation.read(json.dumps(request), None, json.dumps(response), 50)
+    task, steps = conversation.read(readers(), "messages:chat", json.dumps(request), None,
+                                   json.dumps(response), 50)
     assert (task.system, task.user, task.tools) == (
         "Be brief.",
         "List it.",
@@ -244,7 +246,8 @@ def test_messages_and_responses_bodies_read_as_steps():
             }
         ]
     }
-    task, steps = conversation.read(json.dumps(request), None, json.dumps(response), 50)
+    task, steps = conversation.read(readers(), "responses:chat", json.dumps(request), None,
+                                   json.dumps(response), 50)
     assert (task.system, task.user) == ("Be brief.", "List it.")
     assert [(s.tool_calls, s.observations, s.text) for s in steps] == [
         (
@@ -276,7 +279,8 @@ def test_odd_shaped_bodies_are_read_leniently():
     }
     reply = {"role": "assistant", "content": ["x", {"type": "text", "text": "done"}]}
     response = {"choices": [{"message": reply}]}
-    task, steps = conversation.read(json.dumps(request), None, json.dumps(response), 50)
+    task, steps = conversation.read(readers(), "chat.completions", json.dumps(request), None,
+                                   json.dumps(response), 50)
     assert (task.system, task.user) == ("Be brief.", "List it.")
     assert task.tools == [{"name": "ls", "description": None, "parameters": None}]
     assert [(s.text, s.tool_calls, s.observations) for s in steps] == [

@@ -19,6 +19,7 @@ from helpers.search_calls import (
 from sqlalchemy import func, inspect, select, text
 
 from tracetap.migrations import alembic_config, upgrade
+from tracetap.proxy.apis.registry import readers
 from tracetap.storage import retention, search, search_index
 from tracetap.storage.engine import create_engine
 from tracetap.storage.rows import insert_calls
@@ -301,7 +302,7 @@ def test_the_search_page_says_the_index_is_off_and_finds_ids(tmp_path):
         pages = {}
         for indexed in (False, True):
             app = build_viewer(ViewerConfig(database_url=url, search_index=indexed),
-                               Access(lambda _request: TOKEN), mounted=False)
+                               Access(lambda _request: TOKEN), readers(), mounted=False)
             async with TestClient(TestServer(app)) as client:
                 response = await client.get("/tracetap/ui/search", params={"q": "alpha"},
                                             headers={"Authorization": f"Bearer {TOKEN}"})

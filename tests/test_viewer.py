@@ -18,6 +18,7 @@ from helpers.loop import free_port
 from sqlalchemy import update
 
 from tracetap.migrations import upgrade
+from tracetap.proxy.apis.registry import readers
 from tracetap.storage import browse, changes, queries
 from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord, ChoiceRecord
@@ -235,7 +236,7 @@ def test_bodies_hide_credentials_and_are_cut():
 ])
 def test_conversations_read_each_api_in_its_own_shape(endpoint, request_body, response_body,
                                                       expected):
-    turns = conversation.turns(endpoint, request_body, response_body)
+    turns = conversation.turns(readers(), endpoint, request_body, response_body)
     assert [(t.role, t.text) for t in turns] == expected
     calls = [c for t in turns for c in t.tool_calls]
     if calls:
@@ -398,7 +399,8 @@ def test_an_unreadable_database_is_a_503_page_not_a_crash(serve_app, tmp_path):
     from tracetap.viewer.app import ViewerConfig, build_viewer
 
     config = ViewerConfig(database_url=f"sqlite:///{tmp_path / 'gone.db'}")
-    url = serve_app(build_viewer(config, Access(lambda _request: "tok"), mounted=False))
+    url = serve_app(build_viewer(config, Access(lambda _request: "tok"), readers(),
+                                 mounted=False))
     status, _, body = get_page(url + UI + "/", token="tok")
     assert status == 503 and "no database at" in body
 

@@ -142,10 +142,12 @@ def test_the_driver_is_entered_once_and_visited_again_only_at_the_end(proxy, cas
 
 def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_record(proxy):
     """Messages has no native path: its package is entered to translate the request in
-    the parse, by the relay to make the client's stream (its translator made once, fed
-    per chat chunk, finished at the end) and by the record for the client's reply, and
-    from nowhere else. Kills a translator made per read or per event, a translation the
-    driver or the handler does itself, and a record that skips the client's shape."""
+    the parse, for its completion cap (the budget's reservation), by the relay to make
+    the client's stream (its translator made once, fed per chat chunk, finished at the
+    end), by the record for the client's reply, and by the lineage for the start of its
+    conversation, and from nowhere else. Kills a translator made per read or per event, a
+    translation the driver or the handler does itself, and a record that skips the
+    client's shape."""
     walk = _walk(proxy, "/messages", {"model": "mock-model", "stream": True,
                                       "max_tokens": 8, **CASES["messages, translated"][2]})
     [call] = proxy.calls("walk")
@@ -155,7 +157,10 @@ def test_a_messages_stream_is_translated_at_the_parse_by_the_relay_and_in_the_re
     feeds = into_messages.count(("StreamTranslator.feed", "call/relay"))
     assert feeds >= 2, into_messages
     assert into_messages == [
-        ("to_chat", "call/request"), ("StreamTranslator.__init__", "call/relay"),
+        ("to_chat", "call/request"),
+        ("messages_caps", "apis/registry"),  # its completion cap, for the budget
+        ("StreamTranslator.__init__", "call/relay"),
         *[("StreamTranslator.feed", "call/relay")] * feeds,
         ("StreamTranslator.finish", "call/relay"),
-        ("from_chat", "call/record")]
+        ("from_chat", "call/record"),
+        ("read_messages", "episodes/lineage")]  # the start of its conversation, hashed

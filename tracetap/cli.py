@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the version and exit")
     config.add_option(parser, "--log-level", default="INFO", metavar="LEVEL",
                       help="DEBUG, INFO, WARNING or ERROR")
+    # What reads a stored call's conversation (analysis commands): composed here, as the
+    # packages below the proxy may not import it; loaded only when a command asks.
+    parser.set_defaults(readers=conversation_readers)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, command in COMMANDS:
         sub = commands.add_parser(name, help=help_text)
@@ -75,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.set_defaults(run=command.run)
     _describe(parser)
     return parser
+
+
+def conversation_readers():
+    """Each wire API's conversation reader (``storage.conversation.Readers``)."""
+    from tracetap.proxy.apis.registry import readers
+
+    return readers()
 
 
 def _describe(parser: argparse.ArgumentParser) -> None:

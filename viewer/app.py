@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import ScanError
 from tracetap.viewer import (
     PREFIX,
@@ -30,7 +31,16 @@ from tracetap.viewer import (
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
-from tracetap.viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, ROWS, SOURCE, TEMPLATES
+from tracetap.viewer.keys import (
+    ACCESS,
+    CLOSING,
+    CONFIG,
+    DETOKENIZER,
+    READERS,
+    ROWS,
+    SOURCE,
+    TEMPLATES,
+)
 from tracetap.viewer.params import BadParameter
 from tracetap.viewer.render import Templates, page
 from tracetap.viewer.rowcache import RowCache
@@ -51,15 +61,18 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     search_index: bool = True  # False: the proxy indexes no text (--no-search-index)
 
 
-def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) -> web.Application:
-    """The viewer app. ``mounted``: added under PREFIX by the proxy (routes relative to it);
-    otherwise a whole server whose routes carry PREFIX themselves."""
+def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
+                 mounted: bool = True) -> web.Application:
+    """The viewer app. ``readers``: each wire API's conversation reader (the proxy's
+    ``apis.registry.readers()``). ``mounted``: added under PREFIX by the proxy (routes
+    relative to it); otherwise a whole server whose routes carry PREFIX themselves."""
     app = web.Application(middlewares=[_headers, _errors, _gate])
     app[CONFIG] = config
     app[ACCESS] = gate
     app[TEMPLATES] = Templates()
     app[CLOSING] = asyncio.Event()
     app[ROWS] = RowCache()
+    app[READERS] = readers
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_closing)
     base = "" if mounted else PREFIX

@@ -20,7 +20,7 @@ from tracetap.storage import details
 from tracetap.storage.scan import ScannedCall
 from tracetap.viewer import PREFIX, conversation
 from tracetap.viewer.conversation import Turn
-from tracetap.viewer.keys import DETOKENIZER, ROWS, SOURCE
+from tracetap.viewer.keys import DETOKENIZER, READERS, ROWS, SOURCE
 from tracetap.viewer.pages import CALL_ID, EPISODE_ID
 from tracetap.viewer.params import BadParameter
 from tracetap.viewer.render import page
@@ -211,7 +211,7 @@ async def _render(request: web.Request, sides: list[Side], what: str) -> web.Res
     bodies = await details.call_bodies(engine, [s.leaf for s in sides if s.leaf])
     for side in sides:
         if side.leaf in bodies:
-            side.turns = conversation.turns(*bodies[side.leaf])
+            side.turns = conversation.turns(request.app[READERS], *bodies[side.leaf])
     a, b = sides
     position = diverging(a.ids, b.ids)
     start = max(0, (position or 0) - BEFORE)

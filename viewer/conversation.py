@@ -1,9 +1,10 @@
 """A call's conversation as the harness sent it: messages, tool calls and tool results.
 
 The stored request and response are the client's own (a translated call keeps its
-Responses or Messages shape), so each API family is read in its own shape. Anything not
-understood is shown as its JSON, never dropped. Long texts are cut for the page; the call
-page has the whole bodies.
+Responses or Messages shape): its API's reader (``storage.conversation.Readers``, handed
+to the app) reads them as a conversation, shown here turn by turn. Anything not
+understood is shown as its JSON, never dropped; an image by its reference. Long texts
+are cut for the page; the call page has the whole bodies.
 """
 
 from __future__ import annotations
@@ -12,7 +13,21 @@ from typing import Any
 
 import msgspec
 
-from tracetap.viewer.images import MARK, mark
+from tracetap.storage.conversation import (
+    Image,
+    Message,
+    Other,
+    Part,
+    Readers,
+    Reasoning,
+    Text,
+    ToolResult,
+    json_object,
+)
+from tracetap.storage.conversation import (
+    ToolCall as CalledTool,
+)
+from tracetap.viewer.images import MARK
 
 TEXT_LIMIT = 20_000
 
@@ -33,12 +48,19 @@ class Turn(msgspec.Struct, kw_only=True):
     images: list[str] = []  # keys of the stored images its text names (viewer.images)
 
 
-def turns(endpoint: str, request: str | None, response: str | None) -> list[Turn]:
-    family = endpoint.split(":", 1)[0]
-    req, res = _json(request), _json(response)
-    read = _READERS.get(family, _other)
-    out = read(req if isinstance(req, dict) else {}, res if isinstance(res, dict) else {})
-    if not isinstance(req, dict) and request:
+def turns(readers: Readers, endpoint: str, request: str | None,
+          response: str | None) -> list[Turn]:
+    sent = _json(request)
+    read = readers.reader(endpoint)(sent if isinstance(sent, dict) else {},
+                                    json_object(response))
+    out = [_turn("prompt", _text(read.prompt))] if read.prompt is not None else []
+    for message in read.messages or ():
+        out += _message(message)
+    for message in read.reply:
+        for turn in _message(message):
+            turn.reply = True
+            out.append(turn)
+    if request and not isinstance(sent, dict):  # not an object: shown as it was sent
         out.insert(0, _turn("other", request))
     return out
 
@@ -52,27 +74,38 @@ def _json(text: str | None) -> Any:
         return None
 
 
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif isinstance(part, str):
-                parts.append(part)
-            else:
-                parts.append(_part(part))
-        return "\n".join(parts)
-    return pretty(value)
+def _message(m: Message) -> list[Turn]:
+    """A message's turn (its text and tool calls), then one turn per tool result."""
+    results = [p for p in m.parts if type(p) is ToolResult]
+    said = [p for p in m.parts if type(p) is not ToolResult]
+    calls = [ToolCall(name=str(p.name), arguments=_arguments(p.arguments), id=p.id)
+             for p in said if type(p) is CalledTool]
+    out = []
+    if said or not results:
+        out.append(_turn(m.role, _text([p for p in said if type(p) is not CalledTool]),
+                         tool_calls=calls))
+    out += [_turn("tool", _text(r.parts), tool_call_id=r.call_id) for r in results]
+    return out
 
 
-def _part(part: Any) -> str:
-    """A content part that is not text: an image as its mark, anything else as JSON."""
-    return (mark(part) if isinstance(part, dict) else None) or pretty(part)
+def _text(parts: list[Part] | None) -> str:
+    return "\n".join(_part_text(p) for p in parts or ())
+
+
+def _part_text(part: Part) -> str:
+    if type(part) is Text:
+        return part.text
+    if type(part) is Reasoning:
+        return f"[reasoning]\n{part.text}\n[/reasoning]"
+    if type(part) is Image:  # a stored one by its key: the page shows its thumbnail
+        return f"[image {part.stored}]" if part.stored else f"[{part.block} {part.ref}]"
+    if type(part) is ToolResult:
+        return _text(part.parts)
+    if type(part) is CalledTool:
+        return pretty({"name": part.name, "arguments": part.arguments})
+    if type(part) is Other and isinstance(part.value, str):
+        return part.value
+    return pretty(part.value if type(part) is Other else part)
 
 
 def pretty(value: Any) -> str:
@@ -92,123 +125,3 @@ def _turn(role: str, text: str, **fields) -> Turn:
     cut = max(0, len(text) - TEXT_LIMIT)
     return Turn(role=str(role), text=text[:TEXT_LIMIT], cut=cut, images=MARK.findall(text),
                 **fields)
-
-
-def _chat(req: dict, res: dict) -> list[Turn]:
-    out = []
-    for m in req.get("messages") or ():
-        if not isinstance(m, dict):
-            out.append(_turn("other", pretty(m)))
-            continue
-        out.append(_chat_message(m))
-    for choice in res.get("choices") or ():
-        message = choice.get("message") if isinstance(choice, dict) else None
-        if isinstance(message, dict):
-            turn = _chat_message(message)
-            turn.reply = True
-            out.append(turn)
-    return out
-
-
-def _chat_message(m: dict) -> Turn:
-    calls = [ToolCall(name=str((c.get("function") or {}).get("name")),
-                      arguments=_arguments((c.get("function") or {}).get("arguments")),
-                      id=c.get("id"))
-             for c in m.get("tool_calls") or () if isinstance(c, dict)]
-    text = _text(m.get("content"))
-    reasoning = m.get("reasoning_content") or m.get("reasoning")
-    if isinstance(reasoning, str) and reasoning:
-        text = f"[reasoning]\n{reasoning}\n[/reasoning]\n{text}"
-    return _turn(m.get("role", "other"), text, tool_calls=calls,
-                 tool_call_id=m.get("tool_call_id"))
-
-
-def _completions(req: dict, res: dict) -> list[Turn]:
-    out = [_turn("prompt", _text(req.get("prompt")))]
-    for choice in res.get("choices") or ():
-        if isinstance(choice, dict):
-            out.append(_turn("reply", _text(choice.get("text")), reply=True))
-    return out
-
-
-def _responses(req: dict, res: dict) -> list[Turn]:
-    out = []
-    if req.get("instructions"):
-        out.append(_turn("system", _text(req["instructions"])))
-    items = req.get("input")
-    if isinstance(items, str):
-        out.append(_turn("user", items))
-    else:
-        out += [_response_item(i) for i in items or ()]
-    for item in res.get("output") or ():
-        turn = _response_item(item)
-        turn.reply = True
-        out.append(turn)
-    return out
-
-
-def _response_item(item: Any) -> Turn:
-    if not isinstance(item, dict):
-        return _turn("other", pretty(item))
-    kind = item.get("type", "message")
-    if kind == "function_call":
-        return _turn("assistant", "", tool_calls=[ToolCall(
-            name=str(item.get("name")), arguments=_arguments(item.get("arguments")),
-            id=item.get("call_id"))])
-    if kind == "function_call_output":
-        return _turn("tool", _text(item.get("output")), tool_call_id=item.get("call_id"))
-    if kind == "reasoning":
-        summary = _text(item.get("summary") or item.get("content"))
-        return _turn("assistant", f"[reasoning]\n{summary}")
-    if kind == "message":
-        return _turn(item.get("role", "other"), _text(item.get("content")))
-    return _turn("other", pretty(item))
-
-
-def _messages(req: dict, res: dict) -> list[Turn]:
-    out = []
-    if req.get("system"):
-        out.append(_turn("system", _text(req["system"])))
-    for m in req.get("messages") or ():
-        out += _anthropic_message(m) if isinstance(m, dict) else [_turn("other", pretty(m))]
-    if res.get("content") is not None:
-        for turn in _anthropic_message({"role": res.get("role", "assistant"),
-                                        "content": res["content"]}):
-            turn.reply = True
-            out.append(turn)
-    return out
-
-
-def _anthropic_message(m: dict) -> list[Turn]:
-    role, content = m.get("role", "other"), m.get("content")
-    if not isinstance(content, list):
-        return [_turn(role, _text(content))]
-    out, texts, calls = [], [], []
-    for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(str(block.get("text", "")))
-        elif kind == "thinking":
-            texts.append(f"[thinking]\n{block.get('thinking', '')}\n[/thinking]")
-        elif kind == "tool_use":
-            calls.append(ToolCall(name=str(block.get("name")),
-                                  arguments=_arguments(block.get("input")), id=block.get("id")))
-        elif kind == "tool_result":
-            out.append(_turn("tool", _text(block.get("content")),
-                             tool_call_id=block.get("tool_use_id")))
-        else:
-            texts.append(_part(block))
-    if texts or calls:
-        out.insert(0, _turn(role, "\n".join(texts), tool_calls=calls))
-    return out
-
-
-def _other(req: dict, res: dict) -> list[Turn]:
-    out = [_turn("other", pretty(req))] if req else []
-    if res:
-        out.append(_turn("reply", pretty(res), reply=True))
-    return out
-
-
-_READERS = {"chat.completions": _chat, "completions": _completions, "responses": _responses,
-            "messages": _messages}

@@ -16,3 +16,4 @@ SOURCE = web.AppKey("viewer_source", "Source")
 DETOKENIZER = web.AppKey("viewer_detokenizer", "Detokenizer")
 ROWS = web.AppKey("viewer_rows", "RowCache")
 CLOSING = web.AppKey("viewer_closing", asyncio.Event)
+READERS = web.AppKey("viewer_readers", "Readers")  # storage.conversation: each API's reader

@@ -11,7 +11,7 @@ from tracetap.storage.integrity import verdicts_of
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
 from tracetap.viewer.callinfo import error_line
 from tracetap.viewer.collapse import collapsed
-from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
+from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, READERS, ROWS, SOURCE
 from tracetap.viewer.render import page
 from tracetap.viewer.tokenhtml import pieces_html, script_json
 
@@ -107,7 +107,7 @@ async def episode(request: web.Request) -> web.Response:
     if leaf is not None:
         bodies = await details.call_bodies(engine, [leaf])
         if leaf in bodies:
-            turns = conversation.turns(*bodies[leaf])
+            turns = conversation.turns(request.app[READERS], *bodies[leaf])
     group = (await browse.group_rewards(engine, info.group_id)
              if info.group_id is not None else None)
     return page(request, "episode.html", info=info, rows=rows, row=row, window=window,
@@ -148,7 +148,8 @@ async def call(request: web.Request) -> web.Response:
     response_json = jsonview.parse(stored.response)
     return page(
         request, "call.html", stored=stored, s=stored.summary,
-        turns=conversation.turns(stored.summary.endpoint, stored.request, stored.response),
+        turns=conversation.turns(request.app[READERS], stored.summary.endpoint, stored.request,
+                                 stored.response),
         request_tree=None if request_json is None else jsonview.tree(request_json),
         response_tree=None if response_json is None else jsonview.tree(response_json),
         error=error_line(stored.summary, stored.response),

@@ -40,6 +40,7 @@ from tracetap.analysis.runner.batch import run_batch
 from tracetap.analysis.runner.episode import Commands, Result
 from tracetap.analysis.select import Success, parse_selector
 from tracetap.analysis.stats import normalised
+from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import EpisodeFilter
 
 SETTLE_SECONDS = 0.5
@@ -91,7 +92,10 @@ async def engineer(
     admin: AdminClient,
     engineer_admin: AdminClient,
     progress: TextIO | None = None,
+    *,
+    readers: Readers,
 ) -> list[Row]:
+    """``readers``: each wire API's conversation reader, for the packets."""
     # sys.stderr as it is now, not as it was when this module was imported (a default
     # argument would keep that stream, closed since: seen under pytest's capture).
     progress = sys.stderr if progress is None else progress
@@ -102,6 +106,7 @@ async def engineer(
         db,
         EpisodeFilter(),
         packets_module.Options(where=parse_selector(f"meta.run={base_run}")),
+        readers,
     )
     chosen = distinct_first(found.packets, options.max_packets)
     print(

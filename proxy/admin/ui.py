@@ -10,6 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tracetap.proxy.admin.api import serves_admin
+from tracetap.proxy.apis.registry import readers
 from tracetap.proxy.runtime.keys import STATE
 from tracetap.proxy.runtime.settings import Settings
 from tracetap.viewer import PREFIX
@@ -25,4 +26,4 @@ def mount_viewer(app: web.Application, settings: Settings) -> None:
                           search_index=settings.search_index)
     gate = Access(token=lambda request: request.config_dict[STATE].admin_token,
                   served_here=lambda request: serves_admin(request, settings))
-    app.add_subapp(PREFIX, build_viewer(config, gate))
+    app.add_subapp(PREFIX, build_viewer(config, gate, readers()))

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from tracetap.proxy.admin.token import ensure_admin_token
+    from tracetap.proxy.apis.registry import readers
     from tracetap.proxy.runtime.settings import is_loopback
     from tracetap.storage.engine import redact_url
     from tracetap.storage.scan import Reader, ScanError
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         note = f"the admin token in {path} (tracetap admin-token --data-dir {args.data_dir})"
     viewer_config = ViewerConfig(database_url=url, detokenize_url=args.detokenize,
                                  data_dir=str(args.data_dir), search_index=args.search_index)
-    app = build_viewer(viewer_config, Access(lambda _request: token), mounted=False)
+    app = build_viewer(viewer_config, Access(lambda _request: token), readers(),
+                       mounted=False)
     print(f"tracetap ui: http://{args.host}:{args.port}{PREFIX}/ reading {redact_url(url)}; "
           f"log in with {note}", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,

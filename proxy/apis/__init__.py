@@ -8,21 +8,25 @@ translated to chat completions (``responses/translate.py``, ``messages/translate
 Handlers and ``ModelCall`` never branch on the API. ``routing`` says which API (native
 or translated) captures a path.
 
+Each API package also reads its stored calls as a conversation (``conversation.py``,
+``storage.conversation``'s types), for everything that reads a conversation.
+
 Owns: `chat/`, `responses/`, `messages/` (one package per wire API), `registry` (the
-APIs, one line each), `routing`, `fields` (what may reach the engine), `dropped`,
-`translate_errors`, `wire_out`, `reasoning_options`.
+APIs, one line each, and their conversation readers), `routing`, `fields` (what may
+reach the engine), `dropped`, `translate_errors`, `wire_out`, `reasoning_options`.
 May import: `http`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
 from tracetap.proxy.http.errors import ErrorShape
 from tracetap.proxy.http.sse import Event
+from tracetap.storage.conversation import Reader
 from tracetap.storage.records import ChoiceRecord
 
 
@@ -119,6 +123,21 @@ class Translation(Protocol):
     def untranslatable(self, exc: Exception) -> Exception: ...
 
 
+class Caps(NamedTuple):
+    """What a request lets the model generate (the episode budget's reservation)."""
+
+    tokens: int | None = None  # its completion-token cap; None: it states none
+    choices: int = 1  # completions generated (chat's ``n``)
+
+
+def read_caps(request: Mapping[str, Any], keys: tuple[str, ...], n: str | None = None) -> Caps:
+    """The first of ``keys`` that holds a positive integer, and ``n``'s count of choices
+    (1 to 128; else 1): what an API's ``caps`` reads with its own keys."""
+    cap = next((v for k in keys if type(v := request.get(k)) is int and v > 0), None)
+    count = request.get(n) if n is not None else None
+    return Caps(cap, count if type(count) is int and 0 < count <= 128 else 1)
+
+
 class ClientApi(NamedTuple):
     """One wire API a client may speak, as the registry (``apis/registry.py``) lists it:
     each API package's ``api.py`` makes its own."""
@@ -130,3 +149,7 @@ class ClientApi(NamedTuple):
     native: Callable[[], WireApi] | None  # its capture when spoken to the upstream as is
     native_flavors: tuple[str, ...]  # engines that serve it token-exact natively
     translation: Translation | None  # spoken to the upstream as chat instead, when set
+    # Its stored request and reply read as a conversation (its ``conversation.py``): what
+    # the viewer, analysis and lineage read instead of its shapes.
+    reader: Reader
+    caps: Callable[[Mapping[str, Any]], Caps]  # its request's completion cap (the budgets')

@@ -238,7 +238,7 @@ class ModelCall(CallReview):
         """Hold the call's tokens in the episode's budget (raises BudgetExceeded)."""
         payload = self.request.client_payload or self.request.payload
         self.reservation = await self.services.budgets.reserve_call(
-            self.episode_id, payload, body_bytes, keyed=keyed)
+            self.episode_id, self.endpoint, payload, body_bytes, keyed=keyed)
 
     async def admit(self) -> None:
         """Wait at the pause gate (raises ProxyError when the pause outlasts its timeout)."""

@@ -100,7 +100,8 @@ def call_record(call: ModelCall) -> CallRecord:
         parent_lineage=call.lineage[1],
         # The client's view: a harness whose calls are translated only some of the time
         # (--translate auto), or run under an overlay, hashes the same start either way.
-        conversation=conversation(_client_view(request)),
+        conversation=conversation(services.readers.reader(call.endpoint),
+                                  _client_view(request)),
         choices=choices,
     )
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tracetap.proxy.runtime.settings import Settings
     from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
     from tracetap.proxy.upstream.pool import Pool
+    from tracetap.storage.conversation import Readers
     from tracetap.storage.intents import Intents, NoIntents
     from tracetap.storage.records import CallRecord
 
@@ -48,6 +49,7 @@ class CallServices(Protocol):
     metrics: Metrics
     intents: Intents | NoIntents  # each call's intent, stored before its answer ends
     routed_experts: bool  # --routed-experts: ask the engine for each token's MoE routing
+    readers: Readers  # each wire API's conversation reader
 
     def submit(self, record: CallRecord) -> None:
         """Hand a finished record to storage (journal first); never raises."""

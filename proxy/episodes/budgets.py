@@ -28,6 +28,8 @@ import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.proxy.apis import Caps
+from tracetap.proxy.apis.registry import caps
 from tracetap.proxy.episodes.recent import Recent
 from tracetap.proxy.http.errors import ProxyError
 from tracetap.storage import budget_ledger
@@ -39,7 +41,6 @@ log = logging.getLogger("tracetap")
 DEFAULT_COMPLETION_TOKENS = 4096
 # Episodes whose "has a budget of its own" answer is kept (least recently used dropped).
 REMEMBERED = 100_000
-_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -91,20 +92,17 @@ class Reservation(msgspec.Struct):
     completion: int = 0  # of ``tokens``, the completion cap's share
 
 
-def reservation_size(payload: dict[str, Any], body_bytes: int) -> int:
-    """Tokens a call holds: its completion cap (times ``n`` choices) plus its prompt's
+def reservation_size(caps: Caps, body_bytes: int) -> int:
+    """Tokens a call holds: its completion cap (times its choices) plus its prompt's
     size in bytes (no tokenizer yields more tokens than bytes, and the JSON around the
     messages outweighs the chat template's tokens)."""
-    return completion_cap(payload) + body_bytes
+    return completion_cap(caps) + body_bytes
 
 
-def completion_cap(payload: dict[str, Any]) -> int:
+def completion_cap(caps: Caps) -> int:
     """The completion tokens a call may generate: its cap (or DEFAULT_COMPLETION_TOKENS)
-    times its ``n`` choices."""
-    cap = next((v for k in _CAPS if type(v := payload.get(k)) is int and v > 0), None)
-    n = payload.get("n")
-    n = n if type(n) is int and 0 < n <= 128 else 1
-    return (cap or DEFAULT_COMPLETION_TOKENS) * n
+    times its choices, as its API's ``caps`` read them (``apis.registry.caps``)."""
+    return (caps.tokens or DEFAULT_COMPLETION_TOKENS) * caps.choices
 
 
 def charged(capture, reservation: Reservation | None) -> int:
@@ -145,11 +143,14 @@ class Budgets:
         """An episode registered here: whether it has a budget is known without asking."""
         self._own.put(episode_id, limits is not None)
 
-    async def reserve_call(self, episode_id: str | None, payload: dict[str, Any],
-                           body_bytes: int, *, keyed: bool) -> Reservation | None:
-        """``reserve`` for a request: its completion cap plus its prompt's bytes."""
-        return await self.reserve(episode_id, reservation_size(payload, body_bytes),
-                                  keyed=keyed, completion=completion_cap(payload))
+    async def reserve_call(self, episode_id: str | None, endpoint: str,
+                           payload: dict[str, Any], body_bytes: int, *,
+                           keyed: bool) -> Reservation | None:
+        """``reserve`` for a request to ``endpoint`` (its route's): its completion cap, as
+        its API reads it, plus its prompt's bytes."""
+        asked = caps(endpoint, payload)
+        return await self.reserve(episode_id, reservation_size(asked, body_bytes),
+                                  keyed=keyed, completion=completion_cap(asked))
 
     async def reserve(self, episode_id: str | None, tokens: int, *, keyed: bool,
                       completion: int = 0) -> Reservation | None:

@@ -12,7 +12,8 @@ title generator, a summariser. The export groups calls into *lineages*
   conversation resends the same start, so its calls share F; a conversation that
   rewrote its history (a summary in place of the old turns) keeps S.
 
-Text is hashed, not JSON: a content block's ``cache_control`` (which Claude Code moves
+The request is read by its API's reader (``storage.conversation``). Text is hashed, not
+JSON: a content block's ``cache_control`` (which Claude Code moves
 from turn to turn) and other markup do not change the hash. Nor does a header line that a
 harness puts at the very start of its system prompt, ``x-NAME: key=value; key=value;``
 (Claude Code 2.1: ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;``):
@@ -28,9 +29,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from tracetap.proxy.http.headers import LINEAGE_HEADER, PARENT_HEADER
+from tracetap.storage.conversation import (
+    SYSTEM_ROLES,
+    Message,
+    Other,
+    Part,
+    Reader,
+    Text,
+    ToolResult,
+)
 
-_SYSTEM_ROLES = ("system", "developer")
 _NAME_CHARS = 128  # calls.lineage
+_FIRST = 8  # messages read first: a system prompt or two, and the first turn
 # A header line of ``key=value;`` pairs at the very start, then the end of its block or
 # line. A value holds no ``=`` or ``;``: each pair parses one way (no backtracking blow-up
 # on a long system prompt that almost matches).
@@ -43,46 +53,52 @@ def names(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
     return _name(headers.get(LINEAGE_HEADER)), _name(headers.get(PARENT_HEADER))
 
 
-def conversation(payload: Mapping[str, Any]) -> str | None:
-    """``S:F`` for a request with messages (chat, Anthropic Messages, Responses); None
-    for one without (a completions prompt)."""
-    messages = payload.get("messages")
+def conversation(reader: Reader, payload: Mapping[str, Any]) -> str | None:
+    """``S:F`` for a request with messages (read by its API's reader: chat, Anthropic
+    Messages, Responses); None for one without (a completions prompt)."""
+    messages = _start(reader, payload)
     if messages is None:
-        messages = payload.get("input")
-    if isinstance(messages, str):  # Responses: the input as one user message
-        messages = [{"role": "user", "content": messages}]
-    if not isinstance(messages, list):
         return None
-    system = [_text(payload.get("system")), _text(payload.get("instructions"))]
+    system = []
     first = None
     for message in messages:
-        if not isinstance(message, Mapping):
+        if message.role == "other":  # not a message (not an object): no part of the start
             continue
-        if message.get("role") in _SYSTEM_ROLES and first is None:
-            system.append(_text(message.get("content")))
-        elif first is None:
-            first = _text(message.get("content", message))
+        if message.role in SYSTEM_ROLES:
+            system.append(_text(message.parts))
+        else:
+            first = _text(message.parts)
             break
     start = _HEADER.sub("", "\x1e".join(s for s in system if s))
     return f"{_hash(start)}:{_hash(start + chr(0x1d) + (first or ''))}"
 
 
-def _text(value: Any) -> str:
-    """The text of a content value: a string, or the texts of its blocks joined (a
-    block that is not text counts by its type)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        text = value.get("text")
-        if isinstance(text, str):
-            return text
-        content = value.get("content")
-        return _text(content) if content is not None else str(value.get("type", ""))
-    if isinstance(value, list):
-        return "\x1f".join(_text(v) for v in value)
-    return str(value)
+def _start(reader: Reader, payload: Mapping[str, Any]) -> list[Message] | None:
+    """The request's messages up to its first one that is not the system prompt: read a
+    few at a time, as a long conversation's start is all the hash reads."""
+    wanted = _FIRST
+    while True:
+        messages = reader(payload, {}, first=wanted).messages
+        if messages is None or len(messages) < wanted or any(
+                m.role not in SYSTEM_ROLES and m.role != "other" for m in messages):
+            return messages
+        wanted *= 8
+
+
+def _text(parts: list[Part] | None) -> str:
+    """The text of a message's parts joined (a part that is not text counts by its type;
+    a tool result by its content)."""
+    return "\x1f".join(_part(p) for p in parts or ())
+
+
+def _part(part: Part) -> str:
+    if type(part) is Text:
+        return part.text
+    if type(part) is ToolResult and part.parts is not None:
+        return _text(part.parts)
+    if type(part) is Other and isinstance(part.value, str):
+        return part.value
+    return part.block
 
 
 def _hash(text: str) -> str:

@@ -33,6 +33,7 @@ from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 from tracetap.proxy.tokens.resolve import TokenResolver
 from tracetap.proxy.upstream.flavor import Flavor
 from tracetap.proxy.upstream.pool import Pool
+from tracetap.storage.conversation import Readers
 from tracetap.storage.intents import Intents, NoIntents
 from tracetap.storage.records import CallRecord
 from tracetap.storage.writer import Writer
@@ -66,6 +67,7 @@ class ProxyState:
     prompt_prefixes: PromptPrefixes
     gate: Gate
     controls: Controls
+    readers: Readers  # each wire API's conversation reader (the lineage's hash reads it)
     # Set once SIGTERM starts the drain: /readyz answers 503 so a load balancer stops
     # sending new calls while the in-flight ones finish.
     draining: bool = False

@@ -15,7 +15,7 @@ from typing import Any
 
 from tracetap.proxy.admin.token import ensure_admin_token
 from tracetap.proxy.apis.fields import RequestFields
-from tracetap.proxy.apis.registry import exposed_paths
+from tracetap.proxy.apis.registry import exposed_paths, readers
 from tracetap.proxy.apis.routing import Routing
 from tracetap.proxy.episodes.arrivals import Arrivals
 from tracetap.proxy.episodes.budgets import Budgets
@@ -116,6 +116,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         prompt_prefixes=PromptPrefixes(),
         gate=gate,
         controls=Controls(engine, gate, instance, on_pause=metrics.set_paused),
+        readers=readers(),
     )
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from tracetap.proxy.apis import ClientApi
 from tracetap.proxy.apis.chat.capture import CHAT_API, COMPLETIONS_API
+from tracetap.proxy.apis.chat.conversation import (
+    chat_caps,
+    completions_caps,
+    read_chat,
+    read_completions,
+)
 from tracetap.proxy.apis.chat.errors import OPENAI_ERRORS
 
 CHAT_CLIENT = ClientApi(
     name="chat", path=CHAT_API.path, exposed=(CHAT_API.path,), errors=OPENAI_ERRORS,
-    native=lambda: CHAT_API, native_flavors=(), translation=None)
+    native=lambda: CHAT_API, native_flavors=(), translation=None, reader=read_chat,
+    caps=chat_caps)
 COMPLETIONS_CLIENT = ClientApi(
     name="completions", path=COMPLETIONS_API.path, exposed=(COMPLETIONS_API.path,),
     errors=OPENAI_ERRORS, native=lambda: COMPLETIONS_API, native_flavors=(),
-    translation=None)
+    translation=None, reader=read_completions,
+    caps=completions_caps)

@@ -1,0 +1,173 @@
+"""A call's conversation in one shape, whatever wire API it spoke: the types its readers
+share, and ``Readers``, the table from a stored endpoint to its API's reader.
+
+Each wire API reads its own request and reply shapes (``proxy/apis/<api>/conversation.py``)
+into these types; the viewer, analysis and the proxy's lineage read the types and never an
+API's shape. storage/, viewer/ and analysis/ may not import the proxy, so the table is a
+value handed to them by whoever composes them (``proxy.apis.registry.readers()``): a
+fourth API's calls read as conversations everywhere once its package has a reader and its
+line in the registry. A call whose API has no reader reads as ``plain``: its request and
+reply as JSON values, never dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import msgspec
+
+from tracetap.storage.image_blocks import key
+from tracetap.storage.image_parts import image_of
+
+
+class Text(msgspec.Struct, tag="text", gc=False):
+    text: str
+
+
+class Reasoning(msgspec.Struct, tag="reasoning", gc=False):
+    """The model's reasoning (chat's ``reasoning_content``, Messages' thinking blocks,
+    Responses' reasoning items)."""
+
+    text: str
+    block: str = ""  # the API's name for the block (thinking), when it is one
+
+
+class ToolCall(msgspec.Struct, tag="tool_call", kw_only=True, gc=False):
+    name: str | None = None
+    # As the API sent them: a JSON text (chat, Responses) or a JSON value (Messages' input).
+    arguments: Any = None
+    id: str | None = None
+    block: str = ""  # the API's name for the block (tool_use), when it is one
+
+
+class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True, gc=False):
+    call_id: str | None = None  # the ToolCall.id it answers
+    parts: list[Part] | None = None  # None: the result has no content
+    block: str = ""  # the API's name for the block (tool_result), when it is one
+
+
+class Image(msgspec.Struct, tag="image", kw_only=True, gc=False):
+    """An image by reference: its URL, or ``sha256:<hex>`` of its inline data (never the
+    data itself)."""
+
+    ref: str
+    block: str = "image"  # the API's name for the block (image_url, input_image, image)
+    stored: str | None = None  # the hex key of its bytes' block (storage.image_blocks)
+
+
+class Other(msgspec.Struct, tag="other", kw_only=True, gc=False):
+    """A value the reader does not understand, kept as it was sent."""
+
+    value: Any = None
+    block: str = ""  # the API's name for the block, when it is a block
+
+
+Part = Text | Reasoning | ToolCall | ToolResult | Image | Other
+
+
+class Message(msgspec.Struct, kw_only=True, gc=False):
+    # system (a request's system prompt comes first as one), developer, user, assistant,
+    # tool (a tool result), other (a message that is not an object)
+    role: str
+    parts: list[Part] = []
+
+
+class Tool(msgspec.Struct, kw_only=True, gc=False):
+    name: Any = None
+    description: Any = None
+    parameters: Any = None  # its JSON schema
+
+
+# gc=False: a conversation holds no cycles (an Other's value is a decoded JSON value), and
+# the collector need not walk the thousands of parts a long conversation makes.
+class Conversation(msgspec.Struct, kw_only=True, gc=False):
+    # None: the request holds no list of messages (a completions prompt, or no body).
+    messages: list[Message] | None = None
+    prompt: list[Part] | None = None  # a legacy completions prompt
+    reply: list[Message] = []  # the model's answer, one message per choice or turn
+    tools: list[Tool] = []
+
+
+class Reader(Protocol):
+    def __call__(self, request: Mapping[str, Any], reply: Mapping[str, Any], *,
+                 first: int | None = None) -> Conversation:
+        """``request``: a decoded JSON object (``{}`` when there was none), ``reply``
+        likewise. ``first``: only the request's first messages are wanted (at least that
+        many when it has them, the system prompt counted as one): a reader may stop
+        there (the lineage hash reads the start of a long conversation)."""
+        ...
+
+
+def plain(request: Mapping[str, Any], reply: Mapping[str, Any], *,
+          first: int | None = None) -> Conversation:
+    """The reader of an API without one: its bodies as values."""
+    return Conversation(
+        messages=[Message(role="other", parts=[Other(value=dict(request))])] if request else [],
+        reply=[Message(role="reply", parts=[Other(value=dict(reply))])] if reply else [])
+
+
+class Readers:
+    """Which reader reads a stored call: by its endpoint (``calls.endpoint``: an API's
+    name, ``<client>:<upstream>`` when translated)."""
+
+    def __init__(self, by_name: Mapping[str, Reader] | None = None):
+        self._by_name = dict(by_name or {})
+
+    def reader(self, endpoint: str) -> Reader:
+        """The client's API's reader (the stored request and reply are the client's)."""
+        return self._by_name.get(endpoint.split(":", 1)[0], plain)
+
+    def upstream_reader(self, endpoint: str) -> Reader:
+        """The reader of the request as the upstream was given it (``upstream_request``)."""
+        return self._by_name.get(endpoint.rsplit(":", 1)[-1], plain)
+
+    def read(self, endpoint: str, request: str | None, reply: str | None) -> Conversation:
+        return self.reader(endpoint)(json_object(request), json_object(reply))
+
+
+def json_object(text: str | bytes | None) -> dict[str, Any]:
+    """A stored JSON text as an object; ``{}`` when it is empty, broken or not an object."""
+    if not text:
+        return {}
+    try:
+        value = msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):  # nested too deep to decode: no turns
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def image_ref(url: Any, data: Any = None) -> str:
+    """A URL as it is; an inline image (a ``data:`` URL, base64 data) as the sha256 of
+    its text as sent: the same image sent twice has one reference."""
+    if isinstance(url, str) and not url.startswith("data:"):
+        return url
+    blob = data if isinstance(data, str) else url if isinstance(url, str) else ""
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8", "replace")).hexdigest()
+
+
+def image(part: dict, block: str, ref: str) -> Image:
+    """An image part of any API (``ref``: its reader's reference) with, for inline bytes
+    that decode, ``sha256:<hex>`` of the bytes (the export's key) and the key of the block
+    that stores them once (the viewer's thumbnail)."""
+    found = image_of(part)
+    if found is None or found.data is None:
+        return Image(ref=ref, block=block)
+    return Image(ref=f"sha256:{found.sha256}", block=block, stored=key(found.data))
+
+
+def text_of(parts: list[Part] | None, sep: str = "") -> str | None:
+    """The text parts joined; None when there is no text."""
+    return sep.join(p.text for p in parts or () if type(p) is Text) or None
+
+
+def tool_results(message: Message) -> list[ToolResult]:
+    return [p for p in message.parts if type(p) is ToolResult]
+
+
+def tool_calls(message: Message) -> list[ToolCall]:
+    return [p for p in message.parts if type(p) is ToolCall]
+
+
+SYSTEM_ROLES = ("system", "developer")

@@ -1,0 +1,197 @@
+"""One conversation reader per wire API (``proxy/apis/<api>/conversation.py``), read by
+the viewer, analysis and the lineage hash through ``storage.conversation.Readers``: the
+three APIs read one conversation alike, a fourth API's calls read everywhere with only
+its reader and its registry line, and no reader of a conversation outside the API
+packages reads an API's request keys."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from tracetap.analysis import conversation as analysis
+from tracetap.analysis.steps import CallBodies, read_steps
+from tracetap.proxy.apis.chat.api import CHAT_CLIENT
+from tracetap.proxy.apis.registry import APIS, caps, readers
+from tracetap.proxy.episodes.lineage import conversation as lineage
+from tracetap.storage.conversation import (
+    Conversation,
+    Message,
+    Text,
+    ToolCall,
+    ToolResult,
+    text_of,
+)
+from tracetap.viewer import conversation as viewer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SYSTEM, TASK, RESULT, DONE = "Be an agent.", "Find the file.", "a.txt b.txt", "It is a.txt."
+CHAT = {"messages": [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": TASK},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": RESULT}]}
+CHAT_REPLY = {"choices": [{"message": {"role": "assistant", "content": DONE}}]}
+RESPONSES = {"instructions": SYSTEM, "input": [
+    {"role": "user", "content": [{"type": "input_text", "text": TASK}]},
+    {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": RESULT}]}
+RESPONSES_REPLY = {"output": [{"type": "message", "role": "assistant",
+                               "content": [{"type": "output_text", "text": DONE}]}]}
+MESSAGES = {"system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": TASK},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "c1", "name": "ls", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "c1", "content": RESULT}]}]}
+MESSAGES_REPLY = {"type": "message", "role": "assistant",
+                  "content": [{"type": "text", "text": DONE}]}
+# The same conversation in Gemini's generateContent shape: no package of tracetap's.
+GEMINI = {"systemInstruction": {"parts": [{"text": SYSTEM}]}, "contents": [
+    {"role": "user", "parts": [{"text": TASK}]},
+    {"role": "model", "parts": [{"functionCall": {"name": "ls", "args": {}}}]},
+    {"role": "user", "parts": [{"functionResponse": {"name": "ls",
+                                                     "response": {"output": RESULT}}}]}]}
+GEMINI_REPLY = {"candidates": [{"content": {"role": "model", "parts": [{"text": DONE}]}}]}
+
+
+def _gemini_parts(content: dict) -> list:
+    parts = []
+    for p in content.get("parts") or ():
+        if "text" in p:
+            parts.append(Text(p["text"]))
+        elif "functionCall" in p:
+            parts.append(ToolCall(name=p["functionCall"]["name"],
+                                  arguments=p["functionCall"].get("args"), id="ls"))
+        elif "functionResponse" in p:
+            out = p["functionResponse"]["response"].get("output")
+            parts.append(ToolResult(call_id="ls", parts=[Text(out)]))
+    return parts
+
+
+def read_gemini(request, reply, *, first=None) -> Conversation:
+    """What ``proxy/apis/gemini/conversation.py`` would hold (docs/architecture.md)."""
+    messages = [Message(role="system",
+                        parts=_gemini_parts(request.get("systemInstruction") or {}))]
+    for content in request.get("contents") or ():
+        parts = _gemini_parts(content)
+        role = "assistant" if content.get("role") == "model" else "user"
+        messages.append(Message(role="tool" if any(type(p) is ToolResult for p in parts)
+                                else role, parts=parts))
+    return Conversation(messages=messages, reply=[
+        Message(role="assistant", parts=_gemini_parts(c["content"]))
+        for c in reply.get("candidates") or ()])
+
+
+# The registry's line for it: the package's ClientApi (no native capture, no translation
+# needed to read its stored calls).
+GEMINI_API = CHAT_CLIENT._replace(name="gemini", path="/v1beta/models/m:generateContent",
+                                  exposed=(), native=None, reader=read_gemini)
+WITH_GEMINI = readers((*APIS, GEMINI_API))
+
+
+def _summary(read: Conversation) -> list[tuple]:
+    """Each message as (role, text, tool calls' names, tool results' texts)."""
+    return [(m.role, text_of(m.parts), [p.name for p in m.parts if type(p) is ToolCall],
+             [text_of(p.parts) for p in m.parts if type(p) is ToolResult])
+            for m in [*(read.messages or ()), *read.reply]]
+
+
+def test_the_three_apis_read_one_conversation_alike():
+    spelled = {"chat.completions": (CHAT, CHAT_REPLY), "responses:chat": (RESPONSES,
+               RESPONSES_REPLY), "messages:chat": (MESSAGES, MESSAGES_REPLY),
+               "gemini:chat": (GEMINI, GEMINI_REPLY)}
+    read = {endpoint: _summary(WITH_GEMINI.read(endpoint, json.dumps(req), json.dumps(res)))
+            for endpoint, (req, res) in spelled.items()}
+    expected = [("system", SYSTEM, [], []), ("user", TASK, [], []),
+                ("assistant", None, ["ls"], []), (None, [], [RESULT]), ("assistant", DONE, [], [])]
+    for endpoint, found in read.items():
+        assert [*found[:3], found[3][1:], found[4]] == expected, endpoint
+    # Messages returns tool results in a user turn, chat and Responses as tool messages.
+    assert [found[3][0] for found in read.values()] == ["tool", "tool", "user", "tool"]
+
+
+def test_a_fourth_api_is_read_everywhere_with_only_its_reader_and_registry_line():
+    request, reply = json.dumps(GEMINI), json.dumps(GEMINI_REPLY)
+    # The viewer's conversation.
+    turns = viewer.turns(WITH_GEMINI, "gemini:chat", request, reply)
+    assert [(t.role, t.text, [c.name for c in t.tool_calls], t.reply) for t in turns] == [
+        ("system", SYSTEM, [], False), ("user", TASK, [], False),
+        ("assistant", "", ["ls"], False), ("tool", RESULT, [], False),
+        ("assistant", DONE, [], True)]
+    # The packets' steps, read call by call as a failure packet reads them.
+    task, steps, _ = read_steps(WITH_GEMINI, [CallBodies(
+        call_id="g1", endpoint="gemini:chat", request=request, response=reply)], 200)
+    assert (task.system, task.user) == (SYSTEM, TASK)
+    assert [(s.text, s.tool_calls, [o["content"] for o in s.observations]) for s in steps] == [
+        (None, [{"name": "ls", "arguments": "{}"}], [RESULT]), (DONE, [], [])]
+    # The lineage hash: the same start as the same conversation spoken in chat.
+    assert lineage(WITH_GEMINI.reader("gemini:chat"), GEMINI) == lineage(
+        WITH_GEMINI.reader("chat.completions"), CHAT)
+    # Without its line the calls read as plain JSON: nothing of them is lost, nothing read.
+    plain = viewer.turns(readers(), "gemini:chat", request, reply)
+    assert [t.role for t in plain] == ["other", "reply"] and TASK in plain[0].text
+    assert analysis.read(readers(), "gemini:chat", request, None, reply, 200)[1] == []
+
+
+def test_every_api_of_the_registry_reads_through_its_own_package():
+    for api in APIS:
+        package = (api.native().__class__.__module__ if api.native
+                   else api.translation.__name__).split(".")[3]
+        for read in (api.reader, api.caps):
+            assert read.__module__ == f"tracetap.proxy.apis.{package}.conversation", api.name
+    names = readers()
+    for endpoint in ("chat", "chat.completions", "completions", "responses", "messages",
+                     "responses:chat", "messages:chat"):
+        assert names.reader(endpoint).__module__.endswith(".conversation"), endpoint
+
+
+def test_each_api_reads_its_own_completion_cap():
+    assert caps("chat.completions", {"max_completion_tokens": 9, "max_tokens": 5, "n": 2}) == (
+        9, 2)
+    assert caps("responses:chat", {"max_output_tokens": 7, "max_tokens": 5, "n": 2}) == (7, 1)
+    assert caps("messages", {"max_tokens": 5, "max_output_tokens": 7, "n": 2}) == (5, 1)
+
+
+def test_an_image_is_read_by_reference_never_by_its_data():
+    data = "iVBORw0KGgo" * 1000
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}
+    turns = viewer.turns(readers(), "messages", json.dumps(request), None)
+    [turn] = turns
+    assert data not in turn.text and "[image sha256:" in turn.text
+    assert "[image https://example.com/a.png]" in turn.text
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": f"data:image/png;base64,{data}"}}]}]}
+    [turn] = viewer.turns(readers(), "chat.completions", json.dumps(chat), None)
+    assert data not in turn.text and turn.text.startswith("[image_url sha256:")
+
+
+# Request keys and API names that only an API's package may read.
+WIRE_NAMES = {"messages", "input", "instructions", "tool_calls", "tool_call_id", "tool_use",
+              "tool_result", "tool_use_id", "function_call", "function_call_output",
+              "input_schema", "max_tokens", "max_completion_tokens", "max_output_tokens",
+              "choices", "output", "chat.completions", "completions", "responses",
+              "reasoning_content", "image_url"}
+READERS_OF_A_CONVERSATION = ("viewer/conversation.py", "analysis/conversation.py",
+                             "analysis/steps.py", "proxy/episodes/lineage.py",
+                             "proxy/episodes/budgets.py", "proxy/call/driver.py")
+
+
+def test_no_reader_of_a_conversation_outside_the_api_packages_reads_a_wire_shape():
+    for name in READERS_OF_A_CONVERSATION:
+        tree = ast.parse((ROOT / name).read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        found = {node.value for node in ast.walk(tree)
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and id(node) not in docstrings and node.value in WIRE_NAMES}
+        assert not found, f"{name} reads {sorted(found)}"
