@@ -143,7 +143,8 @@ def test_a_header_line_that_changes_at_compaction_keeps_the_lineage(proxy, tmp_p
 
 def test_the_conversation_hash_skips_a_leading_header_line_only():
     def start(system):
-        return conversation(readers().reader("messages:chat"), {"system": system, "messages": [{"role": "user", "content": "t"}]})
+        return conversation(readers().reader("messages:chat"),
+                            {"system": system, "messages": [{"role": "user", "content": "t"}]})
 
     plain = start([{"type": "text", "text": "Be brief."}])
     header = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
