@@ -98,7 +98,9 @@ def _part_text(part: Part) -> str:
     if type(part) is Reasoning:
         return f"[reasoning]\n{part.text}\n[/reasoning]"
     if type(part) is Image:  # a stored one by its key: the page shows its thumbnail
-        return f"[image {part.stored}]" if part.stored else f"[{part.block} {part.ref}]"
+        if part.stored or not part.ref.startswith("sha256:"):
+            return f"[image {part.stored or part.ref}]"
+        return "[image]"  # inline data that does not decode: not stored apart, not shown
     if type(part) is ToolResult:
         return _text(part.parts)
     if type(part) is CalledTool:
