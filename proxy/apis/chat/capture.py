@@ -19,6 +19,7 @@ from tracetap.proxy.apis.chat.prompt_cut import decode_ids
 from tracetap.proxy.apis.chat.wire import (
     ChatChoice,
     CompletionChoice,
+    SglExt,
     Usage,
     decode_chat,
     decode_completion,
@@ -172,6 +173,19 @@ class Capture:
                 self._add_chat(acc, choice)
             else:
                 self._add_completion(acc, choice)
+        ext = getattr(body, "sglext", None)
+        if ext is not None:
+            self._add_sglext(ext)
+
+    def _add_sglext(self, ext: SglExt) -> None:
+        """SGLang's whole ids of the prompt and of each choice (they replace any others)."""
+        if ext.input_ids is not None:
+            self.prompt_ids = ext.input_ids
+        for index, ids in enumerate(ext.output_ids or ()):
+            acc = self._choices.get(index)
+            if acc is None:
+                acc = self._choices[index] = _Choice()
+            acc.engine_ids = list(ids)
 
     def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
         message = choice.message or choice.delta
@@ -200,7 +214,10 @@ class Capture:
                 if self.keep_top:
                     acc.tops.append([{"token": t.token, "logprob": t.logprob}
                                      for t in entry.top_logprobs or ()])
-        self._add_common(acc, choice.token_ids, choice.finish_reason)
+        if choice.prompt_token_ids is not None:
+            self.prompt_ids = choice.prompt_token_ids
+        ids = choice.token_ids if choice.token_ids is not None else choice.response_token_ids
+        self._add_common(acc, ids, choice.finish_reason)
 
     def _add_completion(self, acc: _Choice, choice: CompletionChoice) -> None:
         if choice.text:

@@ -77,6 +77,16 @@ class ChatTextChoice(View):
 class ChatChoice(ChatTextChoice):
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
+    # SGLang's non-stream chat with ``return_token_ids`` (the client's own ask).
+    response_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class SglExt(View):
+    """SGLang's extension object: the chat ids the proxy asks for (proxy.apis.chat.inject)."""
+
+    input_ids: list[int] | None = None
+    output_ids: list[list[int]] | None = None  # one list per choice, each whole
 
 
 class LogprobEntries(View):
@@ -135,6 +145,7 @@ class ChatBody(ChatTextBody):
     model: str | None = None
     choices: list[ChatChoice] = []
     prompt_token_ids: list[int] | None = None
+    sglext: SglExt | None = None
 
 
 class ChatEntriesBody(ChatTextBody):
