@@ -19,6 +19,7 @@ from tracetap.proxy.apis.chat.prompt_cut import decode_ids
 from tracetap.proxy.apis.chat.wire import (
     ChatChoice,
     CompletionChoice,
+    Message,
     SglExt,
     Usage,
     decode_chat,
@@ -190,22 +191,7 @@ class Capture:
     def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
         message = choice.message or choice.delta
         if message is not None:
-            acc.role = message.role or acc.role
-            if message.content:
-                acc.text.append(message.content)
-            reasoning = message.reasoning_text
-            if reasoning:
-                acc.reasoning.append(reasoning)
-            for position, call in enumerate(message.tool_calls or ()):
-                index = call.index if call.index is not None else position
-                tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
-                                                    "arguments": []})
-                tool["id"] = call.id or tool["id"]
-                tool["type"] = call.type or tool["type"]
-                if call.function is not None:
-                    tool["name"] = call.function.name or tool["name"]
-                    if call.function.arguments:
-                        tool["arguments"].append(call.function.arguments)
+            _add_message(acc, message)
         if choice.logprobs is not None and choice.logprobs.content:
             for entry in choice.logprobs.content:
                 acc.logprobs.append(entry.logprob)
@@ -329,6 +315,26 @@ class Capture:
         if self.usage is not None:
             body["usage"] = msgspec.to_builtins(self.usage)
         return body
+
+
+def _add_message(acc: _Choice, message: Message) -> None:
+    """A reply's message or a chunk's delta: its text, reasoning and tool-call pieces."""
+    acc.role = message.role or acc.role
+    if message.content:
+        acc.text.append(message.content)
+    reasoning = message.reasoning_text
+    if reasoning:
+        acc.reasoning.append(reasoning)
+    for position, call in enumerate(message.tool_calls or ()):
+        index = call.index if call.index is not None else position
+        tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
+                                            "arguments": []})
+        tool["id"] = call.id or tool["id"]
+        tool["type"] = call.type or tool["type"]
+        if call.function is not None:
+            tool["name"] = call.function.name or tool["name"]
+            if call.function.arguments:
+                tool["arguments"].append(call.function.arguments)
 
 
 def _completion_ids(acc: _Choice) -> tuple[list[int] | None, str]:
