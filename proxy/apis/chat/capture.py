@@ -68,8 +68,8 @@ class OpenAIApi:
 class _Choice:
     """One choice's pieces as they arrive."""
 
-    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "text",
-                 "tokens", "tools", "tops")
+    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "stop",
+                 "text", "tokens", "tools", "tops")
 
     def __init__(self) -> None:
         self.role: str | None = None
@@ -82,6 +82,7 @@ class _Choice:
         self.ids: list[int | None] = []
         self.tops: list[Any] = []
         self.finish_reason: str | None = None
+        self.stop: dict[str, Any] = {}  # the engine's stop_reason / matched_stop, once set
 
 
 
@@ -202,6 +203,10 @@ class Capture:
                                      for t in entry.top_logprobs or ()])
         if choice.prompt_token_ids is not None:
             self.prompt_ids = choice.prompt_token_ids
+        if choice.stop_reason is not None:
+            acc.stop = {"stop_reason": choice.stop_reason}
+        elif choice.matched_stop is not None:
+            acc.stop = {"matched_stop": choice.matched_stop}
         ids = choice.token_ids if choice.token_ids is not None else choice.response_token_ids
         self._add_common(acc, ids, choice.finish_reason)
 
@@ -304,6 +309,7 @@ class Capture:
                 out["text"] = text or ""
             out["logprobs"] = _logprobs_view(acc, chat) if with_logprobs else None
             out["finish_reason"] = acc.finish_reason
+            out |= acc.stop  # what ended it: a stop string's token is in no text (drift)
             choices.append(out)
         body: dict[str, Any] = {
             "id": self.response_id,

@@ -71,7 +71,8 @@ class ChatTextChoice(View):
     message: Message | None = None
     delta: Message | None = None
     finish_reason: str | None = None
-    stop_reason: Any = None  # vLLM/SGLang: the stop string (or token id) that ended it
+    stop_reason: Any = None  # vLLM: the stop string (or token id) that ended it
+    matched_stop: Any = None  # SGLang's name for it
 
 
 class ChatChoice(ChatTextChoice):
