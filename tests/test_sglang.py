@@ -21,6 +21,8 @@ from helpers.servers import Proxy
 
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig
+from tracetap.demo.engine_common import ABORTS
+from tracetap.demo.sglang import ABORTED
 from tracetap.proxy.runtime.settings import Settings
 from tracetap.proxy.tokens.engine_tokenizer import detect as detect_tokenizer
 from tracetap.proxy.upstream.client import UpstreamClient
@@ -245,3 +247,43 @@ def test_engine_tokenizer_reads_sglangs_answers(loop_thread, engine):
     assert (kind, reached) == ("vllm", True)  # vLLM's requests; SGLang's answers
     assert piece == tok.token_bytes(tok.EOS)  # a special token's text, not skipped
     assert prompt == tok.apply_chat_template(MESSAGES)
+
+
+# ---- a weight sync: SGLang's own abort, then the stream continued ------------------------------
+
+CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
+
+
+def test_a_weight_sync_aborts_an_sglang_stream_with_its_own_abort_and_continues_it(
+        proxy, engine):
+    """Closing the connection would lose the ids SGLang sends only as a chat stream ends:
+    the proxy asks ``/abort_request`` for the stream's rid instead, takes the ids from the
+    engine's ending (which the client never sees) and continues token for token."""
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    client = openai.OpenAI(base_url=proxy.episode_url("sg-sync"), api_key="x", max_retries=0)
+    app, synced, text, reasons = engine._runner.app, [], [], []
+
+    def weight_sync():
+        status, answer = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and answer["drained"] is True
+        assert app[ABORTED].count == 1 and app[ABORTS].count == 0  # asked, not disconnected
+        assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+        synced.append(True)
+
+    with client, client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03}) as chunks:
+        for i, chunk in enumerate(chunks):
+            for choice in chunk.choices:
+                text.append(choice.delta.content or "")
+                reasons.append(choice.finish_reason)
+            if i == 12:
+                weight_sync()
+    assert synced and "".join(text) == CONTENT  # one uninterrupted answer
+    assert "abort" not in reasons and reasons[-1] == "stop"
+    [call] = proxy.calls("sg-sync")
+    [choice] = call["choices"]
+    assert choice["completion_ids"] == [*CONTENT.encode(), tok.EOS]
+    assert call["prompt_ids"] == tok.apply_chat_template(MESSAGES)
+    assert len(choice["completion_logprobs"]) == len(choice["completion_ids"])
+    assert call["status"] == "ok" and call["policy_version"] == "v1"

@@ -235,14 +235,15 @@ class Capture:
         if finish is not None:
             acc.finish_reason = finish
 
-    def continuable(self) -> bool:
+    def continuable(self, ids_at_end: bool = False) -> bool:
         """Whether the reply so far can be continued token for token (proxy.call.continuation):
         one unfinished choice with the engine's ids, no tool call or reasoning text, and
-        the prompt's ids known."""
-        if len(self._choices) != 1 or self.prompt_ids is None:
+        the prompt's ids known. ``ids_at_end``: the engine sends both ids only as the
+        stream ends (SGLang's ``sglext``), so only the rest is asked now."""
+        if len(self._choices) != 1 or (self.prompt_ids is None and not ids_at_end):
             return False
         [c] = self._choices.values()
-        return (c.engine_ids is not None and not c.tools and not c.reasoning
+        return ((c.engine_ids is not None or ids_at_end) and not c.tools and not c.reasoning
                 and c.finish_reason is None)
 
     def token_counts(self) -> dict[int, int]:

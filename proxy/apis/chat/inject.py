@@ -141,12 +141,12 @@ def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
 def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
     # Runs once per stream event: the flags are read once (and _drop pops a stream
     # chunk's fields in one C call each).
-    token_ids, experts = injected.token_ids, injected.experts
+    token_ids, experts, sglext = injected.token_ids, injected.experts, injected.sglext
     if token_ids:
         _drop(top, "prompt_token_ids", keep_null)
     if experts:
         top.pop("prompt_routed_experts", None)
-    if injected.sglext and "sglext" in top:
+    if sglext and "sglext" in top:
         _strip_sglext(top)
     if "choices" not in top:
         return
@@ -158,6 +158,8 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
         if token_ids:
             _drop(choice, "token_ids", keep_null)
             _drop(choice, "prompt_token_ids", keep_null)
+        elif sglext:  # a continuation's chunks (proxy.call.continuation) carry ids
+            choice.pop("token_ids", None)
         if experts:
             choice.pop("routed_experts", None)
     top["choices"] = msgspec.Raw(_encode(choices))
