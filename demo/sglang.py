@@ -33,7 +33,7 @@ from tracetap.demo.engine_common import CONFIG, ApiError
 from tracetap.demo.engine_common import json_response as _json
 from tracetap.demo.engine_info import object_body
 from tracetap.demo.generate import Completion, logprob_rows
-from tracetap.demo.wire import Shape, chat_logprobs
+from tracetap.demo.wire import Shape, chat_logprobs, error_body
 
 VERSION = "0.5.23"
 
@@ -54,9 +54,8 @@ class Aborted:
 ABORTED = web.AppKey("sglang_aborted", Aborted)
 
 
-def error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = "BadRequest" if status == 400 else "InternalServerError" if status >= 500 else ""
-    return {"object": "error", "message": message, "type": kind, "param": param, "code": status}
+def error(status: int, message: str) -> dict[str, Any]:
+    return error_body("sglang", status, message)
 
 
 def _matched(c: Completion, finish: str) -> str | int | None:

@@ -82,9 +82,10 @@ OPENAI_FIELDS: dict[type[EngineRequest], frozenset[str]] = {
 
 def error_body(flavor: Flavor, status: int, message: str, param: str | None = None) -> dict:
     """The one error shape: vLLM names the type after the status, OpenAI by category."""
-    if flavor == "sglang":
-        from tracetap.demo.sglang import error
-        return error(status, message, param)
+    if flavor == "sglang":  # SGLang 0.5.23 serving_base.py: the error object itself
+        kind = "BadRequest" if status == 400 else "InternalServerError" if status >= 500 else ""
+        return {"object": "error", "message": message, "type": kind, "param": param,
+                "code": status}
     if flavor == "vllm":
         try:
             kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
