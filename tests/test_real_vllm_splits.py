@@ -25,6 +25,8 @@ from helpers.loop import free_port
 from helpers.servers import Proxy
 
 from tracetap.exporters import export
+from tracetap.exporters.drift import chat_messages, reply_message
+from tracetap.exporters.history import CAUSES, history_cause
 from tracetap.proxy.runtime.settings import Settings
 
 HERE = Path(__file__).parent / "fixtures" / "real_vllm"
@@ -100,3 +102,28 @@ def test_a_responses_episode_splits_with_a_cause_worked_out_from_its_input(rows)
     for row in mine[1:]:
         assert row["drift_cause"] == "template_drift"
         assert (row["drift_expected_token"], row["drift_received_token"]) == (107, 106)
+
+
+def test_every_drift_cause_is_explained_in_fidelity_md():
+    table = (Path(__file__).parents[1] / "docs" / "fidelity.md").read_text()
+    documented = {line.split("`")[1] for line in table.splitlines()
+                  if line.startswith("| `") and line.count("|") == 4}
+    assert set(CAUSES) <= documented, set(CAUSES) - documented
+
+
+def test_responses_input_reads_as_the_chat_messages_a_reply_is_compared_with():
+    request = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Look it up."}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"q":1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "found"}]}
+    reply = reply_message({"object": "response", "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup",
+         "arguments": '{"q":1}'}]}, 0)
+    messages = chat_messages(request)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[2] == reply  # the resent turn is the reply: no split cause in it
+    assert history_cause([*messages[:2], reply], messages, 2) == ("template_drift", 3)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.apis.chat.wire import ChatBody, decode_chat
 from tracetap.proxy.call.record import client_text
 from tracetap.proxy.call.relay import broken_error
 from tracetap.proxy.episodes.ids import uuid7
@@ -166,12 +167,20 @@ async def _events(reply: Reply, cut: Cut) -> AsyncIterator[bytes]:
     async for data in reply.iter_chunks():
         for event in parser.feed(data):
             if cut.fired and event.data is not None:
-                if not cut.ended and b'"finish_reason":"abort"' in event.data:
+                chunk = _decode_chunk(event.data)
+                if not cut.ended and any(c.finish_reason == "abort" for c in chunk.choices):
                     cut.ended = True
                     continue
-                if cut.ended and b'"sglext"' not in event.data:
+                if cut.ended and chunk.sglext is None:
                     continue
             yield event.raw
+
+
+def _decode_chunk(data: bytes) -> ChatBody:
+    try:
+        return decode_chat(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ChatBody()  # [DONE], or what capture notes as unparseable
 
 
 async def whole(call: ModelCall, reply: Reply, send: Callable[[], Awaitable[Reply]]) -> Reply:
