@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 
+import anthropic
 import openai
 import pytest
 from aiohttp import web
@@ -287,3 +288,23 @@ def test_a_weight_sync_aborts_an_sglang_stream_with_its_own_abort_and_continues_
     assert call["prompt_ids"] == tok.apply_chat_template(MESSAGES)
     assert len(choice["completion_logprobs"]) == len(choice["completion_ids"])
     assert call["status"] == "ok" and call["policy_version"] == "v1"
+
+
+def test_messages_translated_for_sglang_are_token_exact(proxy, engine):
+    """SGLang serves chat, not Messages here: a Claude-style harness's calls are translated
+    to chat, whose ids (in ``sglext``) are captured streamed or not."""
+    truth = engine_chat(engine, max_tokens=64, seed=None)["choices"][0]
+    agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/sg-msg", api_key="x",
+                                max_retries=0)
+    with agent:
+        got = agent.messages.create(model="m", max_tokens=64, system=MESSAGES[0]["content"],
+                                    messages=MESSAGES[1:])
+        with agent.messages.stream(model="m", max_tokens=64, system=MESSAGES[0]["content"],
+                                   messages=MESSAGES[1:]) as stream:
+            streamed = stream.get_final_message()
+    assert got.content[0].text == streamed.content[0].text == truth["message"]["content"]
+    calls = proxy.calls("sg-msg")
+    assert [c["endpoint"] for c in calls] == ["messages:chat"] * 2
+    for call in calls:
+        assert call["prompt_ids"] == truth["prompt_token_ids"]
+        assert call["choices"][0]["completion_ids"] == truth["response_token_ids"]
