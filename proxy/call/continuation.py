@@ -112,6 +112,8 @@ def aborter(pool: Any, call: ModelCall, headers: dict[str, str]):
             _, reply = await pool.send("POST", "/abort_request", headers, body,
                                        episode_id=call.episode_id, model=call.request.model)
             reply.close()
+            if reply.status != 200:  # not aborted: it ends on the old weights, as in a drain
+                log.warning("SGLang /abort_request answered %d", reply.status)
         except ProxyError as exc:  # the stream then ends on the old weights, as in a drain
             log.warning("SGLang /abort_request failed: %s", exc)
     return abort
