@@ -149,6 +149,8 @@ async def stream(call: ModelCall, reply: Reply, pool: Any,
                 raise
         if not cut.fired or call.done or (abort is not None and not cut.ended):
             return
+        if not call.capture.continuable():  # SGLang's abort ended it without the ids
+            raise UpstreamBroken("the engine's abort ended the stream without its token ids")
         gate.cuts.discard(cut)
         if not await gate.hold():
             raise UpstreamBroken("cut for a weight sync that outlasted --pause-timeout")
