@@ -290,9 +290,9 @@ def test_a_weight_sync_aborts_an_sglang_stream_with_its_own_abort_and_continues_
     assert call["status"] == "ok" and call["policy_version"] == "v1"
 
 
-def test_messages_translated_for_sglang_are_token_exact(proxy, engine):
-    """SGLang serves chat, not Messages here: a Claude-style harness's calls are translated
-    to chat, whose ids (in ``sglext``) are captured streamed or not."""
+def test_messages_and_responses_translated_for_sglang_are_token_exact(proxy, engine):
+    """Messages and Responses calls are translated to chat on SGLang, whose ids (in
+    ``sglext``) are captured streamed or not."""
     truth = engine_chat(engine, max_tokens=64, seed=None)["choices"][0]
     agent = anthropic.Anthropic(base_url=proxy.url + "/episodes/sg-msg", api_key="x",
                                 max_retries=0)
@@ -303,8 +303,16 @@ def test_messages_translated_for_sglang_are_token_exact(proxy, engine):
                                    messages=MESSAGES[1:]) as stream:
             streamed = stream.get_final_message()
     assert got.content[0].text == streamed.content[0].text == truth["message"]["content"]
+    client = openai.OpenAI(base_url=proxy.episode_url("sg-msg"), api_key="x", max_retries=0)
+    with client:
+        whole = client.responses.create(model="m", instructions=MESSAGES[0]["content"],
+                                        input=MESSAGES[1]["content"], max_output_tokens=64)
+        with client.responses.stream(model="m", instructions=MESSAGES[0]["content"],
+                                     input=MESSAGES[1]["content"], max_output_tokens=64) as s:
+            streamed = s.get_final_response()
+    assert whole.output_text == streamed.output_text == truth["message"]["content"]
     calls = proxy.calls("sg-msg")
-    assert [c["endpoint"] for c in calls] == ["messages:chat"] * 2
+    assert [c["endpoint"] for c in calls] == ["messages:chat"] * 2 + ["responses:chat"] * 2
     for call in calls:
         assert call["prompt_ids"] == truth["prompt_token_ids"]
         assert call["choices"][0]["completion_ids"] == truth["response_token_ids"]
