@@ -329,7 +329,8 @@ class ExportRun:
             calls = {c.call_id: c for e, _ in drifted for c in e.calls}
             if not self.reader.with_bodies:
                 calls = await self.reader.bodies(sorted({
-                    i for _, t in drifted for i in (t.call_ids[0], t.drift_call_id)}))
+                    i for _, t in drifted
+                    for i in (t.split_call_id or t.call_ids[0], t.drift_call_id)}))
             for _, t in drifted:
                 explain(t, calls)
         for _, t in rows:
