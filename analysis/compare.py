@@ -5,9 +5,12 @@ task counts once whatever its number of repeats. For a candidate against the bas
 on the tasks both ran: d_t = success rate of the candidate on t - that of the baseline,
 Δ_B = mean of d_t, with a paired bootstrap percentile interval over tasks and an exact
 sign-test p-value over the tasks where d_t != 0 (analysis.stats). A task is fixed when
-d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: tokens
-(prompt + completion, from the calls table) and model latency (the sum of the calls'
-durations), their differences paired by task the same way.
+d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: usage tokens
+(prompt + completion summed over the calls: a resent history counts at each call),
+trajectory tokens (the longest call's prompt + completion) and model latency (the sum of
+the calls' durations), their differences paired by task the same way. A variant's own
+figures are over all its episodes; the differences over the paired tasks, each task once:
+``paired`` holds both sides' means there, whose difference each one is.
 
 Held out: given the tasks a patch was written from (``seen_tasks``: the failure packets'
 tasks), the same Δ_B, interval and sign test on the paired tasks outside them: the figure
@@ -39,8 +42,9 @@ class Variant(msgspec.Struct, kw_only=True):
     tasks: int
     success_rate: float
     mean_reward: float | None
-    tokens_per_episode: float
+    tokens_per_episode: float  # usage: prompt + completion summed over the calls
     latency_per_episode: float  # seconds
+    trajectory_tokens_per_episode: float = 0.0
     # Episodes of this selection left out because their integrity is infra (not in Δ_B).
     infra_excluded: int = 0
 
@@ -49,6 +53,15 @@ class Flips(msgspec.Struct, kw_only=True):
     fixed: list[str]
     broken: list[str]
     unchanged: int
+
+
+class Means(msgspec.Struct, kw_only=True):
+    """One side over the paired tasks, each task's repeats averaged first."""
+
+    success: float
+    tokens: float
+    trajectory_tokens: float
+    latency: float
 
 
 class Candidate(msgspec.Struct, kw_only=True):
@@ -65,6 +78,7 @@ class Candidate(msgspec.Struct, kw_only=True):
     advantage: float | None = None  # with K >= 2 candidates
     held_out: HeldOut | None = None  # with seen_tasks
     reward: float | None = None  # what the group's advantage used
+    paired: tuple[Means, Means] | None = None  # baseline, candidate: the deltas are b - a
 
 
 class HeldOut(msgspec.Struct, kw_only=True):
@@ -101,6 +115,7 @@ class _Tasks(msgspec.Struct):
     reward: dict[str, float]
     tokens: dict[str, float]
     latency: dict[str, float]
+    trajectory: dict[str, float]
 
 
 def compare(
@@ -220,6 +235,8 @@ def _variant(
         },
         tokens={t: mean([_tokens(e) for e in es]) for t, es in by_task.items()},
         latency={t: mean([e.summary.latency for e in es]) for t, es in by_task.items()},
+        trajectory={t: mean([float(e.summary.context_tokens) for e in es])
+                    for t, es in by_task.items()},
     )
     variant = Variant(
         selector=selector.text,
@@ -229,6 +246,7 @@ def _variant(
         mean_reward=mean(rewards) if rewards else None,
         tokens_per_episode=mean([_tokens(e) for e in episodes]),
         latency_per_episode=mean([e.summary.latency for e in episodes]),
+        trajectory_tokens_per_episode=mean([float(e.summary.context_tokens) for e in episodes]),
     )
     return variant, tasks
 
@@ -277,7 +295,15 @@ def _against(
         ),
         tokens_delta=mean([tasks.tokens[t] - base.tokens[t] for t in paired]),
         latency_delta=mean([tasks.latency[t] - base.latency[t] for t in paired]),
+        paired=(_means(base, paired), _means(tasks, paired)),
     )
+
+
+def _means(tasks: _Tasks, paired: list[str]) -> Means:
+    return Means(success=mean([tasks.success[t] for t in paired]),
+                 tokens=mean([tasks.tokens[t] for t in paired]),
+                 trajectory_tokens=mean([tasks.trajectory[t] for t in paired]),
+                 latency=mean([tasks.latency[t] for t in paired]))
 
 
 def _tokens(e: Episode) -> float:

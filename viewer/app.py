@@ -16,6 +16,7 @@ from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.scan import ScanError
+from tracetap.storage.search_pool import SearchBounds
 from tracetap.viewer import PREFIX, access, compare, engineer, live, pages, search, variants
 from tracetap.viewer.access import Access, Verdict
 from tracetap.viewer.detokenize import Detokenizer
@@ -39,6 +40,7 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     poll_interval: float = 0.25  # seconds between the live page's database reads
     data_dir: str | None = None  # where the dead-letter files are (storage.quarantine)
     search_index: bool = True  # False: the proxy indexes no text (--no-search-index)
+    search: SearchBounds = msgspec.field(default_factory=SearchBounds)  # its own small pool
 
 
 def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) -> web.Application:
@@ -85,7 +87,7 @@ async def _to_viewer(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application):
     config = app[CONFIG]
-    source = Source(config.database_url)
+    source = Source(config.database_url, config.search)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
     app[TEMPLATES].warm()

@@ -44,10 +44,36 @@ class Options(msgspec.Struct, kw_only=True):
     allow_unpaired: bool = False
 
 
+class Chip(msgspec.Struct, kw_only=True):
+    episode: Episode
+    succeeded: bool  # by the page's success rule: what the verdict counts
+
+
 class TaskLinks(msgspec.Struct, kw_only=True):
+    """A fixed or broken task's episodes: those its verdict counted on each side, and those
+    left out of it (integrity infra), shown apart so the chips add up to the verdict."""
+
     task: str
-    baseline: list[Episode]
-    candidate: list[Episode]
+    baseline: list[Chip]
+    candidate: list[Chip]
+    left_out: list[Episode] = []
+
+    def succeeded(self, side: str) -> int:
+        return sum(c.succeeded for c in getattr(self, side))
+
+
+# Error texts name the command's flags; the page has controls for them.
+_CONTROLS = (("pass --allow-unpaired to drop them", "tick “drop unpaired tasks” to drop them"),
+             ("--allow-unpaired", "“drop unpaired tasks”"),
+             ("give at least one --candidate selection", "give a candidate selector"),
+             ("--resamples", "Resamples"))
+
+
+def page_words(message: str) -> str:
+    """An analysis error as the page's controls say it."""
+    for flag, control in _CONTROLS:
+        message = message.replace(flag, control)
+    return message
 
 
 class Cell(msgspec.Struct, kw_only=True):
@@ -133,24 +159,30 @@ async def variants_page(request: web.Request) -> web.Response:
             resamples=chosen.resamples, seed=chosen.seed, allow_unpaired=chosen.allow_unpaired)
     except AnalysisError as exc:
         return page(request, "variants.html", status=400, view="variants", form=form,
-                    result=None, links=[], error=str(exc))
+                    result=None, links=[], error=page_words(str(exc)))
     return page(request, "variants.html", view="variants", form=form, result=result,
-                links=[task_links(result, episodes, baseline, s) for s in candidates],
+                links=[task_links(result, episodes, baseline, s, chosen.success)
+                       for s in candidates],
                 error=None, delta_plot=delta_plot(result))
 
 
 def task_links(result: Comparison, episodes: Sequence[Episode], baseline: Selector,
-               candidate: Selector) -> dict[str, TaskLinks]:
-    """For each fixed or broken task: the episodes each side ran on it."""
+               candidate: Selector, success: Success) -> dict[str, TaskLinks]:
+    """For each fixed or broken task: the episodes each side ran on it that Δ_B counts
+    (with whether each succeeded), and the infra ones it left out."""
     mine = next(c for c in result.candidates if c.variant.selector == candidate.text)
     wanted = {*mine.flips.fixed, *mine.flips.broken}
-    out = {t: TaskLinks(task=t, baseline=[], candidate=[]) for t in wanted}
+    out = {t: TaskLinks(task=t, baseline=[], candidate=[], left_out=[]) for t in wanted}
     for e in episodes:
-        if e.task in out:
-            if baseline.matches(e):
-                out[e.task].baseline.append(e)
-            elif candidate.matches(e):
-                out[e.task].candidate.append(e)
+        links = out.get(e.task)
+        side = None if links is None else "baseline" if baseline.matches(e) \
+            else "candidate" if candidate.matches(e) else None
+        if side is None:
+            continue
+        if e.integrity.infra:
+            links.left_out.append(e)
+        else:
+            getattr(links, side).append(Chip(episode=e, succeeded=success(e)))
     return out
 
 
