@@ -226,17 +226,19 @@ def _variant(
     for e in episodes:
         by_task[e.task].append(e)
     rewards = [e.summary.reward for e in episodes if e.summary.reward is not None]
+    def per_task(value) -> dict[str, float]:
+        return {t: mean([value(e) for e in es]) for t, es in by_task.items()}
+
     tasks = _Tasks(
-        success={t: mean([float(success(e)) for e in es]) for t, es in by_task.items()},
+        success=per_task(lambda e: float(success(e))),
         reward={
             t: mean(r)
             for t, es in by_task.items()
             if (r := [e.summary.reward for e in es if e.summary.reward is not None])
         },
-        tokens={t: mean([_tokens(e) for e in es]) for t, es in by_task.items()},
-        latency={t: mean([e.summary.latency for e in es]) for t, es in by_task.items()},
-        trajectory={t: mean([float(e.summary.context_tokens) for e in es])
-                    for t, es in by_task.items()},
+        tokens=per_task(_tokens),
+        latency=per_task(lambda e: e.summary.latency),
+        trajectory=per_task(_trajectory),
     )
     variant = Variant(
         selector=selector.text,
@@ -246,7 +248,7 @@ def _variant(
         mean_reward=mean(rewards) if rewards else None,
         tokens_per_episode=mean([_tokens(e) for e in episodes]),
         latency_per_episode=mean([e.summary.latency for e in episodes]),
-        trajectory_tokens_per_episode=mean([float(e.summary.context_tokens) for e in episodes]),
+        trajectory_tokens_per_episode=mean([_trajectory(e) for e in episodes]),
     )
     return variant, tasks
 
@@ -308,6 +310,10 @@ def _means(tasks: _Tasks, paired: list[str]) -> Means:
 
 def _tokens(e: Episode) -> float:
     return float(e.summary.prompt_tokens + e.summary.completion_tokens)
+
+
+def _trajectory(e: Episode) -> float:
+    return float(e.summary.context_tokens)
 
 
 def _few(names: list[str], shown: int = 3) -> str:
