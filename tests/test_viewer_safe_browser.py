@@ -56,7 +56,8 @@ def _secret_call(site: Site) -> None:
 def _episode(site: Site, eid: str, harness: str, task: str, outcome: str,
              infra: bool = False) -> None:
     """Two append-only calls (or one failed upstream: integrity infra), then finished."""
-    client = _client(register(site.proxy, eid, task_id=task, harness={"name": harness}))
+    client = _client(register(site.proxy, eid, task_id=task,
+                              harness={"name": harness, "config": {"ctx": harness}}))
     messages = [{"role": "user", "content": f"solve {task}"}]
     usage = site.usage.setdefault(eid, [])
     for _ in range(2):
@@ -87,6 +88,8 @@ def site(tmp_path_factory) -> Iterator[Site]:
         _secret_call(s)
         for spec in EPISODES:
             _episode(s, *spec)
+        register(proxy, "b-t1-running", task_id="t1",
+                 harness={"name": "vb", "config": {"ctx": "vb"}})  # unfinished
         proxy.flush()
         yield s
 
@@ -112,6 +115,7 @@ def _no_secret(text: str, where: str) -> None:
 
 def test_credentials_are_hidden_on_the_call_page_downloads_and_snippets(page, site):
     page.goto(site.url + "/episodes/secretive")
+    _no_secret(page.content(), "the episode page")
     page.locator("table.calls tbody td:first-child a").first.click()
     expect(page.locator(".turns")).to_contain_text("deploy ok quokkafound")
     expect(page.locator(".turns")).to_contain_text("(hidden: a credential is never shown)")
@@ -153,6 +157,7 @@ def test_variants_count_and_show_the_episodes_they_leave_out(page, site):
     page.click("#variants-form button[type=submit]")
     expect(page.locator("#left-out")).to_contain_text("2 episodes of harness=vb")
     expect(page.locator("#left-out")).to_contain_text("1 episodes of harness=vc")
+    expect(page.locator("#left-out")).to_contain_text("not finished yet: 1 episodes of harness=vb")
     rows = page.locator("#variants tbody tr")
     expect(rows.nth(0).locator("td").nth(1)).to_have_text("3 (+2 infra left out)")
     expect(rows.nth(1).locator("td").nth(1)).to_have_text("4 (+1 infra left out)")
@@ -183,6 +188,9 @@ def test_token_figures_are_trajectory_tokens_and_usage_is_labelled(page, site):
     expect(cells.nth(9)).to_have_text(f"{round(trajectory):,}")
     expect(cells.nth(10)).to_have_text(f"{round(usage):,}")
     assert trajectory < usage
+    page.goto(site.url + "/harnesses")
+    expect(page.locator("#coverage-summary")).to_contain_text(
+        "10 finished episodes (2 not finished yet left out)")
     svg = page.request.get(site.url + "/charts.svg").text()
     assert "trajectory tokens per episode" in svg
-    assert "reward (1 without a reward left out)" in svg  # "secretive" never finished
+    assert "reward (2 without a reward left out)" in svg  # the two never finished

@@ -125,9 +125,15 @@ def _selector(text: str, name: str) -> Selector:
         raise BadParameter(f"{name}: {exc}") from None
 
 
-async def _episodes(request: web.Request, policies: bool, costs: bool) -> list[Episode]:
+async def _episodes(request: web.Request, policies: bool,
+                    costs: bool) -> tuple[list[Episode], list[Episode]]:
+    """The finished episodes (what the commands read), and the others: not counted, but
+    the page says how many of them its selections match."""
     reader = await request.app[SOURCE].reader()
-    return await read(reader, EpisodeFilter(finished_only=True), policies=policies, costs=costs)
+    every = await read(reader, EpisodeFilter(finished_only=False), policies=policies,
+                       costs=costs)
+    return ([e for e in every if e.summary.finished_at is not None],
+            [e for e in every if e.summary.finished_at is None])
 
 
 async def variants_page(request: web.Request) -> web.Response:
@@ -151,7 +157,9 @@ async def variants_page(request: web.Request) -> web.Response:
     baseline = _selector(form["baseline"], "baseline")
     candidates = [_selector(c, "candidate") for c in form["candidates"]]
     policies = any(s.needs_policies for s in (baseline, *candidates))
-    episodes = await _episodes(request, policies, costs=True)
+    episodes, unfinished = await _episodes(request, policies, costs=True)
+    running = [(s.text, n) for s in (baseline, *candidates)
+               if (n := sum(s.matches(e) for e in unfinished))]
     try:
         # The paired bootstrap is CPU work: off the event loop, so other pages still answer.
         result = await asyncio.to_thread(
@@ -163,7 +171,7 @@ async def variants_page(request: web.Request) -> web.Response:
     return page(request, "variants.html", view="variants", form=form, result=result,
                 links=[task_links(result, episodes, baseline, s, chosen.success)
                        for s in candidates],
-                error=None, delta_plot=delta_plot(result))
+                error=None, delta_plot=delta_plot(result), running=running)
 
 
 def task_links(result: Comparison, episodes: Sequence[Episode], baseline: Selector,
@@ -201,9 +209,11 @@ async def harnesses_page(request: web.Request) -> web.Response:
     where = _selector(where_text, "where") if where_text else None
     held = _selector(held_text, "held_out") if held_text else None
     chosen = options(query)
-    episodes = await _episodes(request, bool(where and where.needs_policies), costs=False)
+    episodes, unfinished = await _episodes(request, bool(where and where.needs_policies),
+                                           costs=False)
     if where is not None:
         episodes = [e for e in episodes if where.matches(e)]
+        unfinished = [e for e in unfinished if where.matches(e)]
     try:
         report = coverage(episodes, success=chosen.success, factors=factors)
         if held is not None:
@@ -213,7 +223,7 @@ async def harnesses_page(request: web.Request) -> web.Response:
                     grids=[], error=str(exc))
     grids = heatmaps(report, episodes, chosen.success)
     return page(request, "harnesses.html", view="harnesses", form=form, report=report,
-                grids=grids, error=None, level_plot=level_plot(report),
+                grids=grids, error=None, level_plot=level_plot(report), running=len(unfinished),
                 held_plot=held_out_plot(report.held_out) if report.held_out else None)
 
 
