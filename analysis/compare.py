@@ -333,14 +333,15 @@ def render(c: Comparison) -> str:
     ]
     header = (
         f"{'variant':<28} {'episodes':>8} {'tasks':>6} {'success':>8} {'reward':>7} "
-        f"{'tokens/ep':>10} {'latency/ep':>10}"
+        f"{'traj tok/ep':>11} {'usage/ep':>10} {'latency/ep':>10}"
     )
     lines.append(header)
     for v in [c.baseline, *(x.variant for x in c.candidates)]:
         reward = "-" if v.mean_reward is None else f"{v.mean_reward:.3f}"
         lines.append(
             f"{v.selector[:28]:<28} {v.episodes:>8} {v.tasks:>6} "
-            f"{v.success_rate:>8.3f} {reward:>7} {v.tokens_per_episode:>10.1f} "
+            f"{v.success_rate:>8.3f} {reward:>7} {v.trajectory_tokens_per_episode:>11.1f} "
+            f"{v.tokens_per_episode:>10.1f} "
             f"{v.latency_per_episode:>9.3f}s"
         )
     infra = [v for v in [c.baseline, *(x.variant for x in c.candidates)] if v.infra_excluded]
@@ -350,7 +351,7 @@ def render(c: Comparison) -> str:
     lines += ["", f"against the baseline {c.baseline.selector!r}:"]
     header = (
         f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "
-        f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δtokens':>9} "
+        f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δusage':>9} "
         f"{'Δlatency':>9} {'advantage':>9}"
     )
     lines.append(header)
