@@ -33,18 +33,30 @@ TEXT_KEY = re.compile(
     rf"(?P<q>\\*[\"']?)(?<![\w-])(?P<key>{_NAMES})(?![\w-])(?P=q)\s*[:=]\s*"
     r"(?:(?P<vq>\\*[\"'])(?P<quoted>[^\n]*?)(?<!\\)(?P=vq)"
     r"|(?P<bare>(?:(?:Bearer|Basic|Token)\s+)?[^\s,;&\"'}\]\\]+))", re.IGNORECASE)
-# A cheap test before the regex: text without any of these holds no credential key.
-_HINTS = ("key", "pass", "secret", "token", "auth", "cookie", "bearer", "credential")
+# A cheap test before the regex (which costs ~0.4 ms per 1,000 characters): a credential
+# name ends in one of these, followed by the rest of a word, a quote and ':' or '='.
+_HINTS = ("key", "pass", "secret", "token", "auth", "cookie", "credential")
+_AFTER = re.compile(r"[\w-]*\\*[\"']?\s*[:=]")
+_SPACE = re.compile(r"\s*")
 _DEPTH = 64  # levels walked: deeper JSON is shown as text by the viewer anyway
 _LEVELS = 8  # times a string is decoded as JSON before it is taken as text
 
 
 def mask_text(text: str) -> str:
     """Free text with the values after credential names replaced by HIDDEN."""
-    lower = text.lower()
-    if not any(h in lower for h in _HINTS):
+    if not _may_hold(text.lower()):
         return text
     return TEXT_KEY.sub(_hide_match, text)
+
+
+def _may_hold(lower: str) -> bool:
+    for hint in _HINTS:
+        at = lower.find(hint)
+        while at != -1:
+            if _AFTER.match(lower, at + len(hint)):
+                return True
+            at = lower.find(hint, at + len(hint))
+    return False
 
 
 def _hide_match(m: re.Match) -> str:
@@ -90,12 +102,17 @@ def mask_value(value: Any, depth: int = 0) -> tuple[Any, bool]:
     return value, False
 
 
+def _json_like(text: str) -> bool:
+    start = _SPACE.match(text).end()
+    return text[start:start + 1] in ("{", "[", '"')
+
+
 def mask_string(text: str, depth: int = 0) -> str:
     """A string, decoded as JSON to a fixed point when it is JSON (a tool call's
     arguments), masked, and encoded back as many times; else masked as text. The same
     object when nothing was hidden."""
     levels, value = 0, text
-    while isinstance(value, str) and levels < _LEVELS and value.lstrip()[:1] in ("{", "[", '"'):
+    while isinstance(value, str) and levels < _LEVELS and _json_like(value):
         try:
             value = msgspec.json.decode(value)
         except (msgspec.DecodeError, RecursionError):
