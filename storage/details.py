@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.blocks import refs_length
-from tracetap.storage.credentials import mask_body, mask_text
+from tracetap.storage.credentials import mask_body, mask_text, mask_value
 from tracetap.storage.inflate import TEXT, resolve
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -116,9 +116,11 @@ async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | No
     m = e._mapping
     return EpisodeInfo(
         id=e.id, group_id=e.group_id, task_id=e.task_id, harness_name=e.harness_name,
-        harness_config=_loads(e.harness_config), metadata=_loads(m["metadata"]),
+        harness_config=mask_value(_loads(e.harness_config))[0],
+        metadata=mask_value(_loads(m["metadata"]))[0],
         registered=bool(e.registered), created_at=e.created_at, finished_at=e.finished_at,
-        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome, info=_loads(e.info),
+        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome,
+        info=mask_value(_loads(e.info))[0],
         calls=[_summary(c) for c in calls])
 
 

@@ -23,7 +23,7 @@ TOKEN = "safe-test-admin-token"
 UI = "/tracetap/ui"
 MODEL = "mock-model"
 SECRETS = {"body": "sk-body-4f1c", "argument": "hunter2-arg", "nested": "sk-nested-77",
-           "tool output": "tok-tool-9d"}
+           "tool output": "tok-tool-9d", "metadata": "pw-meta-5e"}
 VARIANTS = "/variants?baseline=harness%3Dvb&candidate=harness%3Dvc&success=solved"
 
 
@@ -40,7 +40,8 @@ def _client(created: dict) -> openai.OpenAI:
 
 
 def _secret_call(site: Site) -> None:
-    client = _client(register(site.proxy, "secretive", task_id="deploy"))
+    client = _client(register(site.proxy, "secretive", task_id="deploy",
+                              metadata={"db_password": SECRETS["metadata"], "batch": "s"}))
     arguments = json.dumps({"password": SECRETS["argument"], "target": "prod",
                             "config": json.dumps({"api_key": SECRETS["nested"]})})
     client.chat.completions.create(model=MODEL, extra_body={"api_key": SECRETS["body"]},
@@ -116,6 +117,7 @@ def _no_secret(text: str, where: str) -> None:
 def test_credentials_are_hidden_on_the_call_page_downloads_and_snippets(page, site):
     page.goto(site.url + "/episodes/secretive")
     _no_secret(page.content(), "the episode page")
+    expect(page.locator("main")).to_contain_text("db_password")
     page.locator("table.calls tbody td:first-child a").first.click()
     expect(page.locator(".turns")).to_contain_text("deploy ok quokkafound")
     expect(page.locator(".turns")).to_contain_text("(hidden: a credential is never shown)")
