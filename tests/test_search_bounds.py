@@ -133,6 +133,9 @@ def test_postgres_stops_a_search_at_the_time_bound(migrated_postgres):
                 assert status == 422 and "took longer than 0.5 s and was stopped" in body
                 assert took < 2.0
                 await _until(watcher, 0, within=1.0)  # nothing left running in Postgres
+            for _ in range(3):  # the pool's connections came back usable
+                status, body, _ = await _get(session, base + "/search?q=conftest")
+                assert status == 200 and "alpha" in body
             status, body, _ = await _get(session, base + "/search?q=" + "+".join(
                 f"w{k}" for k in range(63)))
             assert status == 400 and "63 different words" in body
