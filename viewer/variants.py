@@ -66,7 +66,8 @@ class TaskLinks(msgspec.Struct, kw_only=True):
 _CONTROLS = (("pass --allow-unpaired to drop them", "tick “drop unpaired tasks” to drop them"),
              ("--allow-unpaired", "“drop unpaired tasks”"),
              ("give at least one --candidate selection", "give a candidate selector"),
-             ("--resamples", "Resamples"))
+             ("--resamples", "Resamples"), ("--held-out", "Held-out configs"),
+             ("--factor", "Factor"), ("--where", "Only episodes matching"))
 
 
 def page_words(message: str) -> str:
@@ -220,7 +221,7 @@ async def harnesses_page(request: web.Request) -> web.Response:
             report.held_out = held_out_of(report, episodes, held, chosen.success)
     except AnalysisError as exc:
         return page(request, "harnesses.html", view="harnesses", form=form, report=None,
-                    grids=[], error=str(exc))
+                    grids=[], error=page_words(str(exc)))
     grids = heatmaps(report, episodes, chosen.success)
     return page(request, "harnesses.html", view="harnesses", form=form, report=report,
                 grids=grids, error=None, level_plot=level_plot(report), running=len(unfinished),
