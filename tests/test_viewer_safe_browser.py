@@ -182,7 +182,8 @@ def test_token_figures_are_trajectory_tokens_and_usage_is_labelled(page, site):
     page.goto(site.url + VARIANTS + "&unpaired=yes")
     header = page.locator("#variants thead")
     expect(header).to_contain_text("Trajectory tokens / ep")
-    expect(header).to_contain_text("Usage tokens / ep (summed over calls)")
+    expect(header).to_contain_text("Usage sum / ep")
+    assert "summed over the calls" in header.locator("abbr").nth(1).get_attribute("title")
     counted = [e for e, h, _, _, infra in EPISODES if h == "vb" and not infra]
     trajectory = sum(max(p + c for p, c in site.usage[e]) for e in counted) / len(counted)
     usage = sum(sum(p + c for p, c in site.usage[e]) for e in counted) / len(counted)
