@@ -44,7 +44,6 @@ def search_engine(url: str, bounds: SearchBounds) -> AsyncEngine:
         engine = create_engine(url, **pool)
         event.listen(engine.sync_engine, "connect", _watch_clock)
         event.listen(engine.sync_engine, "checkout", partial(_arm, bounds.seconds))
-        event.listen(engine.sync_engine, "checkin", _disarm)
         return engine
     timeout = str(max(1, round(bounds.seconds * 1000)))  # milliseconds
     return create_engine(url, connect_args={"server_settings": {"statement_timeout": timeout}},
@@ -61,9 +60,7 @@ def _watch_clock(dbapi_connection, record) -> None:
 
 
 def _arm(seconds: float, _dbapi_connection, record, _proxy) -> None:
+    # Never disarmed at checkin: a statement its search was cancelled from may still be
+    # running in aiosqlite's thread, and it keeps this deadline until the next checkout.
     record.info["search_deadline"][0] = time.monotonic() + seconds
 
-
-def _disarm(_dbapi_connection, record) -> None:
-    if "search_deadline" in record.info:
-        record.info["search_deadline"][0] = math.inf
