@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import ScanError
+from tracetap.storage.search_pool import SearchBounds
 from tracetap.viewer import (
     PREFIX,
     access,
@@ -59,6 +60,7 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     poll_interval: float = 0.25  # seconds between the live page's database reads
     data_dir: str | None = None  # where the dead-letter files are (storage.quarantine)
     search_index: bool = True  # False: the proxy indexes no text (--no-search-index)
+    search: SearchBounds = msgspec.field(default_factory=SearchBounds)  # its own small pool
 
 
 def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
@@ -109,7 +111,7 @@ async def _to_viewer(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application):
     config = app[CONFIG]
-    source = Source(config.database_url)
+    source = Source(config.database_url, config.search)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
     app[TEMPLATES].warm()

@@ -62,9 +62,10 @@ async def charts_image(request: web.Request) -> web.Response:
     query = params.episode_query(request.query)
     sample = await browse.chart_sample(await _engine(request), query, CHART_EPISODES)
     panels = [
-        charts.histogram("reward", sample.rewards),
+        charts.histogram(charts.left_out("reward", sample.episodes - len(sample.rewards),
+                                         "without a reward"), sample.rewards),
         charts.histogram("calls per episode", sample.calls_per_episode, integers=True),
-        charts.histogram("tokens per episode", sample.tokens_per_episode),
+        charts.histogram("trajectory tokens per episode", sample.tokens_per_episode),
         charts.percentiles_over_time("call latency", sample.latencies),
     ]
     response = page(request, "charts.svg", content_type="image/svg+xml", panels=panels,
