@@ -203,3 +203,24 @@ def _other(req: dict, res: dict) -> list[Turn]:
 
 _READERS = {"chat.completions": _chat, "completions": _completions, "responses": _responses,
             "messages": _messages}
+
+
+def open_from(turns: list[Turn]) -> int:
+    """Where the last turn starts: after the request's last assistant message (the tool
+    results and user text the model answered, then its reply). The pages show the turns
+    before it collapsed: a 30-turn call's 60 messages were 19,593 px of a 21,652-px page."""
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i].role == "assistant" and not turns[i].reply:
+            return i + 1
+    return 0
+
+
+PREVIEW = 140  # characters of a collapsed turn's line
+
+
+def preview(turn: Turn) -> str:
+    """A collapsed turn's one line: the start of its text, else the tools it called."""
+    line = " ".join(turn.text.split()[:60])
+    if not line:
+        line = ", ".join(f"{c.name}()" for c in turn.tool_calls)
+    return line if len(line) <= PREVIEW else line[:PREVIEW - 1] + "\u2026"
