@@ -3,18 +3,21 @@ tokens (demo.long_episode, stored through storage as the proxy stores calls). It
 collapses the conversation's earlier turns, is sent compressed, has a skip link to the
 token box, centres a token jumped to with `n`, follows a dark system setting; a fresh
 `tracetap ui` process answers its first page without importing anything on the way.
+``TRACETAP_UI_SHOTS=docs/ui`` also writes the screenshots docs/ui.md shows of it.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers.chromium import Page, expect, launched
@@ -25,6 +28,7 @@ from tracetap.demo.long_episode import long_episode
 from tracetap.storage.engine import create_engine
 from tracetap.storage.rows import insert_calls
 
+SHOTS = os.environ.get("TRACETAP_UI_SHOTS")
 EPISODE = "long-30"
 MESSAGES = 60  # the last call's request; then its reply
 
@@ -65,6 +69,16 @@ def page(browser) -> Iterator[Page]:
     page.context.close()
 
 
+def _shoot(page: Page, name: str, at: str) -> None:
+    if SHOTS:
+        page.locator(at).evaluate("e => e.scrollIntoView()")
+        path = Path(SHOTS) / name
+        page.screenshot(path=path)
+        if shutil.which("pngquant"):  # a third of the bytes, same look
+            subprocess.run(["pngquant", "--force", "--ext", ".png", "--quality", "70-95",
+                            str(path)], check=True)
+
+
 def test_earlier_turns_are_collapsed_and_open_by_mouse_and_keyboard(page, long_site):
     url, _ = long_site
     page.goto(f"{url}/episodes/{EPISODE}")
@@ -82,6 +96,7 @@ def test_earlier_turns_are_collapsed_and_open_by_mouse_and_keyboard(page, long_s
     expect(system.locator("pre.text")).to_be_hidden()
     height = page.locator("ol.turns").evaluate("e => e.getBoundingClientRect().height")
     assert height < 3000, height  # 19,593 px when every message was open
+    _shoot(page, "conversation.png", "#conv-h")
     system.locator("summary").click()  # mouse
     expect(system.locator("pre.text")).to_be_visible()
     third = folded.nth(2)  # the first assistant turn, with its tool call
@@ -95,6 +110,13 @@ def test_earlier_turns_are_collapsed_and_open_by_mouse_and_keyboard(page, long_s
     expect(fourth.locator("pre.text")).to_be_visible()
     page.keyboard.press("Enter")  # and closed again
     expect(fourth.locator("pre.text")).to_be_hidden()
+    everything = page.locator("button.fold-all")
+    everything.click()
+    expect(page.locator("details.fold[open]")).to_have_count(MESSAGES - 1)
+    expect(folded.nth(MESSAGES - 2).locator("pre.text")).to_be_visible()
+    expect(everything).to_have_text(f"Collapse the {MESSAGES - 1} earlier messages")
+    everything.click()
+    expect(page.locator("details.fold[open]")).to_have_count(0)
 
 
 def _get(url: str, encoding: str | None) -> tuple[dict, bytes]:
@@ -212,6 +234,9 @@ def test_the_theme_follows_the_system_setting(browser, long_site, scheme):
         # the logprob scale keeps its colours and stays readable on them
         token_bg, token_fg = page.evaluate(STYLES, ".legend .t.s.l1")
         assert token_bg == "rgb(181, 212, 234)" and _contrast(token_fg, token_bg) >= 4.5
+        if dark and SHOTS:  # a window with the model's turns, a token selected
+            page.goto(f"{url}/episodes/{EPISODE}?at=3072&sel=3700")
+            _shoot(page, "episode-dark.png", "#tokens-h")
     finally:
         page.context.close()
 
