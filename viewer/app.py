@@ -118,6 +118,7 @@ async def _compressed(request: web.Request, handler) -> web.StreamResponse:
             and response.content_type in _COMPRESSED
             and not request.path.startswith(PREFIX + "/static/")):
         response.enable_compression()  # gzip or deflate, as Accept-Encoding asks
+        response.headers["Vary"] = "Accept-Encoding"  # a cached chart image is one encoding
     return response
 
 
