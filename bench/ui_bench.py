@@ -143,11 +143,11 @@ async def fill_big_episode(url: str, calls: int, total: int) -> str:
 
 async def sizes(base: str, path: str) -> tuple[int, int]:
     """(bytes sent with Accept-Encoding: gzip, bytes of HTML) of one page."""
-    async with aiohttp.ClientSession(auto_decompress=False, headers={
-            "Authorization": f"Bearer {TOKEN}", "Accept-Encoding": "gzip"}) as session:
-        async with session.get(base + path) as reply:
-            sent = await reply.read()
-            gzipped = reply.headers.get("Content-Encoding") == "gzip"
+    headers = {"Authorization": f"Bearer {TOKEN}", "Accept-Encoding": "gzip"}
+    async with (aiohttp.ClientSession(auto_decompress=False, headers=headers) as session,
+                session.get(base + path) as reply):
+        sent = await reply.read()
+        gzipped = reply.headers.get("Content-Encoding") == "gzip"
     return len(sent), len(gzip.decompress(sent) if gzipped else sent)
 
 
