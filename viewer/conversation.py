@@ -211,7 +211,9 @@ def open_from(turns: list[Turn]) -> int:
     before it collapsed: a 30-turn call's 60 messages were 19,593 px of a 21,652-px page."""
     for i in range(len(turns) - 1, -1, -1):
         if turns[i].role == "assistant" and not turns[i].reply:
-            return i + 1
+            # a request that ends with the assistant's words (a prefill) and no reply
+            # still shows that message open
+            return min(i + 1, len(turns) - 1)
     return 0
 
 
