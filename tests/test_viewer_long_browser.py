@@ -197,6 +197,11 @@ def test_n_scrolls_the_selected_token_into_the_middle_of_the_box(page, long_site
     if box.evaluate("b => b.scrollTop + b.clientHeight < b.scrollHeight - 1"):
         offset, line = box.evaluate(CENTRE_OF, k2)
         assert abs(offset) <= line
+    box.evaluate("b => { b.scrollTop = 0; }")  # the reader scrolled away; p comes back
+    page.keyboard.press("p")
+    expect(box.locator(".t.sel")).to_have_attribute("data-k", str(k))
+    offset, line = box.evaluate(CENTRE_OF, k)
+    assert abs(offset) <= line, f"p: {offset:.0f} px from the middle of the box"
 
 
 def _luminance(css: str) -> float:
