@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from tracetap.storage import blocks
 from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import ScanError
 from tracetap.storage.search_pool import SearchBounds
@@ -68,7 +69,7 @@ def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
     """The viewer app. ``readers``: each wire API's conversation reader (the proxy's
     ``apis.registry.readers()``). ``mounted``: added under PREFIX by the proxy (routes
     relative to it); otherwise a whole server whose routes carry PREFIX themselves."""
-    app = web.Application(middlewares=[_headers, _errors, _gate])
+    app = web.Application(middlewares=[_compressed, _headers, _errors, _gate])
     app[CONFIG] = config
     app[ACCESS] = gate
     app[TEMPLATES] = Templates()
@@ -114,7 +115,11 @@ async def _lifecycle(app: web.Application):
     source = Source(config.database_url, config.search)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
+    # Warmed before the first request, not inside it: the templates compiled, and the
+    # block codec (pyarrow, ~0.3 s to import) that reading a stored body or token array
+    # needs; a fresh `tracetap ui` answered its first page in 0.4-1.4 s without this.
     app[TEMPLATES].warm()
+    await asyncio.to_thread(blocks.codec)
     app[SOURCE] = source
     app[DETOKENIZER] = detokenizer
     try:
@@ -122,6 +127,25 @@ async def _lifecycle(app: web.Application):
     finally:
         await detokenizer.close()
         await source.close()
+
+
+# Only what the server renders is compressed: pages, chart images and JSON. Static files
+# are small and cached; downloads are the stored bodies as they are; the live page's
+# event stream is written as it happens. No page holds a secret an attacker's text could
+# be compressed beside (the session cookie and the admin token are never in a body), so
+# compression side channels (BREACH) have nothing to find.
+_COMPRESSED = ("text/html", "image/svg+xml", "application/json")
+
+
+@web.middleware
+async def _compressed(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    if (isinstance(response, web.Response) and not response.prepared
+            and response.content_type in _COMPRESSED
+            and not request.path.startswith(PREFIX + "/static/")):
+        response.enable_compression()  # gzip or deflate, as Accept-Encoding asks
+        response.headers["Vary"] = "Accept-Encoding"  # a cached chart image is one encoding
+    return response
 
 
 async def _closing(app: web.Application) -> None:
