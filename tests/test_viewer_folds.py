@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tracetap.proxy.apis.registry import readers
 from tracetap.viewer.conversation import open_from, preview, turns
 
 TOOL_CALL = {"id": "c1", "type": "function",
@@ -46,12 +47,12 @@ REPLY = json.dumps({"choices": [{"message": {"role": "assistant", "content": "tw
 ])
 def test_the_last_turn_is_open_and_the_turns_before_it_collapsed(endpoint, request_body,
                                                                  response_body, roles_open):
-    shown = turns(endpoint, json.dumps(request_body), response_body)
+    shown = turns(readers(), endpoint, json.dumps(request_body), response_body)
     assert [t.role for t in shown[open_from(shown):]] == roles_open
 
 
 def test_a_collapsed_turn_reads_as_one_line_of_its_text_or_its_tool_calls():
-    shown = turns("chat.completions", json.dumps({"messages": [
+    shown = turns(readers(), "chat.completions", json.dumps({"messages": [
         {"role": "user", "content": "first   line\n\nsecond " + "word " * 100}, CHAT[2]]}), None)
     assert preview(shown[0]).startswith("first line second word word")
     assert len(preview(shown[0])) == 140 and preview(shown[0]).endswith("\u2026")
