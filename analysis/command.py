@@ -197,7 +197,9 @@ def _compare(args: argparse.Namespace) -> int:
         baseline = _selector(args.baseline)
         candidates = [_selector(c) for c in args.candidate]
         policies = any(s.needs_policies for s in (baseline, *candidates))
-        episodes = load(database_url(args), _filter(args), policies=policies, costs=True)
+        labels = any(s.needs_labels for s in (baseline, *candidates))
+        episodes = load(database_url(args), _filter(args), policies=policies, costs=True,
+                        labels=labels)
         result = compare(
             episodes,
             baseline,
@@ -227,7 +229,8 @@ def _harnesses(args: argparse.Namespace) -> int:
         space = read_space(args.space) if args.space else None
         where = _selector(args.where)
         episodes = load(
-            database_url(args), _filter(args), policies=bool(where and where.needs_policies)
+            database_url(args), _filter(args), policies=bool(where and where.needs_policies),
+            labels=bool(where and where.needs_labels),
         )
         if where is not None:
             episodes = [e for e in episodes if where.matches(e)]

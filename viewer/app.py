@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tracetap.storage.scan import ScanError
 from tracetap.viewer import PREFIX, access, compare, engineer, live, pages, search, variants
 from tracetap.viewer.access import Access, Verdict
+from tracetap.viewer.annotate import post as post_annotation
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
 from tracetap.viewer.keys import ACCESS, CLOSING, CONFIG, DETOKENIZER, ROWS, SOURCE, TEMPLATES
@@ -67,6 +68,7 @@ def build_viewer(config: ViewerConfig, gate: Access, *, mounted: bool = True) ->
     r.add_get(base + "/variants", variants.variants_page)
     r.add_get(base + "/harnesses", variants.harnesses_page)
     r.add_get(base + "/engineer/{group}", engineer.round_page)
+    r.add_post(base + "/annotations", post_annotation)
     r.add_get(base + "/live", live.page)
     r.add_get(base + "/live/events", live.events)
     r.add_get(base + "/login", pages.login_form)

@@ -1,0 +1,161 @@
+"""Annotations: stored with who and when on SQLite and Postgres, checked and bounded, made
+through the admin API (never with an agent's episode key), exported as the annotations/
+snapshot beside the original reward, and a ``label=`` selector for compare and packets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pyarrow.parquet as pq
+import pytest
+from helpers.seeding import seed
+from sqlalchemy import select
+
+from tracetap.analysis.compare import compare
+from tracetap.analysis.episodes import AnalysisError, load
+from tracetap.analysis.select import Success, parse_selector
+from tracetap.exporters import export
+from tracetap.storage import annotations
+from tracetap.storage.annotations import NewAnnotation, Refused
+from tracetap.storage.engine import create_engine
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.rows import insert_calls
+from tracetap.storage.scan import EpisodeFilter
+from tracetap.storage.tables import Episode
+
+
+def _run(url: str, work):
+    async def go():
+        engine = create_engine(url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def _tokened_call(engine):
+    """A call of A-t1-0 whose choice holds 5 completion token ids."""
+    return insert_calls(engine, [CallRecord(
+        call_id="A-t1-0-c9", episode_id="A-t1-0", seq=9, instance="seed",
+        endpoint="chat.completions", model="m", request="{}", response="{}", status="ok",
+        http_status=200, t_start=1_700_000_090.0, t_end=1_700_000_091.0,
+        choices=[ChoiceRecord(index=0, finish_reason="stop", text="abcde",
+                              completion_ids=[1, 2, 3, 4, 5], token_source="engine")])])
+
+
+def test_stored_with_author_and_time_on_both_databases_and_reward_kept(db_url):
+    asyncio.run(seed(db_url))
+
+    async def work(engine):
+        await _tokened_call(engine)
+        add = annotations.add
+        first = await add(engine, NewAnnotation(episode="A-t1-0", label=" bad ",
+                                                corrected_reward=0.25),
+                          author="viewer session abc", source="viewer", now=10.0)
+        await add(engine, NewAnnotation(call="A-t1-0-c9", choice=0, start=1, end=5,
+                                        comment="loops here\nthen stops"),
+                  author="admin token", source="api", now=11.0)
+        await add(engine, NewAnnotation(call="A-t1-0-c1", label="good"),
+                  author="admin token", source="api", now=12.0)
+        found = await annotations.of_episodes(engine, ["A-t1-0"])
+        async with engine.connect() as conn:
+            reward = (await conn.execute(select(Episode.reward).where(
+                Episode.id == "A-t1-0"))).scalar()
+        return first, found, reward, await annotations.labels_of(engine, ["A-t1-0", "B-t1-0"])
+
+    first, found, reward, labels = _run(db_url, work)
+    assert first.label == "bad" and first.id > 0
+    assert [(a.target, a.author, a.source, a.created_at) for a in found] == [
+        ("episode", "viewer session abc", "viewer", 10.0),
+        ("span", "admin token", "api", 11.0), ("call", "admin token", "api", 12.0)]
+    assert (found[1].choice_index, found[1].token_start, found[1].token_end) == (0, 1, 5)
+    assert found[1].comment == "loops here\nthen stops"
+    assert found[0].corrected_reward == 0.25 and reward == 1.0  # the original is untouched
+    assert labels == {"A-t1-0": {"bad", "good"}}
+
+
+@pytest.mark.parametrize("new, why", [
+    (NewAnnotation(episode="e"), "needs a label, a comment or a corrected_reward"),
+    (NewAnnotation(episode="e", call="c", label="x"), "one of them"),
+    (NewAnnotation(episode="e", label="x" * 65), "longer than 64"),
+    (NewAnnotation(episode="e", comment="y" * 4001), "longer than 4000"),
+    (NewAnnotation(episode="e", label="a\u202eb\x00"), "control characters"),
+    (NewAnnotation(episode="e", corrected_reward=float("nan")), "finite"),
+    (NewAnnotation(call="c", choice=0, start=3, end=3, label="x"), "start < end"),
+    (NewAnnotation(call="c", start=0, end=3, label="x"), "together"),
+    (NewAnnotation(call="c", corrected_reward=1.0), "name the episode"),
+])
+def test_refused_before_anything_is_written(new, why):
+    with pytest.raises(Refused, match=why):
+        annotations.check(new)
+
+
+def test_targets_must_exist_spans_fit_and_the_count_is_capped(migrated_sqlite, tmp_path,
+                                                                monkeypatch):
+    url = migrated_sqlite(tmp_path / "t.db")
+    asyncio.run(seed(url))
+    monkeypatch.setattr(annotations, "MAX_PER_EPISODE", 3)
+
+    async def work(engine):
+        await _tokened_call(engine)
+        errors = []
+        for new in (NewAnnotation(episode="nope", label="x"),
+                    NewAnnotation(call="nope", label="x"),
+                    NewAnnotation(call="A-t1-0-c9", choice=0, start=0, end=6, label="x"),
+                    NewAnnotation(call="A-t1-0-c9", choice=1, start=0, end=1, label="x")):
+            with pytest.raises(Refused) as refused:
+                await annotations.add(engine, new, author="t", source="api")
+            errors.append((refused.value.status, str(refused.value)))
+        for n in range(3):
+            await annotations.add(engine, NewAnnotation(episode="A-t1-0", label=f"l{n}"),
+                                  author="t", source="api")
+        with pytest.raises(Refused) as full:
+            await annotations.add(engine, NewAnnotation(episode="A-t1-0", label="more"),
+                                  author="t", source="api")
+        return errors, full.value, len(await annotations.of_episodes(engine, ["A-t1-0"]))
+
+    errors, full, count = _run(url, work)
+    assert [s for s, _ in errors] == [404, 404, 400, 404]
+    assert "has 5 completion tokens" in errors[2][1]
+    assert full.status == 409 and count == 3
+
+
+def test_export_writes_the_snapshot_beside_the_original_reward(seeded, tmp_path):
+    async def work(engine):
+        await annotations.add(engine, NewAnnotation(episode="B-t2-0", corrected_reward=0.5,
+                                                    label="grader-wrong"),
+                              author="admin token", source="api", now=5.0)
+
+    _run(seeded, work)
+    summary = export(seeded, tmp_path / "out", datasets=["calls"])
+    assert summary.annotations == 1
+    rows = pq.read_table(tmp_path / "out" / "annotations").to_pylist()
+    assert [(r["episode_id"], r["target"], r["label"], r["corrected_reward"],
+             r["original_reward"], r["author"]) for r in rows] == [
+        ("B-t2-0", "episode", "grader-wrong", 0.5, 0.0, "admin token")]
+    calls = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    assert {r["reward"] for r in calls if r["episode_id"] == "B-t2-0"} == {0.0}
+
+
+def test_label_selector_picks_the_labelled_episodes_for_compare(seeded):
+    async def work(engine):
+        for eid, label in (("A-t1-0", "curated"), ("A-t2-0", "curated"),
+                           ("B-t1-0", "curated"), ("B-t2-0", "curated")):
+            await annotations.add(engine, NewAnnotation(episode=eid, label=label),
+                                  author="t", source="api")
+
+    _run(seeded, work)
+    episodes = load(seeded, EpisodeFilter(), labels=True)
+    chosen = parse_selector("label=curated")
+    assert chosen.needs_labels
+    assert sorted(e.id for e in episodes if chosen.matches(e)) == [
+        "A-t1-0", "A-t2-0", "B-t1-0", "B-t2-0"]
+    assert sum(parse_selector("label=null").matches(e) for e in episodes) == 20
+    result = compare(episodes, parse_selector("harness=A,label=curated"),
+                     [parse_selector("harness=B,label=curated")], success=Success())
+    # t1 and t2 only: the labelled ones
+    assert (result.baseline.tasks, result.candidates[0].paired_tasks) == (2, 2)
+    with pytest.raises(AnalysisError, match="unknown key"):
+        parse_selector("labels=x")
