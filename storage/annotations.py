@@ -28,6 +28,7 @@ MAX_PER_EPISODE = 500
 MAX_TOKEN = 10_000_000  # a span's end: beyond any context
 MAX_CHOICE = 1024
 SOURCES = ("viewer", "api")
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 class Refused(Exception):
@@ -88,8 +89,10 @@ def _text(value: str | None, name: str, limit: int) -> str | None:
         return None
     if len(value) > limit:
         raise Refused(f"{name} is longer than {limit} characters")
-    # Control characters (but a comment's newlines and tabs) would hide text on a page.
-    if any(unicodedata.category(c) == "Cc" and c not in "\n\t" for c in value):
+    # Control characters (but a comment's newlines and tabs) and bidirectional overrides
+    # would hide or reorder text on a page.
+    if any((unicodedata.category(c) == "Cc" and c not in "\n\t") or c in _BIDI
+           for c in value):
         raise Refused(f"{name} holds control characters")
     return value
 
@@ -202,8 +205,3 @@ async def _read(engine: AsyncEngine, query) -> list[Stored]:
         rows = (await conn.execute(query)).all()
     return [Stored(**dict(zip(_NAMES, row, strict=True))) for row in rows]
 
-
-def latest_reward(found: list[Stored]) -> float | None:
-    """The most recent corrected reward among ``found`` (one episode's), if any."""
-    rewards = [a for a in found if a.corrected_reward is not None and a.call_id is None]
-    return rewards[-1].corrected_reward if rewards else None

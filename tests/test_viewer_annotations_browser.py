@@ -171,7 +171,7 @@ def test_a_token_span_on_a_call_and_a_span_past_the_tokens_refused(page, site):
     page.click("#note-save")
     row = page.locator("table.notes tr.note")
     expect(row).to_have_count(1)
-    expect(row).to_contain_text("choice 0, tokens 0–1")
+    expect(row).to_contain_text("choice 0, tokens 0\u20131")
     page.goto(call_url)
     page.locator("details.note-form > summary").click()  # closed once there is one
     page.fill("#note-label", "x")
@@ -180,7 +180,7 @@ def test_a_token_span_on_a_call_and_a_span_past_the_tokens_refused(page, site):
     page.click("#note-save")
     expect(page.locator("main")).to_contain_text("completion tokens: the span must end")
     page.goto(site.url + "/episodes/orch")  # the episode lists its calls' spans too
-    expect(page.locator("table.notes")).to_contain_text("tokens 0–1")
+    expect(page.locator("table.notes")).to_contain_text("tokens 0\u20131")
 
 
 def test_an_episode_key_cannot_write_or_read_annotations(site):
