@@ -149,6 +149,8 @@ def test_label_comment_and_corrected_reward_by_keyboard_escaped_and_kept_apart(p
     expect(row).to_contain_text("viewer session")
     expect(page.locator("#corrected-reward")).to_contain_text("original 1.0")
     expect(page.locator("#corrected-reward")).to_contain_text("corrected 0.25")
+    expect(page.locator("#reward")).to_have_text("reward 1.0")  # the heading keeps both
+    expect(page.locator("#corrected-badge")).to_have_text("corrected 0.25")
     assert page.evaluate("window.__xss") is None
     status, stored = _admin(site, "GET", "/tracetap/annotations?episode=orch")
     assert status == 200
