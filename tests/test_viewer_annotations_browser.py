@@ -226,3 +226,16 @@ def test_the_admin_api_stores_with_its_author_and_enforces_limits(site):
     assert "&lt;b&gt;odd&lt;/b&gt;" in raw and "<b>odd</b>" not in raw
     assert json.loads(fetch("GET", site.proxy.url + "/tracetap/annotations?episode=orch",
                             token=None)[1] or b"{}").get("annotations") is None
+
+
+@pytest.mark.parametrize("path", ["/episodes/orch", "/episodes/orch-child"])
+def test_at_390_px_the_tree_and_the_form_fit(browser, session_state, site, path):
+    context = browser.new_context(storage_state=session_state,
+                                  viewport={"width": 390, "height": 844})
+    try:
+        narrow = context.new_page()
+        narrow.goto(site.url + path)
+        expect(narrow.locator("#lineages")).to_be_visible()
+        assert narrow.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    finally:
+        context.close()
