@@ -5,12 +5,14 @@ snapshot beside the original reward, and a ``label=`` selector for compare and p
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pyarrow.parquet as pq
 import pytest
 from helpers.seeding import seed
 from sqlalchemy import select
 
+from tracetap import cli
 from tracetap.analysis.compare import compare
 from tracetap.analysis.episodes import AnalysisError, load
 from tracetap.analysis.select import Success, parse_selector
@@ -160,3 +162,21 @@ def test_label_selector_picks_the_labelled_episodes_for_compare(seeded):
     assert (result.baseline.tasks, result.candidates[0].paired_tasks) == (2, 2)
     with pytest.raises(AnalysisError, match="unknown key"):
         parse_selector("labels=x")
+
+
+def test_packets_where_label_keeps_the_labelled_failures(migrated_sqlite, tmp_path):
+    url = migrated_sqlite(tmp_path / "p.db")
+    asyncio.run(seed(url))
+
+    async def work(engine):
+        for eid in ("A-t4-1", "B-t2-0"):  # two failed episodes; A-t5-1 failed too, unlabelled
+            await annotations.add(engine, NewAnnotation(call=f"{eid}-c1", choice=None,
+                                                        label="bad"),
+                                  author="t", source="api")
+
+    _run(url, work)
+    out = tmp_path / "packets"
+    assert cli.main(["packets", "--db", url, "--out", str(out), "--where", "label=bad"]) == 0
+    found = [json.loads(line)["episode_id"]
+             for line in (out / "packets.jsonl").read_text().splitlines()]
+    assert sorted(found) == ["A-t4-1", "B-t2-0"]

@@ -12,8 +12,10 @@ real ``openai`` SDK. Fails in CI (env CI) when chromium or Playwright is missing
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,6 +27,7 @@ from helpers.viewer_site import XSS_TEXT, serving
 TOKEN = "annotations-test-admin-token"
 UI = "/tracetap/ui"
 MODEL = "mock-model"
+SHOTS = os.environ.get("TRACETAP_UI_SHOTS")  # docs/ui: the screenshots docs/ui.md shows
 
 
 @dataclass
@@ -127,6 +130,8 @@ def test_the_tree_nests_the_sub_agent_and_links_episodes_both_ways(page, site):
     page.locator("#parent-episode a[rel=up]").click()
     expect(page.locator("h1")).to_have_text("orch")
     expect(page.locator("#tree-h")).to_contain_text("3 conversations, 1 sub-agent episode")
+    if SHOTS:
+        page.locator("#lineages").screenshot(path=Path(SHOTS) / "lineages.png")
 
 
 def test_label_comment_and_corrected_reward_by_keyboard_escaped_and_kept_apart(page, site):
@@ -152,6 +157,8 @@ def test_label_comment_and_corrected_reward_by_keyboard_escaped_and_kept_apart(p
     expect(page.locator("#reward")).to_have_text("reward 1.0")  # the heading keeps both
     expect(page.locator("#corrected-badge")).to_have_text("corrected 0.25")
     assert page.evaluate("window.__xss") is None
+    if SHOTS:
+        page.locator("#annotations").screenshot(path=Path(SHOTS) / "annotations.png")
     status, stored = _admin(site, "GET", "/tracetap/annotations?episode=orch")
     assert status == 200
     mine = [a for a in stored["annotations"] if a["label"] == "bad"]
