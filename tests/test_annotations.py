@@ -180,3 +180,37 @@ def test_packets_where_label_keeps_the_labelled_failures(migrated_sqlite, tmp_pa
     found = [json.loads(line)["episode_id"]
              for line in (out / "packets.jsonl").read_text().splitlines()]
     assert sorted(found) == ["A-t4-1", "B-t2-0"]
+
+
+def test_tree_reads_the_family_and_the_calls_on_both_databases(db_url, monkeypatch):
+    """storage.relatives on SQLite and Postgres: the parent, the children (capped, counted
+    in full) and the calls, failed ones marked; viewer.tree builds on them."""
+    from tracetap.storage import queries, relatives
+    from tracetap.viewer.tree import build
+
+    asyncio.run(seed(db_url))
+    monkeypatch.setattr(relatives, "MAX_CHILDREN", 2)
+
+    async def work(engine):
+        for n in range(3):
+            await queries.create_episode(
+                engine, episode_id=f"kid-{n}", key_hash=f"{n:0>64}", group_id=None,
+                task_id=None, harness_name=None, harness_config=None, metadata=None,
+                parent_id="A-t1-0")
+        await queries.create_episode(
+            engine, episode_id="orphan", key_hash="f" * 64, group_id=None, task_id=None,
+            harness_name=None, harness_config=None, metadata=None, parent_id="gone")
+        return (await relatives.relatives(engine, "A-t1-0"),
+                await relatives.relatives(engine, "kid-1"),
+                await relatives.relatives(engine, "orphan"),
+                await relatives.tree_calls(engine, "A-t4-0"))
+
+    family, kid, orphan, calls = _run(db_url, work)
+    assert [c.id for c in family.children] == ["kid-0", "kid-1"]
+    assert family.children_total == 3 and family.parent is None
+    assert kid.parent.id == "A-t1-0" and kid.parent.reward == 1.0 and not kid.children
+    assert orphan.parent is None and orphan.parent_id == "gone"
+    # A-t4-0: its second call failed upstream (502).
+    assert [(c.seq, c.failed) for c in calls] == [(0, False), (1, True)]
+    tree = build(calls, family)
+    assert tree.lineages == 1 and tree.roots[0].kind == "main" and tree.roots[0].failed == 1
