@@ -24,6 +24,7 @@ from tracetap.storage.tables import Annotation, Call, Choice, Episode
 MAX_LABEL = 64  # characters (annotations.label)
 MAX_COMMENT = 4000
 MAX_AUTHOR = 128
+MAX_ID = 128  # episodes.id; call ids are shorter
 MAX_PER_EPISODE = 500
 MAX_TOKEN = 10_000_000  # a span's end: beyond any context
 MAX_CHOICE = 1024
@@ -108,8 +109,15 @@ def check(new: NewAnnotation) -> NewAnnotation:
         raise Refused("corrected_reward must be a finite number")
     if label is None and comment is None and reward is None:
         raise Refused("an annotation needs a label, a comment or a corrected_reward")
+    _check_target(new)
+    return msgspec.structs.replace(new, label=label, comment=comment)
+
+
+def _check_target(new: NewAnnotation) -> None:
     if (new.episode is None) == (new.call is None):
         raise Refused("name the episode or the call (one of them)")
+    if len(new.episode or new.call) > MAX_ID:
+        raise Refused(f"an episode or call id is at most {MAX_ID} characters")
     span = (new.choice, new.start, new.end)
     if any(v is not None for v in span):
         if new.call is None or any(v is None for v in span):
@@ -118,9 +126,8 @@ def check(new: NewAnnotation) -> NewAnnotation:
             raise Refused(f"choice must be 0 to {MAX_CHOICE - 1}")
         if not 0 <= new.start < new.end <= MAX_TOKEN:
             raise Refused("a token span needs 0 <= start < end (end exclusive)")
-    if reward is not None and new.call is not None:
+    if new.corrected_reward is not None and new.call is not None:
         raise Refused("a corrected reward is an episode's: name the episode, not a call")
-    return msgspec.structs.replace(new, label=label, comment=comment)
 
 
 async def add(engine: AsyncEngine, new: NewAnnotation, *, author: str, source: str,

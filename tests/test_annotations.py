@@ -89,6 +89,7 @@ def test_stored_with_author_and_time_on_both_databases_and_reward_kept(db_url):
     (NewAnnotation(call="c", choice=0, start=3, end=3, label="x"), "start < end"),
     (NewAnnotation(call="c", start=0, end=3, label="x"), "together"),
     (NewAnnotation(call="c", corrected_reward=1.0), "name the episode"),
+    (NewAnnotation(call="c" * 129, label="x"), "at most 128"),
 ])
 def test_refused_before_anything_is_written(new, why):
     with pytest.raises(Refused, match=why):
