@@ -33,7 +33,8 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any]
     factors: dict[str, str]  # the config's scalar values as levels
     policies: frozenset[str] = frozenset()  # the calls' policy versions (when asked for)
-    labels: frozenset[str] = frozenset()  # people's labels on it (storage.annotations; asked)
+    # People's labels on it (storage.annotations); None: not read (``read(labels=True)``).
+    labels: frozenset[str] | None = None
     integrity: Verdict = CLEAN_VERDICT  # storage.integrity: clean, or infra and why
 
     @property
@@ -115,7 +116,7 @@ async def read(
                 metadata=meta,
                 factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
-                labels=frozenset(labelled.get(s.id, ())),
+                labels=frozenset(labelled.get(s.id, ())) if labels else None,
                 integrity=_verdict(verdict[s.id], s.outcome),
             )
         )

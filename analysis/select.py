@@ -92,6 +92,8 @@ def _value_matches(episode: Episode, key: str, value: str) -> bool:
     if key == "policy":
         return value in episode.policies
     if key == "label":  # `label=null`: the episodes nobody labelled
+        if episode.labels is None:  # never a silent "no label": the caller forgot to read them
+            raise AnalysisError("a label= selector needs the episodes read with their labels")
         return value in episode.labels or (value == "null" and not episode.labels)
     actual = value_of(episode, key)
     # A key the episode lacks reads as JSON null: `overlay=null` picks the plain runs.

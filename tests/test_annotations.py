@@ -163,6 +163,9 @@ def test_label_selector_picks_the_labelled_episodes_for_compare(seeded):
     assert (result.baseline.tasks, result.candidates[0].paired_tasks) == (2, 2)
     with pytest.raises(AnalysisError, match="unknown key"):
         parse_selector("labels=x")
+    unread = load(seeded, EpisodeFilter())  # without their labels: an error, not "none"
+    with pytest.raises(AnalysisError, match="read with their labels"):
+        chosen.matches(unread[0])
 
 
 def test_packets_where_label_keeps_the_labelled_failures(migrated_sqlite, tmp_path):
