@@ -1,7 +1,7 @@
 """The lineage tree and annotations in a real Chromium (Playwright driving Debian's
 ``chromium``): an orchestrator's lineages (a one-shot title call, the main agent, a
-sub-agent it started) drawn as a collapsible tree, a sub-agent episode registered with
-it as parent linked both ways; a label, a comment and a corrected reward made with the
+summariser and a sub-agent it started) drawn as a collapsible tree, a sub-agent episode
+registered with it as parent linked both ways; a label, a comment and a corrected reward made with the
 keyboard alone, shown escaped, stored with the session as author, the original reward
 kept; a token span on a call; and what an agent's episode key cannot do.
 
@@ -60,6 +60,7 @@ def site(tmp_path_factory) -> Iterator[Site]:
         _call(client, "Write a five-word title.", "the task")  # one-shot, no header
         _call(client, "You orchestrate.", "fix the bug", lineage="main")
         _call(client, "You orchestrate.", "fix the bug, turn 2", lineage="main")
+        _call(client, "Summarise the conversation so far.", "the turns")  # one-shot
         _call(client, "You explore.", "find the file", lineage="explorer", parent="main")
         _call(client, "You explore.", "find it, turn 2", lineage="explorer", parent="main")
         child = register(proxy, "orch-child", task_id="child-task", parent="orch")
@@ -110,12 +111,12 @@ def _kinds(scope) -> list[str]:
 def test_the_tree_nests_the_sub_agent_and_links_episodes_both_ways(page, site):
     page.goto(site.url + "/episodes/orch")
     tree = page.locator("#lineages ul.lineage-tree").first
-    assert _kinds(tree) == ["one-shot side call", "main"]  # in order of their first call
+    assert _kinds(tree) == ["title", "main"]  # in order of their first call
     main = tree.locator(":scope > li.lineage").nth(1)
     nested = main.locator(":scope > details > ul.lineage-tree")
-    assert _kinds(nested) == ["sub-agent"]
+    assert _kinds(nested) == ["summariser", "sub-agent"]  # started while main ran
     expect(nested.locator("code")).to_have_text("explorer")
-    expect(nested.locator("ol.lineage-calls a")).to_have_count(2)
+    expect(nested.locator("ol.lineage-calls a")).to_have_count(3)
     expect(main.locator(":scope > details > ol.lineage-calls a")).to_have_count(2)
     # Collapsible from the keyboard: the main lineage's summary, Enter.
     main.locator(":scope > details > summary").focus()
@@ -129,7 +130,7 @@ def test_the_tree_nests_the_sub_agent_and_links_episodes_both_ways(page, site):
     expect(page.locator("#parent-episode")).to_contain_text("orch-task")
     page.locator("#parent-episode a[rel=up]").click()
     expect(page.locator("h1")).to_have_text("orch")
-    expect(page.locator("#tree-h")).to_contain_text("3 conversations, 1 sub-agent episode")
+    expect(page.locator("#tree-h")).to_contain_text("4 conversations, 1 sub-agent episode")
     if SHOTS:
         page.locator("#lineages").screenshot(path=Path(SHOTS) / "lineages.png")
 
@@ -170,7 +171,7 @@ def test_label_comment_and_corrected_reward_by_keyboard_escaped_and_kept_apart(p
 
 def test_a_token_span_on_a_call_and_a_span_past_the_tokens_refused(page, site):
     page.goto(site.url + "/episodes/orch")
-    page.locator("#lineages ol.lineage-calls a").nth(3).click()  # the explorer's first
+    page.locator("#lineages ol.lineage-calls a").nth(4).click()  # the explorer's first
     call_url = page.url
     expect(page.locator("details.note-form")).to_have_attribute("open", "")  # none yet: open
     page.fill("#note-label", "loops")

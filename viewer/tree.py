@@ -8,13 +8,23 @@ so the tree shows the conversations exactly as trajectories/ splits them.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.exporters.lineages import CallView, assign
+from tracetap.storage.details import call_bodies
 from tracetap.storage.relatives import Relatives, TreeCall, relatives, tree_calls
+from tracetap.viewer.conversation import turns
 
 MAX_LISTED = 60  # calls listed per lineage; the rest are counted (the calls table has all)
+MAX_NAMED = 16  # side lineages whose first request is read for what they are for
+START_CHARS = 4000  # of a side lineage's system prompt and first message, searched
+# What a side conversation is for, from how its first request starts (a harness's title
+# and summary prompts say so); the first that matches names it.
+PURPOSES = (("summariser", re.compile(r"summar|compact", re.I)),
+            ("title", re.compile(r"\btitle\b", re.I)))
 
 
 class Node(msgspec.Struct, kw_only=True):
@@ -34,6 +44,9 @@ class Tree(msgspec.Struct, kw_only=True):
     roots: list[Node]
     lineages: int
     family: Relatives
+
+
+SIDE = ("one-shot side call", "conversation")
 
 
 def _kind(node: Node, main: Node | None, parent: str | None) -> str:
@@ -71,5 +84,29 @@ def build(calls: list[TreeCall], family: Relatives) -> Tree:
     return Tree(roots=roots, lineages=len(nodes), family=family)
 
 
+def purpose(endpoint: str, request: str | None) -> str | None:
+    """``summariser`` or ``title`` when the request's system prompt or first message says
+    so; None otherwise."""
+    start = []
+    for turn in turns(endpoint, request, None):
+        start.append(turn.text[:START_CHARS])
+        if turn.role != "system":
+            break
+    text = "\n".join(start)[:START_CHARS]
+    return next((name for name, said in PURPOSES if said.search(text)), None)
+
+
 async def episode_tree(engine: AsyncEngine, episode_id: str) -> Tree:
-    return build(await tree_calls(engine, episode_id), await relatives(engine, episode_id))
+    tree = build(await tree_calls(engine, episode_id), await relatives(engine, episode_id))
+    side = [n for n in _walk(tree.roots) if n.kind in SIDE][:MAX_NAMED]
+    bodies = await call_bodies(engine, [n.id for n in side])
+    for node in side:
+        if node.id in bodies:
+            node.kind = purpose(*bodies[node.id][:2]) or node.kind
+    return tree
+
+
+def _walk(nodes: list[Node]):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
