@@ -1,8 +1,8 @@
 """The lineage tree and annotations in a real Chromium (Playwright driving Debian's
 ``chromium``): an orchestrator's lineages (a one-shot title call, the main agent, a
 summariser and a sub-agent it started) drawn as a collapsible tree, a sub-agent episode
-registered with it as parent linked both ways; a label, a comment and a corrected reward made with the
-keyboard alone, shown escaped, stored with the session as author, the original reward
+registered with it as parent linked both ways; a label, a comment and a corrected reward
+made with the keyboard alone, shown escaped, stored with the session as author, the original reward
 kept; a token span on a call; and what an agent's episode key cannot do.
 
 One module-scoped proxy in front of the mock engine; every call goes through it with the
