@@ -4,7 +4,7 @@
 A snapshot, not an append: annotations are made at any time, before or after their
 episode is exported, so each ``tracetap export`` run rewrites the one file
 ``annotations/annotations.parquet`` whole (a temporary file renamed over it locally; one
-object put on object storage), and nothing is written while there is none.
+object put on object storage); while there is none, there is no such file.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from sqlalchemy import select
 
@@ -81,10 +82,21 @@ def write(location: Location, data: pa.Table) -> str:
     return path
 
 
+def remove(location: Location) -> None:
+    """No annotations: an earlier snapshot in this export (another database's, before an
+    --overwrite) must not be read as this one's."""
+    path = str(Path(location.local) / FILE) if location.local is not None else location.path(
+        FILE)
+    filesystem = pafs.LocalFileSystem() if location.local is not None else location.filesystem
+    if filesystem.get_file_info(path).type != pafs.FileType.NotFound:
+        filesystem.delete_file(path)
+
+
 async def export_annotations(reader: Reader, location: Location) -> int:
-    """Write the snapshot; how many annotations it holds (0: nothing written)."""
+    """Write the snapshot; how many annotations it holds (0: none, and no file)."""
     data = await snapshot(reader)
     if data is None:
+        remove(location)
         return 0
     write(location, data)
     return data.num_rows

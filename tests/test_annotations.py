@@ -218,3 +218,24 @@ def test_tree_reads_the_family_and_the_calls_on_both_databases(db_url, monkeypat
     assert [(c.seq, c.failed) for c in calls] == [(0, False), (1, True)]
     tree = build(calls, family)
     assert tree.lineages == 1 and tree.roots[0].kind == "main" and tree.roots[0].failed == 1
+
+
+def test_the_snapshot_on_object_storage_and_a_stale_one_removed(migrated_sqlite, tmp_path):
+    import fsspec
+
+    url = migrated_sqlite(tmp_path / "s.db")
+    asyncio.run(seed(url))
+    uri, memory = "memory://tracetap-notes/data", fsspec.filesystem("memory")
+    try:
+        _run(url, lambda engine: annotations.add(
+            engine, NewAnnotation(episode="A-t3-1", label="odd"), author="t", source="api"))
+        assert export(url, uri, datasets=["calls"]).annotations == 1
+        with memory.open("/tracetap-notes/data/annotations/annotations.parquet", "rb") as f:
+            assert pq.read_table(f).column("label").to_pylist() == ["odd"]
+        # Another database into the same export: its (no) annotations, not the old file.
+        other = migrated_sqlite(tmp_path / "other.db")
+        asyncio.run(seed(other))
+        assert export(other, uri, datasets=["calls"], overwrite=True).annotations == 0
+        assert not memory.exists("/tracetap-notes/data/annotations/annotations.parquet")
+    finally:
+        memory.rm("/tracetap-notes", recursive=True)
