@@ -197,9 +197,7 @@ def _compare(args: argparse.Namespace) -> int:
         baseline = _selector(args.baseline)
         candidates = [_selector(c) for c in args.candidate]
         policies = any(s.needs_policies for s in (baseline, *candidates))
-        labels = any(s.needs_labels for s in (baseline, *candidates))
-        episodes = load(database_url(args), _filter(args), policies=policies, costs=True,
-                        labels=labels)
+        episodes = load(database_url(args), _filter(args), policies=policies, costs=True)
         result = compare(
             episodes,
             baseline,
@@ -229,8 +227,7 @@ def _harnesses(args: argparse.Namespace) -> int:
         space = read_space(args.space) if args.space else None
         where = _selector(args.where)
         episodes = load(
-            database_url(args), _filter(args), policies=bool(where and where.needs_policies),
-            labels=bool(where and where.needs_labels),
+            database_url(args), _filter(args), policies=bool(where and where.needs_policies)
         )
         if where is not None:
             episodes = [e for e in episodes if where.matches(e)]

@@ -48,11 +48,12 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
 
 def load(
     db: str, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False,
-    labels: bool = False,
+    labels: bool = True,
 ) -> list[Episode]:
     """The matching episodes in id order (blocking; runs its own event loop). ``costs``:
     with their calls' token and latency totals; ``policies``: their policy versions;
-    ``labels``: the labels people gave them."""
+    ``labels``: the labels people gave them (one small read; every caller gets them unless
+    it says not, so a ``label=`` selector works wherever selectors are taken)."""
 
     async def go() -> list[Episode]:
         async with open_reader(db) as reader:
@@ -86,7 +87,7 @@ async def open_reader(db: str) -> AsyncIterator[Reader]:
 
 async def read(
     reader: Reader, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False,
-    labels: bool = False,
+    labels: bool = True,
 ) -> list[Episode]:
     summaries = await episode_summaries(reader, filt, costs=costs)
     labelled = await labels_of(reader.engine, [s.id for s in summaries]) if labels else {}

@@ -141,8 +141,7 @@ def _capped(packets: list[Packet], limit: int) -> list[Packet]:
 
 async def _selected(reader, filt: EpisodeFilter, where: Selector | None) -> list[Episode]:
     """The episodes the filters and --where select; an error when none is."""
-    episodes = await read(reader, filt, policies=bool(where and where.needs_policies),
-                          labels=bool(where and where.needs_labels))
+    episodes = await read(reader, filt, policies=bool(where and where.needs_policies))
     if where is not None:
         episodes = [e for e in episodes if where.matches(e)]
     if not episodes:

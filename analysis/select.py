@@ -38,10 +38,6 @@ class Selector(msgspec.Struct, frozen=True):
     def needs_policies(self) -> bool:
         return any(key == "policy" for key, _ in self.terms)
 
-    @property
-    def needs_labels(self) -> bool:
-        return any(key == "label" for key, _ in self.terms)
-
     def matches(self, episode: Episode) -> bool:
         return all(_value_matches(episode, key, value) for key, value in self.terms)
 

@@ -151,9 +151,8 @@ def test_label_selector_picks_the_labelled_episodes_for_compare(seeded):
                                   author="t", source="api")
 
     _run(seeded, work)
-    episodes = load(seeded, EpisodeFilter(), labels=True)
+    episodes = load(seeded, EpisodeFilter())
     chosen = parse_selector("label=curated")
-    assert chosen.needs_labels
     assert sorted(e.id for e in episodes if chosen.matches(e)) == [
         "A-t1-0", "A-t2-0", "B-t1-0", "B-t2-0"]
     assert sum(parse_selector("label=null").matches(e) for e in episodes) == 20
@@ -163,7 +162,7 @@ def test_label_selector_picks_the_labelled_episodes_for_compare(seeded):
     assert (result.baseline.tasks, result.candidates[0].paired_tasks) == (2, 2)
     with pytest.raises(AnalysisError, match="unknown key"):
         parse_selector("labels=x")
-    unread = load(seeded, EpisodeFilter())  # without their labels: an error, not "none"
+    unread = load(seeded, EpisodeFilter(), labels=False)  # an error, never "no label"
     with pytest.raises(AnalysisError, match="read with their labels"):
         chosen.matches(unread[0])
 

@@ -247,3 +247,13 @@ def test_at_390_px_the_tree_and_the_form_fit(browser, session_state, site, path)
         assert narrow.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
     finally:
         context.close()
+
+
+def test_the_viewers_selector_pages_take_label(site):
+    """The variants and harnesses pages read selectors as compare does: label= works there
+    (an answer, never a server error)."""
+    status, body = fetch("GET", site.url + "/harnesses?where=label%3Dbad", token=TOKEN)
+    assert status == 200, body[:300]
+    status, body = fetch("GET", site.url + "/variants?baseline=label%3Dbad"
+                         "&candidate=label%3Dnull&unpaired=yes", token=TOKEN)
+    assert status in (200, 400) and b"Internal Server Error" not in body, body[:300]
