@@ -238,3 +238,32 @@ def test_the_snapshot_on_object_storage_and_a_stale_one_removed(migrated_sqlite,
         assert not memory.exists("/tracetap-notes/data/annotations/annotations.parquet")
     finally:
         memory.rm("/tracetap-notes", recursive=True)
+
+
+def test_a_chain_of_named_lineages_is_drawn_shallow_and_bounded():
+    """An agent names each call a new lineage whose parent is the previous one: the tree
+    stays MAX_DEPTH deep and MAX_DRAWN long, and says how many it left out."""
+    from tracetap.storage.relatives import Relatives, TreeCall
+    from tracetap.viewer import tree as viewer_tree
+    from tracetap.viewer.render import Templates
+
+    calls = [TreeCall(call_id=f"c{i:04d}", seq=i, t_start=float(i), t_end=i + 0.5,
+                      conversation=None, lineage=f"l{i}",
+                      parent_lineage=f"l{i - 1}" if i else None, failed=False)
+             for i in range(1000)]
+    built = viewer_tree.build(calls, Relatives(parent=None, parent_id=None, children=[],
+                                                children_total=0))
+
+    def depth(nodes, level=0):  # how far the deepest node is nested under its root
+        return max((depth(n.children, level + 1) if n.children else level for n in nodes),
+                   default=level)
+
+    def count(nodes):
+        return sum(1 + count(n.children) for n in nodes)
+
+    assert built.lineages == 1000 and built.hidden == 1000 - viewer_tree.MAX_DRAWN
+    assert count(built.roots) == viewer_tree.MAX_DRAWN
+    assert depth(built.roots) == viewer_tree.MAX_DEPTH
+    html = Templates().render("_lineage.html", tree=built)
+    assert html.count("<details") == viewer_tree.MAX_DRAWN
+    assert "and 800 more lineages, not drawn" in html

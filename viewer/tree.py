@@ -19,6 +19,12 @@ from tracetap.storage.relatives import Relatives, TreeCall, relatives, tree_call
 from tracetap.viewer.conversation import turns
 
 MAX_LISTED = 60  # calls listed per lineage; the rest are counted (the calls table has all)
+# An agent names its lineages and their parents (X-Tracetap-Lineage, X-Tracetap-Parent):
+# a chain of thousands must not make the page deep or long. A lineage nested MAX_DEPTH
+# levels under its root has its children drawn beside it; lineages past MAX_DRAWN (in
+# order of their first call) are only counted.
+MAX_DEPTH = 8
+MAX_DRAWN = 200
 MAX_NAMED = 16  # side lineages whose first request is read for what they are for
 START_CHARS = 4000  # of a side lineage's system prompt and first message, searched
 # What a side conversation is for, from how its first request starts (a harness's title
@@ -34,6 +40,7 @@ class Node(msgspec.Struct, kw_only=True):
     calls: list[TreeCall]
     children: list[Node] = []
     failed: int = 0
+    root: bool = False  # drawn at the top of the tree
 
     @property
     def listed(self) -> list[TreeCall]:
@@ -44,6 +51,7 @@ class Tree(msgspec.Struct, kw_only=True):
     roots: list[Node]
     lineages: int
     family: Relatives
+    hidden: int = 0  # lineages not drawn (past MAX_DRAWN)
 
 
 SIDE = ("one-shot side call", "conversation")
@@ -76,12 +84,29 @@ def build(calls: list[TreeCall], family: Relatives) -> Tree:
     roots = [n for n in nodes.values() if parents[n.id] not in nodes]
     # The main agent: the root conversation with the most calls (the first of equals).
     main = max(roots, key=lambda n: len(n.calls), default=None)
-    for node in nodes.values():
+    drawn = _drawn(nodes, parents, main)
+    return Tree(roots=[n for n in drawn if n.root], lineages=len(nodes), family=family,
+                hidden=len(nodes) - len(drawn))
+
+
+def _drawn(nodes: dict[str, Node], parents: dict[str, str | None],
+           main: Node | None) -> list[Node]:
+    """The first MAX_DRAWN lineages, kinds set, each under its parent (or, past
+    MAX_DEPTH, beside it)."""
+    drawn = list(nodes.values())[:MAX_DRAWN]  # a parent's first call precedes its child's
+    depth: dict[str, int] = {}
+    holder: dict[str, str | None] = {}  # the node each is drawn under
+    for node in drawn:
         node.kind = _kind(node, main, parents[node.id])
-        parent = parents[node.id]
-        if parent in nodes:
+        parent = parents[node.id] if parents[node.id] in nodes else None
+        if parent is not None and depth[parent] >= MAX_DEPTH:
+            parent = holder[parent]  # beside its parent, at the deepest level drawn
+        holder[node.id] = parent
+        depth[node.id] = 0 if parent is None else depth[parent] + 1
+        if parent is not None:
             nodes[parent].children.append(node)
-    return Tree(roots=roots, lineages=len(nodes), family=family)
+        node.root = parent is None
+    return drawn
 
 
 def purpose(endpoint: str, request: str | None) -> str | None:
