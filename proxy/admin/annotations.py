@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
-from tracetap.proxy.admin.api import _errors, _require_admin
+from tracetap.proxy.admin.api import _errors, _require_admin, _stored
 from tracetap.proxy.episodes.tagging import validate_episode_id
 from tracetap.proxy.http.errors import ProxyError, bad_request
 from tracetap.proxy.runtime.keys import STATE
@@ -53,8 +54,9 @@ async def post_annotation(request: web.Request) -> web.Response:
     author = _author(given.author)
     fields = {f: getattr(given, f) for f in NewAnnotation.__struct_fields__}
     try:
-        stored = await annotations.add(request.app[STATE].engine, NewAnnotation(**fields),
-                                       author=author, source="api")
+        stored = await _stored(annotations.add(request.app[STATE].engine,
+                                               NewAnnotation(**fields), author=author,
+                                               source="api"))
     except Refused as refused:
         raise ProxyError(refused.status, str(refused), "invalid_request_error",
                          _CODES.get(refused.status, "invalid_annotation")) from refused
@@ -69,11 +71,17 @@ async def list_annotations(request: web.Request) -> web.Response:
     if (episode is None) == (call is None):
         raise bad_request("name ?episode=ID or ?call=ID (one of them)")
     if episode is not None:
-        found = await annotations.of_episodes(engine, [validate_episode_id(episode)])
+        read = annotations.of_episodes(engine, [validate_episode_id(episode)])
     else:
         if len(call) > 64:
             raise bad_request("call is longer than 64 characters")
-        found = await annotations.of_call(engine, call)
+        read = annotations.of_call(engine, call)
+    try:
+        found = await read
+    except (SQLAlchemyError, OSError) as exc:
+        raise ProxyError(503, f"the database could not be read: {getattr(exc, 'orig', exc)}",
+                         "server_error", "database_unavailable",
+                         headers={"Retry-After": "5"}) from exc
     return web.json_response({"annotations": [_out(a) for a in found]})
 
 
