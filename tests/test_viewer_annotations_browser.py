@@ -128,6 +128,9 @@ def test_the_tree_nests_the_sub_agent_and_links_episodes_both_ways(page, site):
     page.locator("#child-episodes a", has_text="orch-child").click()
     expect(page.locator("h1")).to_have_text("orch-child")
     expect(page.locator("#parent-episode")).to_contain_text("orch-task")
+    page.locator("#lineages ol.lineage-calls a").first.click()  # its call: parent episode
+    expect(page.locator("#call-lineage")).to_contain_text("its episode is a sub-agent of orch")
+    page.go_back()
     page.locator("#parent-episode a[rel=up]").click()
     expect(page.locator("h1")).to_have_text("orch")
     expect(page.locator("#tree-h")).to_contain_text("4 conversations, 1 sub-agent episode")
@@ -173,6 +176,13 @@ def test_a_token_span_on_a_call_and_a_span_past_the_tokens_refused(page, site):
     page.goto(site.url + "/episodes/orch")
     page.locator("#lineages ol.lineage-calls a").nth(4).click()  # the explorer's first
     call_url = page.url
+    lineage = page.locator("#call-lineage")  # the call's place in the tree, and its parent
+    expect(lineage).to_contain_text("sub-agent explorer, call 1 of 2; started by the main")
+    lineage.locator("a[rel=up]").click()
+    expect(page.locator("#call-lineage")).to_contain_text("main main, call 1 of 2")
+    expect(page.locator("#call-lineage a.lineage-child")).to_have_text(
+        ["summariser", "sub-agent explorer"])
+    page.go_back()
     expect(page.locator("details.note-form")).to_have_attribute("open", "")  # none yet: open
     page.fill("#note-label", "loops")
     page.fill("#note-choice", "0")

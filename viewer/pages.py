@@ -15,7 +15,7 @@ from tracetap.viewer.collapse import collapsed
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, ROWS, SOURCE
 from tracetap.viewer.render import page
 from tracetap.viewer.tokenhtml import pieces_html, script_json
-from tracetap.viewer.tree import episode_tree
+from tracetap.viewer.tree import call_lineage, episode_tree
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CALL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -158,7 +158,8 @@ async def call(request: web.Request) -> web.Response:
         error=error_line(stored.summary, stored.response),
         request_text=stored.request if request_json is None else None,
         response_text=stored.response if response_json is None else None,
-        limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id))
+        limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id),
+        lineage=await call_lineage(await _engine(request), stored.episode_id, call_id))
 
 
 async def call_body(request: web.Request) -> web.Response:

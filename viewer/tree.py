@@ -135,3 +135,27 @@ def _walk(nodes: list[Node]):
     for node in nodes:
         yield node
         yield from _walk(node.children)
+
+
+class Placement(msgspec.Struct, kw_only=True):
+    """Where one call sits: its lineage, the lineage that started it (None for a root),
+    and the episode's family (a root of a sub-agent episode: the parent episode)."""
+
+    node: Node
+    parent: Node | None
+    family: Relatives
+    index: int  # the call's place in its lineage, from 1
+
+
+async def call_lineage(engine: AsyncEngine, episode_id: str | None,
+                       call_id: str) -> Placement | None:
+    if episode_id is None:
+        return None
+    tree = await episode_tree(engine, episode_id)
+    parents = {child.id: node for node in _walk(tree.roots) for child in node.children}
+    for node in _walk(tree.roots):
+        for index, call in enumerate(node.calls, 1):
+            if call.call_id == call_id:
+                return Placement(node=node, parent=parents.get(node.id), family=tree.family,
+                                 index=index)
+    return None  # past the lineages drawn
