@@ -31,6 +31,7 @@ from tracetap.viewer import (
     variants,
 )
 from tracetap.viewer.access import Access, Verdict
+from tracetap.viewer.annotate import post as post_annotation
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
 from tracetap.viewer.keys import (
@@ -94,6 +95,7 @@ def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
     r.add_get(base + "/variants", variants.variants_page)
     r.add_get(base + "/harnesses", variants.harnesses_page)
     r.add_get(base + "/engineer/{group}", engineer.round_page)
+    r.add_post(base + "/annotations", post_annotation)
     r.add_get(base + "/live", live.page)
     r.add_get(base + "/live/events", live.events)
     r.add_get(base + "/login", pages.login_form)
