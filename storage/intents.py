@@ -33,7 +33,7 @@ from typing import Protocol
 from sqlalchemy import and_, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracetap.storage.engine import create_engine
+from tracetap.storage.engine import create_engine, one_statement
 from tracetap.storage.journal import ADOPTED_FILE, REPLICA_FILE
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import dialect_insert, insert_ignoring_duplicates
@@ -254,12 +254,11 @@ class Intents:
         values = {"incarnation": self.incarnation, "journal": self.journal,
                   "state": state, "heartbeat_at": now}
         dialect = self.engine.dialect.name
-        if batch and not lease:  # one statement, no BEGIN/COMMIT: what a short call waits for
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                await conn.execute(self._insert, list(batch))
-            return
-        async with self.engine.begin() as conn:
+        # Each statement alone, in autocommit (one round trip, where a transaction takes
+        # three): the intents first, then the lease, so a lease never covers intents
+        # that are not stored (a failure between the two leaves the lease behind: late,
+        # never ahead).
+        async with one_statement(self.engine) as conn:
             if batch:
                 await conn.execute(self._insert, list(batch))
             if lease:
@@ -277,7 +276,7 @@ class Intents:
     async def _cleanup(self) -> None:
         """Delete this replica's intents whose call row is stored."""
         stored = exists().where(Call.call_id == CallIntent.call_id)
-        async with self.engine.begin() as conn:
+        async with one_statement(self.engine) as conn:
             await conn.execute(delete(CallIntent).where(
                 CallIntent.replica == self.replica, stored))
 
