@@ -53,9 +53,14 @@ def _masked(text: str) -> str:
 
 @asynccontextmanager
 async def one_statement(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """A connection for one statement (a poll's read, a heartbeat's upsert): run in
-    autocommit, so it costs one round trip where a transaction costs three (BEGIN, the
-    statement, COMMIT or ROLLBACK); a single statement is atomic either way."""
+    """A connection for one statement (a poll's read, a heartbeat's upsert), committed.
+    On Postgres it runs in autocommit: one round trip where a transaction costs three
+    (BEGIN, the statement, COMMIT or ROLLBACK); a single statement is atomic either way.
+    SQLite keeps its transaction (switching aiosqlite's isolation level costs more)."""
+    if engine.dialect.name != "postgresql":
+        async with engine.begin() as conn:
+            yield conn
+        return
     async with engine.connect() as conn:
         yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
