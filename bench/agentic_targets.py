@@ -68,7 +68,7 @@ def print_targets(unpaced: dict, paced: dict | None, token_delay: float | None) 
         return rows
     print("\nbeside the bare relay (same run; the non-streamed rows are "
           "bench/proxy_bench.py's)")
-    print(f"{'':<52}{'arm':>8}{'tracetap':>16}{'relay':>16}{'ratio':>9}  target")
+    print(f"{'':<62}{'arm':>8}{'tracetap':>16}{'relay':>16}{'ratio':>9}  target")
     for label, arm, mine, base, ratio, goal in rows:
-        print(f"{label:<52}{arm:>8}{mine:>16}{base:>16}{ratio:>9}  {goal}")
+        print(f"{label:<62}{arm:>8}{mine:>16}{base:>16}{ratio:>9}  {goal}")
     return rows
