@@ -39,9 +39,7 @@ from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import msgspec
-
-from tracetap.exporters.drift import reply_message
+from tracetap.exporters.drift import json_body, reply_message
 from tracetap.exporters.history import text_of
 from tracetap.exporters.lineages import Lineage
 from tracetap.exporters.trajectories import Trajectory
@@ -50,7 +48,6 @@ LOOKBACK = 16  # earlier calls read per start, nearest first
 MIN_CHARS = 12  # a shorter reply ("OK", "Done.") is no evidence of a summary
 WINDOW = 64  # a long summary is found by any one of its pieces this long
 _PIECES = 8  # pieces tried per summary, spread over it (and its end)
-_decode = msgspec.json.Decoder(dict).decode
 
 Build = Callable[..., list[Trajectory]]  # lineages= → the episode's rows
 Bodies = Callable[[list[str]], Awaitable[Mapping[str, Any]]]
@@ -92,7 +89,7 @@ async def _found(calls: Sequence[Any], starts: list[str], bodies: Bodies) -> lis
         earlier[start] = [c.call_id for c in reversed(finished[max(0, at - LOOKBACK - 1):at])
                           if c.call_id != start][:LOOKBACK]
     read = await bodies(sorted({*starts, *(i for s in starts for i in earlier[s])}))
-    texts = {i: _sampled(_json(getattr(read.get(i), "response", None)))
+    texts = {i: _sampled(json_body(getattr(read.get(i), "response", None)))
              for i in {i for s in starts for i in earlier[s]}}
     found: list[Compaction] = []
     for start in sorted(starts, key=position.__getitem__):
@@ -136,7 +133,7 @@ def find(start: Any, earlier: Sequence[tuple[str, str]]) -> str | None:
     """The id of the first of ``earlier`` (call id, the text its reply holds; nearest
     first) whose text the ``start`` call's request (a body with ``request``) was sent;
     None if none was."""
-    told = _told(_json(getattr(start, "request", None)))
+    told = _told(json_body(getattr(start, "request", None)))
     if not told:
         return None
     for call_id, text in earlier:
@@ -237,12 +234,3 @@ def mark(rows: list[Trajectory], found: Sequence[Compaction],
             if best_key is None or key > best_key:
                 best, best_key = other, key
         row.continues_trajectory_id = best.trajectory_id if best else None
-
-
-def _json(text: str | None) -> dict[str, Any] | None:
-    if not text:
-        return None
-    try:
-        return _decode(text)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None

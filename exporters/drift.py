@@ -35,7 +35,7 @@ def explain(row: Trajectory, calls: Mapping[str, Bodies]) -> None:
         row.drift_cause = "unknown"
         return
     request, earlier = _request(new), _request(old)
-    response = _json(old.response)
+    response = json_body(old.response)
     if request is None or earlier is None or response is None:
         row.drift_cause = "unknown"
         return
@@ -178,10 +178,11 @@ def _completion_text(response: Mapping[str, Any], index: int) -> str | None:
 
 
 def _request(call: Bodies) -> dict[str, Any] | None:
-    return _json(call.upstream_request or call.request)
+    return json_body(call.upstream_request or call.request)
 
 
-def _json(text: str | None) -> dict[str, Any] | None:
+def json_body(text: str | None) -> dict[str, Any] | None:
+    """A stored body as a JSON object; None when it is absent or not one."""
     if not text:
         return None
     try:
