@@ -57,12 +57,14 @@
       const pos = data.start + i;
       const node = spans[i];
       const unknown = node.classList.contains("u");
-      const text = unknown ? null : node.textContent;
+      const secret = node.classList.contains("h");  // part of a credential: never sent
+      const text = unknown || secret ? null : node.textContent;
       const dl = el("dl");
       row(dl, "position", String(pos));
-      row(dl, "id", String(data.ids[i]));
-      row(dl, "text", unknown ? "(no tokenizer reachable: id only)" : JSON.stringify(text));
-      if (!unknown) {
+      row(dl, "id", secret ? "(hidden)" : String(data.ids[i]));
+      row(dl, "text", secret ? "(hidden: part of a credential)"
+        : unknown ? "(no tokenizer reachable: id only)" : JSON.stringify(text));
+      if (text !== null) {
         const bytes = Array.from(new TextEncoder().encode(text))
           .map((b) => b.toString(16).padStart(2, "0")).join(" ");
         row(dl, "bytes", bytes || "(none)");
