@@ -61,12 +61,18 @@ def site(tmp_path_factory) -> Iterator[Site]:
         created = register(proxy, "compacted", task_id="long-task")
         client = openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"],
                                max_retries=0)
-        calls["first"] = _chat(client, "You fix bugs.", "fix the parser bug").id
-        summary = _chat(client, "Summarise the conversation so far.", "the turns")
-        calls["summary"] = summary.id
+        # As Claude Code compacts: the conversation asked for a summary, then started
+        # over from it.
+        history = [{"role": "system", "content": "You fix bugs."},
+                   {"role": "user", "content": "fix the parser bug"}]
+        first = client.chat.completions.create(model=MODEL, messages=history)
+        history.append({"role": "assistant", "content": first.choices[0].message.content})
+        summary = client.chat.completions.create(model=MODEL, messages=[
+            *history, {"role": "user", "content": "Summarise the conversation so far."}])
         text = summary.choices[0].message.content
-        calls["start"] = _chat(client, "You fix bugs.",
-                               f"Summary of the work so far:\n{text}\nGo on.").id
+        start = client.chat.completions.create(model=MODEL, messages=[history[0], {
+            "role": "user", "content": f"Summary of the work so far:\n{text}\nGo on."}])
+        calls.update(first=first.id, summary=summary.id, start=start.id)
         finish(proxy, "compacted", 1.0, outcome="solved")
         proxy.flush()
         yield Site(proxy, proxy.url + UI, calls)
@@ -145,3 +151,34 @@ def test_a_credential_in_the_harness_config_is_hidden_on_the_pages(page, site):
     assert CONFIG_SECRET not in page.content()
     page.goto(site.url + "/episodes/secret")
     assert CONFIG_SECRET not in page.content()
+
+
+def test_a_compaction_is_linked_as_the_export_links_it(page, site):
+    page.goto(site.url + "/episodes/compacted")
+    rows = page.locator("ul.rows > li")
+    texts = rows.all_inner_texts()
+    assert len(texts) == 3, texts
+    compaction = rows.filter(has_text="compaction")
+    expect(compaction).to_have_count(1)
+    continued = compaction.locator("a.continues")
+    expect(continued).to_have_text("row 1")  # the conversation before the summary
+    summary_href = compaction.locator("a.summary-call").get_attribute("href")
+    compaction.locator("a.summary-call").click()
+    expect(page.locator("main")).to_contain_text("Summarise the conversation so far.")
+    page.go_back()
+    compaction.locator("a").first.click()
+    expect(page.locator("#split-h")).to_contain_text("compaction")
+    continued = page.locator("ul.rows > li", has_text="compaction").locator("a.continues")
+    continued.click()
+    expect(page.locator("ul.rows a[aria-current=true]")).to_contain_text("row 1")
+    # The tree: the summary call is a summariser under the conversation it summarised,
+    # and the segment after it is that conversation's own (one lineage, not two).
+    tree = page.locator("#lineages ul.lineage-tree").first
+    roots = tree.locator(":scope > li.lineage")
+    expect(roots).to_have_count(1)
+    expect(roots.locator(":scope > details > summary .lineage-kind")).to_have_text("main")
+    nested = roots.locator(":scope > details > ul.lineage-tree > li.lineage")
+    expect(nested).to_have_count(1)
+    expect(nested.locator(".lineage-kind")).to_have_text("summariser")
+    expect(nested.locator("ol.lineage-calls a")).to_have_attribute("href", summary_href)
+    expect(roots.locator(":scope > details > ol.lineage-calls a")).to_have_count(2)

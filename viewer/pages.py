@@ -9,7 +9,15 @@ from aiohttp import web
 from tracetap.storage import browse, details, quarantine
 from tracetap.storage.integrity import verdicts_of
 from tracetap.viewer import (
-    PREFIX, access, charts, conversation, jsonview, lowp, params, tokenmask, tokens,
+    PREFIX,
+    access,
+    charts,
+    conversation,
+    jsonview,
+    lowp,
+    params,
+    tokenmask,
+    tokens,
 )
 from tracetap.viewer.annotate import call_notes, episode_notes
 from tracetap.viewer.callinfo import error_line
@@ -130,7 +138,7 @@ async def episode(request: web.Request) -> web.Response:
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
                 low=low, low_href=lowp.linker(request.query, size), hide=hide,
                 MARK=tokenmask.MARK,
-                tree=await episode_tree(engine, episode_id),
+                tree=await episode_tree(engine, episode_id, tokens.compactions(rows)),
                 **await episode_notes(request, episode_id))
 
 
