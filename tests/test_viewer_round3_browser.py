@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 from helpers.chromium import Page, expect, launched
-from helpers.http import finish, register
+from helpers.http import finish, register, request_json
 from helpers.servers import Proxy
 from helpers.viewer_site import serving
 
@@ -182,3 +182,41 @@ def test_a_compaction_is_linked_as_the_export_links_it(page, site):
     expect(nested.locator(".lineage-kind")).to_have_text("summariser")
     expect(nested.locator("ol.lineage-calls a")).to_have_attribute("href", summary_href)
     expect(roots.locator(":scope > details > ol.lineage-calls a")).to_have_count(2)
+
+
+def test_annotated_spans_are_highlighted_and_the_keyboard_starts_one(page, site):
+    page.goto(site.url + "/episodes/secret")
+    call = page.locator("#toks a.mk-turn").first.get_attribute("href").rsplit("/", 1)[1]
+    status, _ = request_json("POST", site.proxy.url + "/tracetap/annotations", {
+        "call": call, "choice": 0, "start": 2, "end": 5, "label": "hedging"}, token=TOKEN)
+    assert status == 201
+    page.reload()
+    data = _data(page)
+    span = next(s for s in data["spans"] if s[4] == call)
+    marked = page.locator("#toks .t.ann")
+    expect(marked).to_have_count(3)
+    first = span[0] - data["start"] + 2
+    assert page.locator("#toks .t").nth(first).get_attribute("class").endswith("ann")
+    expect(marked.first).to_have_attribute("title", "hedging")
+    # The keyboard: the last token (the completion's end) selected, `a`, the form
+    # prefilled with it; a label typed, Enter: stored as that call's span.
+    page.locator("#toks").focus()
+    page.keyboard.press("End")
+    page.keyboard.press("a")
+    expect(page.locator("#span-form")).to_be_visible()
+    expect(page.locator("#span-label")).to_be_focused()
+    last = span[1] - span[0] - 1
+    expect(page.locator("#span-start")).to_have_value(str(last))
+    expect(page.locator("#span-end")).to_have_value(str(last + 1))
+    expect(page.locator("#span-choice")).to_have_value("0")
+    page.keyboard.type("ends-well")
+    page.keyboard.press("Enter")
+    expect(page.locator("#annotations")).to_contain_text("ends-well")
+    expect(page.locator("#toks .t.ann")).to_have_count(4)
+    expect(page.locator("#toks .t.ann").last).to_have_attribute("title", "ends-well")
+    # A prompt token cannot start one: the panel says so.
+    page.locator("#toks").focus()
+    page.keyboard.press("Home")
+    page.keyboard.press("a")
+    expect(page.locator("#span-refused")).to_be_visible()
+    expect(page.locator("#span-form")).to_be_hidden()

@@ -19,7 +19,7 @@ from tracetap.viewer import (
     tokenmask,
     tokens,
 )
-from tracetap.viewer.annotate import call_notes, episode_notes
+from tracetap.viewer.annotate import call_notes, episode_notes, token_notes
 from tracetap.viewer.callinfo import error_line
 from tracetap.viewer.collapse import collapsed
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, READERS, ROWS, SOURCE
@@ -101,6 +101,7 @@ async def episode(request: web.Request) -> web.Response:
     size = _bounded(request, "n", tokens.WINDOW, 64, tokens.MAX_WINDOW)
     row = rows[index] if rows else None
     window = overview = texts = low = None
+    notes = await episode_notes(request, episode_id)
     hide = {"row": set(), "partner": set()}
     if row is not None:
         at = _bounded(request, "at", 0, 0, max(row.total - 1, 0))
@@ -116,6 +117,7 @@ async def episode(request: web.Request) -> web.Response:
         alternatives = await details.top_logprobs(engine, overlapping)
         window = tokens.window(row, at, size, texts, alternatives)
         tokenmask.apply(window, hide["row"])
+        window.data["notes"] = token_notes(row, notes["notes"], window.start, window.end)
         overview = tokens.overview(row, size, at)
     leaf = row.trajectory.call_ids[-1] if row is not None else (
         info.calls[-1].call_id if info.calls else None)
@@ -139,7 +141,7 @@ async def episode(request: web.Request) -> web.Response:
                 low=low, low_href=lowp.linker(request.query, size), hide=hide,
                 MARK=tokenmask.MARK,
                 tree=await episode_tree(engine, episode_id, tokens.compactions(rows)),
-                **await episode_notes(request, episode_id))
+                **notes)
 
 
 def _pretty(value) -> str | None:

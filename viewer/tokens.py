@@ -193,7 +193,8 @@ def window(row: Row, start: int, size: int, texts: dict[int, str],
         "model": list(model_made),
         "lp": None if logprobs is None else [round(v, 5) for v in logprobs[start:end]],
         "alt": _alternatives(row, start, end, alternatives),
-        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained] for s in row.spans
+        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained, s.choice]
+                  for s in row.spans
                   if s.end > start and s.start < end],
         "nprompt": row.n_prompt,
     }
