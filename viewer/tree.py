@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.exporters.compaction import Compaction, relink
 from tracetap.exporters.lineages import CallView, assign
+from tracetap.storage.conversation import Readers
 from tracetap.storage.details import call_bodies
 from tracetap.storage.relatives import Relatives, TreeCall, relatives, tree_calls
 from tracetap.viewer.conversation import turns
@@ -118,11 +119,11 @@ def _drawn(nodes: dict[str, Node], parents: dict[str, str | None],
     return drawn
 
 
-def purpose(endpoint: str, request: str | None) -> str | None:
+def purpose(readers: Readers, endpoint: str, request: str | None) -> str | None:
     """``summariser`` or ``title`` when the request's system prompt or first message says
     so; None otherwise."""
     start = []
-    for turn in turns(endpoint, request, None):
+    for turn in turns(readers, endpoint, request, None):
         start.append(turn.text[:START_CHARS])
         if turn.role != "system":
             break
@@ -130,7 +131,7 @@ def purpose(endpoint: str, request: str | None) -> str | None:
     return next((name for name, said in PURPOSES if said.search(text)), None)
 
 
-async def episode_tree(engine: AsyncEngine, episode_id: str,
+async def episode_tree(engine: AsyncEngine, episode_id: str, readers: Readers,
                        compactions: Sequence[Compaction] = ()) -> Tree:
     tree = build(await tree_calls(engine, episode_id), await relatives(engine, episode_id),
                  compactions)
@@ -138,7 +139,7 @@ async def episode_tree(engine: AsyncEngine, episode_id: str,
     bodies = await call_bodies(engine, [n.id for n in side])
     for node in side:
         if node.id in bodies:
-            node.kind = purpose(*bodies[node.id][:2]) or node.kind
+            node.kind = purpose(readers, *bodies[node.id][:2]) or node.kind
     return tree
 
 
@@ -158,11 +159,11 @@ class Placement(msgspec.Struct, kw_only=True):
     index: int  # the call's place in its lineage, from 1
 
 
-async def call_lineage(engine: AsyncEngine, episode_id: str | None,
-                       call_id: str) -> Placement | None:
+async def call_lineage(engine: AsyncEngine, episode_id: str | None, call_id: str,
+                       readers: Readers) -> Placement | None:
     if episode_id is None:
         return None
-    tree = await episode_tree(engine, episode_id)
+    tree = await episode_tree(engine, episode_id, readers)
     parents = {child.id: node for node in _walk(tree.roots) for child in node.children}
     for node in _walk(tree.roots):
         for index, call in enumerate(node.calls, 1):
