@@ -19,6 +19,7 @@ from aiohttp import web
 from helpers.search_calls import conversation
 from sqlalchemy import text
 
+from tracetap.proxy.apis.registry import readers
 from tracetap.storage import queries, search
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.search_pool import SearchBounds, search_engine
@@ -76,7 +77,7 @@ async def _viewer(url: str, bounds: SearchBounds):
     await insert_calls(engine, conversation("alpha", "FileNotFoundError: conftest.py"))
     await engine.dispose()
     app = build_viewer(ViewerConfig(database_url=url, search=bounds),
-                       Access(lambda _request: TOKEN), mounted=False)
+                       Access(lambda _request: TOKEN), readers(), mounted=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

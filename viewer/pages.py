@@ -140,7 +140,7 @@ async def episode(request: web.Request) -> web.Response:
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
                 low=low, low_href=lowp.linker(request.query, size), hide=hide,
                 MARK=tokenmask.MARK,
-                tree=await episode_tree(engine, episode_id, request.app[READERS],
+                tree=await episode_tree(engine, request.app[READERS], episode_id,
                                         tokens.compactions(rows)),
                 **notes)
 
@@ -178,8 +178,8 @@ async def call(request: web.Request) -> web.Response:
         request_text=stored.request if request_json is None else None,
         response_text=stored.response if response_json is None else None,
         limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id),
-        lineage=await call_lineage(await _engine(request), stored.episode_id, call_id,
-                                   request.app[READERS]))
+        lineage=await call_lineage(await _engine(request), request.app[READERS],
+                                   stored.episode_id, call_id))
 
 
 async def call_body(request: web.Request) -> web.Response:

@@ -131,7 +131,7 @@ def purpose(readers: Readers, endpoint: str, request: str | None) -> str | None:
     return next((name for name, said in PURPOSES if said.search(text)), None)
 
 
-async def episode_tree(engine: AsyncEngine, episode_id: str, readers: Readers,
+async def episode_tree(engine: AsyncEngine, readers: Readers, episode_id: str,
                        compactions: Sequence[Compaction] = ()) -> Tree:
     tree = build(await tree_calls(engine, episode_id), await relatives(engine, episode_id),
                  compactions)
@@ -159,11 +159,11 @@ class Placement(msgspec.Struct, kw_only=True):
     index: int  # the call's place in its lineage, from 1
 
 
-async def call_lineage(engine: AsyncEngine, episode_id: str | None, call_id: str,
-                       readers: Readers) -> Placement | None:
+async def call_lineage(engine: AsyncEngine, readers: Readers, episode_id: str | None,
+                       call_id: str) -> Placement | None:
     if episode_id is None:
         return None
-    tree = await episode_tree(engine, episode_id, readers)
+    tree = await episode_tree(engine, readers, episode_id)
     parents = {child.id: node for node in _walk(tree.roots) for child in node.children}
     for node in _walk(tree.roots):
         for index, call in enumerate(node.calls, 1):
