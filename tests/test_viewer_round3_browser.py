@@ -220,3 +220,13 @@ def test_annotated_spans_are_highlighted_and_the_keyboard_starts_one(page, site)
     page.keyboard.press("a")
     expect(page.locator("#span-refused")).to_be_visible()
     expect(page.locator("#span-form")).to_be_hidden()
+
+
+def test_the_compare_page_hides_the_credential_too(page, site):
+    page.goto(site.url + "/compare?a=compacted&b=secret")
+    views = page.locator(".toks")
+    text = " ".join(views.all_text_contents())
+    assert "db password" in text  # B's prompt is drawn from before the divergence on
+    expect(page.locator(".toks .t.h")).to_have_count(len(encode(PASSWORD)) + len(encode(API_KEY)))
+    for secret in (PASSWORD, API_KEY):
+        assert secret[:8] not in text and secret[-8:] not in page.content()
