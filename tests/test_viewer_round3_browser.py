@@ -165,6 +165,8 @@ def test_a_compaction_is_linked_as_the_export_links_it(page, site):
     summary_href = compaction.locator("a.summary-call").get_attribute("href")
     compaction.locator("a.summary-call").click()
     expect(page.locator("main")).to_contain_text("Summarise the conversation so far.")
+    expect(page.locator("#call-lineage")).to_contain_text("summariser")
+    expect(page.locator("#call-lineage")).to_contain_text("started by the main")
     page.go_back()
     compaction.locator("a").first.click()
     expect(page.locator("#split-h")).to_contain_text("compaction")

@@ -179,7 +179,16 @@ async def call(request: web.Request) -> web.Response:
         response_text=stored.response if response_json is None else None,
         limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id),
         lineage=await call_lineage(await _engine(request), request.app[READERS],
-                                   stored.episode_id, call_id))
+                                   stored.episode_id, call_id,
+                                   await _compactions(request, stored.episode_id)))
+
+
+async def _compactions(request: web.Request, episode_id: str | None) -> list:
+    """The episode's compactions, as its rows (the row cache's) link them."""
+    if episode_id is None:
+        return []
+    reader = await request.app[SOURCE].reader()
+    return tokens.compactions(await request.app[ROWS].rows(reader, episode_id))
 
 
 async def call_body(request: web.Request) -> web.Response:

@@ -160,10 +160,10 @@ class Placement(msgspec.Struct, kw_only=True):
 
 
 async def call_lineage(engine: AsyncEngine, readers: Readers, episode_id: str | None,
-                       call_id: str) -> Placement | None:
+                       call_id: str, compactions: Sequence[Compaction] = ()) -> Placement | None:
     if episode_id is None:
         return None
-    tree = await episode_tree(engine, readers, episode_id)
+    tree = await episode_tree(engine, readers, episode_id, compactions)
     parents = {child.id: node for node in _walk(tree.roots) for child in node.children}
     for node in _walk(tree.roots):
         for index, call in enumerate(node.calls, 1):
