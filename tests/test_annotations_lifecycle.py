@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pyarrow.parquet as pq
+import pytest
 from sqlalchemy import select
 
 from tests.test_export_runs import _db, calls, finish, finished_at
@@ -89,6 +90,7 @@ def test_an_episode_given_a_call_while_pruned_keeps_its_annotations(db_url, monk
     assert labelled(db_url) == {("x", "good")}
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the selection's SQL is shared
 def test_the_export_holds_only_the_annotations_of_the_episodes_it_selects(db_url, tmp_path):
     _db(db_url, calls("a"), calls("b"), calls("c"), finish("a", 1.0), finish("b", 0.0),
         note("a", "good"), note("b", "bad"), note("c", "running"))
