@@ -81,7 +81,6 @@ def apply(window, hide: set[int]) -> None:
         if start <= pos < start + len(ids):
             ids[pos - start] = None
         data["alt"].pop(str(pos), None)
-    data["hidden"] = sorted(p - start for p in hide if start <= p < start + len(ids))
 
 
 def ids_needed(row, at: int, size: int, low) -> list[int]:
