@@ -1,5 +1,6 @@
 """The ``annotations/`` dataset: every label, comment and corrected reward people made
-(storage.annotations), one row each, beside the episode's original reward.
+(storage.annotations) on the episodes the export selects, one row each, beside the
+episode's original reward.
 
 A snapshot, not an append: annotations are made at any time, before or after their
 episode is exported, so each ``tracetap export`` run rewrites the one file
@@ -20,7 +21,7 @@ from sqlalchemy import select
 from tracetap.exporters.location import Location
 from tracetap.storage.annotations import Stored, every
 from tracetap.storage.fetch import among
-from tracetap.storage.scan import Reader
+from tracetap.storage.scan import EpisodeFilter, Reader, episode_conditions
 from tracetap.storage.tables import Episode
 
 DATASET = "annotations"
@@ -54,17 +55,21 @@ def table(found: list[Stored], rewards: dict[str, float | None]) -> pa.Table:
         "source": a.source, "created_at": a.created_at} for a in found], schema=SCHEMA)
 
 
-async def snapshot(reader: Reader) -> pa.Table | None:
-    """Every annotation with its episode's reward; None when there is none."""
+async def snapshot(reader: Reader, selected: EpisodeFilter | None = None) -> pa.Table | None:
+    """Every annotation of the episodes ``selected`` matches (all when None), with its
+    episode's reward; None when there is none."""
     engine = reader.engine
     found = await every(engine)
-    if not found:
-        return None
+    conditions = [] if selected is None else episode_conditions(selected)
+    if selected is not None and selected.episode_ids:
+        conditions.append(Episode.id.in_(selected.episode_ids))
     ids = sorted({a.episode_id for a in found})
     async with engine.connect() as conn:
         rows = (await conn.execute(select(Episode.id, Episode.reward).where(
-            among(Episode.id, ids, engine)))).all()
-    return table(found, {r[0]: r[1] for r in rows})
+            among(Episode.id, ids, engine), *conditions))).all() if ids else []
+    rewards = {r[0]: r[1] for r in rows}
+    found = [a for a in found if a.episode_id in rewards]  # another export's episodes: not here
+    return table(found, rewards) if found else None
 
 
 def write(location: Location, data: pa.Table) -> str:
@@ -92,9 +97,12 @@ def remove(location: Location) -> None:
         filesystem.delete_file(path)
 
 
-async def export_annotations(reader: Reader, location: Location) -> int:
-    """Write the snapshot; how many annotations it holds (0: none, and no file)."""
-    data = await snapshot(reader)
+async def export_annotations(reader: Reader, location: Location,
+                             selected: EpisodeFilter | None = None) -> int:
+    """Write the snapshot of the episodes the export selects (``selected``, without an
+    incremental run's watermark: the earlier runs' episodes are the export's too); how
+    many annotations it holds (0: none, and no file)."""
+    data = await snapshot(reader, selected)
     if data is None:
         remove(location)
         return 0

@@ -155,7 +155,10 @@ async def export_async(
             summary = await ExportRun(reader, location, selection, incremental=incremental,
                                       overwrite=overwrite, progress=progress,
                                       started=started, clock=clock).run()
-            summary.annotations = await export_annotations(reader, location)
+            summary.annotations = await export_annotations(reader, location, EpisodeFilter(
+                since=selection.since, until=selection.until,
+                episode_ids=selection.episode_ids, group_id=selection.group_id,
+                finished_only=selection.finished_only))
     except ScanError as exc:
         raise ExportError(str(exc)) from exc
     summary.not_found, summary.not_finished = missing

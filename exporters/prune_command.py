@@ -46,5 +46,6 @@ def describe(summary) -> str:
                  "trusted for nothing")
     verb = "dry run: would prune" if summary.dry_run else "pruned"
     return (f"{verb} {c.episodes} episodes: {c.calls} calls, {c.choices} choices, "
+            f"{c.annotations} annotations, "
             f"{c.blocks} blocks no call references any more ({kept}) "
             f"proven by {summary.exported} in {summary.seconds:.1f}s")

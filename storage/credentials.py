@@ -130,3 +130,11 @@ def mask_string(text: str, depth: int = 0) -> str:
     for _ in range(levels):
         value = msgspec.json.encode(value).decode()
     return value
+
+
+def value_spans(text: str) -> list[tuple[int, int]]:
+    """Where ``mask_text`` would hide something in ``text``: the [start, end) of each value
+    after a credential name (for text shown in pieces, such as tokens)."""
+    if not _may_hold(text.lower()):
+        return []
+    return [m.span("quoted" if m.group("vq") else "bare") for m in TEXT_KEY.finditer(text)]

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.blockstore import begin_sweeping, mark_swept
 from tracetap.storage.search_index import forget
-from tracetap.storage.tables import Call, CallIntent, Choice, Episode
+from tracetap.storage.tables import Annotation, Call, CallIntent, Choice, Episode
 
 # Exported calls per episode, per finished_at it was exported with.
 Proven = dict[str, dict[float | None, set[str]]]
@@ -43,6 +43,7 @@ class PruneCounts(msgspec.Struct, kw_only=True):
     kept_refinished: int = 0  # finished again after the export
     kept_late_calls: int = 0  # calls stored after the export
     blocks: int = 0  # blocks no call referenced any more, swept
+    annotations: int = 0  # people's annotations of the pruned episodes
 
 
 _CALL_REFS = (Call.prompt_refs, Call.request_refs, Call.upstream_request_refs,
@@ -88,6 +89,9 @@ async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], co
             doomed_calls += (await conn.execute(select(Call.call_id).where(
                 Call.call_id.in_(chunk), Call.episode_id.is_(None)))).scalars()
         counts.episodes += len(doomed_episodes)
+        for chunk in _chunks(doomed_episodes):
+            counts.annotations += (await conn.execute(select(func.count()).select_from(
+                Annotation).where(Annotation.episode_id.in_(chunk)))).scalar()
         counts.calls += len(doomed_calls)
         for chunk in _chunks(doomed_calls):
             counts.choices += (await conn.execute(select(func.count()).select_from(Choice)
@@ -168,7 +172,11 @@ async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) 
         # Their intents too: without its row an intent would read as a call not stored.
         await conn.execute(delete(CallIntent).where(CallIntent.call_id.in_(chunk)))
     for chunk in _chunks(episodes):
-        # A call stored meanwhile (SQLite has no row lock) keeps its episode.
+        # A call stored meanwhile (SQLite has no row lock) keeps its episode, and with it
+        # its annotations; else they go with it, in this transaction.
+        await conn.execute(delete(Annotation).where(
+            Annotation.episode_id.in_(chunk),
+            ~exists().where(Call.episode_id == Annotation.episode_id)))
         await conn.execute(delete(Episode).where(
             Episode.id.in_(chunk), ~exists().where(Call.episode_id == Episode.id)))
 

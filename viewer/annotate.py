@@ -86,3 +86,21 @@ async def call_notes(request: web.Request, call_id: str) -> dict:
     return {"notes": await annotations.of_call(engine, call_id), "corrected": None,
             "label_choices": LABELS, "note_target": {"call": call_id},
             "note_next": request.path_qs}
+
+
+def token_notes(row, found: list[annotations.Stored], start: int, end: int) -> list[list]:
+    """The token spans annotated on ``row``'s calls that show in the window [start, end):
+    [first, last + 1 (window positions), title] for the token view's highlight."""
+    out = []
+    for note in found:
+        if note.token_start is None or note.call_id is None:
+            continue
+        for span in row.spans:
+            if span.call_id != note.call_id or span.choice != note.choice_index:
+                continue
+            lo = max(start, span.start + note.token_start)
+            hi = min(end, span.start + note.token_end, span.end)
+            if lo < hi:
+                title = " | ".join(t for t in (note.label, note.comment) if t) or "annotated"
+                out.append([lo - start, hi - start, title[:200]])
+    return out

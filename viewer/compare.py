@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tracetap.storage import details
 from tracetap.storage.scan import ScannedCall
-from tracetap.viewer import PREFIX, conversation
+from tracetap.viewer import PREFIX, conversation, tokenmask
 from tracetap.viewer.conversation import Turn
 from tracetap.viewer.keys import DETOKENIZER, READERS, ROWS, SOURCE
 from tracetap.viewer.pages import CALL_ID, EPISODE_ID
@@ -216,10 +216,16 @@ async def _render(request: web.Request, sides: list[Side], what: str) -> web.Res
     position = diverging(a.ids, b.ids)
     start = max(0, (position or 0) - BEFORE)
     end = (position or 0) + AFTER
-    wanted = {*a.ids[start:end], *b.ids[start:end]}
+    wanted = {*tokenmask.around(a.ids, start, end), *tokenmask.around(b.ids, start, end)}
     texts = await request.app[DETOKENIZER].texts(sorted(wanted))
     pairs, first_turn = aligned(a.turns, b.turns)
-    views = [pieces(s, start, end, texts, position) for s in sides]
+    # A credential's tokens drawn as the token view draws them (viewer.tokenmask).
+    hidden = {s.name: tokenmask.hidden(s.ids, [(start, end)], texts) for s in sides}
+    views = [[Piece(p.kind + " h", tokenmask.MARK, False, p.position)
+              if p.position in hidden[s.name] else p for p in pieces(s, start, end, texts,
+                                                                     position)]
+             for s in sides]
     return page(request, "compare.html", view="compare", what=what, sides=sides,
                 position=position, start=start, views=views, pairs=pairs,
-                first_turn=first_turn, shown=SHOWN_DIVERGING, texts=texts)
+                first_turn=first_turn, shown=SHOWN_DIVERGING, texts=texts, hidden=hidden,
+                MARK=tokenmask.MARK)

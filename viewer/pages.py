@@ -8,8 +8,18 @@ from aiohttp import web
 
 from tracetap.storage import browse, details, quarantine
 from tracetap.storage.integrity import verdicts_of
-from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
-from tracetap.viewer.annotate import call_notes, episode_notes
+from tracetap.viewer import (
+    PREFIX,
+    access,
+    charts,
+    conversation,
+    jsonview,
+    lowp,
+    params,
+    tokenmask,
+    tokens,
+)
+from tracetap.viewer.annotate import call_notes, episode_notes, token_notes
 from tracetap.viewer.callinfo import error_line
 from tracetap.viewer.collapse import collapsed
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, READERS, ROWS, SOURCE
@@ -91,6 +101,8 @@ async def episode(request: web.Request) -> web.Response:
     size = _bounded(request, "n", tokens.WINDOW, 64, tokens.MAX_WINDOW)
     row = rows[index] if rows else None
     window = overview = texts = low = None
+    notes = await episode_notes(request, episode_id)
+    hide = {"row": set(), "partner": set()}
     if row is not None:
         at = _bounded(request, "at", 0, 0, max(row.total - 1, 0))
         shown = row.ids[at:at + size]
@@ -99,10 +111,13 @@ async def episode(request: web.Request) -> web.Response:
         low = lowp.summary(row, at, at + size, *lowp.options(request.query))
         texts = await request.app[DETOKENIZER].texts(
             [*shown, *(split.expected if split else ()), *(split.received if split else ()),
-             *lowp.token_ids(low)])
+             *lowp.token_ids(low), *tokenmask.ids_needed(row, at, size, low)])
+        hide = tokenmask.on_page(row, rows, at, size, low, texts)
         overlapping = [s.call_id for s in row.spans if s.end > at and s.start < at + size]
         alternatives = await details.top_logprobs(engine, overlapping)
         window = tokens.window(row, at, size, texts, alternatives)
+        tokenmask.apply(window, hide["row"])
+        window.data["notes"] = token_notes(row, notes["notes"], window.start, window.end)
         overview = tokens.overview(row, size, at)
     leaf = row.trajectory.call_ids[-1] if row is not None else (
         info.calls[-1].call_id if info.calls else None)
@@ -123,9 +138,11 @@ async def episode(request: web.Request) -> web.Response:
                 integrity=(await verdicts_of(engine, [episode_id]))[episode_id],
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
-                low=low, low_href=lowp.linker(request.query, size),
-                tree=await episode_tree(engine, request.app[READERS], episode_id),
-                **await episode_notes(request, episode_id))
+                low=low, low_href=lowp.linker(request.query, size), hide=hide,
+                MARK=tokenmask.MARK,
+                tree=await episode_tree(engine, request.app[READERS], episode_id,
+                                        tokens.compactions(rows)),
+                **notes)
 
 
 def _pretty(value) -> str | None:
@@ -162,7 +179,16 @@ async def call(request: web.Request) -> web.Response:
         response_text=stored.response if response_json is None else None,
         limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id),
         lineage=await call_lineage(await _engine(request), request.app[READERS],
-                                   stored.episode_id, call_id))
+                                   stored.episode_id, call_id,
+                                   await _compactions(request, stored.episode_id)))
+
+
+async def _compactions(request: web.Request, episode_id: str | None) -> list:
+    """The episode's compactions, as its rows (the row cache's) link them."""
+    if episode_id is None:
+        return []
+    reader = await request.app[SOURCE].reader()
+    return tokens.compactions(await request.app[ROWS].rows(reader, episode_id))
 
 
 async def call_body(request: web.Request) -> web.Response:

@@ -8,12 +8,14 @@ window of tokens a page shows, and where a split row leaves the rows before it.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from typing import Any
 
 import msgspec
 
 from tracetap.exporters.annotate import page_notes
+from tracetap.exporters.compaction import Compaction, bodies_of, segments
 from tracetap.exporters.trajectories import Trajectory, build_trajectories
 from tracetap.storage.scan import EpisodeFilter, Reader, ScannedCall
 
@@ -29,6 +31,8 @@ REASONS = {
     "branch": "a different continuation of a context seen before",
     "non_prefix": "the prompt does not extend any earlier completion: the harness rewrote, "
                   "summarised or replaced its context (or a sub-agent started)",
+    "compaction": "the conversation compacted its history: this row starts over from a "
+                  "summary an earlier call wrote, and continues the row it summarised",
     "no_token_ids": "the upstream returned no token ids for this call: a single-turn row, "
                     "never stitched to others",
 }
@@ -74,6 +78,7 @@ class Row:
         self.trained = self.mask.count(1)
         self.spans = list(_spans(t, calls, self.mask))
         self.split: Split | None = None
+        self.continues: int | None = None  # a compaction row: the row it continues
 
     @property
     def total(self) -> int:
@@ -105,11 +110,23 @@ async def episode_rows(reader: Reader, episode_id: str) -> tuple[list[Row], list
             calls.extend(episode.calls)
     by_id = {c.call_id: c for c in calls}
     lineages = page_notes(scanned).lineages  # a sub-agent's rows are its own (lineages)
-    rows = [Row(i, t, by_id) for i, t in enumerate(
-        build_trajectories(calls, keep_untokenized=True, lineages=lineages))]
+    build = functools.partial(build_trajectories, calls, keep_untokenized=True)
+    # Compactions linked as the export links them: the summary call a lineage of its own,
+    # the segment after it a "compaction" row that says which row it continues.
+    built = await segments(calls, build(lineages=lineages), lineages, build,
+                           bodies_of(reader, calls))
+    rows = [Row(i, t, by_id) for i, t in enumerate(built)]
+    by_trajectory = {r.trajectory.trajectory_id: r.index for r in rows}
     for row in rows:
         row.split = _split(row, rows)
+        row.continues = by_trajectory.get(row.trajectory.continues_trajectory_id)
     return rows, calls
+
+
+def compactions(rows: list[Row]) -> list[Compaction]:
+    """The compactions the rows link (for the lineage tree: viewer.tree)."""
+    return [Compaction(r.trajectory.call_ids[0], r.trajectory.summary_call_id) for r in rows
+            if r.reason == "compaction" and r.trajectory.summary_call_id is not None]
 
 
 def _split(row: Row, rows: list[Row]) -> Split | None:
@@ -176,7 +193,8 @@ def window(row: Row, start: int, size: int, texts: dict[int, str],
         "model": list(model_made),
         "lp": None if logprobs is None else [round(v, 5) for v in logprobs[start:end]],
         "alt": _alternatives(row, start, end, alternatives),
-        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained] for s in row.spans
+        "spans": [[s.start, s.end, s.number, s.seq, s.call_id, s.trained, s.choice]
+                  for s in row.spans
                   if s.end > start and s.start < end],
         "nprompt": row.n_prompt,
     }

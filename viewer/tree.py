@@ -9,10 +9,12 @@ so the tree shows the conversations exactly as trajectories/ splits them.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.exporters.compaction import Compaction, relink
 from tracetap.exporters.lineages import CallView, assign
 from tracetap.storage.conversation import Readers
 from tracetap.storage.details import call_bodies
@@ -66,11 +68,15 @@ def _kind(node: Node, main: Node | None, parent: str | None) -> str:
     return "one-shot side call" if len(node.calls) == 1 else "conversation"
 
 
-def build(calls: list[TreeCall], family: Relatives) -> Tree:
+def build(calls: list[TreeCall], family: Relatives,
+          compactions: Sequence[Compaction] = ()) -> Tree:
+    """``compactions`` (the episode's rows say them: viewer.tokens) relink lineages as the
+    export does: each summary call a ``summariser`` under the conversation it summarised."""
     of = assign(CallView(call_id=c.call_id, t_start=c.t_start, t_end=c.t_end,
                          conversation=c.conversation, lineage=c.lineage,
                          parent_lineage=c.parent_lineage, asked_tool=c.asked_tool)
                 for c in calls)
+    relink(compactions, of, [c.call_id for c in calls])
     nodes: dict[str, Node] = {}
     parents: dict[str, str | None] = {}
     for c in calls:
@@ -86,6 +92,9 @@ def build(calls: list[TreeCall], family: Relatives) -> Tree:
     # The main agent: the root conversation with the most calls (the first of equals).
     main = max(roots, key=lambda n: len(n.calls), default=None)
     drawn = _drawn(nodes, parents, main)
+    for compaction in compactions:
+        if compaction.summary in nodes:
+            nodes[compaction.summary].kind = "summariser"
     return Tree(roots=[n for n in drawn if n.root], lineages=len(nodes), family=family,
                 hidden=len(nodes) - len(drawn))
 
@@ -122,8 +131,10 @@ def purpose(readers: Readers, endpoint: str, request: str | None) -> str | None:
     return next((name for name, said in PURPOSES if said.search(text)), None)
 
 
-async def episode_tree(engine: AsyncEngine, readers: Readers, episode_id: str) -> Tree:
-    tree = build(await tree_calls(engine, episode_id), await relatives(engine, episode_id))
+async def episode_tree(engine: AsyncEngine, readers: Readers, episode_id: str,
+                       compactions: Sequence[Compaction] = ()) -> Tree:
+    tree = build(await tree_calls(engine, episode_id), await relatives(engine, episode_id),
+                 compactions)
     side = [n for n in _walk(tree.roots) if n.kind in SIDE][:MAX_NAMED]
     bodies = await call_bodies(engine, [n.id for n in side])
     for node in side:
@@ -149,10 +160,10 @@ class Placement(msgspec.Struct, kw_only=True):
 
 
 async def call_lineage(engine: AsyncEngine, readers: Readers, episode_id: str | None,
-                       call_id: str) -> Placement | None:
+                       call_id: str, compactions: Sequence[Compaction] = ()) -> Placement | None:
     if episode_id is None:
         return None
-    tree = await episode_tree(engine, readers, episode_id)
+    tree = await episode_tree(engine, readers, episode_id, compactions)
     parents = {child.id: node for node in _walk(tree.roots) for child in node.children}
     for node in _walk(tree.roots):
         for index, call in enumerate(node.calls, 1):

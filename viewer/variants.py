@@ -24,6 +24,7 @@ from tracetap.analysis.coverage import Coverage, coverage
 from tracetap.analysis.episodes import AnalysisError, Episode, read
 from tracetap.analysis.held_out import Chooser, held_out
 from tracetap.analysis.select import Selector, Success, parse_selector
+from tracetap.storage.credentials import HIDDEN, KEY
 from tracetap.storage.scan import EpisodeFilter
 from tracetap.viewer.interval_plots import delta_plot, held_out_plot, level_plot
 from tracetap.viewer.keys import SOURCE
@@ -133,6 +134,9 @@ async def _episodes(request: web.Request, policies: bool,
     reader = await request.app[SOURCE].reader()
     every = await read(reader, EpisodeFilter(finished_only=False), policies=policies,
                        costs=costs)
+    for e in every:  # a config value under a credential's name is a level never shown
+        if any(KEY.match(f) for f in e.factors):
+            e.factors = {f: HIDDEN if KEY.match(f) else v for f, v in e.factors.items()}
     return ([e for e in every if e.summary.finished_at is not None],
             [e for e in every if e.summary.finished_at is None])
 

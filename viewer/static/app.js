@@ -57,12 +57,14 @@
       const pos = data.start + i;
       const node = spans[i];
       const unknown = node.classList.contains("u");
-      const text = unknown ? null : node.textContent;
+      const secret = node.classList.contains("h");  // part of a credential: never sent
+      const text = unknown || secret ? null : node.textContent;
       const dl = el("dl");
       row(dl, "position", String(pos));
-      row(dl, "id", String(data.ids[i]));
-      row(dl, "text", unknown ? "(no tokenizer reachable: id only)" : JSON.stringify(text));
-      if (!unknown) {
+      row(dl, "id", secret ? "(hidden)" : String(data.ids[i]));
+      row(dl, "text", secret ? "(hidden: part of a credential)"
+        : unknown ? "(no tokenizer reachable: id only)" : JSON.stringify(text));
+      if (text !== null) {
         const bytes = Array.from(new TextEncoder().encode(text))
           .map((b) => b.toString(16).padStart(2, "0")).join(" ");
         row(dl, "bytes", bytes || "(none)");
@@ -82,6 +84,7 @@
       } else if (data.mask[i] || data.model[i]) {
         row(dl, "alternatives", "not captured (the client did not ask for top_logprobs)");
       }
+      if (node.classList.contains("ann")) row(dl, "annotated", node.title);
       const span = spanOf(pos);
       if (span) {
         const link = el("a", { href: prefix + "/calls/" + encodeURIComponent(span[4]) },
@@ -116,8 +119,47 @@
       if (event.key in moves) next = Math.max(0, Math.min(spans.length - 1, current + moves[event.key]));
       else if (event.key === "Home") next = 0;
       else if (event.key === "End") next = spans.length - 1;
+      else if (event.key === "a" && current >= 0 && !event.ctrlKey && !event.metaKey) {
+        event.preventDefault();
+        annotate(current);
+      }
       if (next !== null) { event.preventDefault(); select(next); }
     });
+
+    // Annotated token spans: highlighted, the label (and comment) as the title.
+    for (const [lo, hi, title] of data.notes || []) {
+      for (let k = lo; k < hi && k < spans.length; k++) {
+        spans[k].classList.add("ann");
+        spans[k].title = spans[k].title ? spans[k].title + "; " + title : title;
+      }
+    }
+
+    // The span form, prefilled with the selected token (a completion token of a call).
+    function annotate(i) {
+      const form = document.getElementById("span-form");
+      const span = spanOf(data.start + i);
+      if (!form) return;
+      if (!span) {
+        detail.append(el("p", { class: "notice", id: "span-refused" },
+          "Only a call's sampled tokens can be annotated as a span: annotate the call or the episode instead."));
+        return;
+      }
+      const start = data.start + i - span[0];
+      document.getElementById("span-call").value = span[4];
+      document.getElementById("span-of").textContent = "turn " + span[2] + ", call " + span[3];
+      document.getElementById("span-choice").value = String(span[6]);
+      document.getElementById("span-start").value = String(start);
+      document.getElementById("span-end").value = String(start + 1);
+      form.hidden = false;
+      document.getElementById("span-label").focus();
+    }
+    const cancel = document.getElementById("span-cancel");
+    if (cancel) {
+      cancel.addEventListener("click", () => {
+        document.getElementById("span-form").hidden = true;
+        box.focus();
+      });
+    }
   }
 
   // -- live page ----------------------------------------------------------------------
