@@ -18,7 +18,7 @@ from aiohttp import web
 from tracetap.storage import browse, search
 from tracetap.storage.tables import Call, Episode
 from tracetap.viewer import params
-from tracetap.viewer.keys import CONFIG, SOURCE
+from tracetap.viewer.keys import CONFIG, READERS, SOURCE
 from tracetap.viewer.render import page
 
 COUNT_CAP = 1000  # matches counted exactly up to this many
@@ -101,7 +101,8 @@ async def page_handler(request: web.Request) -> web.Response:
             engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
             count_cap=COUNT_CAP)
         if terms is not None:
-            snippets = await search.snippets(engine, terms, [r.id for r in found.rows])
+            snippets = await search.snippets(engine, terms, [r.id for r in found.rows],
+                                             request.app[READERS])
     return page(request, "search.html", view="search", found=found, snippets=snippets or {},
                 text=text, ignored=ignored, indexed=indexed,
                 filters={k: query.get(k, "") for k in FIELDS}, cap=COUNT_CAP,
