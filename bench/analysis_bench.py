@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import insert  # noqa: E402
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import insert_calls  # noqa: E402
@@ -160,7 +161,8 @@ async def _build(url: str, plans: list[dict]) -> None:
                         for p in batch
                     ],
                 )
-            await insert_calls(engine, [r for p in batch for r in _calls(p, now)])
+            await insert_calls(engine, [r for p in batch for r in _calls(p, now)],
+                               readers=readers())
             print(f"\rbuilding: {first + len(batch)}/{len(plans)} episodes", end="", flush=True)
         print()
     finally:
@@ -202,7 +204,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="tracetap-packets-"))
 
     def packets():
-        result = build(url, filt, Options())
+        result = build(url, filt, Options(), readers())
         write(out, result)
         return result
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.apis.fields import RequestFields  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.proxy.apis.routing import Routing  # noqa: E402
 from tracetap.proxy.call.driver import ModelCall  # noqa: E402
 from tracetap.proxy.call.record import call_outcome, call_record  # noqa: E402
@@ -66,6 +67,7 @@ def _state() -> SimpleNamespace:
         prompt_prefixes=PromptPrefixes(),
         request_fields=RequestFields(),
         routed_experts=False,
+        readers=readers(),
         submit=lambda record: None,
     )  # journaling is a step of its own
 
@@ -154,10 +156,11 @@ async def _insert_cpu(url: str, stream: bool, batches: int) -> float:
             [msgspec.structs.replace(template, call_id=uuid7(), seq=i) for i in range(BATCH)]
             for _ in range(batches + 1)
         ]
-        await insert_calls(engine, records[0])  # warm: connection, prepared statements
+        # Warm: connection, prepared statements.
+        await insert_calls(engine, records[0], readers=readers())
         started = time.process_time()
         for batch in records[1:]:
-            await insert_calls(engine, batch)
+            await insert_calls(engine, batch, readers=readers())
         return (time.process_time() - started) / (batches * BATCH) * 1e6
     finally:
         await engine.dispose()
