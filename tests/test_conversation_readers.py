@@ -305,3 +305,32 @@ def _run(url: str, step):
         finally:
             await engine.dispose()
     return asyncio.run(run())
+
+
+def test_the_proxy_composes_its_writer_with_each_apis_shape(proxy):
+    """Through the proxy (the real SDK): a resent chat message names the block it named
+    when first sent, and a call is found by the turn it adds, not by the history."""
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.episode_url("composed"), api_key="k", max_retries=0)
+    messages = [{"role": "user", "content": "Find the Zebracorn file. " + "é" * 3000}]
+    for turn in range(3):
+        client.chat.completions.create(model="mock", max_tokens=4, messages=messages)
+        messages += [{"role": "assistant", "content": f"Answer{turn}"},
+                     {"role": "user", "content": f"Output{turn} " + "ü" * 3000}]
+    calls = proxy.calls("composed")
+
+    async def look():
+        async with proxy.state.engine.connect() as conn:
+            refs = [unpack_refs(bytes((await conn.execute(text(
+                "SELECT request_refs FROM calls WHERE call_id = :c"), {"c": c["call_id"]}
+            )).scalar())) for c in calls]
+            found = {word: (await conn.execute(search.matching_calls(
+                proxy.state.engine.dialect.name, word).with_only_columns(CallText.call_id)
+            )).scalars().all() for word in ("zebracorn", "output1")}
+        return refs, found
+
+    refs, found = proxy.loop.run(look())
+    assert len(refs[0]) >= 3 and refs[2][:2] == refs[1][:2] == refs[0][:2]  # head, message
+    assert refs[2][:4] == refs[1][:4]  # and the turn the second call added
+    assert found == {"zebracorn": [calls[0]["call_id"]], "output1": [calls[2]["call_id"]]}
