@@ -128,6 +128,11 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     assistant_roles: tuple[str, ...] = ("assistant",)
     assistant_types: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        keys = [k for k in (self.messages, self.prompt, *self.head) if k is not None]
+        if len(set(keys)) != len(keys):  # read as one request's distinct fields
+            raise ValueError(f"a request shape names a key twice: {keys}")
+
 
 PLAIN = Shape()
 
