@@ -5,9 +5,12 @@ task counts once whatever its number of repeats. For a candidate against the bas
 on the tasks both ran: d_t = success rate of the candidate on t - that of the baseline,
 Δ_B = mean of d_t, with a paired bootstrap percentile interval over tasks and an exact
 sign-test p-value over the tasks where d_t != 0 (analysis.stats). A task is fixed when
-d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: tokens
-(prompt + completion, from the calls table) and model latency (the sum of the calls'
-durations), their differences paired by task the same way.
+d_t > 0, broken when d_t < 0, unchanged otherwise. Costs are per episode: usage tokens
+(prompt + completion summed over the calls: a resent history counts at each call),
+trajectory tokens (the longest call's prompt + completion) and model latency (the sum of
+the calls' durations), their differences paired by task the same way. A variant's own
+figures are over all its episodes; the differences over the paired tasks, each task once:
+``paired`` holds both sides' means there, whose difference each one is.
 
 Held out: given the tasks a patch was written from (``seen_tasks``: the failure packets'
 tasks), the same Δ_B, interval and sign test on the paired tasks outside them: the figure
@@ -39,8 +42,9 @@ class Variant(msgspec.Struct, kw_only=True):
     tasks: int
     success_rate: float
     mean_reward: float | None
-    tokens_per_episode: float
+    tokens_per_episode: float  # usage: prompt + completion summed over the calls
     latency_per_episode: float  # seconds
+    trajectory_tokens_per_episode: float = 0.0
     # Episodes of this selection left out because their integrity is infra (not in Δ_B).
     infra_excluded: int = 0
 
@@ -49,6 +53,15 @@ class Flips(msgspec.Struct, kw_only=True):
     fixed: list[str]
     broken: list[str]
     unchanged: int
+
+
+class Means(msgspec.Struct, kw_only=True):
+    """One side over the paired tasks, each task's repeats averaged first."""
+
+    success: float
+    tokens: float
+    trajectory_tokens: float
+    latency: float
 
 
 class Candidate(msgspec.Struct, kw_only=True):
@@ -65,6 +78,7 @@ class Candidate(msgspec.Struct, kw_only=True):
     advantage: float | None = None  # with K >= 2 candidates
     held_out: HeldOut | None = None  # with seen_tasks
     reward: float | None = None  # what the group's advantage used
+    paired: tuple[Means, Means] | None = None  # baseline, candidate: the deltas are b - a
 
 
 class HeldOut(msgspec.Struct, kw_only=True):
@@ -101,6 +115,7 @@ class _Tasks(msgspec.Struct):
     reward: dict[str, float]
     tokens: dict[str, float]
     latency: dict[str, float]
+    trajectory: dict[str, float]
 
 
 def compare(
@@ -211,15 +226,19 @@ def _variant(
     for e in episodes:
         by_task[e.task].append(e)
     rewards = [e.summary.reward for e in episodes if e.summary.reward is not None]
+    def per_task(value) -> dict[str, float]:
+        return {t: mean([value(e) for e in es]) for t, es in by_task.items()}
+
     tasks = _Tasks(
-        success={t: mean([float(success(e)) for e in es]) for t, es in by_task.items()},
+        success=per_task(lambda e: float(success(e))),
         reward={
             t: mean(r)
             for t, es in by_task.items()
             if (r := [e.summary.reward for e in es if e.summary.reward is not None])
         },
-        tokens={t: mean([_tokens(e) for e in es]) for t, es in by_task.items()},
-        latency={t: mean([e.summary.latency for e in es]) for t, es in by_task.items()},
+        tokens=per_task(_tokens),
+        latency=per_task(lambda e: e.summary.latency),
+        trajectory=per_task(_trajectory),
     )
     variant = Variant(
         selector=selector.text,
@@ -229,6 +248,7 @@ def _variant(
         mean_reward=mean(rewards) if rewards else None,
         tokens_per_episode=mean([_tokens(e) for e in episodes]),
         latency_per_episode=mean([e.summary.latency for e in episodes]),
+        trajectory_tokens_per_episode=mean([_trajectory(e) for e in episodes]),
     )
     return variant, tasks
 
@@ -277,11 +297,23 @@ def _against(
         ),
         tokens_delta=mean([tasks.tokens[t] - base.tokens[t] for t in paired]),
         latency_delta=mean([tasks.latency[t] - base.latency[t] for t in paired]),
+        paired=(_means(base, paired), _means(tasks, paired)),
     )
+
+
+def _means(tasks: _Tasks, paired: list[str]) -> Means:
+    return Means(success=mean([tasks.success[t] for t in paired]),
+                 tokens=mean([tasks.tokens[t] for t in paired]),
+                 trajectory_tokens=mean([tasks.trajectory[t] for t in paired]),
+                 latency=mean([tasks.latency[t] for t in paired]))
 
 
 def _tokens(e: Episode) -> float:
     return float(e.summary.prompt_tokens + e.summary.completion_tokens)
+
+
+def _trajectory(e: Episode) -> float:
+    return float(e.summary.context_tokens)
 
 
 def _few(names: list[str], shown: int = 3) -> str:
@@ -301,14 +333,15 @@ def render(c: Comparison) -> str:
     ]
     header = (
         f"{'variant':<28} {'episodes':>8} {'tasks':>6} {'success':>8} {'reward':>7} "
-        f"{'tokens/ep':>10} {'latency/ep':>10}"
+        f"{'traj tok/ep':>11} {'usage/ep':>10} {'latency/ep':>10}"
     )
     lines.append(header)
     for v in [c.baseline, *(x.variant for x in c.candidates)]:
         reward = "-" if v.mean_reward is None else f"{v.mean_reward:.3f}"
         lines.append(
             f"{v.selector[:28]:<28} {v.episodes:>8} {v.tasks:>6} "
-            f"{v.success_rate:>8.3f} {reward:>7} {v.tokens_per_episode:>10.1f} "
+            f"{v.success_rate:>8.3f} {reward:>7} {v.trajectory_tokens_per_episode:>11.1f} "
+            f"{v.tokens_per_episode:>10.1f} "
             f"{v.latency_per_episode:>9.3f}s"
         )
     infra = [v for v in [c.baseline, *(x.variant for x in c.candidates)] if v.infra_excluded]
@@ -318,7 +351,7 @@ def render(c: Comparison) -> str:
     lines += ["", f"against the baseline {c.baseline.selector!r}:"]
     header = (
         f"{'candidate':<28} {'tasks':>6} {'Δ_B':>7} {'95% interval':>17} "
-        f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δtokens':>9} "
+        f"{'sign p':>7} {'fixed':>5} {'broken':>6} {'same':>5} {'Δusage':>9} "
         f"{'Δlatency':>9} {'advantage':>9}"
     )
     lines.append(header)

@@ -14,6 +14,7 @@ import msgspec
 
 from tracetap.analysis.runner.outcomes import INTERRUPTED
 from tracetap.exporters.factors import factors_of
+from tracetap.storage.annotations import labels_of
 from tracetap.storage.integrity import CLEAN_VERDICT, INFRA, Verdict, verdicts
 from tracetap.storage.scan import EpisodeFilter, Reader, ScanError
 from tracetap.storage.summaries import EpisodeSummary, call_summaries, episode_summaries
@@ -32,6 +33,8 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any]
     factors: dict[str, str]  # the config's scalar values as levels
     policies: frozenset[str] = frozenset()  # the calls' policy versions (when asked for)
+    # People's labels on it (storage.annotations); None: not read (``read(labels=True)``).
+    labels: frozenset[str] | None = None
     integrity: Verdict = CLEAN_VERDICT  # storage.integrity: clean, or infra and why
 
     @property
@@ -44,14 +47,17 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
 
 
 def load(
-    db: str, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False
+    db: str, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False,
+    labels: bool = True,
 ) -> list[Episode]:
     """The matching episodes in id order (blocking; runs its own event loop). ``costs``:
-    with their calls' token and latency totals; ``policies``: their policy versions."""
+    with their calls' token and latency totals; ``policies``: their policy versions;
+    ``labels``: the labels people gave them (one small read; every caller gets them unless
+    it says not, so a ``label=`` selector works wherever selectors are taken)."""
 
     async def go() -> list[Episode]:
         async with open_reader(db) as reader:
-            return await read(reader, filt, policies=policies, costs=costs)
+            return await read(reader, filt, policies=policies, costs=costs, labels=labels)
 
     return run(go())
 
@@ -80,9 +86,11 @@ async def open_reader(db: str) -> AsyncIterator[Reader]:
 
 
 async def read(
-    reader: Reader, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False
+    reader: Reader, filt: EpisodeFilter, *, policies: bool = False, costs: bool = False,
+    labels: bool = True,
 ) -> list[Episode]:
     summaries = await episode_summaries(reader, filt, costs=costs)
+    labelled = await labels_of(reader.engine, [s.id for s in summaries]) if labels else {}
     with reader.translated():
         async with reader.engine.connect() as conn:
             verdict = await verdicts(conn, reader.engine, [s.id for s in summaries])
@@ -109,6 +117,7 @@ async def read(
                 metadata=meta,
                 factors=known[1],
                 policies=frozenset(versions.get(s.id, ())),
+                labels=frozenset(labelled.get(s.id, ())) if labels else None,
                 integrity=_verdict(verdict[s.id], s.outcome),
             )
         )

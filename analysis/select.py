@@ -3,8 +3,9 @@
 A selector is ``KEY=VALUE`` terms joined by commas; an episode matches when every term
 holds. Keys: ``harness`` (the harness name), ``task``, ``group``, ``outcome``,
 ``policy`` (a policy version one of its calls ran under), ``overlay`` (the episode's
-metadata key ``overlay``, set by a model-boundary overlay), ``config.NAME`` (a factor
-of the harness config) and ``meta.NAME`` (a metadata key). Values compare as text, with
+metadata key ``overlay``, set by a model-boundary overlay), ``label`` (a label a person
+gave the episode, one of its calls or a token span: storage.annotations), ``config.NAME``
+(a factor of the harness config) and ``meta.NAME`` (a metadata key). Values compare as text, with
 numbers, booleans and null in their JSON spelling (``config.retries=3``); a key an
 episode lacks reads as null (``overlay=null``: the episodes run without an overlay).
 """
@@ -25,7 +26,8 @@ _FIELDS: dict[str, Callable[[Episode], str | None]] = {
     "outcome": lambda e: e.summary.outcome,
     "overlay": lambda e: level(e.metadata.get("overlay")),
 }
-KEYS = (*_FIELDS, "policy", "config.NAME", "meta.NAME")
+KEYS = (*_FIELDS, "policy", "label", "config.NAME", "meta.NAME")
+_SETS = ("policy", "label")  # keys an episode has several values of
 
 
 class Selector(msgspec.Struct, frozen=True):
@@ -51,7 +53,7 @@ def parse_selector(text: str) -> Selector:
             )
         known = (
             key in _FIELDS
-            or key == "policy"
+            or key in _SETS
             or (key.partition(".")[0] in ("config", "meta") and key.partition(".")[2])
         )
         if not known:
@@ -64,7 +66,8 @@ def parse_selector(text: str) -> Selector:
 
 
 def value_of(episode: Episode, key: str) -> str | None:
-    """The episode's value for a selector key (not ``policy``: an episode has several)."""
+    """The episode's value for a selector key (not ``policy`` or ``label``: an episode
+    has several)."""
     if key in _FIELDS:
         return _FIELDS[key](episode)
     scope, _, name = key.partition(".")
@@ -74,16 +77,20 @@ def value_of(episode: Episode, key: str) -> str | None:
 
 
 def check_key(key: str, what: str) -> None:
-    if key == "policy" or not (
+    if key in _SETS or not (
         key in _FIELDS or (key.partition(".")[0] in ("config", "meta") and key.partition(".")[2])
     ):
-        keys = ", ".join(k for k in KEYS if k != "policy")
+        keys = ", ".join(k for k in KEYS if k not in _SETS)
         raise AnalysisError(f"{what} {key!r} is not one of {keys}")
 
 
 def _value_matches(episode: Episode, key: str, value: str) -> bool:
     if key == "policy":
         return value in episode.policies
+    if key == "label":  # `label=null`: the episodes nobody labelled
+        if episode.labels is None:  # never a silent "no label": the caller forgot to read them
+            raise AnalysisError("a label= selector needs the episodes read with their labels")
+        return value in episode.labels or (value == "null" and not episode.labels)
     actual = value_of(episode, key)
     # A key the episode lacks reads as JSON null: `overlay=null` picks the plain runs.
     return actual == value or (actual is None and value == "null")

@@ -3,6 +3,8 @@
     python bench/agentic.py                      # 8 sessions x 30 turns x 2000 + 400 tokens
     python bench/agentic.py --rounds 3 --arms direct pg pg-workers --workers 2
     python bench/agentic.py --sessions 2 --turns 3 --tool 50 --out 20 --rounds 1   # smoke
+    python bench/agentic.py --rounds 1 --arms direct relay sqlite pg --paced 0.005
+                                                 # and again with a paced engine: every row
 
 Sessions of ``turns`` turns each add a ``tool``-token tool result and stream ``out`` tokens
 with logprobs and token ids from a vLLM-shaped engine (bench/agentic_engine.py, its own
@@ -20,7 +22,10 @@ proxy CPU per turn by context bucket (one session alone), added TTFT by bucket (
 concurrent), database bytes per unique token and stored token ids per unique token (the
 database read after the arm), proxy RSS growth per million context tokens in flight;
 and the checks: every call the load generator made is in the database with its tokens,
-and the client got byte-for-byte what direct gets.
+and the client got byte-for-byte what direct gets. Each proxy's idle CPU is read for
+``--idle-seconds`` after its warm-up. With ``--paced S`` the arms run again against an
+engine paced at S seconds a token, and the figures of both runs are printed beside the
+relay's, one row per target (bench/agentic_targets.py).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from agentic_load import cpu_ns
 from agentic_report import ArmRun, print_report
 from agentic_shape import Session, Sizes
 from agentic_store import database_figures, empty_database, stored_ids_match
+from agentic_targets import print_targets
+from idle_cpu import idle_ms_per_s
 from proxy_bench import free_port, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +108,7 @@ def drain(origin: str, expected: int, timeout: float = 120.0) -> None:
 
 
 def run_arm(args: argparse.Namespace, arm: str, engine_origin: str, engine_pid: int,
-            work: Path, n: int) -> ArmRun:
+            work: Path, n: str) -> ArmRun:
     sessions = list(range(args.sessions))
     single, warm = args.sessions, args.sessions + 1
     proc, db, origin = None, None, engine_origin
@@ -125,11 +132,16 @@ def run_arm(args: argparse.Namespace, arm: str, engine_origin: str, engine_pid: 
         pids = [proc.pid] if proc is not None else []
         prefix = "agentic" if db is not None else ""
         load(args, origin, [warm], "single", [], prefix, turns=min(2, args.turns))
+        idle = None
+        if pids and args.idle_seconds > 0:
+            time.sleep(1.0)  # the warm-up's writes settle
+            idle = idle_ms_per_s(pids, args.idle_seconds)
         alone = load(args, origin, [single], "single", pids, prefix)
         engine0 = cpu_ns([engine_pid])
         together = load(args, origin, sessions, "concurrent", pids, prefix)
         together["engine_cpu"] = (cpu_ns([engine_pid]) - engine0) / 1e9
         run = ArmRun(arm, alone, together)
+        run.extra["idle_ms_s"] = idle
         if db is not None:
             calls = (args.sessions + 1) * args.turns + min(2, args.turns)
             drain(origin, calls)
@@ -162,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine's seconds between a stream's events (0: as fast as "
                              "it can, so the run is CPU-bound; e.g. 0.02 paces it like a "
                              "50 tokens/s engine, below saturation)")
+    parser.add_argument("--paced", type=float, default=None, metavar="SECONDS",
+                        help="then run the arms again against an engine paced at this many "
+                             "seconds a token (e.g. 0.005), and print both runs' rows beside "
+                             "the relay's")
+    parser.add_argument("--idle-seconds", type=float, default=4.0,
+                        help="each proxy's idle CPU is read this long after its warm-up")
     parser.add_argument("--rounds", type=int, default=2,
                         help="each arm runs once a round, the order rotating")
     parser.add_argument("--arms", nargs="+", choices=ARMS,
@@ -177,14 +195,33 @@ def main(argv: list[str] | None = None) -> int:
         args.arms.insert(0, "direct")
 
     work = Path(tempfile.mkdtemp(prefix="tracetap-agentic-"))
+    load0 = os.getloadavg()
+    runs = replay(args, work, args.token_delay)
+    figures = print_report(runs, args, load0, os.getloadavg())
+    paced = None
+    if args.paced:
+        print(f"\npaced: the engine sends a token every {args.paced * 1e3:g} ms")
+        load0 = os.getloadavg()
+        paced = print_report(replay(args, work, args.paced), args, load0, os.getloadavg())
+        figures["paced"] = paced
+        figures["checks_pass"] &= paced["checks_pass"]
+    figures["targets"] = print_targets(figures, paced, args.paced)
+    if args.keep_logs:
+        print(f"logs in {work}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0 if figures["checks_pass"] else 1
+
+
+def replay(args: argparse.Namespace, work: Path, token_delay: float) -> list[ArmRun]:
+    """Every round of every arm against one engine paced at ``token_delay``."""
     port = free_port()
     engine_origin = f"http://127.0.0.1:{port}"
-    log = work / "engine.log"
-    load0 = os.getloadavg()
+    log = work / f"engine-{token_delay:g}.log"
     engine = spawn([str(BENCH / "agentic_engine.py"), "--port", str(port),
                     "--sessions", str(args.sessions + 2), "--turns", str(args.turns),
                     "--tool", str(args.tool), "--out", str(args.out),
-                    "--system", str(args.system), "--token-delay", str(args.token_delay)],
+                    "--system", str(args.system), "--token-delay", str(token_delay)],
                    log)
     runs: list[ArmRun] = []
     try:
@@ -193,16 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             order = args.arms[r % len(args.arms):] + args.arms[: r % len(args.arms)]
             print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
             for arm in order:
-                runs.append(run_arm(args, arm, engine_origin, engine.pid, work, r))
+                runs.append(run_arm(args, arm, engine_origin, engine.pid, work,
+                                    f"{token_delay:g}-{r}"))
                 runs[-1].round = r
     finally:
         stop(engine)
-        if args.keep_logs:
-            print(f"logs in {work}")
-    figures = print_report(runs, args, load0, os.getloadavg())
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
-    return 0 if figures["checks_pass"] else 1
+    return runs
 
 
 if __name__ == "__main__":

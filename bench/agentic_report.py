@@ -108,6 +108,8 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
                                     for b in alone if b in direct_alone}
             fig["ttft_ms_concurrent"] = {b: (together[b] - direct_together[b]) * 1e3
                                          for b in together if b in direct_together}
+            idle = [r.extra["idle_ms_s"] for r in rs if r.extra.get("idle_ms_s") is not None]
+            fig["idle_ms_s"] = median(idle) if idle else None
             rss = [v for v in map(_rss_per_million, rs) if v is not None]
             fig["rss_mib_per_mtok"] = median(rss) if rss else None
             stores = [r for r in rs if r.store]
@@ -145,6 +147,8 @@ def print_report(runs: list[ArmRun], args: argparse.Namespace, load0: tuple,
     line("proxy CPU ms/turn (concurrent)", [_fmt(f[a].get("cpu_ms_concurrent")) for a in arms])
     line("proxy RSS MiB per M tokens in flight", [_fmt(f[a].get("rss_mib_per_mtok"), digits=0)
                                                   for a in arms])
+    line("idle CPU ms per s (0.1% of a core)", [_fmt(f[a].get("idle_ms_s"), digits=2)
+                                               for a in arms])
     line("DB bytes per unique token", [_fmt(f[a].get("bytes_per_unique_token")) for a in arms])
     line("stored ids / unique tokens", [_fmt(f[a].get("stored_ids_per_unique_token"), digits=2)
                                         for a in arms])

@@ -195,6 +195,7 @@ class Report:
     rss_warm: float = 0.0
     rss_after: float = 0.0
     identical: bool | None = None
+    idle_ms_s: float | None = None  # CPU ms per second while serving nothing
 
 
 async def interleaved(session: aiohttp.ClientSession, targets: list[Target],

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
+from idle_cpu import idle_all
 from loadgen import Report, Target, drain, interleaved, saturate, warm_up
 from pgtemp import create_database, drop_database
 from report import print_report
@@ -99,6 +100,12 @@ async def bench(targets: list[Target], upstream: Target, args: argparse.Namespac
             if t.metrics:
                 await drain(session, t, reports[t.name].sent)
                 reports[t.name].rss_warm = t.rss_mib()
+        if args.idle_seconds > 0:  # every proxy at once, none of them serving
+            await asyncio.sleep(1.0)  # the warm-up's writes settle
+            pids = {t.name: [t.process.pid] for t in targets if t.name != "direct"}
+            for name, idle in (await asyncio.to_thread(idle_all, pids,
+                                                       args.idle_seconds)).items():
+                reports[name].idle_ms_s = idle
         for r in range(args.rounds):
             order = targets[r % len(targets):] + targets[: r % len(targets)]
             print(f"round {r + 1}/{args.rounds}: {', '.join(t.name for t in order)}",
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=300,
                         help="requests of each c=1 run, per target and round (streams: half)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--idle-seconds", type=float, default=4.0,
+                        help="each proxy's idle CPU is read this long after the warm-up")
     parser.add_argument("--client", choices=("plain", "rl"), default="plain",
                         help="plain: a black-box harness asking for nothing (tracetap injects "
                              "and strips logprobs, token ids, usage); rl: the client asks for "

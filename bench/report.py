@@ -115,3 +115,28 @@ def print_report(targets: list[Target], reports: dict[str, Report], finals: dict
     print()
     for name, what, ok, shown in verdicts:
         print(f"  [{'PASS' if ok else 'MISS'}] {name:16} {what:34} {shown}")
+    print_beside_relay(targets, figures, reports)
+
+
+def print_beside_relay(targets: list[Target], figures: dict, reports: dict[str, Report]) -> None:
+    """The non-streamed and idle rows of the capture-cost targets (docs/scaling.md):
+    each tracetap variant beside the bare relay of the same run."""
+    direct, relay = figures["direct"], figures["relay"]
+    relay_added = relay["c1p50"] - direct["c1p50"]
+    relay_idle = reports["relay"].idle_ms_s
+    print("\nbeside the bare relay (same run; the streamed rows are bench/agentic.py's)")
+    print(f"{'':<44}{'target':>20}{'tracetap':>12}{'relay':>10}{'ratio':>8}  goal")
+    for t in targets:
+        if not t.metrics:
+            continue
+        f, idle = figures[t.name], reports[t.name].idle_ms_s
+        added = f["c1p50"] - direct["c1p50"]
+        for label, mine, base, ratio, goal in (
+                ("non-streamed c=1, added p50 ms", f"{added:+.3f}", f"{relay_added:+.3f}",
+                 f"{added - relay_added:+.3f}", "<= relay + 0.3 ms"),
+                ("non-streamed calls/s, c=32", f"{f['rps']:.0f}", f"{relay['rps']:.0f}",
+                 f"{f['rps'] / relay['rps']:.2f}x", ">= 0.7x relay"),
+                ("idle CPU ms per s (1 = 0.1% of a core)",
+                 "-" if idle is None else f"{idle:.2f}",
+                 "-" if relay_idle is None else f"{relay_idle:.2f}", "", "<= 2 ms/s")):
+            print(f"{label:<44}{t.name:>20}{mine:>12}{base:>10}{ratio:>8}  {goal}")

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tracetap.demo import continuation, engine_info, experts, messages, responses, sending
+from tracetap.demo import continuation, engine_info, experts, messages, responses, sending, sglang
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine_common import (
     ABORTS,
@@ -180,6 +180,8 @@ def _shape(
     if top_k is not None and not 0 <= top_k <= TOP_LOGPROBS_MAX:
         raise ApiError(400, f"{param} must be between 0 and {TOP_LOGPROBS_MAX}", param)
     rid = prefix + uuid.uuid4().hex
+    if config.flavor == "sglang":  # its reply's id is the request's rid (its own, else new)
+        rid = req.rid or uuid.uuid4().hex
     return Shape(config.flavor, req, req.model or config.model, rid, int(time.time()), top_k)
 
 
@@ -212,6 +214,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     turn = ChatTurn(req.messages, req.tools, req.tool_choice)
     prompt_ids, completions = _complete(request, req, turn, sampling, req.n or 1)
     routed = experts.wanted(config, req)
+    if config.flavor == "sglang":
+        return await sglang.send_chat(request, req, shape, prompt_ids, completions)
     if req.stream:
         chunks = chat_chunks(shape, prompt_ids, completions)
         chunks = experts.chunks(chunks) if routed else chunks
@@ -256,6 +260,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     results = [(p, generate_text(p, j, sampling)) for p in batch for j in range(req.n or 1)]
     prompt_tokens = sum(len(p) for p in batch)
     routed = experts.wanted(config, req)
+    if config.flavor == "sglang":
+        return await sglang.send_completion(request, req, shape, results, prompt_tokens)
     if req.stream:
         chunks = completion_chunks(shape, results, prompt_tokens)
         chunks = experts.chunks(chunks) if routed else chunks
@@ -320,6 +326,8 @@ def make_engine_app(config: EngineConfig | None = None) -> web.Application:
         app.router.add_get("/version", engine_info.version)
         app.router.add_post("/tokenize", engine_info.tokenize)
         app.router.add_post("/detokenize", engine_info.detokenize)
+    if config.flavor == "sglang":
+        sglang.add_routes(app)
     if config.flavor in LLAMA_SERVER:
         app.router.add_post("/tokenize", engine_info.llama_tokenize)
         app.router.add_post("/detokenize", engine_info.llama_detokenize)

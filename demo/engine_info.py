@@ -43,6 +43,9 @@ async def _object(request: web.Request) -> dict[str, Any]:
         raise ApiError(400, f"Invalid JSON body: {exc}") from None
 
 
+object_body = _object  # the sglang flavor's endpoints read bodies the same way
+
+
 def _tokens(body: dict[str, Any]) -> list[int]:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):

@@ -14,8 +14,9 @@ from tracetap.demo import tokenizer as tok
 from tracetap.demo.generate import Completion, Event, logprob_rows
 
 # "llamacpp" is the older name of "llama-server" (llama.cpp's C++ server).
-Flavor = Literal["vllm", "openai", "llama-server", "llamacpp", "llama-cpp-python"]
-FLAVORS: tuple[Flavor, ...] = ("vllm", "openai", "llama-server", "llamacpp", "llama-cpp-python")
+Flavor = Literal["vllm", "sglang", "openai", "llama-server", "llamacpp", "llama-cpp-python"]
+FLAVORS: tuple[Flavor, ...] = ("vllm", "sglang", "openai", "llama-server", "llamacpp",
+                               "llama-cpp-python")
 LLAMA_SERVER = frozenset({"llama-server", "llamacpp"})
 
 
@@ -31,6 +32,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     return_routed_experts: bool | None = None  # SGLang's switch (demo/experts.py)
+    # SGLang's (demo/sglang.py): its request id, and its chat ids in ``sglext``
+    rid: str | None = None
+    return_input_ids_in_sglext: bool | None = None
+    return_output_ids_in_sglext: bool | None = None
     mock_delay_s: float = 0.0
     mock_chunk_delay_s: float | None = None
     mock_fail_after_chunks: int | None = None
@@ -77,6 +82,10 @@ OPENAI_FIELDS: dict[type[EngineRequest], frozenset[str]] = {
 
 def error_body(flavor: Flavor, status: int, message: str, param: str | None = None) -> dict:
     """The one error shape: vLLM names the type after the status, OpenAI by category."""
+    if flavor == "sglang":  # SGLang 0.5.23 serving_base.py: the error object itself
+        kind = "BadRequest" if status == 400 else "InternalServerError" if status >= 500 else ""
+        return {"object": "error", "message": message, "type": kind, "param": param,
+                "code": status}
     if flavor == "vllm":
         try:
             kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")

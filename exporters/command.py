@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if summary.held:
         print(f"held for a later run: {summary.held} episodes whose calls are not all "
               "stored yet (a replica's journal; `tracetap db replicas`)", file=sys.stderr)
+    if summary.annotations:
+        print(f"annotations/: {summary.annotations} annotations (every one, rewritten each run)")
     if args.metrics_file:
         write_metrics(args.metrics_file, summary.splits)
     if summary.left_out:

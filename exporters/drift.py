@@ -30,7 +30,7 @@ def explain(row: Trajectory, calls: Mapping[str, Bodies]) -> None:
     """Fill ``row``'s drift cause, message index and text excerpts (it has a position)."""
     if row.drift_call_id is None or row.drift_cause is not None:
         return
-    new, old = calls.get(row.call_ids[0]), calls.get(row.drift_call_id)
+    new, old = calls.get(row.split_call_id or row.call_ids[0]), calls.get(row.drift_call_id)
     if new is None or old is None:
         row.drift_cause = "unknown"
         return
@@ -39,16 +39,9 @@ def explain(row: Trajectory, calls: Mapping[str, Bodies]) -> None:
     if request is None or earlier is None or response is None:
         row.drift_cause = "unknown"
         return
-    if isinstance(request.get("messages"), list) and isinstance(earlier.get("messages"), list):
-        reply = reply_message(response, row.drift_choice_index or 0)
-        if reply is None:
-            row.drift_cause = "unknown"
-            return
-        expected, resent = [*earlier["messages"], reply], request["messages"]
-        cause, index = history_cause(expected, resent, len(earlier["messages"]))
-        row.drift_cause, row.drift_message_index = cause, index
-        row.drift_expected_text, row.drift_received_text = diff_excerpts(
-            excerpt(_at(expected, index)), excerpt(_at(resent, index)))
+    messages, earlier_messages = chat_messages(request), chat_messages(earlier)
+    if messages is not None and earlier_messages is not None:
+        _explain_messages(row, messages, earlier_messages, response)
     elif isinstance(request.get("prompt"), str) and isinstance(earlier.get("prompt"), str):
         text = _completion_text(response, row.drift_choice_index or 0)
         context, prompt = earlier["prompt"] + (text or ""), request["prompt"]
@@ -56,6 +49,75 @@ def explain(row: Trajectory, calls: Mapping[str, Bodies]) -> None:
         row.drift_expected_text, row.drift_received_text = diff_excerpts(context, prompt)
     else:
         row.drift_cause = "unknown"
+
+
+def _explain_messages(row: Trajectory, resent: Sequence[Mapping[str, Any]],
+                      earlier: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> None:
+    reply = reply_message(response, row.drift_choice_index or 0)
+    if reply is None:
+        row.drift_cause = "unknown"
+        return
+    expected = [*earlier, reply]
+    cause, index = history_cause(expected, resent, len(earlier))
+    if cause == "template_drift" and _stop_string(response, row.drift_choice_index or 0):
+        cause = "stop_string_cut"
+    row.drift_cause, row.drift_message_index = cause, index
+    row.drift_expected_text, row.drift_received_text = diff_excerpts(
+        excerpt(_at(expected, index)), excerpt(_at(resent, index)))
+
+
+def chat_messages(request: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """A chat request's messages; a Responses request's ``instructions`` and ``input`` as
+    the same messages (an assistant's text and its ``function_call`` items one message, as
+    ``reply_message`` reads a reply); None for anything else."""
+    if isinstance(request.get("messages"), list):
+        return request["messages"]
+    items = request.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        return None
+    instructions = request.get("instructions")
+    messages: list[dict[str, Any]] = []
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        if isinstance(item, Mapping):
+            _add_item(messages, item)
+    return messages
+
+
+def _add_item(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> None:
+    kind = item.get("type", "message")
+    last = messages[-1] if messages else None
+    if kind == "function_call":
+        if last is None or last.get("role") != "assistant":
+            last = {"role": "assistant", "content": None}
+            messages.append(last)
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+        last["tool_calls"] = [*last.get("tool_calls", ()), call]
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": item.get("output")})
+    elif kind == "message":
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping)
+                              and p.get("type") in ("input_text", "output_text", "text"))
+        messages.append({"role": item.get("role"), "content": content or None})
+    elif kind != "reasoning":  # a reply's reasoning items are not read back either
+        messages.append({"role": kind, "content": dict(item)})
+
+
+def _stop_string(response: Mapping[str, Any], index: int) -> bool:
+    """Whether the reply ended on a ``stop`` string (vLLM's ``stop_reason``, SGLang's
+    ``matched_stop``): its token is in the completion ids but not in the text."""
+    for choice in response.get("choices") or ():
+        if isinstance(choice, Mapping) and choice.get("index", 0) == index:
+            matched = choice.get("stop_reason", choice.get("matched_stop"))
+            return isinstance(matched, str) and choice.get("finish_reason") == "stop"
+    return False
 
 
 def reply_message(response: Mapping[str, Any], index: int) -> dict[str, Any] | None:

@@ -26,8 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def report(rows: list[dict]) -> dict:
-    """Splits of "non_prefix" rows (their drift) by cause, by harness and by episode."""
-    splits = [r for r in rows if r["split_reason"] == "non_prefix"]
+    """Splits with a drift ("non_prefix" and "branch" rows) by cause, by harness and by
+    episode."""
+    splits = [r for r in rows if r["drift_cause"] is not None]
     by_harness: dict[str, Counter] = defaultdict(Counter)
     episodes: dict[str, dict] = {}
     for r in splits:
@@ -47,7 +48,7 @@ def report(rows: list[dict]) -> dict:
         "trajectories": len(rows),
         "splits": len(splits),
         "other_rows": dict(Counter(r["split_reason"] or "main" for r in rows
-                                   if r["split_reason"] != "non_prefix")),
+                                   if r["drift_cause"] is None)),
         "by_cause": dict(Counter(r["drift_cause"] for r in splits).most_common()),
         "by_harness": {h: dict(c.most_common()) for h, c in sorted(by_harness.items())},
         "episodes": list(episodes.values()),

@@ -40,6 +40,7 @@ CAUSES = (
     "history_compacted",       # fewer earlier messages: summarised or truncated
     "history_edited",          # an earlier non-assistant message changed
     "system_changed",          # the system message changed (or a new conversation)
+    "stop_string_cut",         # the messages agree; the reply ended on a stop string
     "template_drift",          # the messages agree; the engine's tokens do not
     "no_earlier_turn",         # no earlier call had finished when this one started
     "unknown",                 # no messages to compare (bodies missing, not chat)

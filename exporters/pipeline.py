@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from tracetap import __version__
 from tracetap.exporters.annotate import PageNotes, adopt, page_notes, without_infra
+from tracetap.exporters.annotations import export_annotations
 from tracetap.exporters.compaction import bodies_of, segments
 from tracetap.exporters.drift import explain
 from tracetap.exporters.images import IMAGES, ImageSink, trajectory_images
@@ -91,6 +92,7 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     excluded_infra: int = 0
     # Episodes left for a later run: calls not all stored yet (exporters/settled.py).
     held: int = 0
+    annotations: int = 0  # rows of the annotations/ snapshot written (exporters.annotations)
 
     @property
     def tokens(self) -> int:
@@ -153,6 +155,7 @@ async def export_async(
             summary = await ExportRun(reader, location, selection, incremental=incremental,
                                       overwrite=overwrite, progress=progress,
                                       started=started, clock=clock).run()
+            summary.annotations = await export_annotations(reader, location)
     except ScanError as exc:
         raise ExportError(str(exc)) from exc
     summary.not_found, summary.not_finished = missing
@@ -329,7 +332,8 @@ class ExportRun:
             calls = {c.call_id: c for e, _ in drifted for c in e.calls}
             if not self.reader.with_bodies:
                 calls = await self.reader.bodies(sorted({
-                    i for _, t in drifted for i in (t.call_ids[0], t.drift_call_id)}))
+                    i for _, t in drifted
+                    for i in (t.split_call_id or t.call_ids[0], t.drift_call_id)}))
             for _, t in drifted:
                 explain(t, calls)
         for _, t in rows:

@@ -30,7 +30,8 @@ it leaves it (the top of its trainable part):
                   never trained as part of the trajectory the harness went on with
 Calls that did not succeed (status != "ok" or HTTP status != 200) are left out.
 
-A "non_prefix" row also says where its prompt left the context it was expected to extend:
+A "non_prefix" or "branch" row also says where its prompt left the context it was expected
+to extend (a branch: a later sibling's, such as a turn whose stop string was cut):
 the earlier finished (call, choice) whose prompt + completion shares the longest prefix with
 it (ties: the most recent). ``drift_position`` is the first token that differs,
 ``drift_expected_token`` the earlier context's token there (None: it had ended),
@@ -89,7 +90,9 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):  # data only: no cycle
     policy_versions: list[str | None]
     split_reason: str | None
     finish_reason: str | None
-    # Where a "non_prefix" row's prompt left the expected context (module doc).
+    # Where a "non_prefix" or "branch" row's prompt left the expected context (module doc):
+    # the call whose prompt left it (not exported: the top of the row's trained part).
+    split_call_id: str | None = None
     drift_call_id: str | None = None
     drift_choice_index: int | None = None
     drift_position: int | None = None
@@ -242,7 +245,7 @@ def _tree_rows(nodes: list[_Node]) -> list[Trajectory]:
             top -= 1
         reason = _reason(path[top], roots[0], first_of_call, nodes)
         row = _row(path, top, reason)
-        if reason == "non_prefix":
+        if reason in ("non_prefix", "branch"):  # a branch left a sibling's context
             _diverged(row, path[top], nodes)
         rows.append(row)
     return rows
@@ -261,6 +264,7 @@ def _diverged(row: Trajectory, root: _Node, nodes: list[_Node]) -> None:
         shared = _shared_prefix(prompt, node.prompt, node.completion)
         if shared >= best_len:
             best, best_len = node, shared
+    row.split_call_id = call.call_id
     if best is None:
         row.drift_cause = "no_earlier_turn"
         return

@@ -293,7 +293,8 @@ async def chart_sample(engine: AsyncEngine, query: EpisodeQuery, limit: int) -> 
     for c in calls:
         counts = per_episode[c.episode_id]
         counts[0] += 1
-        counts[1] += (c.prompt_tokens or 0) + (c.completion_tokens or 0)
+        # The trajectory's length (context_tokens), not usage summed over the calls.
+        counts[1] = max(counts[1], (c.prompt_tokens or 0) + (c.completion_tokens or 0))
         if c.t_end is not None:
             ttft = None if c.t_first_byte is None else c.t_first_byte - c.t_start
             latencies.append((c.t_start, c.t_end - c.t_start, ttft))

@@ -11,6 +11,7 @@ import time
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.engine import one_statement
 from tracetap.storage.notify import CONTROLS, send
 from tracetap.storage.rows import dialect_insert
 from tracetap.storage.tables import Control
@@ -44,13 +45,13 @@ async def beat(engine: AsyncEngine, instance: str, value: str) -> None:
     statement = insert.values(name=HEARTBEAT + instance, value=value, serial=1, updated_at=now)
     statement = statement.on_conflict_do_update(index_elements=[Control.name],
                                                 set_={"value": value, "updated_at": now})
-    async with engine.begin() as conn:
+    async with one_statement(engine) as conn:
         await conn.execute(statement)
 
 
 async def read(engine: AsyncEngine, names: tuple[str, ...]) -> dict[str, tuple[str | None, int]]:
     """``{name: (value, serial)}`` of the controls that were ever set."""
-    async with engine.connect() as conn:
+    async with one_statement(engine) as conn:
         rows = await conn.execute(
             select(Control.name, Control.value, Control.serial).where(Control.name.in_(names))
         )
@@ -59,7 +60,7 @@ async def read(engine: AsyncEngine, names: tuple[str, ...]) -> dict[str, tuple[s
 
 async def peers(engine: AsyncEngine, since: float, besides: str) -> list[str | None]:
     """Heartbeat values of the other processes that reported after ``since``."""
-    async with engine.connect() as conn:
+    async with one_statement(engine) as conn:
         rows = await conn.execute(
             select(Control.value).where(
                 Control.name.startswith(HEARTBEAT),

@@ -1,6 +1,7 @@
 """One episode and one call as the trace viewer shows them: summaries of an episode's
 calls, a call with its bodies, the conversation and top logprobs of a trajectory's calls.
-Token arrays are only counted here; their contents come from storage.scan.
+Token arrays are only counted here; their contents come from storage.scan. Bodies and
+texts come with their credentials hidden (storage.credentials): these are what it shows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.blocks import refs_length
+from tracetap.storage.credentials import mask_body, mask_text, mask_value
 from tracetap.storage.inflate import TEXT, resolve
 from tracetap.storage.tables import Call, Choice, Episode
 
@@ -114,9 +116,11 @@ async def episode_info(engine: AsyncEngine, episode_id: str) -> EpisodeInfo | No
     m = e._mapping
     return EpisodeInfo(
         id=e.id, group_id=e.group_id, task_id=e.task_id, harness_name=e.harness_name,
-        harness_config=_loads(e.harness_config), metadata=_loads(m["metadata"]),
+        harness_config=mask_value(_loads(e.harness_config))[0],
+        metadata=mask_value(_loads(m["metadata"]))[0],
         registered=bool(e.registered), created_at=e.created_at, finished_at=e.finished_at,
-        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome, info=_loads(e.info),
+        reward=e.reward, rewards=_loads(e.rewards), outcome=e.outcome,
+        info=mask_value(_loads(e.info))[0],
         calls=[_summary(c) for c in calls])
 
 
@@ -144,11 +148,12 @@ async def stored_call(engine: AsyncEngine, call_id: str) -> StoredCall | None:
         texts = await resolve(conn, [(c.text, c.text_refs) for c in choices], [(0, 1, TEXT)], 1)
     return StoredCall(
         summary=_summary(row), episode_id=row.episode_id, instance=row.instance,
-        request=request, response=response,
+        request=mask_body(request), response=mask_body(response),
         prompt_ids=_count(row.prompt_bytes, 4, row.prompt_refs), stored_at=row.stored_at,
         translation_dropped=_loads(row.translation_dropped),
         choices=[StoredChoice(
-            index=c.choice_index, finish_reason=c.finish_reason, text=text,
+            index=c.choice_index, finish_reason=c.finish_reason,
+            text=text if text is None else mask_text(text),
             completion_tokens=_count(c.ids_bytes, 4, c.completion_ids_refs),
             logprobs=_count(c.lp_bytes, 8, c.completion_logprobs_refs),
             token_source=c.token_source, top_logprobs=_loads(c.top_logprobs))
@@ -173,7 +178,7 @@ async def call_bodies(engine: AsyncEngine, call_ids: list[str]) -> dict[str, tup
                    Call.request_refs, Call.response_refs)
             .where(Call.call_id.in_(call_ids)))).all()
         rows = await resolve(conn, rows, [(2, 4, TEXT), (3, 5, TEXT)], 4)
-    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+    return {r[0]: (r[1], mask_body(r[2]), mask_body(r[3])) for r in rows}
 async def top_logprobs(engine: AsyncEngine, call_ids: list[str]) -> dict[tuple[str, int], list]:
     """Per-token alternatives of these calls' choices, where the client asked for them."""
     if not call_ids:

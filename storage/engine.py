@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 # "postgres://" is what Heroku-style providers and many .env files give.
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
@@ -47,6 +49,20 @@ def redact_url(url: str) -> str:
 def _masked(text: str) -> str:
     """A URL too broken to parse, echoed with anything like a password masked."""
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", text)
+
+
+@asynccontextmanager
+async def one_statement(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A connection for one statement (a poll's read, a heartbeat's upsert), committed.
+    On Postgres it runs in autocommit: one round trip where a transaction costs three
+    (BEGIN, the statement, COMMIT or ROLLBACK); a single statement is atomic either way.
+    SQLite keeps its transaction (switching aiosqlite's isolation level costs more)."""
+    if engine.dialect.name != "postgresql":
+        async with engine.begin() as conn:
+            yield conn
+        return
+    async with engine.connect() as conn:
+        yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def is_sqlite(url: str) -> bool:

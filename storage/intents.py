@@ -33,7 +33,8 @@ from typing import Protocol
 from sqlalchemy import and_, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracetap.storage.engine import create_engine
+from tracetap.storage.engine import create_engine, one_statement
+from tracetap.storage.held_insert import HeldInsert
 from tracetap.storage.journal import ADOPTED_FILE, REPLICA_FILE
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import dialect_insert, insert_ignoring_duplicates
@@ -51,6 +52,7 @@ _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lea
 _GATHER_SECONDS = 0.05
 _CLEANUP_SECONDS = 5.0  # how often intents whose call row is stored are deleted
 _LOG_EVERY = 1000  # late answers: the first is logged, then one in this many
+_INTENT_COLUMNS = ("call_id", "episode_id", "replica", "incarnation", "admitted_at")
 
 
 class Ending(Protocol):
@@ -119,6 +121,9 @@ class Intents:
         self._renewed = -float("inf")  # monotonic time of the last renewal
         self._started = time.time()
         self._insert = insert_ignoring_duplicates(engine.dialect.name, CallIntent.__table__)
+        # What every call waits for: on Postgres, on a connection kept for it.
+        self._held = HeldInsert(engine, CallIntent.__table__, _INTENT_COLUMNS) \
+            if engine.dialect.name == "postgresql" else None
 
     # -- the request path: no await on the database --------------------------------
     def admit(self, call_id: str, episode_id: str | None) -> None:
@@ -195,6 +200,8 @@ class Intents:
         except Exception as exc:
             log.warning("could not close this replica's lease: %s", exc)
         finally:  # not clean: its journal holds records, the lease waits for its restart
+            if self._held is not None:
+                await self._held.release()
             if self.owns_engine:
                 await self.engine.dispose()
 
@@ -254,12 +261,16 @@ class Intents:
         values = {"incarnation": self.incarnation, "journal": self.journal,
                   "state": state, "heartbeat_at": now}
         dialect = self.engine.dialect.name
-        if batch and not lease:  # one statement, no BEGIN/COMMIT: what a short call waits for
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                await conn.execute(self._insert, list(batch))
+        # Each statement alone, in autocommit (one round trip, where a transaction takes
+        # three): the intents first, then the lease, so a lease never covers intents
+        # that are not stored (a failure between the two leaves the lease behind: late,
+        # never ahead).
+        if batch and self._held is not None:
+            await self._held.run(batch)
+            batch = ()
+        if not batch and not lease:
             return
-        async with self.engine.begin() as conn:
+        async with one_statement(self.engine) as conn:
             if batch:
                 await conn.execute(self._insert, list(batch))
             if lease:
@@ -277,7 +288,7 @@ class Intents:
     async def _cleanup(self) -> None:
         """Delete this replica's intents whose call row is stored."""
         stored = exists().where(Call.call_id == CallIntent.call_id)
-        async with self.engine.begin() as conn:
+        async with one_statement(self.engine) as conn:
             await conn.execute(delete(CallIntent).where(
                 CallIntent.replica == self.replica, stored))
 

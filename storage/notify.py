@@ -9,9 +9,12 @@ listening (``Notices.run``), and a notice wakes the follower of its topic at onc
 followers still read the tables now and then (``Notices.wait``'s slow interval), so a
 notice lost with the listening connection costs seconds, not correctness; while nothing
 listens (the connection is down, or SQLite, which has no notices) they read at their
-fast interval, as before. Listening counts only once a notice of its own came back: behind
-a connection pooler in transaction mode (PgBouncer's default) LISTEN is accepted but no
-notice ever arrives, and the followers keep their fast interval.
+fast interval, as before; on SQLite a fast tick reads the tables only when the database
+file or its WAL changed since the follower last read them (any commit, by any process,
+writes there: an idle process reads them once per slow interval). Listening counts only
+once a notice of its own came back: behind a connection pooler in transaction mode
+(PgBouncer's default) LISTEN is accepted but no notice ever arrives, and the followers
+keep their fast interval.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -34,6 +38,7 @@ RETRY_SECONDS = 2.0  # between attempts to listen again after the connection is 
 CHECK_SECONDS = 60.0  # how often a quiet listening connection is asked whether it is alive
 PROBE_SECONDS = 5.0  # how long a notice of its own may take to come back
 _NOTIFY = text("SELECT pg_notify(:channel, :topic)")
+_UNSEEN = object()  # a follower's first wait: it reads the tables at its first tick
 
 
 async def send(conn: AsyncConnection, topic: str) -> None:
@@ -54,6 +59,8 @@ class Notices:
         self._probe = f"probe:{id(self)}"  # a notice only this process waits for
         self._probe_back = asyncio.Event()  # it came back, or PROBE_SECONDS passed
         self._probe_arrived = False
+        self._files = _sqlite_files(engine)  # what a commit changes, on SQLite
+        self._seen: dict[str, object] = {}  # the files as each topic's follower read
 
     async def wait(self, topic: str, fast: float, slow: float) -> None:
         """Until a notice of ``topic`` arrives, or ``slow`` seconds pass (``fast`` while
@@ -61,14 +68,30 @@ class Notices:
         the caller reads the table wakes its next wait at once."""
         event = self._events[topic]
         if not event.is_set():
-            # The timeout sets the event too (a timer, not wait_for: no task per wait).
-            timer = asyncio.get_running_loop().call_later(slow if self.live else fast,
-                                                          event.set)
-            try:
-                await event.wait()
-            finally:
-                timer.cancel()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + slow
+            while True:
+                # The timeout sets the event too (a timer, not wait_for: no task per wait).
+                timer = loop.call_later(slow if self.live else fast, event.set)
+                try:
+                    await event.wait()
+                finally:
+                    timer.cancel()
+                if (self.live or self._files is None or loop.time() >= deadline
+                        or self._stamp() != self._seen.get(topic, _UNSEEN)):
+                    break
+                event.clear()  # SQLite and nothing committed since the last read
         event.clear()
+        if self._files is not None:
+            self._seen[topic] = self._stamp()
+
+    def _stamp(self) -> tuple | None:
+        """The SQLite files' identity, size and modification time."""
+        try:
+            return tuple((st.st_ino, st.st_size, st.st_mtime_ns)
+                         for st in map(os.stat, self._files))
+        except OSError:
+            return None  # a WAL not there (yet): compared as such
 
     def _wake_all(self) -> None:
         """A change of ``live``: followers read the tables now (what changed while nobody
@@ -147,3 +170,13 @@ class Notices:
             log.warning("change notices do not arrive (LISTEN through a connection pooler "
                         "in transaction mode?); following the shared tables by polling")
         return self._probe_arrived
+
+
+def _sqlite_files(engine: AsyncEngine) -> tuple[str, str] | None:
+    """A SQLite database file and its WAL (None for Postgres or an in-memory database)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    path = engine.url.database
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return path, path + "-wal"

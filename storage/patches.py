@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.engine import one_statement
 from tracetap.storage.rows import dialect_insert
 from tracetap.storage.tables import OverlayPatch
 
@@ -90,7 +91,7 @@ async def listed(engine: AsyncEngine) -> list[dict[str, Any]]:
 
 
 async def any_stored(engine: AsyncEngine) -> bool:
-    async with engine.connect() as conn:
+    async with one_statement(engine) as conn:  # polled until a patch is known
         return (await conn.execute(select(OverlayPatch.name).limit(1))).first() is not None
 
 

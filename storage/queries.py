@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tracetap.storage.budget_ledger import Limits, open_budget
 from tracetap.storage.codec import unpack_ids, unpack_logprobs
 from tracetap.storage.dedup import BODIES
+from tracetap.storage.engine import one_statement
 from tracetap.storage.inflate import IDS, TEXT, resolve
 from tracetap.storage.notify import EPISODES, FINISHED, send
 from tracetap.storage.rows import insert_ignoring_duplicates
@@ -239,7 +240,7 @@ async def registered_since(engine: AsyncEngine, since: float,
 
 async def _since(engine: AsyncEngine, column, since: float,
                  limit: int) -> list[tuple[str, float]]:
-    async with engine.connect() as conn:
+    async with one_statement(engine) as conn:  # polled by every process
         rows = await conn.execute(select(Episode.id, column).where(column >= since)
                                   .order_by(column).limit(limit))
         return [(r[0], r[1]) for r in rows]

@@ -8,10 +8,16 @@ must occur, each in any call of the episode), ``"quoted phrases"`` (all of the p
 words in one call: neither index keeps where a word is, so the words' order and
 adjacency are not checked) and ``-excluded`` words (in none of its calls). Every search
 goes through ``call_text``: a call pruned is found by nothing, whatever postings remain.
+A term given twice counts once, a word twice in a term once, and a search of more than
+MAX_WORDS different words or MAX_TERMS terms is refused (TooManyWords): each term costs a
+read of its postings (a phrase's words are read together, as one), and the viewer runs
+searches on a bounded pool (storage.search_pool).
 
 A snippet is made from the call's text recomputed from what it stored
 (storage.search_recompute), for the first matching call of each episode on the page; it
-marks the phrase where the text holds it as written, else the first of its words.
+marks the phrase where the text holds it as written, else the first of its words. The
+text has its credentials hidden first (storage.credentials), so a snippet never shows one,
+not even when it is what was searched for.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.conversation import Readers
+from tracetap.storage.credentials import mask_text
 from tracetap.storage.search_index import WORD as _WORD
 from tracetap.storage.search_recompute import texts_of
 from tracetap.storage.tables import Call, CallText, Episode
@@ -49,6 +56,12 @@ PG_DOCUMENT = "call_text.doc"
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
+MAX_WORDS = 16  # different words in one search
+MAX_TERMS = 8  # words and phrases, wanted or not: 8 common ones take ~1 s at 50,000 episodes
+
+
+class TooManyWords(ValueError):
+    """A search of more different words than MAX_WORDS; the message says what to do."""
 
 
 class Terms(msgspec.Struct, frozen=True):
@@ -64,25 +77,42 @@ class Terms(msgspec.Struct, frozen=True):
 
 
 def parse_terms(query: str) -> Terms | None:
-    wanted, unwanted = [], []
+    wanted, unwanted, seen, words = [], [], set(), set()
     for m in _TERMS.finditer(query):
         negative, term = (m.group(1), m.group(2)) if m.group(2) is not None \
             else (m.group(3), m.group(4))
-        if not _WORD.search(term or ""):
+        found = tuple(dict.fromkeys(w.lower() for w in _WORD.findall(term or "")))
+        if not found:
             continue  # punctuation alone matches nothing in either index
+        if (negative, found) in seen:
+            continue  # the same term again finds the same episodes
+        seen.add((negative, found))
+        words.update(found)
         (unwanted if negative else wanted).append(term)
+    if len(words) > MAX_WORDS:
+        raise TooManyWords(
+            f"the search has {len(words)} different words; at most {MAX_WORDS} are looked "
+            "up. Keep the rarest (an error's name, a path, an id): a common word narrows "
+            "little and costs the most")
+    if len(wanted) + len(unwanted) > MAX_TERMS:
+        raise TooManyWords(
+            f"the search has {len(wanted) + len(unwanted)} terms; at most {MAX_TERMS} are "
+            "looked up. Quote words that belong together (\"connection reset by peer\" is "
+            "one term) or keep the rarest")
     return Terms(tuple(wanted), tuple(unwanted)) if wanted else None
 
 
 def _pg_query(term: str) -> str:
     """One term as a tsquery literal: all of its words (quoted, so any is a plain word)."""
-    return " & ".join("'" + w + "'" for w in _WORD.findall(term.lower())) or "''"
+    return " & ".join("'" + w + "'" for w in dict.fromkeys(_WORD.findall(term.lower()))) \
+        or "''"
 
 
 def _fts_query(term: str) -> str:
     """One term in FTS5's syntax: all of its words, each quoted (a plain word whatever it
     spells; a quoted string of several tokens is a phrase, which detail=none refuses)."""
-    return "(" + " AND ".join('"' + w + '"' for w in _WORD.findall(term)) + ")"
+    return "(" + " AND ".join('"' + w + '"' for w in dict.fromkeys(
+        _WORD.findall(term.lower()))) + ")"
 
 
 def matching_calls(dialect: str, term: str | list[str]):
@@ -206,7 +236,7 @@ async def snippets(engine: AsyncEngine, terms: Terms, episode_ids: list[str],
     matches = Counter(episode_id for episode_id, _ in rows)
     marks = _marks(terms)
     return {episode_id: Snippet(call_id=call_id, matches=matches[episode_id],
-                                **_around(found.get(call_id, ""), marks))
+                                **_around(mask_text(found.get(call_id, "")), marks))
             for episode_id, call_id in first.items()}
 
 

@@ -36,6 +36,10 @@ class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency: float = 0.0  # seconds: the sum of the calls' t_end - t_start
+    # The longest call's prompt + completion: the trajectory's length (storage.browse's
+    # context_tokens), where prompt_tokens + completion_tokens count a resent history again
+    # at each call.
+    context_tokens: int = 0
 
 
 class CallSummary(msgspec.Struct, kw_only=True, gc=False):
@@ -111,17 +115,21 @@ async def episode_summaries(
                         func.sum(Call.prompt_tokens),
                         func.sum(Call.completion_tokens),
                         func.sum(Call.t_end - Call.t_start),
+                        func.max(func.coalesce(Call.prompt_tokens, 0)
+                                 + func.coalesce(Call.completion_tokens, 0)),
                     )
                     .where(Call.episode_id.in_(select(Episode.id).where(*conditions)))
                     .group_by(Call.episode_id)
                 )
                 by_id = {e.id: e for e in out}
-                for episode_id, calls, prompt, completion, latency in await fetch(conn, totals):
+                for episode_id, calls, prompt, completion, latency, longest in await fetch(
+                        conn, totals):
                     if episode_id in by_id:
                         e = by_id[episode_id]
                         e.calls, e.prompt_tokens = int(calls), int(prompt or 0)
                         e.completion_tokens = int(completion or 0)
                         e.latency = float(latency or 0.0)
+                        e.context_tokens = int(longest or 0)
     return out
 
 

@@ -55,7 +55,7 @@ class Episode(Base):
     outcome: Mapped[str | None] = mapped_column(String(256), index=True)
     info: Mapped[str | None] = mapped_column(Text)  # JSON
     # The episode this one is a sub-agent of (registration field ``parent``, 0010).
-    parent_id: Mapped[str | None] = mapped_column(String(128))
+    parent_id: Mapped[str | None] = mapped_column(String(128), index=True)  # indexed: 0015
     # How many finishes changed its result (0014): 1 for the first; a finish that repeats
     # the stored result changes nothing (docs/export.md, finish_seq).
     finish_seq: Mapped[int | None] = mapped_column(Integer)
@@ -246,6 +246,30 @@ class Replica(Base):
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     settled_at: Mapped[float] = mapped_column(Float)
+
+
+class Annotation(Base):
+    """A person's label, comment or corrected reward (0015, storage.annotations) on an
+    episode, a call (``call_id``) or a token span of one (``choice_index``,
+    ``token_start``..``token_end``, end exclusive). A corrected reward sits beside the
+    episode's own ``reward``, which it never changes."""
+
+    __tablename__ = "annotations"
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), Identity(),
+                                    primary_key=True)
+    episode_id: Mapped[str] = mapped_column(String(128), index=True)
+    call_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    choice_index: Mapped[int | None] = mapped_column(Integer)
+    token_start: Mapped[int | None] = mapped_column(Integer)
+    token_end: Mapped[int | None] = mapped_column(Integer)
+    label: Mapped[str | None] = mapped_column(String(64))
+    comment: Mapped[str | None] = mapped_column(Text)
+    corrected_reward: Mapped[float | None] = mapped_column(Float)
+    author: Mapped[str] = mapped_column(String(128))  # the viewer session, or the API's
+    source: Mapped[str] = mapped_column(String(16))  # viewer or api
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 metadata = Base.metadata

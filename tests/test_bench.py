@@ -34,7 +34,8 @@ def run(script: str, *args: str, timeout: float = 240) -> str:
 
 
 def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postgres):
-    out = run("proxy_bench.py", "--rounds", "1", "--seconds", "0.5", "--requests", "25")
+    out = run("proxy_bench.py", "--rounds", "1", "--seconds", "0.5", "--requests", "25",
+              "--idle-seconds", "0.5")
     for variant in ("tracetap-pg", "tracetap-sqlite"):
         summary = re.search(
             rf"^{variant}: .*\n  records sent (\d+), written (\d+), "
@@ -47,6 +48,11 @@ def test_proxy_bench_relays_byte_identical_replies_and_writes_every_record(postg
         assert int(sent) > 0 and written == sent and dropped == "0" and identical == "True"
         assert re.search(rf"\[PASS\] {variant} +zero errors", out), out
     assert re.search(r"^ +relay +\d+", out, re.MULTILINE), out
+    # The non-streamed and idle rows beside the relay's, for each variant.
+    for row in ("non-streamed c=1, added p50 ms", "non-streamed calls/s, c=32",
+                r"idle CPU ms per s \(1 = 0\.1% of a core\)"):
+        for variant in ("tracetap-pg", "tracetap-sqlite"):
+            assert re.search(rf"^{row} +{variant} +[-+\d.]+ +[-+\d.]+ ", out, re.M), (row, out)
 
 
 def test_export_bench_writes_exactly_the_tokens_it_built(tmp_path):
@@ -170,7 +176,8 @@ def test_agentic_bench_keeps_every_call_and_relays_what_direct_gets(postgres, tm
     # so the cut and the per-episode prefix decoding are what the read-back checks.
     figures = tmp_path / "agentic.json"
     out = run("agentic.py", "--sessions", "2", "--turns", "3", "--tool", "40", "--out", "12",
-              "--system", "700", "--rounds", "1", "--json", str(figures))
+              "--system", "700", "--rounds", "1", "--idle-seconds", "0.5",
+              "--json", str(figures))
     result = json.loads(figures.read_text())
     assert result["checks_pass"], out
     for arm in ("sqlite", "pg"):
@@ -191,6 +198,12 @@ def test_agentic_bench_keeps_every_call_and_relays_what_direct_gets(postgres, tm
     assert relay["pass"] and relay["identical"] == "9/9"
     assert set(relay["cpu_ms_alone"]) == {"<10k"}
     assert "bytes_per_unique_token" not in relay
+    # Each proxy's idle CPU was read; the rows beside the relay's are printed.
+    assert all(result["arms"][a]["idle_ms_s"] >= 0 for a in ("relay", "sqlite", "pg"))
+    assert {row[0] for row in result["targets"]} >= {
+        "throughput kept vs direct, all sessions, unpaced",
+        "idle CPU, ms per s (1 = 0.1% of a core)", "database bytes per unique token"}
+    assert "beside the bare relay" in out, out
 
 
 def test_replicas_bench_measures_every_size_and_the_database_load(postgres):

@@ -24,7 +24,7 @@ STYLES = {
     "smolagents": (h.text_parts, 3, None, None, "content_parts"),
     "dropper": (h.dropped, 2, None, None, "assistant_turn_dropped"),
     "summariser": (h.summarised, 2, None, None, "history_compacted"),
-    "stopper": (h.faithful, 2, None, ["."], "template_drift"),
+    "stopper": (h.faithful, 2, None, ["."], "stop_string_cut"),
 }
 
 
@@ -78,7 +78,7 @@ def test_each_harness_style_splits_with_its_cause_at_the_first_diverging_token(
     assert sub["parent_lineage_id"] == main["lineage_id"] != sub["lineage_id"]
     assert summary.splits == {"tool_args_reserialized": 2, "whitespace_changed": 1,
                               "content_parts": 2, "assistant_turn_dropped": 1,
-                              "history_compacted": 1, "template_drift": 1}
+                              "history_compacted": 1, "stop_string_cut": 1}
 
 
 def test_drift_command_explains_every_split_as_json_and_a_table(mixed_export, capsys):
@@ -103,7 +103,7 @@ def test_export_metrics_file_counts_splits_by_cause(proxy, mixed_export, tmp_pat
                      "--no-progress", "--metrics-file", str(tmp_path / "m.prom")]) == 0
     text = (tmp_path / "m.prom").read_text()
     assert 'tracetap_trajectory_splits_total{cause="content_parts"} 2.0' in text
-    assert 'tracetap_trajectory_splits_total{cause="template_drift"} 1.0' in text
+    assert 'tracetap_trajectory_splits_total{cause="stop_string_cut"} 1.0' in text
 
 
 # ---- the message comparison on its own ---------------------------------------------------

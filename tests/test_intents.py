@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from sqlalchemy import select
+import asyncpg
+import pytest
+from sqlalchemy import select, text
 
 from tracetap.storage.engine import create_engine
 from tracetap.storage.intents import CLOSED, OPEN, Intents, replica_id
@@ -84,6 +86,7 @@ def test_an_adopted_journal_settles_its_replica(db_url, tmp_path):
         old.ready = True
         old.admit("cut-call", "ep")  # a stream cut when its worker went away
         await old.flush()
+        await old.close(clean=False)  # its connection goes with it; its lease stays open
         adopt(orphan, into)
         intents = Intents(engine, replica_id(into), directory=into)
         stones = await intents.previous()
@@ -129,3 +132,33 @@ def test_intents_queued_during_a_flush_are_the_next_batch_at_once(db_url, tmp_pa
 
     waited, late = _run(db_url, work)
     assert late == 0 and waited < 1.0, (waited, late)
+
+
+def test_an_intent_connection_the_database_cut_is_replaced(migrated_postgres):
+    """Intents are written on one connection kept for them (storage/held_insert.py): when
+    the database cuts it, that write fails (the writer's loop retries it) and the next
+    takes a fresh connection; nothing admitted is lost."""
+    async def work(engine):
+        intents = Intents(engine, "held-replica")
+        intents.ready = True
+        intents.admit("first", "ep")
+        await intents.flush()
+        pid = intents._held._driver.get_server_pid()
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        intents.admit("second", "ep")
+        # which error depends on when the cut is seen: a reply, the socket, or the protocol
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError,
+                            asyncpg.InternalClientError, OSError)):
+            await intents.flush()
+        assert not intents.landed("second")
+        await intents.flush()  # a fresh connection
+        assert intents.landed("second")
+        assert intents._held._driver.get_server_pid() != pid
+        async with engine.connect() as conn:
+            stored = (await conn.execute(select(CallIntent.call_id).where(
+                CallIntent.replica == "held-replica"))).scalars().all()
+        await intents.close(clean=False)
+        return sorted(stored)
+
+    assert _run(migrated_postgres, work) == ["first", "second"]

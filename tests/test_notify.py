@@ -1,6 +1,6 @@
 """Change notices (storage/notify.py) on a real Postgres: a notice wakes its topic's
 follower at once; where notices never come back (a pooler in transaction mode), or on
-SQLite, followers keep their fast interval."""
+SQLite, followers keep their fast interval (on SQLite, while something commits)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,39 @@ def test_sqlite_has_no_notices_and_its_followers_poll(tmp_path):
 
     live, waited = asyncio.run(run())
     assert live is False and waited < 1.0
+
+
+def test_sqlite_followers_read_at_the_fast_tick_only_after_a_commit(tmp_path):
+    """An idle SQLite process does not read the tables every fast tick: only once the
+    database changed (a commit by another process: here another engine on the file), or
+    when the slow interval is up."""
+    url = f"sqlite:///{tmp_path / 't.db'}"
+
+    async def run():
+        from sqlalchemy import text
+
+        engine, other = create_engine(url), create_engine(url)
+        async with other.begin() as conn:
+            await conn.execute(text("CREATE TABLE t (x INTEGER)"))
+        notices = Notices(engine)
+        await notices.wait(CONTROLS, 0.02, 30)  # the first tick: read
+        started = time.monotonic()
+        await notices.wait(CONTROLS, 0.02, 0.5)  # nothing committed: the slow interval
+        idle = time.monotonic() - started
+
+        async def commit_soon():
+            await asyncio.sleep(0.2)
+            async with other.begin() as conn:
+                await conn.execute(text("INSERT INTO t VALUES (1)"))
+            return time.monotonic()
+
+        committing = asyncio.create_task(commit_soon())
+        await notices.wait(CONTROLS, 0.02, 30)
+        woke = time.monotonic() - await committing
+        await engine.dispose()
+        await other.dispose()
+        return idle, woke
+
+    idle, woke = asyncio.run(run())
+    assert idle >= 0.45  # no fast tick let it through
+    assert 0 <= woke < 1.0  # the commit's tick did

@@ -366,7 +366,9 @@ def test_ui_bench_stays_runnable(postgres):
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["episodes"] == 300
     pages = figures["results"]
-    assert len(pages) == 15 and all(r["p50"] > 0 for r in pages.values())
+    sizes = {name: pages.pop(name) for name in ("long bytes", "big bytes")}
+    assert len(pages) == 16 and all(r["p50"] > 0 for r in pages.values())
+    assert all(0 < sent < html for sent, html in sizes.values())  # pages go compressed
     assert "episodes pages: worst p95" in done.stdout
 
 

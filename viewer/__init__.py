@@ -1,4 +1,5 @@
-"""The trace viewer: read-only pages over a tracetap database, in the browser.
+"""The trace viewer: pages over a tracetap database, in the browser; read-only but for the
+annotations people make (viewer.annotate).
 
 Served by the proxy at ``/tracetap/ui/`` (an admin route: the admin token opens it) and
 by ``tracetap ui --db URL`` on its own port. Pages are rendered on the server (Jinja2,

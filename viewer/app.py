@@ -15,8 +15,10 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from tracetap.storage import blocks
 from tracetap.storage.conversation import Readers
 from tracetap.storage.scan import ScanError
+from tracetap.storage.search_pool import SearchBounds
 from tracetap.viewer import (
     PREFIX,
     access,
@@ -29,6 +31,7 @@ from tracetap.viewer import (
     variants,
 )
 from tracetap.viewer.access import Access, Verdict
+from tracetap.viewer.annotate import post as post_annotation
 from tracetap.viewer.detokenize import Detokenizer
 from tracetap.viewer.headers import SECURITY_HEADERS
 from tracetap.viewer.keys import (
@@ -59,6 +62,7 @@ class ViewerConfig(msgspec.Struct, kw_only=True, frozen=True):
     poll_interval: float = 0.25  # seconds between the live page's database reads
     data_dir: str | None = None  # where the dead-letter files are (storage.quarantine)
     search_index: bool = True  # False: the proxy indexes no text (--no-search-index)
+    search: SearchBounds = msgspec.field(default_factory=SearchBounds)  # its own small pool
 
 
 def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
@@ -66,7 +70,7 @@ def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
     """The viewer app. ``readers``: each wire API's conversation reader (the proxy's
     ``apis.registry.readers()``). ``mounted``: added under PREFIX by the proxy (routes
     relative to it); otherwise a whole server whose routes carry PREFIX themselves."""
-    app = web.Application(middlewares=[_headers, _errors, _gate])
+    app = web.Application(middlewares=[_compressed, _headers, _errors, _gate])
     app[CONFIG] = config
     app[ACCESS] = gate
     app[TEMPLATES] = Templates()
@@ -91,6 +95,7 @@ def build_viewer(config: ViewerConfig, gate: Access, readers: Readers, *,
     r.add_get(base + "/variants", variants.variants_page)
     r.add_get(base + "/harnesses", variants.harnesses_page)
     r.add_get(base + "/engineer/{group}", engineer.round_page)
+    r.add_post(base + "/annotations", post_annotation)
     r.add_get(base + "/live", live.page)
     r.add_get(base + "/live/events", live.events)
     r.add_get(base + "/login", pages.login_form)
@@ -109,10 +114,14 @@ async def _to_viewer(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application):
     config = app[CONFIG]
-    source = Source(config.database_url)
+    source = Source(config.database_url, config.search)
     detokenizer = Detokenizer(config.detokenize_url, config.engine_api_key)
     await detokenizer.start()
+    # Warmed before the first request, not inside it: the templates compiled, and the
+    # block codec (pyarrow, ~0.3 s to import) that reading a stored body or token array
+    # needs; a fresh `tracetap ui` answered its first page in 0.4-1.4 s without this.
     app[TEMPLATES].warm()
+    await asyncio.to_thread(blocks.codec)
     app[SOURCE] = source
     app[DETOKENIZER] = detokenizer
     try:
@@ -120,6 +129,25 @@ async def _lifecycle(app: web.Application):
     finally:
         await detokenizer.close()
         await source.close()
+
+
+# Only what the server renders is compressed: pages, chart images and JSON. Static files
+# are small and cached; downloads are the stored bodies as they are; the live page's
+# event stream is written as it happens. No page holds a secret an attacker's text could
+# be compressed beside (the session cookie and the admin token are never in a body), so
+# compression side channels (BREACH) have nothing to find.
+_COMPRESSED = ("text/html", "image/svg+xml", "application/json")
+
+
+@web.middleware
+async def _compressed(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    if (isinstance(response, web.Response) and not response.prepared
+            and response.content_type in _COMPRESSED
+            and not request.path.startswith(PREFIX + "/static/")):
+        response.enable_compression()  # gzip or deflate, as Accept-Encoding asks
+        response.headers["Vary"] = "Accept-Encoding"  # a cached chart image is one encoding
+    return response
 
 
 async def _closing(app: web.Application) -> None:

@@ -52,6 +52,11 @@ class Chart(msgspec.Struct, kw_only=True):
     plot_h: int = PLOT_H
 
 
+def left_out(title: str, count: int, why: str) -> str:
+    """A panel's title that says how many episodes it leaves out, when it leaves some."""
+    return f"{title} ({count:,} {why} left out)" if count else title
+
+
 def histogram(title: str, values: Sequence[float], unit: str = "", bins: int = 12,
               integers: bool = False) -> Chart:
     if not values:

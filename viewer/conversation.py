@@ -98,7 +98,9 @@ def _part_text(part: Part) -> str:
     if type(part) is Reasoning:
         return f"[reasoning]\n{part.text}\n[/reasoning]"
     if type(part) is Image:  # a stored one by its key: the page shows its thumbnail
-        return f"[image {part.stored}]" if part.stored else f"[{part.block} {part.ref}]"
+        if part.stored or not part.ref.startswith("sha256:"):
+            return f"[image {part.stored or part.ref}]"
+        return "[image]"  # inline data that does not decode: not stored apart, not shown
     if type(part) is ToolResult:
         return _text(part.parts)
     if type(part) is CalledTool:
@@ -125,3 +127,26 @@ def _turn(role: str, text: str, **fields) -> Turn:
     cut = max(0, len(text) - TEXT_LIMIT)
     return Turn(role=str(role), text=text[:TEXT_LIMIT], cut=cut, images=MARK.findall(text),
                 **fields)
+
+
+def open_from(turns: list[Turn]) -> int:
+    """Where the last turn starts: after the request's last assistant message (the tool
+    results and user text the model answered, then its reply). The pages show the turns
+    before it collapsed: a 30-turn call's 60 messages were 19,593 px of a 21,652-px page."""
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i].role == "assistant" and not turns[i].reply:
+            # a request that ends with the assistant's words (a prefill) and no reply
+            # still shows that message open
+            return min(i + 1, len(turns) - 1)
+    return 0
+
+
+PREVIEW = 140  # characters of a collapsed turn's line
+
+
+def preview(turn: Turn) -> str:
+    """A collapsed turn's one line: the start of its text, else the tools it called."""
+    line = " ".join(turn.text.split()[:60])
+    if not line:
+        line = ", ".join(f"{c.name}()" for c in turn.tool_calls)
+    return line if len(line) <= PREVIEW else line[:PREVIEW - 1] + "\u2026"

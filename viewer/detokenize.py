@@ -89,5 +89,7 @@ class Detokenizer:
                                 redact_credentials(self.url), exc or type(exc).__name__)
                 self.down_until = time.monotonic() + RETRY_AFTER_S
                 return None
-        text = body.get("prompt", body.get("content")) if isinstance(body, dict) else None
+        text = None
+        if isinstance(body, dict):  # vLLM's, llama-server's, SGLang's key
+            text = body.get("prompt", body.get("content", body.get("text")))
         return text if isinstance(text, str) else None

@@ -7,10 +7,11 @@ under key names that carry credentials are never shown, wherever they appear.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
+
+from tracetap.storage.credentials import HIDDEN, KEY
 
 STRING_LIMIT = 10_000
 NODE_LIMIT = 5_000
@@ -18,11 +19,7 @@ OPEN_DEPTH = 2  # levels open when the page loads
 # Levels drawn at most: an agent may store JSON nested as deep as the decoder takes, and
 # the page (and the recursion that builds it) must stay small.
 MAX_DEPTH = 64
-SECRET_KEY = re.compile(
-    r"^(authorization|proxy-authorization|cookie|set-cookie|x-api-key|api[-_]?key|"
-    r".*[-_]api[-_]?key|password|passwd|secret|client[-_]secret|access[-_]token|"
-    r"refresh[-_]token|bearer)$", re.IGNORECASE)
-HIDDEN = "(hidden: a credential is never shown)"
+SECRET_KEY = KEY  # storage.credentials: the bodies come masked; the tree checks again
 
 
 class Node(msgspec.Struct, kw_only=True):

@@ -9,11 +9,13 @@ from aiohttp import web
 from tracetap.storage import browse, details, quarantine
 from tracetap.storage.integrity import verdicts_of
 from tracetap.viewer import PREFIX, access, charts, conversation, jsonview, lowp, params, tokens
+from tracetap.viewer.annotate import call_notes, episode_notes
 from tracetap.viewer.callinfo import error_line
 from tracetap.viewer.collapse import collapsed
 from tracetap.viewer.keys import ACCESS, CONFIG, DETOKENIZER, READERS, ROWS, SOURCE
 from tracetap.viewer.render import page
 from tracetap.viewer.tokenhtml import pieces_html, script_json
+from tracetap.viewer.tree import call_lineage, episode_tree
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CALL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -62,9 +64,10 @@ async def charts_image(request: web.Request) -> web.Response:
     query = params.episode_query(request.query)
     sample = await browse.chart_sample(await _engine(request), query, CHART_EPISODES)
     panels = [
-        charts.histogram("reward", sample.rewards),
+        charts.histogram(charts.left_out("reward", sample.episodes - len(sample.rewards),
+                                         "without a reward"), sample.rewards),
         charts.histogram("calls per episode", sample.calls_per_episode, integers=True),
-        charts.histogram("tokens per episode", sample.tokens_per_episode),
+        charts.histogram("trajectory tokens per episode", sample.tokens_per_episode),
         charts.percentiles_over_time("call latency", sample.latencies),
     ]
     response = page(request, "charts.svg", content_type="image/svg+xml", panels=panels,
@@ -120,7 +123,9 @@ async def episode(request: web.Request) -> web.Response:
                 integrity=(await verdicts_of(engine, [episode_id]))[episode_id],
                 harness_config=_pretty(info.harness_config), info_json=_pretty(info.info),
                 metadata_json=_pretty(info.metadata), rewards_json=info.rewards,
-                low=low, low_href=lowp.linker(request.query, size))
+                low=low, low_href=lowp.linker(request.query, size),
+                tree=await episode_tree(engine, request.app[READERS], episode_id),
+                **await episode_notes(request, episode_id))
 
 
 def _pretty(value) -> str | None:
@@ -155,7 +160,9 @@ async def call(request: web.Request) -> web.Response:
         error=error_line(stored.summary, stored.response),
         request_text=stored.request if request_json is None else None,
         response_text=stored.response if response_json is None else None,
-        limit=jsonview.STRING_LIMIT)
+        limit=jsonview.STRING_LIMIT, **await call_notes(request, call_id),
+        lineage=await call_lineage(await _engine(request), request.app[READERS],
+                                   stored.episode_id, call_id))
 
 
 async def call_body(request: web.Request) -> web.Response:

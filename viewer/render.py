@@ -12,6 +12,7 @@ from aiohttp import web
 from tracetap.viewer import PREFIX
 from tracetap.viewer.callinfo import status_label
 from tracetap.viewer.charts import seconds
+from tracetap.viewer.conversation import open_from, preview
 from tracetap.viewer.keys import TEMPLATES
 from tracetap.viewer.tokens import REASONS
 
@@ -58,8 +59,9 @@ def _environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(when=_when, secs=seconds, reward=_reward, count=_count,
-                       reward_class=_reward_class, status=status_label)
-    env.globals.update(PREFIX=PREFIX, REASONS=REASONS)
+                       reward_class=_reward_class, status=status_label,
+                       preview=preview)
+    env.globals.update(PREFIX=PREFIX, REASONS=REASONS, open_from=open_from)
     return env
 
 

@@ -4,6 +4,8 @@ episodes page's filters and by model, policy version, harness config factors and
 ``/tracetap/ui/search?q=FileNotFoundError&where=config.context=full,meta.batch=variants``.
 The ``where`` terms are spelt as ``tracetap compare`` selectors spell them
 (``config.NAME=VALUE``, ``meta.NAME=VALUE``; numbers, booleans and null as JSON).
+It runs on the search's own engine, bounded in time, cancelled when its client leaves
+(viewer.search_bounds); a refusal is a page that says why and what to do.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import msgspec
 from aiohttp import web
 
 from tracetap.storage import browse, search
+from tracetap.storage.conversation import Readers
 from tracetap.storage.tables import Call, Episode
 from tracetap.viewer import params
 from tracetap.viewer.keys import CONFIG, READERS, SOURCE
 from tracetap.viewer.render import page
+from tracetap.viewer.search_bounds import Refused, bounded
 
 COUNT_CAP = 1000  # matches counted exactly up to this many
 FIELDS = ("q", "where", "model", "policy", "harness", "task", "outcome", "status",
@@ -68,6 +72,17 @@ def conditions(dialect: str, terms: search.Terms | None, where: Where,
     return tuple(out)
 
 
+async def _search(engine, episodes: browse.EpisodeQuery, terms: search.Terms | None,
+                  where: Where, readers: Readers) -> tuple[browse.EpisodePage, dict | None]:
+    text_part = None if terms is None else await search.resolved_conditions(engine, terms)
+    found = await browse.episode_page(
+        engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
+        count_cap=COUNT_CAP)
+    snippets = None if terms is None else await search.snippets(
+        engine, terms, [r.id for r in found.rows], readers)
+    return found, snippets
+
+
 def _link(query: Mapping[str, str], **changes) -> str:
     merged = {k: query.get(k, "") for k in FIELDS}
     merged.update({k: "" if v is None else str(v) for k, v in changes.items()})
@@ -91,18 +106,22 @@ async def page_handler(request: web.Request) -> web.Response:
     indexed = request.app[CONFIG].search_index
     episodes = params.episode_query({k: v for k, v in query.items() if k != "q" or not indexed})
     where = parse_where(query)
-    terms = search.parse_terms(text) if text and indexed else None
+    try:
+        terms = search.parse_terms(text) if text and indexed else None
+    except search.TooManyWords as exc:
+        raise params.BadParameter(f"q: {exc}") from None
     ignored = bool(text) and terms is None and indexed  # punctuation alone: nothing to find
-    engine = await request.app[SOURCE].engine()
     found = snippets = None
     if terms is not None or _filtered(query, where) or (bool(text) and not indexed):
-        text_part = None if terms is None else await search.resolved_conditions(engine, terms)
-        found = await browse.episode_page(
-            engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
-            count_cap=COUNT_CAP)
-        if terms is not None:
-            snippets = await search.snippets(engine, terms, [r.id for r in found.rows],
-                                             request.app[READERS])
+        source = request.app[SOURCE]
+        try:
+            found, snippets = await bounded(
+                request, _search(await source.search_engine(), episodes, terms, where,
+                                 request.app[READERS]),
+                source.search)
+        except Refused as exc:
+            return page(request, "error.html", status=exc.status, title=exc.title,
+                        message=exc.message)
     return page(request, "search.html", view="search", found=found, snippets=snippets or {},
                 text=text, ignored=ignored, indexed=indexed,
                 filters={k: query.get(k, "") for k in FIELDS}, cap=COUNT_CAP,

@@ -44,10 +44,37 @@ class Options(msgspec.Struct, kw_only=True):
     allow_unpaired: bool = False
 
 
+class Chip(msgspec.Struct, kw_only=True):
+    episode: Episode
+    succeeded: bool  # by the page's success rule: what the verdict counts
+
+
 class TaskLinks(msgspec.Struct, kw_only=True):
+    """A fixed or broken task's episodes: those its verdict counted on each side, and those
+    left out of it (integrity infra), shown apart so the chips add up to the verdict."""
+
     task: str
-    baseline: list[Episode]
-    candidate: list[Episode]
+    baseline: list[Chip]
+    candidate: list[Chip]
+    left_out: list[Episode] = []
+
+    def succeeded(self, side: str) -> int:
+        return sum(c.succeeded for c in getattr(self, side))
+
+
+# Error texts name the command's flags; the page has controls for them.
+_CONTROLS = (("pass --allow-unpaired to drop them", "tick “drop unpaired tasks” to drop them"),
+             ("--allow-unpaired", "“drop unpaired tasks”"),
+             ("give at least one --candidate selection", "give a candidate selector"),
+             ("--resamples", "Resamples"), ("--held-out", "Held-out configs"),
+             ("--factor", "Factor"), ("--where", "Only episodes matching"))
+
+
+def page_words(message: str) -> str:
+    """An analysis error as the page's controls say it."""
+    for flag, control in _CONTROLS:
+        message = message.replace(flag, control)
+    return message
 
 
 class Cell(msgspec.Struct, kw_only=True):
@@ -99,9 +126,15 @@ def _selector(text: str, name: str) -> Selector:
         raise BadParameter(f"{name}: {exc}") from None
 
 
-async def _episodes(request: web.Request, policies: bool, costs: bool) -> list[Episode]:
+async def _episodes(request: web.Request, policies: bool,
+                    costs: bool) -> tuple[list[Episode], list[Episode]]:
+    """The finished episodes (what the commands read), and the others: not counted, but
+    the page says how many of them its selections match."""
     reader = await request.app[SOURCE].reader()
-    return await read(reader, EpisodeFilter(finished_only=True), policies=policies, costs=costs)
+    every = await read(reader, EpisodeFilter(finished_only=False), policies=policies,
+                       costs=costs)
+    return ([e for e in every if e.summary.finished_at is not None],
+            [e for e in every if e.summary.finished_at is None])
 
 
 async def variants_page(request: web.Request) -> web.Response:
@@ -125,7 +158,9 @@ async def variants_page(request: web.Request) -> web.Response:
     baseline = _selector(form["baseline"], "baseline")
     candidates = [_selector(c, "candidate") for c in form["candidates"]]
     policies = any(s.needs_policies for s in (baseline, *candidates))
-    episodes = await _episodes(request, policies, costs=True)
+    episodes, unfinished = await _episodes(request, policies, costs=True)
+    running = [(s.text, n) for s in (baseline, *candidates)
+               if (n := sum(s.matches(e) for e in unfinished))]
     try:
         # The paired bootstrap is CPU work: off the event loop, so other pages still answer.
         result = await asyncio.to_thread(
@@ -133,24 +168,30 @@ async def variants_page(request: web.Request) -> web.Response:
             resamples=chosen.resamples, seed=chosen.seed, allow_unpaired=chosen.allow_unpaired)
     except AnalysisError as exc:
         return page(request, "variants.html", status=400, view="variants", form=form,
-                    result=None, links=[], error=str(exc))
+                    result=None, links=[], error=page_words(str(exc)))
     return page(request, "variants.html", view="variants", form=form, result=result,
-                links=[task_links(result, episodes, baseline, s) for s in candidates],
-                error=None, delta_plot=delta_plot(result))
+                links=[task_links(result, episodes, baseline, s, chosen.success)
+                       for s in candidates],
+                error=None, delta_plot=delta_plot(result), running=running)
 
 
 def task_links(result: Comparison, episodes: Sequence[Episode], baseline: Selector,
-               candidate: Selector) -> dict[str, TaskLinks]:
-    """For each fixed or broken task: the episodes each side ran on it."""
+               candidate: Selector, success: Success) -> dict[str, TaskLinks]:
+    """For each fixed or broken task: the episodes each side ran on it that Δ_B counts
+    (with whether each succeeded), and the infra ones it left out."""
     mine = next(c for c in result.candidates if c.variant.selector == candidate.text)
     wanted = {*mine.flips.fixed, *mine.flips.broken}
-    out = {t: TaskLinks(task=t, baseline=[], candidate=[]) for t in wanted}
+    out = {t: TaskLinks(task=t, baseline=[], candidate=[], left_out=[]) for t in wanted}
     for e in episodes:
-        if e.task in out:
-            if baseline.matches(e):
-                out[e.task].baseline.append(e)
-            elif candidate.matches(e):
-                out[e.task].candidate.append(e)
+        links = out.get(e.task)
+        side = None if links is None else "baseline" if baseline.matches(e) \
+            else "candidate" if candidate.matches(e) else None
+        if side is None:
+            continue
+        if e.integrity.infra:
+            links.left_out.append(e)
+        else:
+            getattr(links, side).append(Chip(episode=e, succeeded=success(e)))
     return out
 
 
@@ -169,19 +210,21 @@ async def harnesses_page(request: web.Request) -> web.Response:
     where = _selector(where_text, "where") if where_text else None
     held = _selector(held_text, "held_out") if held_text else None
     chosen = options(query)
-    episodes = await _episodes(request, bool(where and where.needs_policies), costs=False)
+    episodes, unfinished = await _episodes(request, bool(where and where.needs_policies),
+                                           costs=False)
     if where is not None:
         episodes = [e for e in episodes if where.matches(e)]
+        unfinished = [e for e in unfinished if where.matches(e)]
     try:
         report = coverage(episodes, success=chosen.success, factors=factors)
         if held is not None:
             report.held_out = held_out_of(report, episodes, held, chosen.success)
     except AnalysisError as exc:
         return page(request, "harnesses.html", view="harnesses", form=form, report=None,
-                    grids=[], error=str(exc))
+                    grids=[], error=page_words(str(exc)))
     grids = heatmaps(report, episodes, chosen.success)
     return page(request, "harnesses.html", view="harnesses", form=form, report=report,
-                grids=grids, error=None, level_plot=level_plot(report),
+                grids=grids, error=None, level_plot=level_plot(report), running=len(unfinished),
                 held_plot=held_out_plot(report.held_out) if report.held_out else None)
 
 

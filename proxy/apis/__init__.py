@@ -42,10 +42,12 @@ class Injected(msgspec.Struct, kw_only=True):
     top_logprobs_echo: bool = False
     # MoE routing (--routed-experts, proxy.call.routed_experts): removed from every reply.
     experts: bool = False
+    # SGLang chat: the ids asked in ``sglext`` (proxy.apis.chat.inject), removed from every reply.
+    sglext: bool = False
 
     @property
     def any(self) -> bool:
-        return self.logprobs or self.usage or self.token_ids or self.experts
+        return self.logprobs or self.usage or self.token_ids or self.experts or self.sglext
 
 
 class Reassembly(Protocol):

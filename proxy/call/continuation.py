@@ -17,6 +17,13 @@ answer:
   aborted body): the request is sent again under the new version; the cut attempt is
   stored as its own record (status ``weight_sync_retried``), never trained.
 
+On SGLang a chat stream's ids come only as it ends (``sglext``, proxy.apis.chat.inject), so
+closing the connection would lose them: its stream is cut with SGLang's own ``POST
+/abort_request {"rid"}`` (the rid is the reply's id), which ends it as a finished one
+(``finish_reason: "abort"``) followed by the ids sampled so far. That finish chunk and
+the rest of the engine's ending (usage, ``[DONE]``) never reach the client; the ids go
+to capture, and the stream is continued as above.
+
 A stream that cannot be continued exactly (a request with tools, whose calls the
 engine's tool parser turns into ``tool_calls`` that a raw continuation would not parse;
 structured output, whose grammar would start again at the cut; reasoning text; ``n`` > 1;
@@ -28,6 +35,7 @@ old weights as a drain-mode pause would let it, and proxy.policy.versions marks 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -35,9 +43,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tracetap.proxy.apis.chat.capture import Capture
+from tracetap.proxy.apis.chat.wire import ChatBody, decode_chat
 from tracetap.proxy.call.record import client_text
 from tracetap.proxy.call.relay import broken_error
 from tracetap.proxy.episodes.ids import uuid7
+from tracetap.proxy.http.errors import ProxyError
 from tracetap.proxy.http.sse import SSEParser
 from tracetap.proxy.upstream.client import Reply, UpstreamBroken
 from tracetap.storage.records import CallRecord
@@ -45,6 +55,7 @@ from tracetap.storage.records import CallRecord
 if TYPE_CHECKING:
     from tracetap.proxy.call.driver import ModelCall
 
+log = logging.getLogger("tracetap.continuation")
 RETRIED = "weight_sync_retried"  # the status of a cut attempt that was sent again
 COMPLETIONS_PATH = "/v1/completions"
 # Request fields a continuation keeps: sampling, and the mock engine's own controls.
@@ -59,17 +70,25 @@ Send = Callable[[str, bytes], Awaitable[Reply]]  # (upstream path, body) → the
 
 
 class Cut:
-    """One call's registration with the gate: fired by a pause in abort mode."""
+    """One call's registration with the gate: fired by a pause in abort mode. ``abort``:
+    how to ask the engine itself to end the request (SGLang), else its connection is
+    closed (the engine aborts a request whose client went away)."""
 
-    def __init__(self, call: ModelCall, reply: Reply, stream: bool):
-        self.call, self.reply, self.stream = call, reply, stream
+    def __init__(self, call: ModelCall, reply: Reply, stream: bool,
+                 abort: Callable[[], Awaitable[None]] | None = None):
+        self.call, self.reply, self.stream, self.abort = call, reply, stream, abort
         self.fired = False
+        self.ended = False  # the engine's own abort ended the stream (SGLang)
+        self.task: asyncio.Future | None = None
 
     def __call__(self) -> None:
-        if self.stream and not continuable(self.call):
+        if self.stream and not continuable(self.call, ids_at_end=self.abort is not None):
             return  # the client holds part of an answer that cannot be continued exactly
         self.fired = True
-        self.reply.close()  # the engine aborts a request whose connection closed
+        if self.abort is None:
+            self.reply.close()
+        else:
+            self.task = asyncio.ensure_future(self.abort())
 
 
 def sender(pool: Any, call: ModelCall, headers: dict[str, str]) -> Send:
@@ -81,7 +100,26 @@ def sender(pool: Any, call: ModelCall, headers: dict[str, str]) -> Send:
     return send
 
 
-def continuable(call: ModelCall) -> bool:
+def aborter(pool: Any, call: ModelCall, headers: dict[str, str]):
+    """SGLang's abort of ``call``'s request (``/abort_request``, at the engine's root), or
+    None where the engine is not SGLang or the call is not a chat stream."""
+    if call.services.flavor != "sglang" or not call.api.continuable:
+        return None
+
+    async def abort() -> None:
+        body = msgspec.json.encode({"rid": call.capture.response_id})
+        try:
+            _, reply = await pool.send("POST", "/abort_request", headers, body,
+                                       episode_id=call.episode_id, model=call.request.model)
+            reply.close()
+            if reply.status != 200:  # not aborted: it ends on the old weights, as in a drain
+                log.warning("SGLang /abort_request answered %d", reply.status)
+        except ProxyError as exc:  # the stream then ends on the old weights, as in a drain
+            log.warning("SGLang /abort_request failed: %s", exc)
+    return abort
+
+
+def continuable(call: ModelCall, ids_at_end: bool = False) -> bool:
     """Whether a chat stream cut now can be continued token for token (module doc)."""
     capture = call.capture
     if not call.api.continuable or not isinstance(capture, Capture):
@@ -91,7 +129,7 @@ def continuable(call: ModelCall) -> bool:
         return False
     if any(payload.get(k) not in (None, {"type": "text"}) for k in _STRUCTURED):
         return False
-    return capture.continuable()
+    return capture.continuable(ids_at_end) and (not ids_at_end or bool(capture.response_id))
 
 
 async def stream(call: ModelCall, reply: Reply, pool: Any,
@@ -99,17 +137,20 @@ async def stream(call: ModelCall, reply: Reply, pool: Any,
     """The upstream's stream for ``call``, continued after a weight sync if it is cut (the
     continuation sent through ``pool`` with ``headers``, to the episode's upstream)."""
     gate = call.services.gate
-    cut = Cut(call, reply, stream=True)
+    abort = aborter(pool, call, headers)
+    cut = Cut(call, reply, stream=True, abort=abort)
     gate.cuts.add(cut)
     try:
         try:
-            async for data in reply.iter_chunks():
+            async for data in (reply.iter_chunks() if abort is None else _events(reply, cut)):
                 yield data
         except UpstreamBroken:
             if not cut.fired:
                 raise
-        if not cut.fired or call.done:
+        if not cut.fired or call.done or (abort is not None and not cut.ended):
             return
+        if not call.capture.continuable():  # SGLang's abort ended it without the ids
+            raise UpstreamBroken("the engine's abort ended the stream without its token ids")
         gate.cuts.discard(cut)
         if not await gate.hold():
             raise UpstreamBroken("cut for a weight sync that outlasted --pause-timeout")
@@ -118,6 +159,32 @@ async def stream(call: ModelCall, reply: Reply, pool: Any,
             yield data
     finally:
         gate.cuts.discard(cut)
+        if cut.task is not None and not cut.task.done():
+            cut.task.cancel()
+
+
+async def _events(reply: Reply, cut: Cut) -> AsyncIterator[bytes]:
+    """An SGLang stream event by event, each as it came; once a cut's abort has ended it
+    (its ``finish_reason: "abort"`` chunk), only the ids chunk goes on (to capture: the
+    client's copy of it is stripped), not the abort, the usage or ``[DONE]``."""
+    parser = SSEParser()
+    async for data in reply.iter_chunks():
+        for event in parser.feed(data):
+            if cut.fired and event.data is not None:
+                chunk = _decode_chunk(event.data)
+                if not cut.ended and any(c.finish_reason == "abort" for c in chunk.choices):
+                    cut.ended = True
+                    continue
+                if cut.ended and chunk.sglext is None:
+                    continue
+            yield event.raw
+
+
+def _decode_chunk(data: bytes) -> ChatBody:
+    try:
+        return decode_chat(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ChatBody()  # [DONE], or what capture notes as unparseable
 
 
 async def whole(call: ModelCall, reply: Reply, send: Callable[[], Awaitable[Reply]]) -> Reply:

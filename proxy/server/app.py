@@ -10,6 +10,7 @@ import os
 
 from aiohttp import web
 
+from tracetap.proxy.admin import annotations as admin_annotations
 from tracetap.proxy.admin import api as admin
 from tracetap.proxy.admin import overlays as admin_overlays
 from tracetap.proxy.admin.ui import mount_viewer
@@ -58,6 +59,8 @@ def build_app(settings: Settings, worker: Worker | None = None) -> web.Applicati
     r.add_put("/tracetap/overlays/{name}", admin_overlays.put_overlay)
     r.add_delete("/tracetap/overlays/{name}", admin_overlays.delete_overlay)
     r.add_post("/tracetap/overlays/{name}/replay", admin_overlays.replay_overlay)
+    r.add_post("/tracetap/annotations", admin_annotations.post_annotation)
+    r.add_get("/tracetap/annotations", admin_annotations.list_annotations)
     r.add_get("/tracetap/metrics", admin.admin_metrics)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/healthz", admin.healthz)

@@ -136,7 +136,14 @@ class Vllm(EngineTokenizer):
         return _ids(data.get("tokens"))
 
     async def piece(self, token_id: int) -> bytes | None:
-        text = (await self.post("/detokenize", {"tokens": [token_id]})).get("prompt")
+        data = await self.post("/detokenize", {"tokens": [token_id]})
+        text = data.get("prompt")
+        if text is None and data.get("text") == "":
+            # SGLang (0.5.23 protocol.py ``DetokenizeResponse``): ``{text}``, special tokens
+            # skipped unless told; told only SGLang (vLLM would warn of an unknown field).
+            body = {"tokens": [token_id], "skip_special_tokens": False}
+            data = await self.post("/detokenize", body)
+        text = data.get("prompt", data.get("text"))
         return text.encode() if isinstance(text, str) else None
 
 

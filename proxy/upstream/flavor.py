@@ -28,7 +28,8 @@ class Flavor:
 
 
 async def detect(client: UpstreamClient, target: Target) -> str | None:
-    """Guess from ``/v1/models`` owners or vLLM's ``/version``; None if unreachable.
+    """Guess from ``/v1/models`` owners, SGLang's ``/get_model_info`` or vLLM's
+    ``/version``; None if unreachable.
     Asked only while no call is in flight to it (llama-cpp-python would cut a stream)."""
     async with target.traffic.window():
         return await _ask(client, target)
@@ -41,6 +42,11 @@ async def _ask(client: UpstreamClient, target: Target) -> str | None:
             owner = str(model.get("owned_by", "")).lower() if isinstance(model, dict) else ""
             if owner in _OWNERS:
                 return _OWNERS[owner]
+    # SGLang (0.5.23 http_server.py) answers this under both names, whatever a gateway
+    # in front of it says of the models' owner; nothing else has it.
+    info = await client.get_json(target.url_for("/get_model_info"))
+    if isinstance(info, dict) and "model_path" in info and "is_generation" in info:
+        return "sglang"
     version = await client.get_json(target.url_for("/version"))
     if isinstance(version, dict) and "version" in version:
         return "vllm"

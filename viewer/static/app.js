@@ -211,6 +211,19 @@
     }
   }
 
+  // -- a conversation's collapsed turns: all opened or closed at once ----------------
+  // (the button is hidden until this script runs: without it, each turn still opens)
+  document.querySelectorAll("button.fold-all").forEach((button) => {
+    const folds = button.parentElement.nextElementSibling.querySelectorAll("details.fold");
+    button.hidden = false;
+    button.addEventListener("click", () => {
+      const open = button.getAttribute("aria-pressed") !== "true";
+      folds.forEach((fold) => { fold.open = open; });
+      button.setAttribute("aria-pressed", String(open));
+      button.textContent = (open ? "Collapse " : "Expand ") + button.dataset.label;
+    });
+  });
+
   const data = document.getElementById("tok-data");
   const box = document.getElementById("toks");
   if (data && box) tokenView(JSON.parse(data.textContent), box, document.getElementById("tok-detail"));

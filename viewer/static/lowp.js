@@ -21,6 +21,15 @@
   function pick(i) {
     quietUntil = Date.now() + 600;
     spans[i].dispatchEvent(new MouseEvent("click", { bubbles: true }));
+    centre(spans[i]);
+  }
+
+  // A token jumped to is scrolled to the middle of the token box, with the tokens before
+  // and after it in view (the click's own scroll only brought it to the box's edge).
+  function centre(node) {
+    const outer = box.getBoundingClientRect();
+    const inner = node.getBoundingClientRect();
+    box.scrollTop += inner.top + inner.height / 2 - (outer.top + box.clientTop + box.clientHeight / 2);
   }
 
   // ?sel=POSITION (the lowest-token links, the strip, the compare page): select that token.

@@ -19,6 +19,8 @@ from tracetap.proxy.apis.chat.prompt_cut import decode_ids
 from tracetap.proxy.apis.chat.wire import (
     ChatChoice,
     CompletionChoice,
+    Message,
+    SglExt,
     Usage,
     decode_chat,
     decode_completion,
@@ -66,8 +68,8 @@ class OpenAIApi:
 class _Choice:
     """One choice's pieces as they arrive."""
 
-    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "text",
-                 "tokens", "tools", "tops")
+    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "stop",
+                 "text", "tokens", "tools", "tops")
 
     def __init__(self) -> None:
         self.role: str | None = None
@@ -80,6 +82,7 @@ class _Choice:
         self.ids: list[int | None] = []
         self.tops: list[Any] = []
         self.finish_reason: str | None = None
+        self.stop: dict[str, Any] = {}  # the engine's stop_reason / matched_stop, once set
 
 
 
@@ -172,26 +175,24 @@ class Capture:
                 self._add_chat(acc, choice)
             else:
                 self._add_completion(acc, choice)
+        ext = getattr(body, "sglext", None)
+        if ext is not None:
+            self._add_sglext(ext)
+
+    def _add_sglext(self, ext: SglExt) -> None:
+        """SGLang's whole ids of the prompt and of each choice (they replace any others)."""
+        if ext.input_ids is not None:
+            self.prompt_ids = ext.input_ids
+        for index, ids in enumerate(ext.output_ids or ()):
+            acc = self._choices.get(index)
+            if acc is None:
+                acc = self._choices[index] = _Choice()
+            acc.engine_ids = list(ids)
 
     def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
         message = choice.message or choice.delta
         if message is not None:
-            acc.role = message.role or acc.role
-            if message.content:
-                acc.text.append(message.content)
-            reasoning = message.reasoning_text
-            if reasoning:
-                acc.reasoning.append(reasoning)
-            for position, call in enumerate(message.tool_calls or ()):
-                index = call.index if call.index is not None else position
-                tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
-                                                    "arguments": []})
-                tool["id"] = call.id or tool["id"]
-                tool["type"] = call.type or tool["type"]
-                if call.function is not None:
-                    tool["name"] = call.function.name or tool["name"]
-                    if call.function.arguments:
-                        tool["arguments"].append(call.function.arguments)
+            _add_message(acc, message)
         if choice.logprobs is not None and choice.logprobs.content:
             for entry in choice.logprobs.content:
                 acc.logprobs.append(entry.logprob)
@@ -200,7 +201,14 @@ class Capture:
                 if self.keep_top:
                     acc.tops.append([{"token": t.token, "logprob": t.logprob}
                                      for t in entry.top_logprobs or ()])
-        self._add_common(acc, choice.token_ids, choice.finish_reason)
+        if choice.prompt_token_ids is not None:
+            self.prompt_ids = choice.prompt_token_ids
+        if choice.stop_reason is not None:
+            acc.stop = {"stop_reason": choice.stop_reason}
+        elif choice.matched_stop is not None:
+            acc.stop = {"matched_stop": choice.matched_stop}
+        ids = choice.token_ids if choice.token_ids is not None else choice.response_token_ids
+        self._add_common(acc, ids, choice.finish_reason)
 
     def _add_completion(self, acc: _Choice, choice: CompletionChoice) -> None:
         if choice.text:
@@ -227,14 +235,15 @@ class Capture:
         if finish is not None:
             acc.finish_reason = finish
 
-    def continuable(self) -> bool:
+    def continuable(self, ids_at_end: bool = False) -> bool:
         """Whether the reply so far can be continued token for token (proxy.call.continuation):
         one unfinished choice with the engine's ids, no tool call or reasoning text, and
-        the prompt's ids known."""
-        if len(self._choices) != 1 or self.prompt_ids is None:
+        the prompt's ids known. ``ids_at_end``: the engine sends both ids only as the
+        stream ends (SGLang's ``sglext``), so only the rest is asked now."""
+        if len(self._choices) != 1 or (self.prompt_ids is None and not ids_at_end):
             return False
         [c] = self._choices.values()
-        return (c.engine_ids is not None and not c.tools and not c.reasoning
+        return ((c.engine_ids is not None or ids_at_end) and not c.tools and not c.reasoning
                 and c.finish_reason is None)
 
     def token_counts(self) -> dict[int, int]:
@@ -301,6 +310,7 @@ class Capture:
                 out["text"] = text or ""
             out["logprobs"] = _logprobs_view(acc, chat) if with_logprobs else None
             out["finish_reason"] = acc.finish_reason
+            out |= acc.stop  # what ended it: a stop string's token is in no text (drift)
             choices.append(out)
         body: dict[str, Any] = {
             "id": self.response_id,
@@ -312,6 +322,26 @@ class Capture:
         if self.usage is not None:
             body["usage"] = msgspec.to_builtins(self.usage)
         return body
+
+
+def _add_message(acc: _Choice, message: Message) -> None:
+    """A reply's message or a chunk's delta: its text, reasoning and tool-call pieces."""
+    acc.role = message.role or acc.role
+    if message.content:
+        acc.text.append(message.content)
+    reasoning = message.reasoning_text
+    if reasoning:
+        acc.reasoning.append(reasoning)
+    for position, call in enumerate(message.tool_calls or ()):
+        index = call.index if call.index is not None else position
+        tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
+                                            "arguments": []})
+        tool["id"] = call.id or tool["id"]
+        tool["type"] = call.type or tool["type"]
+        if call.function is not None:
+            tool["name"] = call.function.name or tool["name"]
+            if call.function.arguments:
+                tool["arguments"].append(call.function.arguments)
 
 
 def _completion_ids(acc: _Choice) -> tuple[list[int] | None, str]:

@@ -15,6 +15,11 @@ from tracetap.proxy.apis.chat import CHAT
 from tracetap.proxy.http.errors import ProxyError, bad_request
 
 TOKEN_ID_FLAVORS = ("vllm", "sglang")
+# SGLang (0.5.23, serving_chat.py) refuses ``return_token_ids`` on a chat stream (400) and
+# returns chat ids in ``sglext`` instead, streamed or not: ``input_ids`` (the prompt) and
+# ``output_ids`` (one list per choice), at the top level of a body or in one chunk with
+# ``choices: []`` after the last token. Clients cannot set these (proxy.apis.fields).
+SGLEXT_FLAGS = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
 # Fields that put the prompt in the reply as if sampled (completions' and vLLM chat's
 # ``echo``; vLLM's ``prompt_logprobs``): refused, so the agent's own text can never come
 # back as completion tokens (docs/apis.md).
@@ -57,7 +62,10 @@ def prepare(body: dict[str, Any], endpoint: str, flavor: str) -> Injected:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                       "include_usage": True}
             injected.usage = True
-    if flavor in TOKEN_ID_FLAVORS and body.get("return_token_ids") is not True:
+    if flavor == "sglang" and endpoint == CHAT:
+        body.update(dict.fromkeys(SGLEXT_FLAGS, True))
+        injected.sglext = True
+    elif flavor in TOKEN_ID_FLAVORS and body.get("return_token_ids") is not True:
         body["return_token_ids"] = True  # also over the client's false: ids are not optional
         injected.token_ids = True
     return injected
@@ -111,6 +119,8 @@ def strip_chunk(data: bytes, injected: Injected) -> bytes | None:
             return None  # the usage chunk the proxy asked for
     # Stream chunks omit unset fields, so here they are deleted.
     _strip(top, injected, keep_null=False)
+    if injected.sglext and "sglext" not in top and bytes(top.get("choices", b"")) == b"[]":
+        return None  # SGLang's chunk of the ids the proxy asked for, and nothing else
     return _encode(top)
 
 
@@ -131,11 +141,13 @@ def _drop(obj: dict[str, msgspec.Raw], key: str, keep_null: bool) -> None:
 def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> None:
     # Runs once per stream event: the flags are read once (and _drop pops a stream
     # chunk's fields in one C call each).
-    token_ids, experts = injected.token_ids, injected.experts
+    token_ids, experts, sglext = injected.token_ids, injected.experts, injected.sglext
     if token_ids:
         _drop(top, "prompt_token_ids", keep_null)
     if experts:
         top.pop("prompt_routed_experts", None)
+    if sglext and "sglext" in top:
+        _strip_sglext(top)
     if "choices" not in top:
         return
     choices = _decode_choices(top["choices"])
@@ -146,6 +158,24 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
         if token_ids:
             _drop(choice, "token_ids", keep_null)
             _drop(choice, "prompt_token_ids", keep_null)
+        elif sglext:  # a continuation's chunks (proxy.call.continuation) carry ids
+            choice.pop("token_ids", None)
         if experts:
             choice.pop("routed_experts", None)
     top["choices"] = msgspec.Raw(_encode(choices))
+
+
+_decode_sglext = msgspec.json.Decoder(dict[str, msgspec.Raw] | None).decode
+
+
+def _strip_sglext(top: dict[str, msgspec.Raw]) -> None:
+    """SGLang's ``sglext`` less the ids the proxy asked for; gone when nothing is left
+    (SGLang itself omits an empty one)."""
+    ext = _decode_sglext(top["sglext"])
+    if ext is not None:
+        ext.pop("input_ids", None)
+        ext.pop("output_ids", None)
+    if ext:
+        top["sglext"] = msgspec.Raw(_encode(ext))
+    else:
+        del top["sglext"]

@@ -71,12 +71,23 @@ class ChatTextChoice(View):
     message: Message | None = None
     delta: Message | None = None
     finish_reason: str | None = None
-    stop_reason: Any = None  # vLLM/SGLang: the stop string (or token id) that ended it
+    stop_reason: Any = None  # vLLM: the stop string (or token id) that ended it
+    matched_stop: Any = None  # SGLang's name for it
 
 
 class ChatChoice(ChatTextChoice):
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
+    # SGLang's non-stream chat with ``return_token_ids`` (the client's own ask).
+    response_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class SglExt(View):
+    """SGLang's extension object: the chat ids the proxy asks for (proxy.apis.chat.inject)."""
+
+    input_ids: list[int] | None = None
+    output_ids: list[list[int]] | None = None  # one list per choice, each whole
 
 
 class LogprobEntries(View):
@@ -135,6 +146,7 @@ class ChatBody(ChatTextBody):
     model: str | None = None
     choices: list[ChatChoice] = []
     prompt_token_ids: list[int] | None = None
+    sglext: SglExt | None = None
 
 
 class ChatEntriesBody(ChatTextBody):
