@@ -161,7 +161,8 @@ async def _build(url: str, plans: list[dict]) -> None:
                         for p in batch
                     ],
                 )
-            await insert_calls(engine, [r for p in batch for r in _calls(p, now)])
+            await insert_calls(engine, [r for p in batch for r in _calls(p, now)],
+                               readers=readers())
             print(f"\rbuilding: {first + len(batch)}/{len(plans)} episodes", end="", flush=True)
         print()
     finally:

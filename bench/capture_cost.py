@@ -156,10 +156,11 @@ async def _insert_cpu(url: str, stream: bool, batches: int) -> float:
             [msgspec.structs.replace(template, call_id=uuid7(), seq=i) for i in range(BATCH)]
             for _ in range(batches + 1)
         ]
-        await insert_calls(engine, records[0])  # warm: connection, prepared statements
+        # Warm: connection, prepared statements.
+        await insert_calls(engine, records[0], readers=readers())
         started = time.process_time()
         for batch in records[1:]:
-            await insert_calls(engine, batch)
+            await insert_calls(engine, batch, readers=readers())
         return (time.process_time() - started) / (batches * BATCH) * 1e6
     finally:
         await engine.dispose()

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.storage import queries  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
@@ -96,7 +97,7 @@ async def _build(args, url: str) -> None:
             batch = range(first, min(first + BATCH_EPISODES, args.episodes))
             records = [r for e in batch
                        for r in _episode_records(args, e, rng, pool, start + 10 * e)]
-            await insert_calls(engine, records)
+            await insert_calls(engine, records, readers=readers())
             for e in batch:
                 await queries.finish_episode(engine, f"ep-{e:08d}", reward=float(e % 2),
                                              rewards=None, outcome="done", info=None)

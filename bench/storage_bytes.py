@@ -47,12 +47,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.storage.dedup import BlockCache  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.footprint import stored_ids  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
 from tracetap.storage.rows import call_row, episode_rows, insert_calls  # noqa: E402
 from tracetap.storage.tables import Call, Choice, Episode  # noqa: E402
+
+READERS = readers()  # where each API's requests hold their messages, as the proxy has it
 
 VOCAB = 151_000
 
@@ -140,7 +143,8 @@ async def store(url: str, batches: list[list[CallRecord]], layout: str,
             if layout == "inline":
                 await _inline(engine, batch)
             else:
-                await insert_calls(engine, batch, cache, search_index=search_index)
+                await insert_calls(engine, batch, cache, search_index=search_index,
+                                   readers=READERS)
     finally:
         await engine.dispose()
     return time.perf_counter() - started
@@ -222,12 +226,12 @@ def writer_cpu(batches) -> None:
         if turn % 10 == 9:
             planning, packing = (
                 min(timeit.repeat(work, number=10, repeat=5, timer=time.process_time)) / 10
-                for work in (partial(plan, [record], parents),
+                for work in (partial(plan, [record], parents, READERS),
                              partial(pack_ids, record.prompt_ids)))
             print(json.dumps({"context_tokens": len(record.prompt_ids),
                               "plan_cpu_ms": round(planning * 1000, 2),
                               "inline_pack_ids_cpu_ms": round(packing * 1000, 2)}), flush=True)
-        cache.commit(plan([record], parents))
+        cache.commit(plan([record], parents, READERS))
 
 
 def writer_steps(url: str, batches, rounds: int) -> dict:
@@ -290,7 +294,7 @@ async def _steps(url: str, batches, spent: dict[str, float]) -> list[dict]:
         for batch in batches:
             spent.update(plan=0.0, index=0.0)
             began = time.process_time()
-            await insert_calls(engine, batch, cache, search_index=True)
+            await insert_calls(engine, batch, cache, search_index=True, readers=READERS)
             total = time.process_time() - began
             out.append({"context": len(batch[0].prompt_ids_packed) // 4, "all": total,
                         **spent, "rest": total - spent["plan"] - spent["index"]})

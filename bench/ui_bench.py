@@ -135,8 +135,8 @@ async def fill_big_episode(url: str, calls: int, total: int) -> str:
     engine = create_engine(url)
     try:
         for start in range(0, len(records), 10):
-            await insert_calls(engine, records[start:start + 10])
-        await insert_calls(engine, long_episode(LONG))
+            await insert_calls(engine, records[start:start + 10], readers=readers())
+        await insert_calls(engine, long_episode(LONG), readers=readers())
     finally:
         await engine.dispose()
     return "big"

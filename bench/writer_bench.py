@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.proxy.episodes.ids import uuid7  # noqa: E402
 from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.journal import Journal  # noqa: E402
@@ -90,7 +91,7 @@ async def through_writer(url: str, records: list[CallRecord], journal_dir: Path,
             batches += 1
 
     writer = Writer(engine, Journal(journal_dir, max_bytes=64 << 30), observer=Count(),
-                    search_index=search_index)
+                    search_index=search_index, readers=readers())
     writer.start()
     peak = 0
     started = time.perf_counter()

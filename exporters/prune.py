@@ -21,6 +21,7 @@ from tracetap.exporters.ledger import read_ledger
 from tracetap.exporters.location import Location, resolve
 from tracetap.exporters.parquet import MANIFEST, ExportError, Manifest, decode_manifest
 from tracetap.exporters.schema import CALL_LEDGER
+from tracetap.storage.conversation import Readers
 from tracetap.storage.engine import DatabaseURLError, create_engine, redact_url
 from tracetap.storage.retention import Proven, PruneCounts, Unlinked, prune, sweep
 
@@ -36,14 +37,18 @@ class PruneSummary(msgspec.Struct, kw_only=True):
 
 
 def prune_exported(db: str, exported: str | os.PathLike, *, dry_run: bool = False,
-                   s3_endpoint: str | None = None) -> PruneSummary:
-    """Delete the rows of database ``db`` that the export at ``exported`` holds."""
+                   s3_endpoint: str | None = None,
+                   readers: Readers | None = None) -> PruneSummary:
+    """Delete the rows of database ``db`` that the export at ``exported`` holds.
+    ``readers``: each API's request shape (``proxy.apis.registry.readers()``), by which
+    the writer indexed the calls for search (SQLite's postings are removed by it)."""
     return asyncio.run(prune_exported_async(db, exported, dry_run=dry_run,
-                                            s3_endpoint=s3_endpoint))
+                                            s3_endpoint=s3_endpoint, readers=readers))
 
 
 async def prune_exported_async(db: str, exported: str | os.PathLike, *, dry_run: bool = False,
-                               s3_endpoint: str | None = None) -> PruneSummary:
+                               s3_endpoint: str | None = None,
+                               readers: Readers | None = None) -> PruneSummary:
     clock = time.perf_counter()
     location = resolve(exported, s3_endpoint)
     manifest = _manifest(location)
@@ -59,7 +64,7 @@ async def prune_exported_async(db: str, exported: str | os.PathLike, *, dry_run:
         unlinked = Unlinked()  # blocks the pruned calls referenced
         for proven, untagged in _chunks(ledger):
             await prune(engine, proven, untagged, summary.counts, dry_run=dry_run,
-                        unlinked=unlinked)
+                        unlinked=unlinked, readers=readers)
         await sweep(engine, unlinked, summary.counts, dry_run=dry_run)
     except (SQLAlchemyError, OSError) as exc:
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]

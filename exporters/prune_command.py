@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     db = config.database_url(args.db, args.data_dir)
     try:
         summary = prune_exported(db, args.exported, dry_run=args.dry_run,
-                                 s3_endpoint=args.s3_endpoint)
+                                 s3_endpoint=args.s3_endpoint, readers=args.readers())
     except ExportError as exc:
         print(f"tracetap prune: error: {exc}", file=sys.stderr)
         return 1

@@ -6,8 +6,10 @@ Prompt ids are cut into blocks of ``BLOCK_TOKENS`` ids, continuing the boundarie
 previous call of the same conversation (so the prefix it shares names the same blocks and
 only the new tokens make new ones); a conversation's first call is cut from position 0,
 so the samples of a GRPO group, which share it, share its blocks. A request is cut at its
-messages (``segments``): the JSON before the first message, each message with the
-separator before it, and the rest; a message resent in every later turn is stored once.
+messages (``segments``), the list under the key its API's shape names
+(storage.conversation.Shape: ``messages``, ``input``, ...): the JSON before the first
+message, each message with the separator before it, and the rest; a message resent in
+every later turn is stored once.
 An image's base64 inside a segment is a block of its own, stored as its bytes
 (storage.images): one block per image, whatever JSON shape holds it.
 Pure functions: no database here (storage.dedup plans, storage.inflate reads).
@@ -196,13 +198,14 @@ def cut_ids(ids: bytes, parent: list[Ref] | None,
 Prefix = tuple[str, list[Ref]]
 
 
-def cut_text(text: str, messages: bool = True, previous: Prefix | None = None,
+def cut_text(text: str, messages: str | None, previous: Prefix | None = None,
              ) -> tuple[list[tuple[Ref, bytes | None]], Prefix | None]:
-    """The blocks of a body: its segments (one when not cut at ``messages``: a reply),
-    each with its UTF-8 bytes; and its prefix (see Prefix) when it has messages.
+    """The blocks of a body: its segments (one when there is no ``messages`` key to cut
+    at: a reply, an API without a shape), each with its UTF-8 bytes; and its prefix (see
+    Prefix) when it has messages.
     ``previous``: the last call's prefix; when this body starts with it, its blocks are
     reused as they are (bytes None) and only what follows is scanned and hashed."""
-    if not messages:
+    if messages is None:
         return _named([text] if text else []), None
     if previous is not None and len(text) > len(previous[0]) and text.startswith(previous[0]):
         at = len(previous[0])
@@ -212,9 +215,9 @@ def cut_text(text: str, messages: bool = True, previous: Prefix | None = None,
             prefix = (text[:ends[-1]], previous[1] + _refs(groups[:-1])) if ends \
                 else previous
             return [(r, None) for r in previous[1]] + _flat(groups), prefix
-    cuts = _message_cuts(text)
+    cuts = _message_cuts(text, messages)
     if len(cuts) < 2:  # no message: one piece, nothing for the next call to reuse
-        return _named(segments(text)), None
+        return _named(segments(text, messages)), None
     groups = _grouped([text[a:b] for a, b in pairwise([0, *cuts, len(text)])])
     return _flat(groups), (text[:cuts[-1]], _refs(groups[:-1]))
 
@@ -254,7 +257,6 @@ def join_text(pieces: Iterable[bytes]) -> str:
 # The scanner's stops: a structural character or the quote opening a string; a string's
 # contents are skipped with str.find (memchr speed), not character by character.
 _STOP = re.compile(r'["{}\[\],:]')
-_LISTS = ('"messages"', '"input"')  # chat and Messages, Responses
 # Messages cut into blocks of their own per body, at most: past it the rest of the body is
 # one block. Bounds the rows one request makes (an agent's 5 MiB of tiny messages would
 # otherwise be 170,000 blocks, each hashed, packed and inserted); a conversation adds its
@@ -262,25 +264,27 @@ _LISTS = ('"messages"', '"input"')  # chat and Messages, Responses
 MAX_CUT_ELEMENTS = 4096
 
 
-def segments(text: str) -> list[str]:
-    """``text`` cut at the messages of its top-level ``messages`` (or ``input``) list;
-    the pieces join back to ``text`` exactly. Text that is not such JSON is one piece."""
-    cuts = _message_cuts(text)
+def segments(text: str, messages: str) -> list[str]:
+    """``text`` cut at the messages of its top-level list under the key ``messages``; the
+    pieces join back to ``text`` exactly. Text that is not such JSON is one piece."""
+    cuts = _message_cuts(text, messages)
     if not cuts:
         return [text] if text else []
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in pairwise(bounds) if b > a]
 
 
-def _message_cuts(text: str) -> list[int]:
+def _message_cuts(text: str, messages: str) -> list[int]:
     """Where the list's first element region starts (after ``[``) and where each of its
-    elements ends; [] when there is no such list of objects."""
+    elements ends; [] when there is no such list of objects. The key is compared as
+    written (a key spelled with escapes, or over 30 characters, is not found)."""
+    wanted = f'"{messages}"'
     tokens = _tokens(text)
     depth, key, previous = 0, None, None
     for token, _, end in tokens:
         if token in "{[":
             depth += 1
-            if depth == 2 and token == "[" and previous == ":" and key in _LISTS:
+            if depth == 2 and token == "[" and previous == ":" and key == wanted:
                 return _elements(tokens, end)
         elif token in "}]":
             depth -= 1

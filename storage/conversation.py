@@ -8,6 +8,12 @@ value handed to them by whoever composes them (``proxy.apis.registry.readers()``
 fourth API's calls read as conversations everywhere once its package has a reader and its
 line in the registry. A call whose API has no reader reads as ``plain``: its request and
 reply as JSON values, never dropped.
+
+Each API also declares its stored request's ``Shape`` (data, beside its reader): where its
+messages are, what an assistant turn looks like. The writer cuts a body into blocks at
+its messages (storage.blocks) and the search indexes the turn a call adds
+(storage.search_text) by it, without parsing the body: both are handed the table
+(``Readers.shape``) by whoever composes them.
 """
 
 from __future__ import annotations
@@ -108,12 +114,45 @@ def plain(request: Mapping[str, Any], reply: Mapping[str, Any], *,
         reply=[Message(role="reply", parts=[Other(value=dict(reply))])] if reply else [])
 
 
-class Readers:
-    """Which reader reads a stored call: by its endpoint (``calls.endpoint``: an API's
-    name, ``<client>:<upstream>`` when translated)."""
+class Shape(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Where an API's stored request holds its conversation, as top-level keys: what the
+    writer's blocks and search text read without parsing the whole body. An API without
+    one (``PLAIN``) has its bodies stored whole and its request's text indexed whole."""
 
-    def __init__(self, by_name: Mapping[str, Reader] | None = None):
+    # The key of its list of messages (a text in its place, as Responses allows, is
+    # indexed as text); the list is cut into one block per message.
+    messages: str | None = None
+    prompt: str | None = None  # the key of a completions prompt (when there are no messages)
+    head: tuple[str, ...] = ()  # keys of the set-up before the messages (system prompt)
+    # What marks a message as the model's: its "role", or its "type" (an item of its own).
+    assistant_roles: tuple[str, ...] = ("assistant",)
+    assistant_types: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        keys = [k for k in (self.messages, self.prompt, *self.head) if k is not None]
+        if len(set(keys)) != len(keys):  # read as one request's distinct fields
+            raise ValueError(f"a request shape names a key twice: {keys}")
+
+
+PLAIN = Shape()
+
+
+class Readers:
+    """Which reader reads a stored call, and its request's ``Shape``: by its endpoint
+    (``calls.endpoint``: an API's name, ``<client>:<upstream>`` when translated)."""
+
+    def __init__(self, by_name: Mapping[str, Reader] | None = None,
+                 shapes: Mapping[str, Shape] | None = None):
         self._by_name = dict(by_name or {})
+        self._shapes = dict(shapes or {})
+
+    def shape(self, endpoint: str) -> Shape:
+        """The shape of the stored request (the client's)."""
+        return self._shapes.get(endpoint.split(":", 1)[0], PLAIN)
+
+    def upstream_shape(self, endpoint: str) -> Shape:
+        """The shape of the request as the upstream was given it (``upstream_request``)."""
+        return self._shapes.get(endpoint.rsplit(":", 1)[-1], PLAIN)
 
     def reader(self, endpoint: str) -> Reader:
         """The client's API's reader (the stored request and reply are the client's)."""

@@ -35,6 +35,7 @@ from tracetap.storage.blocks import (
     whole,
 )
 from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.conversation import Readers
 from tracetap.storage.experts import EXPERTS
 from tracetap.storage.records import CallRecord
 
@@ -110,9 +111,13 @@ class BlockCache:
             self._size -= self._last.popitem(last=False)[1].size
 
 
-def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
+def plan(records: list[CallRecord], parents: dict[str, Last],
+         readers: Readers | None = None) -> Plan:
     """References for ``records`` (in the order given: a conversation's calls in arrival
-    order) given the last stored call of their conversations."""
+    order) given the last stored call of their conversations. ``readers``: each API's
+    request shape, by endpoint (storage.conversation): a request is cut at its messages;
+    without it (or for an API without a shape) every body is one block."""
+    shapes = Readers() if readers is None else readers
     out = Plan(calls={}, blocks={}, episodes={})
     for record in records:
         last = out.episodes.get(record.episode_id) or parents.get(record.episode_id)
@@ -122,7 +127,7 @@ def plan(records: list[CallRecord], parents: dict[str, Last]) -> Plan:
         prompt = _cut_prompt(ids, last, known, used, out.blocks)
         refs: dict[str, bytes | None] = {
             "prompt_refs": None if ids is None else pack_refs(prompt)}
-        texts = _cut_bodies(record, last, known, used, out.blocks, refs)
+        texts = _cut_bodies(record, shapes, last, known, used, out.blocks, refs)
         entry = None
         if record.episode_id is not None:
             entry = _next_last(prompt, ids, texts, last, used)
@@ -142,17 +147,21 @@ def _cut_prompt(ids: bytes | None, last: Last | None, known: frozenset[bytes],
     return [ref for ref, _ in pieces]
 
 
-def _cut_bodies(record: CallRecord, last: Last | None, known: frozenset[bytes],
-                used: set[bytes], blocks: dict[bytes, bytes],
+def _cut_bodies(record: CallRecord, shapes: Readers, last: Last | None,
+                known: frozenset[bytes], used: set[bytes], blocks: dict[bytes, bytes],
                 refs: dict[str, bytes | None]) -> dict[str, Prefix]:
-    """Each body's references into ``refs``; the message prefixes the next call may share."""
+    """Each body's references into ``refs``; the message prefixes the next call may share.
+    The request is the client's, ``upstream_request`` the upstream's (a translated call's
+    endpoint names both); a reply is never cut."""
+    lists = {"request": shapes.shape(record.endpoint).messages,
+             "upstream_request": shapes.upstream_shape(record.endpoint).messages}
     texts: dict[str, Prefix] = {}
     for field in BODIES:
         text = getattr(record, field)
         if text is None:
             refs[field + "_refs"] = None
             continue
-        pieces, prefix = cut_text(text, field != "response",
+        pieces, prefix = cut_text(text, lists.get(field),
                                   last.texts.get(field) if last else None)
         if prefix is not None:
             texts[field] = prefix

@@ -24,6 +24,7 @@ import msgspec
 from sqlalchemy import delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from tracetap.storage.conversation import Readers
 from tracetap.storage.intents import CLOSED, GONE, OPEN, REPLICA_FILE, leftovers, set_state
 from tracetap.storage.journal import Journal
 from tracetap.storage.refusal import write_batch
@@ -112,16 +113,19 @@ class Resolved(msgspec.Struct, kw_only=True):
     tombstones: int = 0  # intents without a row, now tombstones
 
 
-async def replay(engine: AsyncEngine, journal_dir: Path, *, force: bool = False) -> Resolved:
+async def replay(engine: AsyncEngine, journal_dir: Path, *, force: bool = False,
+                 readers: Readers | None = None) -> Resolved:
     """Write a dead replica's journal directory into the database, then resolve its
-    intents and close its lease. Refused while its lease is renewed (it is running)."""
+    intents and close its lease. Refused while its lease is renewed (it is running).
+    ``readers``: each API's request shape, as the proxy's writer has them (its bodies cut
+    at their messages, its calls indexed for search alike)."""
     replica = (journal_dir / REPLICA_FILE).read_text().strip() if (
         journal_dir / REPLICA_FILE).exists() else None
     if replica is not None:
         await _check_gone(engine, replica, force)
     journal = Journal(journal_dir, max_bytes=1 << 62)
     counted = _Counted()
-    writer = Writer(engine, journal, observer=counted)
+    writer = Writer(engine, journal, observer=counted, readers=readers)
     await writer.flush()
     journal.close()
     done = Resolved(replica=replica or "", replayed=counted.written)

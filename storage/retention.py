@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.blockstore import begin_sweeping, mark_swept
+from tracetap.storage.conversation import Readers
 from tracetap.storage.search_index import forget
 from tracetap.storage.tables import Annotation, Call, CallIntent, Choice, Episode
 
@@ -60,9 +61,12 @@ class Unlinked(msgspec.Struct):
 
 
 async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], counts: PruneCounts,
-                *, dry_run: bool, unlinked: Unlinked | None = None) -> None:
+                *, dry_run: bool, unlinked: Unlinked | None = None,
+                readers: Readers | None = None) -> None:
     """Prune one chunk (a few hundred episodes) in one transaction; add to ``counts``, and
-    to ``unlinked`` the blocks the deleted calls referenced (for ``sweep``)."""
+    to ``unlinked`` the blocks the deleted calls referenced (for ``sweep``). ``readers``:
+    the request shapes the writer was given (SQLite's search postings go by the text
+    recomputed with them: storage.search_index.forget)."""
     async with engine.begin() as conn:
         query = select(Episode.id, Episode.finished_at).where(Episode.id.in_(list(proven)))
         if conn.dialect.name == "postgresql":
@@ -104,7 +108,7 @@ async def prune(engine: AsyncEngine, proven: Proven, untagged: Iterable[str], co
                 if dry_run:
                     unlinked.calls.update(chunk)
         if not dry_run:
-            await _delete(conn, doomed_episodes, doomed_calls)
+            await _delete(conn, doomed_episodes, doomed_calls, readers)
 
 
 _SCANS = ("SELECT call_id, prompt_refs, request_refs, upstream_request_refs, response_refs "
@@ -162,11 +166,12 @@ def _hashes(row) -> Iterable[bytes]:
     return (h for refs in row if refs is not None for h, _ in unpack_refs(refs))
 
 
-async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str]) -> None:
+async def _delete(conn: AsyncConnection, episodes: list[str], calls: list[str],
+                  readers: Readers | None) -> None:
     for chunk in _chunks(calls):
         # The search index first: SQLite's postings go by the text recomputed from the
         # call and its choices (storage.search_index).
-        await forget(conn, chunk)
+        await forget(conn, chunk, readers)
         await conn.execute(delete(Choice).where(Choice.call_id.in_(chunk)))
         await conn.execute(delete(Call).where(Call.call_id.in_(chunk)))
         # Their intents too: without its row an intent would read as a call not stored.

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.blockstore import begin_writing, last_calls
 from tracetap.storage.codec import pack_ids, pack_logprobs
+from tracetap.storage.conversation import Readers
 from tracetap.storage.dedup import BlockCache, packed_prompt, plan
 from tracetap.storage.policy_spans import encode_spans
 from tracetap.storage.records import CallRecord, has_prompt_ids
@@ -164,33 +165,36 @@ _SQLITE_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
 async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
-                       cache: BlockCache | None = None, *, search_index: bool = True) -> None:
+                       cache: BlockCache | None = None, *, search_index: bool = True,
+                       readers: Readers | None = None) -> None:
     """Insert calls, their choices, any new episodes and the blocks their prompt ids and
     bodies reference (storage.dedup) in one transaction. ``cache``: the writer's memory
     of each conversation's last call, updated only once the transaction committed;
-    ``search_index``: index the calls for the viewer's search (storage.search_index)."""
+    ``search_index``: index the calls for the viewer's search (storage.search_index);
+    ``readers``: where each API's requests hold their messages (storage.conversation;
+    ``proxy.apis.registry.readers()``: without it bodies are stored and indexed whole)."""
     cache = cache or BlockCache()
     dialect = engine.dialect.name
     async with engine.connect() as conn:
         raw = (await conn.get_raw_connection()).driver_connection
         if dialect == "postgresql":
             async with raw.transaction():
-                planned = await _plan(raw, dialect, records, cache)
+                planned = await _plan(raw, dialect, records, cache, readers)
                 for (sql, _), rows in zip(_PG_INSERTS, await _off_loop(
                         _pg_batches, records, planned)):
                     if rows:
                         await raw.executemany(sql, rows)
                 if search_index:  # the viewer's search (0011, 0012)
-                    await index_calls(raw, dialect, records)
+                    await index_calls(raw, dialect, records, readers)
             cache.commit(planned)
             return
         try:
-            planned = await _plan(raw, dialect, records, cache)  # opens the transaction
+            planned = await _plan(raw, dialect, records, cache, readers)  # opens the transaction
             for table, rows in zip(_TABLES, await _off_loop(_batches, records, planned)):
                 for sql, params in _sqlite_inserts(table, rows):
                     await raw.execute(sql, params)
             if search_index:  # the viewer's search (0011, 0012)
-                await index_calls(raw, dialect, records)
+                await index_calls(raw, dialect, records, readers)
             await raw.commit()
         except BaseException:
             await raw.rollback()
@@ -198,14 +202,15 @@ async def insert_calls(engine: AsyncEngine, records: list[CallRecord],
         cache.commit(planned)
 
 
-async def _plan(raw, dialect: str, records: list[CallRecord], cache: BlockCache):
+async def _plan(raw, dialect: str, records: list[CallRecord], cache: BlockCache,
+                readers: Readers | None):
     cache.valid_for(await begin_writing(raw, dialect))
     episodes = {r.episode_id for r in records if r.episode_id is not None}
     parents = {e: last for e in episodes if (last := cache.get(e)) is not None}
     forgotten = sorted(episodes.difference(parents))
     if forgotten:
         parents.update(await last_calls(raw, dialect, forgotten))
-    return await _off_loop(plan, records, parents)
+    return await _off_loop(plan, records, parents, readers)
 
 
 async def _off_loop(work, *args):

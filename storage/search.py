@@ -41,6 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tracetap.storage.conversation import Readers
 from tracetap.storage.credentials import mask_text
 from tracetap.storage.search_index import WORD as _WORD
 from tracetap.storage.search_recompute import texts_of
@@ -216,11 +217,11 @@ class Snippet(msgspec.Struct, kw_only=True):
     matches: int  # calls of the episode that match
 
 
-async def snippets(engine: AsyncEngine, terms: Terms,
-                   episode_ids: list[str]) -> dict[str, Snippet]:
+async def snippets(engine: AsyncEngine, terms: Terms, episode_ids: list[str],
+                   readers: Readers | None = None) -> dict[str, Snippet]:
     """For each episode, its first matching call, the words around the first match and
     how many of its calls match. The text is recomputed for those first calls only (at
-    most a page of them)."""
+    most a page of them), by the request shapes the writer was given (``readers``)."""
     if not episode_ids:
         return {}
     query = matching_calls(engine.dialect.name, list(terms.wanted)).with_only_columns(
@@ -231,7 +232,7 @@ async def snippets(engine: AsyncEngine, terms: Terms,
         first: dict[str, str] = {}
         for episode_id, call_id in rows:
             first.setdefault(episode_id, call_id)
-        found = await conn.run_sync(texts_of, list(first.values()))
+        found = await conn.run_sync(texts_of, list(first.values()), readers)
     matches = Counter(episode_id for episode_id, _ in rows)
     marks = _marks(terms)
     return {episode_id: Snippet(call_id=call_id, matches=matches[episode_id],

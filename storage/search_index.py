@@ -14,7 +14,13 @@ nothing.
   from: ``forget`` recomputes it from the stored call (storage.search_recompute) before
   the call goes. ``id`` is AUTOINCREMENT, never reused: a posting left behind (a text
   that could not be recomputed) names a row that no longer exists, and every search
-  goes through ``call_text``, so it finds nothing.
+  goes through ``call_text``, so it finds nothing. So is a posting left by a text that
+  recomputes differently from what the writer indexed (an API's shape declared otherwise
+  since, or its line gone from the registry): it names a deleted row, and a search never
+  returns it.
+
+What a call's text is depends on its API's request shape (``Readers.shape``), handed in
+by whoever composes the writer (the proxy) or prune (the command line).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import re
 from sqlalchemy import delete, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from tracetap.storage.conversation import Readers
 from tracetap.storage.records import CallRecord
 from tracetap.storage.search_recompute import texts_of
 from tracetap.storage.search_text import call_text
@@ -44,13 +51,15 @@ _FTS_DELETE = text("INSERT INTO call_text_fts(call_text_fts, rowid, body) "
                    "VALUES ('delete', :id, :body)")
 
 
-def rows_for(records: list[CallRecord]) -> list[tuple[str, str, str]]:
+def rows_for(records: list[CallRecord],
+             readers: Readers | None = None) -> list[tuple[str, str, str]]:
     """(call_id, episode_id, text) for the records of an episode that have text."""
+    shapes = Readers() if readers is None else readers
     out = []
     for record in records:
         if record.episode_id is None:
             continue  # the search finds episodes: an untagged call has none to show
-        body = call_text(record)
+        body = call_text(record, shapes)
         if body:
             out.append((record.call_id, record.episode_id, body))
     return out
@@ -68,20 +77,22 @@ def words(body: str) -> list[str]:
     return [w for w in out if len(w) <= MAX_WORD]
 
 
-def _word_rows(records: list[CallRecord]) -> list[tuple[str, str, str]]:
-    return [(c, e, " ".join(words(body))) for c, e, body in rows_for(records)]
+def _word_rows(records: list[CallRecord],
+               readers: Readers | None) -> list[tuple[str, str, str]]:
+    return [(c, e, " ".join(words(body))) for c, e, body in rows_for(records, readers)]
 
 
-async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
+async def index_calls(raw, dialect: str, records: list[CallRecord],
+                      readers: Readers | None = None) -> None:
     """Index the records on the writer's raw connection, inside its transaction
     (asyncpg or aiosqlite). The text is found in a thread (storage.rows._off_loop: it
     grows with what the agent sent)."""
     if dialect == "postgresql":
-        rows = await asyncio.to_thread(_word_rows, records)
+        rows = await asyncio.to_thread(_word_rows, records, readers)
         if rows:
             await raw.executemany(_PG_INSERT, rows)
         return
-    rows = await asyncio.to_thread(rows_for, records)
+    rows = await asyncio.to_thread(rows_for, records, readers)
     if not rows:
         return
     bodies = {c: body for c, _, body in rows}
@@ -98,14 +109,16 @@ async def index_calls(raw, dialect: str, records: list[CallRecord]) -> None:
         await raw.executemany(_FTS_INSERT, [(rowid, bodies[c]) for rowid, c in added])
 
 
-async def forget(conn: AsyncConnection, call_ids: list[str]) -> None:
+async def forget(conn: AsyncConnection, call_ids: list[str],
+                 readers: Readers | None = None) -> None:
     """Remove the calls' search rows, and on SQLite their postings first (while the calls,
-    their choices and blocks are still stored: the text is recomputed from them)."""
+    their choices and blocks are still stored: the text is recomputed from them, by the
+    shapes the writer was given: ``readers``)."""
     if conn.dialect.name == "sqlite":
         mapped = (await conn.execute(select(CallText.id, CallText.call_id).where(
             CallText.call_id.in_(call_ids)))).all()
         if mapped:
-            found = await conn.run_sync(texts_of, [c for _, c in mapped])
+            found = await conn.run_sync(texts_of, [c for _, c in mapped], readers)
             postings = [{"id": i, "body": found[c]} for i, c in mapped if c in found]
             if postings:
                 await conn.execute(_FTS_DELETE, postings)

@@ -4,8 +4,11 @@ A harness resends its whole conversation on every call, so indexing each request
 would index a 200-call episode's first message 200 times (quadratic text). A call's text
 is instead: the request's messages from its last assistant message on (that message, the
 tool results and user messages since: what the harness added this turn; all of them when
-no assistant has spoken yet, with ``system``/``instructions``), each choice's text, and
-the error (with the upstream's answer when it was an error: its message is there).
+no assistant has spoken yet, with the set-up before them: a system prompt), each choice's
+text, and the error (with the upstream's answer when it was an error: its message is
+there). Where the messages and the set-up are, and what an assistant message looks like,
+is the API's ``Shape`` (storage.conversation; handed in by whoever composes the writer,
+prune and the viewer): a request of an API without one is indexed whole.
 The message list is decoded as raw slices and only its tail is parsed, so the writer's
 cost stays a fraction of the JSON decode of the body (bench/writer_bench.py).
 
@@ -15,11 +18,13 @@ context) is indexed only where it first appears after an assistant turn.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
+from tracetap.storage.conversation import Readers, Shape
 from tracetap.storage.records import CallRecord
 
 MAX_CHARS = 100_000  # per call: a 10 MB tool output is searchable by its start
@@ -31,18 +36,7 @@ TEXT_KEYS = frozenset({"content", "text", "arguments", "output", "input", "promp
 SKIP_KEYS = frozenset({"logprobs", "top_logprobs", "usage", "image_url", "source", "data",
                        "signature", "encrypted_content", "id", "tool_call_id", "call_id",
                        "type", "role", "cache_control"})
-_ASSISTANT_TYPES = ("function_call", "custom_tool_call")  # Responses output items
-
-
 _ABSENT = msgspec.Raw()  # msgspec.Raw cannot be part of a union: empty means absent
-
-
-class _Request(msgspec.Struct):
-    messages: list[msgspec.Raw] | None = None  # chat, Messages
-    input: msgspec.Raw = _ABSENT  # Responses: a string or a list of items
-    prompt: msgspec.Raw = _ABSENT  # completions
-    system: msgspec.Raw = _ABSENT  # Messages
-    instructions: msgspec.Raw = _ABSENT  # Responses
 
 
 class _Role(msgspec.Struct):
@@ -50,14 +44,15 @@ class _Role(msgspec.Struct):
     type: Any = None
 
 
-_request = msgspec.json.Decoder(_Request)
 _role = msgspec.json.Decoder(_Role)
 _any = msgspec.json.Decoder()
 
 
-def call_text(record: CallRecord) -> str:
-    """The searchable text of one call ('' when it has none), at most MAX_CHARS."""
-    return text_of(record.request, [c.text for c in record.choices],
+def call_text(record: CallRecord, readers: Readers) -> str:
+    """The searchable text of one call ('' when it has none), at most MAX_CHARS;
+    ``readers``: where each API's requests hold their messages (its endpoint's shape)."""
+    return text_of(record.request, readers.shape(record.endpoint),
+                   [c.text for c in record.choices],
                    failure(record.error, record.http_status, record.response))
 
 
@@ -68,13 +63,14 @@ def failure(error: str | None, http_status: int, response: str | None) -> str | 
     return "\n".join(filter(None, (error, response[:ERROR_BODY])))
 
 
-def text_of(request: str | None, choice_texts: Iterable[str | None], error: str | None) -> str:
-    """call_text from a call's stored parts (the migration's backfill reads them so);
+def text_of(request: str | None, shape: Shape, choice_texts: Iterable[str | None],
+            error: str | None) -> str:
+    """call_text from a call's stored parts (search_recompute reads them so);
     ``error``: the error text, with a failed call's response (``failure``)."""
     parts: list[str] = []
     if request:
         try:
-            _request_parts(_request.decode(request), parts)
+            _request_parts(request, shape, parts)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass  # not JSON (or not an object): its text is still in the call page
     parts.extend(t for t in choice_texts if t)
@@ -86,10 +82,38 @@ def text_of(request: str | None, choice_texts: Iterable[str | None], error: str 
     return text.replace("\x00", " ").encode("utf-8", "replace").decode("utf-8")
 
 
-def _request_parts(request: _Request, parts: list[str]) -> None:
-    items = request.messages
+@functools.cache
+def _decoders(shape: Shape) -> tuple[msgspec.json.Decoder, msgspec.json.Decoder]:
+    """Decoders of a request of ``shape`` into raw slices (fields named by position,
+    renamed to the shape's keys): its messages as a list of raw elements; and, for a
+    text in the list's place (a Responses ``input``), as one raw value."""
+    def decoder(listed: bool) -> msgspec.json.Decoder:
+        fields: list[tuple] = [(f"h{i}", msgspec.Raw, _ABSENT) for i in range(len(shape.head))]
+        rename = {f"h{i}": key for i, key in enumerate(shape.head)}
+        if shape.messages is not None:
+            fields.append(("m", list[msgspec.Raw] | None, None) if listed
+                          else ("m", msgspec.Raw, _ABSENT))
+            rename["m"] = shape.messages
+        if shape.prompt is not None:
+            fields.append(("p", msgspec.Raw, _ABSENT))
+            rename["p"] = shape.prompt
+        return msgspec.json.Decoder(msgspec.defstruct("Request", fields, rename=rename))
+    return decoder(True), decoder(False)
+
+
+def _request_parts(request: str, shape: Shape, parts: list[str]) -> None:
+    if shape.messages is None and shape.prompt is None:  # an API without a shape
+        _strings(_any.decode(request), parts, False)  # the whole request, resent or not
+        return
+    listed, whole = _decoders(shape)
+    try:
+        found, text = listed.decode(request), _ABSENT
+        items = getattr(found, "m", None)
+    except msgspec.ValidationError:  # not a list where the messages go: a text (or not)
+        found = whole.decode(request)
+        text, items = getattr(found, "m", _ABSENT), None
     if items is None:
-        for raw in (request.input, request.prompt):
+        for raw in (text, getattr(found, "p", _ABSENT)):
             if raw:
                 value = _any.decode(raw)
                 if isinstance(value, list):
@@ -97,23 +121,25 @@ def _request_parts(request: _Request, parts: list[str]) -> None:
                 else:
                     _strings(value, parts, True)
                 break
-    tail = _tail(items or [])
+    tail = _tail(items or [], shape)
     if len(tail) == len(items or []):  # nobody answered yet: the set-up is new too
-        for raw in (request.system, request.instructions):
+        for i in range(len(shape.head)):
+            raw = getattr(found, f"h{i}")
             if raw:
                 _strings(_any.decode(raw), parts, True)
     for raw in tail:
         _strings(_any.decode(raw), parts, False)
 
 
-def _tail(items: list) -> list:
+def _tail(items: list, shape: Shape) -> list:
     """The items from the last assistant one on (all when there is none)."""
+    roles, types = shape.assistant_roles, shape.assistant_types
     for at in range(len(items) - 1, -1, -1):
         try:
             probe = _role.decode(items[at])
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-        if probe.role == "assistant" or probe.type in _ASSISTANT_TYPES:
+        if probe.role in roles or probe.type in types:
             return items[at:]
     return items
 

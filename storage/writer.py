@@ -26,6 +26,7 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage import blocks
+from tracetap.storage.conversation import Readers
 from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.journal_record import decode as _decode
@@ -64,6 +65,7 @@ class Writer:
         quarantine: Quarantine | None = None,
         hold_retry: float = 0.5,
         search_index: bool = True,
+        readers: Readers | None = None,
     ):
         self.engine = engine
         self.journal = journal
@@ -98,9 +100,11 @@ class Writer:
         self._held: set[str] = set()  # call ids of records prepare handed back, until written
         # Each conversation's last stored call: the next one stores only its new blocks.
         self.blocks = BlockCache()
-        # search_index: whether calls are indexed for the viewer's search (--no-search-index)
+        # search_index: whether calls are indexed for the viewer's search (--no-search-index);
+        # readers: where each API's requests hold their messages (storage.conversation),
+        # the composer's (the proxy's registry): without it bodies are stored whole.
         self._insert = functools.partial(insert_calls, cache=self.blocks,
-                                         search_index=search_index)
+                                         search_index=search_index, readers=readers)
 
     encode = staticmethod(_encode)  # the journal's record format
 

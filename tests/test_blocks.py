@@ -45,15 +45,15 @@ def _request(messages: list, style: dict, key: str = "messages", first: bool = F
 
 @given(st.text())
 def test_any_text_joins_back_exactly(text):
-    assert "".join(segments(text)) == text
-    assert join_text(data for _, data in cut_text(text)[0]) == text
+    assert "".join(segments(text, "messages")) == text
+    assert join_text(data for _, data in cut_text(text, "messages")[0]) == text
 
 
 @given(st.lists(_message, max_size=6), _style, st.sampled_from(["messages", "input"]),
        st.booleans())
 def test_a_request_is_cut_at_its_messages_and_joins_back(messages, style, key, first):
     text = _request(messages, style, key, first)
-    pieces = segments(text)
+    pieces = segments(text, key)
     assert "".join(pieces) == text
     if messages:
         assert len(pieces) == len(messages) + 2  # before, each message, after
@@ -63,8 +63,8 @@ def test_a_request_is_cut_at_its_messages_and_joins_back(messages, style, key, f
 
 @given(st.lists(_message, min_size=1, max_size=5), _message, _style)
 def test_an_appended_message_leaves_the_earlier_pieces_as_they_were(messages, new, style):
-    before = cut_text(_request(messages, style))[0]
-    after = cut_text(_request([*messages, new], style))[0]
+    before = cut_text(_request(messages, style), "messages")[0]
+    after = cut_text(_request([*messages, new], style), "messages")[0]
     # The head and every earlier message name the same blocks: stored once, referenced twice.
     assert [ref for ref, _ in after[:len(messages) + 1]] == \
         [ref for ref, _ in before[:len(messages) + 1]]
@@ -75,20 +75,20 @@ def test_an_appended_message_leaves_the_earlier_pieces_as_they_were(messages, ne
 def test_a_body_resumed_from_the_last_calls_prefix_cuts_as_a_full_scan(
         messages, added, style, edit):
     first = _request(messages, style)
-    _, prefix = cut_text(first)
+    _, prefix = cut_text(first, "messages")
     second = _request([*messages, *added], style)
     if edit:  # a history rewritten in place: the prefix no longer recurs
         second = second.replace("m", "m" + edit, 1)
-    full, full_prefix = cut_text(second)
-    resumed, resumed_prefix = cut_text(second, previous=prefix)
+    full, full_prefix = cut_text(second, "messages")
+    resumed, resumed_prefix = cut_text(second, "messages", previous=prefix)
     assert [ref for ref, _ in resumed] == [ref for ref, _ in full]
     assert resumed_prefix == full_prefix
-    assert "".join(p for p in segments(second)) == second
+    assert "".join(p for p in segments(second, "messages")) == second
 
 
 @given(st.text(alphabet='{}[],:"\\ abn', max_size=80))
 def test_broken_json_still_joins_back(text):
-    assert "".join(segments('{"messages": [' + text)) == '{"messages": [' + text
+    assert "".join(segments('{"messages": [' + text, "messages")) == '{"messages": [' + text
 
 
 def _ids(values: list[int]) -> bytes:

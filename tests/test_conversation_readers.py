@@ -7,23 +7,35 @@ packages reads an API's request keys."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import re
 from pathlib import Path
 
+from sqlalchemy import text
+
 from tracetap.analysis import conversation as analysis
 from tracetap.analysis.steps import CallBodies, read_steps
+from tracetap.migrations import upgrade
 from tracetap.proxy.apis.chat.api import CHAT_CLIENT
 from tracetap.proxy.apis.registry import APIS, caps, readers
 from tracetap.proxy.episodes.lineage import conversation as lineage
+from tracetap.storage import queries, retention, search
+from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.conversation import (
     Conversation,
     Message,
+    Shape,
     Text,
     ToolCall,
     ToolResult,
     text_of,
 )
+from tracetap.storage.engine import create_engine
+from tracetap.storage.journal import Journal
+from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.tables import CallText
+from tracetap.storage.writer import Writer
 from tracetap.viewer import conversation as viewer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,10 +100,13 @@ def read_gemini(request, reply, *, first=None) -> Conversation:
         for c in reply.get("candidates") or ()])
 
 
+# Where its stored request holds the conversation (the package's ``conversation.py`` too).
+GEMINI_SHAPE = Shape(messages="contents", head=("systemInstruction",), assistant_roles=("model",))
 # The registry's line for it: the package's ClientApi (no native capture, no translation
 # needed to read its stored calls).
 GEMINI_API = CHAT_CLIENT._replace(name="gemini", path="/v1beta/models/m:generateContent",
-                                  exposed=(), native=None, reader=read_gemini)
+                                  exposed=(), native=None, reader=read_gemini,
+                                  shape=GEMINI_SHAPE)
 WITH_GEMINI = readers((*APIS, GEMINI_API))
 
 
@@ -196,3 +211,127 @@ def test_no_reader_of_a_conversation_outside_the_api_packages_reads_a_wire_shape
                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
                  and id(node) not in docstrings and node.value in WIRE_NAMES}
         assert not found, f"{name} reads {sorted(found)}"
+
+
+def _gemini_calls(turns: int) -> list[CallRecord]:
+    """A Gemini agent's calls: each resends the whole conversation, adding a tool's output
+    (a word of its own, ``Output<turn>``, and 2 KB) and the model's last answer."""
+    contents = [{"role": "user", "parts": [{"text": "Find the Zebracorn file."}]}]
+    records = []
+    for turn in range(turns):
+        if turn:
+            contents += [{"role": "model", "parts": [{"text": f"Answer{turn - 1} ls"}]},
+                         {"role": "user", "parts": [{"functionResponse": {"name": "ls",
+                          "response": {"output": f"Output{turn} " + "ü" * 2000}}}]}]
+        records.append(CallRecord(
+            call_id=f"g-{turn:02d}", episode_id="gemini-ep", seq=turn, endpoint="gemini",
+            model="m", t_start=1000.0 + turn, t_end=1000.5 + turn, http_status=200,
+            instance="i", request=json.dumps({
+                "systemInstruction": {"parts": [{"text": "Be a Quokka agent."}]},
+                "contents": contents, "generationConfig": {"temperature": 1}},
+                ensure_ascii=False),
+            response=json.dumps({"candidates": [{"content": {"role": "model", "parts": [
+                {"text": f"Answer{turn} ls"}]}}]}),
+            choices=[ChoiceRecord(index=0, finish_reason="stop", text=f"Answer{turn} ls")]))
+    return records
+
+
+async def _store_and_look(engine, journal: Path, records: list[CallRecord], table) -> tuple:
+    """Store through a writer composed with ``table``; then what search finds of a word
+    (call ids), the request bytes the blocks hold (each block once), the bodies read back."""
+    writer = Writer(engine, Journal(journal, max_bytes=1 << 26), readers=table)
+    writer.start()
+    for record in records:
+        writer.submit(record)
+    while writer.pending:
+        await asyncio.sleep(0.01)
+    await writer.close()
+    async with engine.connect() as conn:
+        found = {word: sorted((await conn.execute(
+            search.matching_calls(engine.dialect.name, word)
+            .with_only_columns(CallText.call_id))).scalars())
+            for word in ("zebracorn", "quokka", "output3", "answer2")}
+        refs = (await conn.execute(text("SELECT request_refs FROM calls"))).scalars().all()
+    stored = sum(dict(ref for r in refs for ref in unpack_refs(r)).values())
+    return found, stored, await queries.calls_of(engine, "gemini-ep")
+
+
+def test_a_fourth_api_is_stored_by_message_and_found_by_its_new_turn(db_url, tmp_path):
+    """Only its package's shape and its registry line: its bodies are cut at each message
+    (a resent message stored once), its calls found by the turn they add, read back as
+    sent; prune takes their postings (SQLite recomputes the text by the same shape)."""
+    records = _gemini_calls(8)
+
+    async def step(engine):
+        looked = await _store_and_look(engine, tmp_path / "journal", records, WITH_GEMINI)
+        sqlite = engine.dialect.name == "sqlite"
+        async with engine.begin() as conn:
+            await retention._delete(conn, ["gemini-ep"], [r.call_id for r in records],
+                                    WITH_GEMINI)
+            left = (await conn.execute(text(
+                "SELECT count(*) FROM call_text_fts WHERE call_text_fts MATCH 'output3'"
+            ))).scalar() if sqlite else 0
+        return looked, left
+
+    (found, stored, back), left = _run(db_url, step)
+    assert [c["request"] for c in back] == [r.request for r in records]  # byte for byte
+    assert [c["response"] for c in back] == [r.response for r in records]
+    # Each call is found by what it added; the history it resends is not indexed again.
+    assert found == {"zebracorn": ["g-00"], "quokka": ["g-00"], "output3": ["g-03"],
+                     "answer2": ["g-02", "g-03"]}  # its answer, and resent as the last turn
+    sent = sum(len(r.request.encode()) for r in records)
+    last = len(records[-1].request.encode())
+    assert last <= stored <= 1.05 * last < sent / 3  # linear in the conversation
+    assert left == 0  # no posting left behind
+
+
+def test_a_fourth_api_without_its_shape_is_stored_and_found_whole(tmp_path):
+    """Its line without a shape (or no line): nothing lost, at the cost of storing and
+    indexing each resent request whole."""
+    url = f"sqlite:///{tmp_path / 'plain.db'}"
+    upgrade(url)
+    records = _gemini_calls(8)
+    found, stored, back = _run(url, lambda engine: _store_and_look(
+        engine, tmp_path / "journal", records, readers()))
+    assert [c["request"] for c in back] == [r.request for r in records]
+    assert found["zebracorn"] == [r.call_id for r in records]  # every resent copy matches
+    assert stored == sum(len(r.request.encode()) for r in records)
+
+
+def _run(url: str, step):
+    async def run():
+        engine = create_engine(url)
+        try:
+            return await step(engine)
+        finally:
+            await engine.dispose()
+    return asyncio.run(run())
+
+
+def test_the_proxy_composes_its_writer_with_each_apis_shape(proxy):
+    """Through the proxy (the real SDK): a resent chat message names the block it named
+    when first sent, and a call is found by the turn it adds, not by the history."""
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.episode_url("composed"), api_key="k", max_retries=0)
+    messages = [{"role": "user", "content": "Find the Zebracorn file. " + "é" * 3000}]
+    for turn in range(3):
+        client.chat.completions.create(model="mock", max_tokens=4, messages=messages)
+        messages += [{"role": "assistant", "content": f"Answer{turn}"},
+                     {"role": "user", "content": f"Output{turn} " + "ü" * 3000}]
+    calls = proxy.calls("composed")
+
+    async def look():
+        async with proxy.state.engine.connect() as conn:
+            refs = [unpack_refs(bytes((await conn.execute(text(
+                "SELECT request_refs FROM calls WHERE call_id = :c"), {"c": c["call_id"]}
+            )).scalar())) for c in calls]
+            found = {word: (await conn.execute(search.matching_calls(
+                proxy.state.engine.dialect.name, word).with_only_columns(CallText.call_id)
+            )).scalars().all() for word in ("zebracorn", "output1")}
+        return refs, found
+
+    refs, found = proxy.loop.run(look())
+    assert len(refs[0]) >= 3 and refs[2][:2] == refs[1][:2] == refs[0][:2]  # head, message
+    assert refs[2][:4] == refs[1][:4]  # and the turn the second call added
+    assert found == {"zebracorn": [calls[0]["call_id"]], "output1": [calls[2]["call_id"]]}

@@ -16,6 +16,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 
 from tracetap.exporters import export
+from tracetap.proxy.apis.registry import readers
 from tracetap.storage import queries
 from tracetap.storage.blocks import unpack_refs
 from tracetap.storage.dedup import BlockCache
@@ -23,6 +24,8 @@ from tracetap.storage.engine import create_engine
 from tracetap.storage.footprint import stored_ids
 from tracetap.storage.records import CallRecord, ChoiceRecord
 from tracetap.storage.rows import insert_calls
+
+READERS = readers()  # each API's request shape, as the proxy composes them
 
 SYSTEM, TOOL, OUT = 700, 300, 60  # tokens: a shared system prompt, each tool result, each reply
 
@@ -93,7 +96,7 @@ def test_calls_read_back_exactly_and_each_prompt_token_is_stored_once(db_url):
     async def step(engine):
         cache = BlockCache()
         for turn in range(turns):  # a turn of every sample per batch, as the writer does
-            await insert_calls(engine, [calls[turn] for calls in group], cache)
+            await insert_calls(engine, [calls[turn] for calls in group], cache, readers=READERS)
         stored = {k: await queries.calls_of(engine, f"sample-{k}") for k in range(3)}
         return stored, await _prompt_blocks(engine)
 
@@ -126,8 +129,9 @@ def test_a_writer_that_forgot_finds_the_last_call_in_the_database(db_url):
     calls = conversation("long", 6, seed=1)
 
     async def step(engine):
-        await insert_calls(engine, calls[:3], BlockCache())
-        await insert_calls(engine, calls[3:], BlockCache())  # a restart: nothing cached
+        await insert_calls(engine, calls[:3], BlockCache(), readers=READERS)
+        # A restart: nothing cached.
+        await insert_calls(engine, calls[3:], BlockCache(), readers=READERS)
         return await queries.calls_of(engine, "long"), await _prompt_blocks(engine)
 
     stored, blocks = _run(db_url, step)
@@ -143,14 +147,14 @@ def test_a_refused_batch_leaves_nothing_referenced_that_was_not_stored(db_url):
     cache = BlockCache()
 
     async def step(engine):
-        await insert_calls(engine, calls[:1], cache)
+        await insert_calls(engine, calls[:1], cache, readers=READERS)
         poisoned = calls[1]
         poisoned.seq = None  # NOT NULL: the database refuses the batch
         with pytest.raises((sqlite3.IntegrityError, IntegrityConstraintViolationError)):
-            await insert_calls(engine, [poisoned], cache)
+            await insert_calls(engine, [poisoned], cache, readers=READERS)
         poisoned.seq = 1
         # The next call extends the refused one: its blocks must be written now.
-        await insert_calls(engine, calls[2:], cache)
+        await insert_calls(engine, calls[2:], cache, readers=READERS)
         return await queries.calls_of(engine, "refused")
 
     stored = _run(db_url, step)
@@ -166,7 +170,7 @@ def test_calls_without_an_episode_or_a_body_are_stored_as_they_came(db_url):
                                             completion_logprobs=[])])
 
     async def step(engine):
-        await insert_calls(engine, [bare])
+        await insert_calls(engine, [bare], readers=READERS)
         return await queries.calls_of(engine, None)
 
     [stored] = _run(db_url, step)
@@ -184,7 +188,7 @@ def test_a_call_without_ids_in_the_middle_does_not_make_the_next_store_its_promp
 
     async def step(engine):
         for batch in ([calls[0]], [calls[1]], [failed], [calls[2]], [calls[3]]):
-            await insert_calls(engine, batch, cache)
+            await insert_calls(engine, batch, cache, readers=READERS)
         return await queries.calls_of(engine, "gap"), await _prompt_blocks(engine)
 
     stored, blocks = _run(db_url, step)
@@ -202,7 +206,7 @@ def test_the_export_reads_each_block_once_not_each_calls_whole_prompt(db_url, tm
 
     async def step(engine):
         for calls in group:
-            await insert_calls(engine, calls)
+            await insert_calls(engine, calls, readers=READERS)
             await queries.finish_episode(engine, calls[0].episode_id, reward=1.0,
                                          rewards=None, outcome=None, info=None)
         async with engine.connect() as conn:  # every block the export writes out

@@ -156,12 +156,12 @@ def test_storing_5_mib_of_tiny_messages_does_not_stall_other_calls(
 def test_a_body_is_cut_into_a_bounded_number_of_blocks():
     messages = [{"role": "user", "content": str(i)} for i in range(3 * MAX_CUT_ELEMENTS)]
     text = json.dumps({"model": "m", "messages": messages, "max_tokens": 2})
-    pieces, prefix = cut_text(text)
+    pieces, prefix = cut_text(text, "messages")
     assert len(pieces) == MAX_CUT_ELEMENTS + 2  # before the list, each message, the rest
     assert join_text(data for _, data in pieces) == text
     # The next call of the conversation continues after the prefix, bounded again.
     longer = json.dumps({"model": "m", "messages": [*messages, *messages], "max_tokens": 2})
-    again, _ = cut_text(longer, previous=prefix)
+    again, _ = cut_text(longer, "messages", previous=prefix)
     assert len(pieces) - 1 < len(again) <= len(pieces) - 1 + MAX_CUT_ELEMENTS + 2
     assert join_text(data for _, data in again[len(pieces) - 1:]) == longer[len(prefix[0]):]
 

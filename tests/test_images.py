@@ -298,7 +298,7 @@ def test_a_body_of_many_images_is_cut_into_a_bounded_number_of_blocks():
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(
         screenshot(3, 1_200))}}
     body = json.dumps({"messages": [{"role": "user", "content": [part] * 600}]})
-    pieces, _ = cut_text(body)
+    pieces, _ = cut_text(body, "messages")
     assert len(pieces) <= 2 * MAX_PER_SEGMENT + 4
     assert len({h for (h, _), _ in pieces}) < 10  # one image: one block, however often
     assert join_text(unpack_block(pack_block(d)) for _, d in pieces) == body

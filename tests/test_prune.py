@@ -268,13 +268,13 @@ def test_an_episode_outside_the_proof_or_given_a_call_meanwhile_is_kept(db_url, 
                       t_start=1.0, request="{}")
     real_forget = retention.forget
 
-    async def call_arrives_then_forget(conn, call_ids):
+    async def call_arrives_then_forget(conn, call_ids, readers):
         other = create_engine(db_url)
         try:
             await insert_calls(other, [late])
         finally:
             await other.dispose()
-        await real_forget(conn, call_ids)
+        await real_forget(conn, call_ids, readers)
 
     monkeypatch.setattr(retention, "forget", call_arrives_then_forget)
     counts = retention.PruneCounts()

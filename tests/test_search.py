@@ -22,6 +22,7 @@ from helpers.search_calls import (
 from sqlalchemy import func, select
 
 from tracetap.migrations import upgrade
+from tracetap.proxy.apis.registry import readers
 from tracetap.storage import queries, retention, search
 from tracetap.storage.engine import create_engine
 from tracetap.storage.records import CallRecord
@@ -30,25 +31,28 @@ from tracetap.storage.search_text import call_text
 from tracetap.storage.tables import CallText
 from tracetap.viewer.search import parse_where
 
+READERS = readers()  # each API's request shape, as the proxy composes them
 
 def test_a_call_indexes_its_new_turn_not_the_history_it_resends():
     first, second = conversation("e", "FileNotFoundError: conftest.py")
-    assert "Zebracorn" in call_text(first) and "fix the failing" in call_text(first)
-    text = call_text(second)
+    text = call_text(first, READERS)
+    assert "Zebracorn" in text and "fix the failing" in text
+    text = call_text(second, READERS)
     assert "Zebracorn" not in text and "fix the failing" not in text  # resent: not again
     assert "FileNotFoundError" in text and "pytest -x" in text and "done" in text
     failed = chat("x", "e", [{"role": "user", "content": "hi"}], "", error="upstream 502")
-    assert "upstream 502" in call_text(failed)
+    assert "upstream 502" in call_text(failed, READERS)
     messages = CallRecord(call_id="a", episode_id="e", endpoint="messages", t_start=T0,
                           status="ok", http_status=200, instance="i", request=json.dumps({
                               "system": "sys words", "messages": [
                                   {"role": "user", "content": [{"type": "tool_result",
                                    "tool_use_id": "u", "content": [
                                        {"type": "text", "text": "quokka output"}]}]}]}))
-    assert "quokka output" in call_text(messages) and "sys words" in call_text(messages)
+    text = call_text(messages, READERS)
+    assert "quokka output" in text and "sys words" in text
     assert call_text(CallRecord(call_id="b", episode_id="e", endpoint="chat.completions",
                                 t_start=T0, status="ok", http_status=200, instance="i",
-                                request="not json")) == ""
+                                request="not json"), READERS) == ""
 
 
 def test_query_syntax():
@@ -70,8 +74,8 @@ async def _seed(engine) -> None:
                *conversation("beta", "No space left on device", model="m2", policy="v2"),
                chat("gamma-0", "gamma", [{"role": "user", "content": "hello"}], "",
                     error="upstream timed out after 30 s")]
-    await insert_calls(engine, records)
-    await insert_calls(engine, records)  # a journal replayed: indexed once
+    await insert_calls(engine, records, readers=READERS)
+    await insert_calls(engine, records, readers=READERS)  # a journal replayed: indexed once
 
 
 def test_search_and_filters_on_both_databases(db_url):
@@ -105,12 +109,12 @@ async def _search_and_filters(db_url: str) -> None:
         assert await ids(None, parse_where(
             {"where": "meta.batch=variants, config.retries=3"})) == ["alpha"]
         found = await search.snippets(engine, search.parse_terms("FileNotFoundError"),
-                                      ["alpha", "beta"])
+                                      ["alpha", "beta"], READERS)
         assert list(found) == ["alpha"] and found["alpha"].call_id == "alpha-1"
         assert found["alpha"].match == "FileNotFoundError" and found["alpha"].matches == 1
         # prune's delete takes the calls' search rows with them
         async with engine.begin() as conn:
-            await retention._delete(conn, ["beta"], ["beta-0", "beta-1"])
+            await retention._delete(conn, ["beta"], ["beta-0", "beta-1"], READERS)
         assert await ids("zebracorn") == ["alpha"]
     finally:
         await engine.dispose()
@@ -135,8 +139,9 @@ def test_the_migration_backfills_calls_stored_before_it(tmp_path, request, kind)
         saved = rows.index_calls
         rows.index_calls = index_nothing
         try:
-            await insert_calls(engine, conversation("old", "SegfaultGremlin at 0x0"))
-            await insert_calls(engine, [chat("old-2", "old", [], "", error="x")])
+            await insert_calls(engine, conversation("old", "SegfaultGremlin at 0x0"),
+                               readers=READERS)
+            await insert_calls(engine, [chat("old-2", "old", [], "", error="x")], readers=READERS)
         finally:
             rows.index_calls = saved
             await engine.dispose()

@@ -29,6 +29,8 @@ from tracetap.storage.tables import CallText
 from tracetap.viewer.access import Access
 from tracetap.viewer.app import ViewerConfig, build_viewer
 
+READERS = readers()  # each API's request shape, as the proxy composes them
+
 TOKEN = "t" * 32
 
 
@@ -73,7 +75,7 @@ async def _old_writer(url: str) -> None:
     try:
         await _with_engine(url, lambda engine: insert_calls(engine, [
             *conversation("old", "SegfaultGremlin at 0x0"),
-            chat("old-2", "old", [], "", error="upstream refused: quota")]))
+            chat("old-2", "old", [], "", error="upstream refused: quota")], readers=READERS))
     finally:
         rows.index_calls = saved
 
@@ -116,7 +118,7 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
     stored = [*conversation("old", "SegfaultGremlin at 0x0"),
               chat("old-2", "old", [], "", error="upstream refused: quota")]
     records = {r.call_id: r for r in stored}
-    assert _run(url, bodies) == {c: call_text(r) for c, r in records.items()}
+    assert _run(url, bodies) == {c: call_text(r, READERS) for c, r in records.items()}
     upgrade(url)  # and up again
     assert _run(url, found) == [["old"], ["old"], ["old"], [], []]
 
@@ -133,7 +135,8 @@ def seeded(request, tmp_path) -> str:
                                                                    "together"}], "ok"),
             chat("s-0", "split", [{"role": "user", "content": "only alpha here"}], "ok"),
             chat("s-1", "split", [{"role": "user", "content": "only beta here"}], "ok", t=2e9),
-            chat("r-0", "reversed", [{"role": "user", "content": "beta then alpha"}], "ok")])
+            chat("r-0", "reversed", [{"role": "user", "content": "beta then alpha"}], "ok")],
+            readers=READERS)
     _run(url, seed)
     return url
 
@@ -142,7 +145,7 @@ def test_a_phrase_is_all_its_words_in_one_call(seeded):
     async def work(engine):
         return (await matching(engine, '"alpha beta"'), await matching(engine, "alpha beta"),
                 await search.snippets(engine, search.parse_terms('"alpha beta"'),
-                                      ["adjacent", "reversed"]))
+                                      ["adjacent", "reversed"], READERS))
     phrase, words, snippets = _run(seeded, work)
     assert phrase == ["adjacent", "reversed"]  # order and adjacency are not checked
     assert words == ["adjacent", "reversed", "split"]  # each word in some call
@@ -156,8 +159,9 @@ def test_a_phrase_is_all_its_words_in_one_call(seeded):
 def test_snippets_come_from_the_stored_call(seeded):
     async def work(engine):
         async with engine.connect() as conn:
-            recomputed = await conn.run_sync(texts_of, ["p-0", "s-0", "s-1", "nosuch"])
-        found = await search.snippets(engine, search.parse_terms("only"), ["split"])
+            recomputed = await conn.run_sync(texts_of, ["p-0", "s-0", "s-1", "nosuch"], READERS)
+        found = await search.snippets(engine, search.parse_terms("only"), ["split"],
+                                      READERS)
         return recomputed, found
     recomputed, found = _run(seeded, work)
     assert set(recomputed) == {"p-0", "s-0", "s-1"}
@@ -173,10 +177,10 @@ def test_recomputed_text_is_what_the_writer_indexed(db_url):
     upgrade(db_url)
 
     async def work(engine):
-        await insert_calls(engine, records)
+        await insert_calls(engine, records, readers=READERS)
         async with engine.connect() as conn:
-            return await conn.run_sync(texts_of, [r.call_id for r in records])
-    assert _run(db_url, work) == {r.call_id: call_text(r) for r in records}
+            return await conn.run_sync(texts_of, [r.call_id for r in records], READERS)
+    assert _run(db_url, work) == {r.call_id: call_text(r, READERS) for r in records}
 
 
 async def _postings(engine, word: str) -> list[int]:
@@ -191,7 +195,7 @@ def test_prune_takes_the_postings_with_the_calls(seeded):
         sqlite = engine.dialect.name == "sqlite"
         before = await _postings(engine, "only") if sqlite else None
         async with engine.begin() as conn:
-            await retention._delete(conn, ["split"], ["s-0", "s-1"])
+            await retention._delete(conn, ["split"], ["s-0", "s-1"], READERS)
         async with engine.connect() as conn:
             rows = (await conn.execute(select(func.count()).select_from(CallText))).scalar()
         after = await _postings(engine, "only") if sqlite else None
@@ -209,13 +213,15 @@ def test_a_posting_without_its_row_finds_nothing_and_ids_are_not_reused(tmp_path
     upgrade(url)
 
     async def work(engine):
-        await insert_calls(engine, [chat("a-0", "a", [{"role": "user", "content": "kiwi"}], "")])
+        await insert_calls(engine, [chat("a-0", "a", [{"role": "user", "content": "kiwi"}], "")],
+                           readers=READERS)
         async with engine.begin() as conn:
             top = (await conn.execute(select(func.max(CallText.id)))).scalar()
             # A row gone without its postings (as when its text could not be recomputed)
             await conn.execute(CallText.__table__.delete())
         assert await matching(engine, "kiwi") == []
-        await insert_calls(engine, [chat("b-0", "b", [{"role": "user", "content": "fig"}], "")])
+        await insert_calls(engine, [chat("b-0", "b", [{"role": "user", "content": "fig"}], "")],
+                           readers=READERS)
         async with engine.connect() as conn:
             new = (await conn.execute(select(CallText.id))).scalar()
         return top, new, await matching(engine, "kiwi"), await matching(engine, "fig")
@@ -230,11 +236,12 @@ def test_a_journal_replayed_then_pruned_leaves_no_posting(tmp_path):
     records = conversation("e", "FileNotFoundError: conftest.py")
 
     async def work(engine):
-        await insert_calls(engine, records)
-        await insert_calls(engine, records)  # replayed: the rows exist, no postings added
+        await insert_calls(engine, records, readers=READERS)
+        # Replayed: the rows exist, no postings added.
+        await insert_calls(engine, records, readers=READERS)
         once = await _postings(engine, "zebracorn")
         async with engine.begin() as conn:  # one 'delete' per row takes every posting
-            await retention._delete(conn, ["e"], [r.call_id for r in records])
+            await retention._delete(conn, ["e"], [r.call_id for r in records], READERS)
         return once, await _postings(engine, "zebracorn"), await _postings(engine, "pytest")
     once, after, other = _run(url, work)
     assert len(once) == 1 and after == [] and other == []
@@ -244,7 +251,8 @@ def test_the_index_turned_off_writes_no_rows(db_url):
     upgrade(db_url)
 
     async def work(engine):
-        await insert_calls(engine, conversation("e", "No space left"), search_index=False)
+        await insert_calls(engine, conversation("e", "No space left"), search_index=False,
+                           readers=READERS)
         async with engine.connect() as conn:
             rows = (await conn.execute(select(func.count()).select_from(CallText))).scalar()
         return rows, await matching(engine, "zebracorn")
@@ -277,7 +285,7 @@ def test_the_writer_turned_off_indexes_nothing(tmp_path):
         counts = []
         for on in (False, True):
             journal = Journal(tmp_path / f"journal-{on}", max_bytes=1 << 20)
-            writer = Writer(engine, journal, search_index=on)
+            writer = Writer(engine, journal, search_index=on, readers=READERS)
             writer.start()
             for record in conversation(f"e-{on}", "No space left"):
                 writer.submit(record)
@@ -298,7 +306,7 @@ def test_the_search_page_says_the_index_is_off_and_finds_ids(tmp_path):
     async def work():
         await _with_engine(url, lambda engine: insert_calls(
             engine, [*conversation("ep-alpha", "zebra"), *conversation("ep-beta", "zebra")],
-            search_index=False))
+            search_index=False, readers=READERS))
         pages = {}
         for indexed in (False, True):
             app = build_viewer(ViewerConfig(database_url=url, search_index=indexed),
@@ -333,12 +341,12 @@ def test_postgres_stores_exactly_the_words_of_the_text(fresh_postgres):
     upgrade(fresh_postgres)
 
     async def work(engine):
-        await insert_calls(engine, calls, search_index=True)
+        await insert_calls(engine, calls, search_index=True, readers=READERS)
         async with engine.connect() as conn:
             return dict((await conn.execute(text(
                 "SELECT call_id, tsvector_to_array(doc) FROM call_text"))).all())
     stored = _run(fresh_postgres, work)
-    expected = search_index.words(call_text(calls[0]))
+    expected = search_index.words(call_text(calls[0], READERS))
     assert "grüße" in expected and "nbsp" in expected and "y" * 200 in expected
     assert sorted(stored["c-words"]) == sorted(expected)
     assert stored["c-none"] == []

@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the version and exit")
     config.add_option(parser, "--log-level", default="INFO", metavar="LEVEL",
                       help="DEBUG, INFO, WARNING or ERROR")
-    # What reads a stored call's conversation (analysis commands): composed here, as the
-    # packages below the proxy may not import it; loaded only when a command asks.
+    # What reads a stored call's conversation, and where each API's request holds it
+    # (analysis commands; prune's search postings): composed here, as the packages below
+    # the proxy may not import it; loaded only when a command asks.
     parser.set_defaults(readers=conversation_readers)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, command in COMMANDS:
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def conversation_readers():
-    """Each wire API's conversation reader (``storage.conversation.Readers``)."""
+    """Each wire API's conversation reader and request shape
+    (``storage.conversation.Readers``)."""
     from tracetap.proxy.apis.registry import readers
 
     return readers()

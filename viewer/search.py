@@ -18,9 +18,10 @@ import msgspec
 from aiohttp import web
 
 from tracetap.storage import browse, search
+from tracetap.storage.conversation import Readers
 from tracetap.storage.tables import Call, Episode
 from tracetap.viewer import params
-from tracetap.viewer.keys import CONFIG, SOURCE
+from tracetap.viewer.keys import CONFIG, READERS, SOURCE
 from tracetap.viewer.render import page
 from tracetap.viewer.search_bounds import Refused, bounded
 
@@ -72,13 +73,13 @@ def conditions(dialect: str, terms: search.Terms | None, where: Where,
 
 
 async def _search(engine, episodes: browse.EpisodeQuery, terms: search.Terms | None,
-                  where: Where) -> tuple[browse.EpisodePage, dict | None]:
+                  where: Where, readers: Readers) -> tuple[browse.EpisodePage, dict | None]:
     text_part = None if terms is None else await search.resolved_conditions(engine, terms)
     found = await browse.episode_page(
         engine, episodes, extra=conditions(engine.dialect.name, terms, where, text_part),
         count_cap=COUNT_CAP)
     snippets = None if terms is None else await search.snippets(
-        engine, terms, [r.id for r in found.rows])
+        engine, terms, [r.id for r in found.rows], readers)
     return found, snippets
 
 
@@ -115,7 +116,8 @@ async def page_handler(request: web.Request) -> web.Response:
         source = request.app[SOURCE]
         try:
             found, snippets = await bounded(
-                request, _search(await source.search_engine(), episodes, terms, where),
+                request, _search(await source.search_engine(), episodes, terms, where,
+                                 request.app[READERS]),
                 source.search)
         except Refused as exc:
             return page(request, "error.html", status=exc.status, title=exc.title,

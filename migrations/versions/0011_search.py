@@ -16,6 +16,7 @@ Revision 0012 keeps the words only.
 import sqlalchemy as sa
 from alembic import op
 
+from tracetap.storage.conversation import Readers, Shape
 from tracetap.storage.search_index import words
 from tracetap.storage.search_recompute import every_call
 
@@ -75,8 +76,19 @@ def downgrade() -> None:
 _CALL_TEXT = sa.table("call_text", *(sa.column(c) for c in ("call_id", "episode_id", "body")))
 
 
+# The request shapes of the three APIs this revision knew, by endpoint: a frozen copy of
+# what their packages declare (proxy/apis/<api>/conversation.py), as a migration does not
+# import the proxy (nor should it change when an API's declaration does later).
+_CHAT = Shape(messages="messages")
+_SHAPES = Readers(shapes={
+    "chat": _CHAT, "chat.completions": _CHAT, "completions": Shape(prompt="prompt"),
+    "responses": Shape(messages="input", head=("instructions",),
+                       assistant_types=("function_call", "custom_tool_call")),
+    "messages": Shape(messages="messages", head=("system",))})
+
+
 def _backfill(bind) -> None:
-    for page in every_call(bind):
+    for page in every_call(bind, _SHAPES):
         _insert(bind, [{"call_id": c, "episode_id": e, "body": body} for c, e, body in page])
 
 

@@ -26,7 +26,7 @@ import msgspec
 
 from tracetap.proxy.http.errors import ErrorShape
 from tracetap.proxy.http.sse import Event
-from tracetap.storage.conversation import Reader
+from tracetap.storage.conversation import Reader, Shape
 from tracetap.storage.records import ChoiceRecord
 
 
@@ -154,4 +154,5 @@ class ClientApi(NamedTuple):
     # Its stored request and reply read as a conversation (its ``conversation.py``): what
     # the viewer, analysis and lineage read instead of its shapes.
     reader: Reader
+    shape: Shape  # where its stored request holds its messages (storage's blocks, search)
     caps: Callable[[Mapping[str, Any]], Caps]  # its request's completion cap (the budgets')

@@ -37,8 +37,11 @@ def caps(endpoint: str, request: Mapping[str, Any]) -> Caps:
 def readers(apis: tuple[ClientApi, ...] = APIS) -> Readers:
     """Each API's conversation reader, by the names ``calls.endpoint`` stores: its name,
     its native capture's endpoint (chat's ``chat.completions``), and ``<client>:chat``'s
-    upstream side (``chat``). Handed to the viewer, analysis and lineage at composition."""
-    return Readers({name: api.reader for name, api in _by_endpoint(apis).items()})
+    upstream side (``chat``), with each API's stored request's shape. Handed to the
+    viewer, analysis, lineage, the writer and prune at composition."""
+    by_endpoint = _by_endpoint(apis)
+    return Readers({name: api.reader for name, api in by_endpoint.items()},
+                   {name: api.shape for name, api in by_endpoint.items()})
 
 
 def _by_endpoint(apis: tuple[ClientApi, ...]) -> dict[str, ClientApi]:

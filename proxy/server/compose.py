@@ -78,12 +78,13 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
                        journal=f"{os.uname().nodename}:{journal.directory}",
                        directory=journal.directory, owns_engine=True)
                if engine.dialect.name == "postgresql" else NoIntents())
+    apis = readers()  # each API's conversation reader and stored request shape
     return ProxyState(
         settings=settings,
         admin_token=settings.admin_token or ensure_admin_token(settings.data_dir)[0],
         engine=engine,
         writer=Writer(engine, journal, observer=metrics, prepare=resolver,
-                      search_index=settings.search_index),
+                      search_index=settings.search_index, readers=apis),
         intents=intents,
         resolver=resolver,
         pool=pool,
@@ -116,7 +117,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         prompt_prefixes=PromptPrefixes(),
         gate=gate,
         controls=Controls(engine, gate, instance, on_pause=metrics.set_paused),
-        readers=readers(),
+        readers=apis,
     )
 
 

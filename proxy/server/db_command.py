@@ -99,9 +99,11 @@ def _replicas(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from tracetap.proxy.apis.registry import readers
     from tracetap.storage.replicas import replay
 
-    done = _with_engine(args, lambda e: replay(e, args.journal, force=args.force))
+    done = _with_engine(args, lambda e: replay(e, args.journal, force=args.force,
+                                               readers=readers()))
     if done is None:
         return 1
     print(f"replayed {done.replayed} records from {args.journal}; {done.tombstones} calls "

@@ -14,6 +14,7 @@ from tracetap.storage.conversation import (
     Other,
     Part,
     Reasoning,
+    Shape,
     Text,
     Tool,
     ToolCall,
@@ -21,6 +22,10 @@ from tracetap.storage.conversation import (
     image,
     image_ref,
 )
+
+# Where storage finds the conversation in a stored request (``storage.conversation.Shape``).
+CHAT_SHAPE = Shape(messages="messages")
+COMPLETIONS_SHAPE = Shape(prompt="prompt")
 
 
 def read_chat(request: Mapping[str, Any], reply: Mapping[str, Any], *,

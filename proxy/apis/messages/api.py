@@ -7,11 +7,15 @@ from __future__ import annotations
 from tracetap.proxy.apis import ClientApi
 from tracetap.proxy.apis.messages import translate
 from tracetap.proxy.apis.messages.capture import MessagesApi
-from tracetap.proxy.apis.messages.conversation import messages_caps, read_messages
+from tracetap.proxy.apis.messages.conversation import (
+    MESSAGES_SHAPE,
+    messages_caps,
+    read_messages,
+)
 from tracetap.proxy.apis.messages.errors import ANTHROPIC_ERRORS
 
 MESSAGES = ClientApi(
     name="messages", path=MessagesApi.path,
     exposed=(MessagesApi.path, MessagesApi.path + "/count_tokens"), errors=ANTHROPIC_ERRORS,
     native=MessagesApi, native_flavors=(), translation=translate, reader=read_messages,
-    caps=messages_caps)
+    shape=MESSAGES_SHAPE, caps=messages_caps)

@@ -15,6 +15,7 @@ from tracetap.storage.conversation import (
     Other,
     Part,
     Reasoning,
+    Shape,
     Text,
     Tool,
     ToolCall,
@@ -22,6 +23,9 @@ from tracetap.storage.conversation import (
     image,
     image_ref,
 )
+
+# Where storage finds the conversation in a stored request (``storage.conversation.Shape``).
+MESSAGES_SHAPE = Shape(messages="messages", head=("system",))
 
 
 def read_messages(request: Mapping[str, Any], reply: Mapping[str, Any], *,

@@ -7,10 +7,14 @@ from __future__ import annotations
 from tracetap.proxy.apis import ClientApi
 from tracetap.proxy.apis.responses import translate
 from tracetap.proxy.apis.responses.capture import ResponsesApi
-from tracetap.proxy.apis.responses.conversation import read_responses, responses_caps
+from tracetap.proxy.apis.responses.conversation import (
+    RESPONSES_SHAPE,
+    read_responses,
+    responses_caps,
+)
 from tracetap.proxy.apis.responses.errors import ERRORS
 
 RESPONSES = ClientApi(
     name="responses", path=ResponsesApi.path, exposed=(ResponsesApi.path,), errors=ERRORS,
     native=ResponsesApi, native_flavors=("vllm",), translation=translate, reader=read_responses,
-    caps=responses_caps)
+    shape=RESPONSES_SHAPE, caps=responses_caps)

@@ -15,11 +15,17 @@ from tracetap.storage.conversation import (
     Message,
     Other,
     Reasoning,
+    Shape,
     Text,
     Tool,
     ToolCall,
     ToolResult,
 )
+
+# Where storage finds the conversation in a stored request (``storage.conversation.Shape``):
+# a function call is an item of its own, the model's as much as its message is.
+RESPONSES_SHAPE = Shape(messages="input", head=("instructions",),
+                        assistant_types=("function_call", "custom_tool_call"))
 
 
 def read_responses(request: Mapping[str, Any], reply: Mapping[str, Any], *,
