@@ -45,6 +45,11 @@ class Aborted:
         self.rids: set[str] = set()
         self.epoch = 0  # bumped by abort_all
         self.count = 0
+        # Faults a test sets: the status ``/abort_request`` answers (not 200: nothing is
+        # aborted), and an aborted stream's ending without its ids (SGLang leaves them out
+        # after an error abort).
+        self.answer = 200
+        self.drop_ids = False
 
     def watch(self, rid: str):
         epoch = self.epoch
@@ -128,8 +133,9 @@ def _delta(c: Completion, event: Any) -> dict[str, Any]:
 
 
 def chat_chunks(shape: Shape, prompt_ids: list[int], completions: list[Completion],
-                aborted) -> Iterator[dict]:
-    """SGLang's stream; ``aborted()`` turning true ends every choice with ``abort``."""
+                aborted, drop_ids: bool = False) -> Iterator[dict]:
+    """SGLang's stream; ``aborted()`` turning true ends every choice with ``abort`` (and,
+    with ``drop_ids``, its ending without the ids)."""
     sent: list[list[int]] = [[] for _ in completions]
     for i in range(len(completions)):
         yield _chunk(shape, i, {"role": "assistant", "content": ""})
@@ -149,6 +155,8 @@ def chat_chunks(shape: Shape, prompt_ids: list[int], completions: list[Completio
         reason = finish.get(i, "abort")
         yield _chunk(shape, i, {}, finish=reason, matched=_matched(c, reason))
     ext = _ext(shape, prompt_ids, sent)
+    if ext and len(finish) < len(completions) and drop_ids:
+        ext = None  # an error abort: SGLang's ending leaves the ids out
     if ext:
         yield _head(shape, "chat.completion.chunk") | {"choices": [], "usage": None, "sglext": ext}
     if shape.include_usage:
@@ -211,7 +219,9 @@ async def send_chat(request: web.Request, req: Any, shape: Shape, prompt_ids: li
         raise ApiError(400, "return_token_ids is not supported with streaming on "
                        "/v1/chat/completions. Please set stream=false when using "
                        "return_token_ids=true.")
-    chunks = chat_chunks(shape, prompt_ids, completions, request.app[ABORTED].watch(shape.id))
+    aborted = request.app[ABORTED]
+    chunks = chat_chunks(shape, prompt_ids, completions, aborted.watch(shape.id),
+                         aborted.drop_ids)
     return await sending.send_stream(request, req, chunks, request.app[CONFIG].chunk_delay_s)
 
 
@@ -267,6 +277,8 @@ async def abort_request(request: web.Request) -> web.Response:
     body = await object_body(request)
     aborted = request.app[ABORTED]
     aborted.count += 1
+    if aborted.answer != 200:
+        return _json(error(aborted.answer, "abort refused"), aborted.answer)
     if body.get("abort_all"):
         aborted.epoch += 1
     elif isinstance(body.get("rid"), str):

@@ -1,0 +1,131 @@
+"""SGLang's weight-sync abort when it goes wrong, and SGLang's routed experts: the mock
+engine's ``sglang`` flavor (demo/sglang.py) through the proxy, with the real openai SDK.
+
+- ``/abort_request`` answers non-200: nothing was aborted, so the stream finishes on the
+  old weights as in a drain (the sync waits for it), whole, with no token stamped with
+  the new version; counted as ``abort_refused``.
+- The abort ends the stream without its ids (SGLang leaves them out after an error
+  abort): nothing can be continued, so the call is cut as an upstream failure, stored
+  with what it had, counted as ``ended_without_ids``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tracetap.demo import tokenizer as tok
+from tracetap.demo.engine import EngineConfig
+from tracetap.demo.engine_common import ABORTS
+from tracetap.demo.sglang import ABORTED
+from tracetap.storage import policy_spans
+
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."}]
+CONTENT = "The quick brown fox jumps over the lazy dog, then rests by the river bank."
+
+
+@pytest.fixture
+def engine_config() -> EngineConfig:
+    return EngineConfig(flavor="sglang")
+
+
+@pytest.fixture
+def db_url(tmp_path, migrated_sqlite):
+    return migrated_sqlite(tmp_path / "tracetap.db")  # the logic is the proxy's
+
+
+def _metric(proxy, outcome: str) -> float:
+    text = proxy.state.metrics.render().decode()
+    line = f'tracetap_weight_sync_cuts_total{{outcome="{outcome}"}} '
+    found = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+    return found[0] if found else 0.0
+
+
+def _spans(proxy, call: dict) -> list:
+    async def read():
+        async with proxy.state.engine.connect() as conn:
+            rows = await conn.exec_driver_sql(
+                "SELECT policy_spans FROM choices WHERE call_id = ?", (call["call_id"],))
+            return [r[0] for r in rows]
+    [raw] = proxy.loop.run(read())
+    return policy_spans.spans_of(raw, call["policy_version"],
+                                 len(call["choices"][0]["completion_ids"]))
+
+
+def _stream_with_sync(proxy, episode: str, sync) -> tuple[str, list, threading.Thread]:
+    """A chat stream of CONTENT; ``sync`` runs in a thread once its 12th chunk is in."""
+    client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="x", max_retries=0)
+    text, reasons = [], []
+    worker = threading.Thread(target=sync)
+    with client, client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"mock_content": CONTENT, "mock_chunk_delay_s": 0.03}) as chunks:
+        for i, chunk in enumerate(chunks):
+            for choice in chunk.choices:
+                text.append(choice.delta.content or "")
+                reasons.append(choice.finish_reason)
+            if i == 12:
+                worker.start()
+    return "".join(text), reasons, worker
+
+
+def test_an_abort_sglang_refuses_finishes_the_stream_on_the_old_weights(proxy, engine):
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    app = engine._runner.app
+    app[ABORTED].answer = 503
+    synced: list[float] = []
+
+    def weight_sync():
+        status, answer = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and answer["drained"] is True
+        synced.append(time.time())  # the weights would change now
+        assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+
+    text, reasons, worker = _stream_with_sync(proxy, "sg-refused", weight_sync)
+    worker.join(15)
+    assert synced and text == CONTENT and reasons[-1] == "stop"  # whole, one answer
+    assert app[ABORTED].count == 1 and app[ABORTS].count == 0  # asked once, never cut
+    [call] = proxy.calls("sg-refused")
+    [choice] = call["choices"]
+    assert call["status"] == "ok" and call["policy_version"] == "v1"
+    assert choice["completion_ids"] == [*CONTENT.encode(), tok.EOS]  # nothing lost
+    assert len(choice["completion_logprobs"]) == len(choice["completion_ids"])
+    assert call["t_end"] <= synced[0]  # the sync waited for it, as in a drain
+    # No token is stamped with the new weights: v1 before the pause, unknown during it.
+    assert all(version in ("v1", None) for _, version in _spans(proxy, call))
+    assert _metric(proxy, "abort_refused") == 1
+    assert _metric(proxy, "continued") == 0
+
+
+def test_an_abort_ending_without_ids_is_cut_as_an_upstream_failure(proxy, engine):
+    assert proxy.admin("PUT", "/tracetap/policy", {"version": "v1"})[0] == 200
+    app = engine._runner.app
+    app[ABORTED].drop_ids = True
+    done: list[bool] = []
+
+    def weight_sync():
+        status, answer = proxy.admin("POST", "/tracetap/pause", {"mode": "abort", "timeout": 10})
+        assert status == 200 and answer["drained"] is True
+        assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+        done.append(True)
+
+    with pytest.raises(openai.APIError):  # the client's stream ends abruptly, as ours did
+        _stream_with_sync(proxy, "sg-noids", weight_sync)
+    for _ in range(200):
+        if done:
+            break
+        time.sleep(0.05)
+    assert done and app[ABORTED].count == 1
+    [call] = proxy.calls("sg-noids")
+    assert call["status"] == "upstream_error"
+    assert "without its token ids" in call["error"]
+    [choice] = call["choices"]
+    assert choice["finish_reason"] is None  # cut: the engine's abort ending is not an answer
+    assert 0 < len(choice["text"]) < len(CONTENT)  # what it had, recorded
+    assert CONTENT.startswith(choice["text"])
+    assert _metric(proxy, "ended_without_ids") == 1
+    assert _metric(proxy, "continued") == 0
