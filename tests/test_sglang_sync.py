@@ -11,16 +11,23 @@ engine's ``sglang`` flavor (demo/sglang.py) through the proxy, with the real ope
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import openai
+import pyarrow.parquet as pq
 import pytest
+from helpers.loop import free_port
+from helpers.servers import Proxy
 
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine import EngineConfig
 from tracetap.demo.engine_common import ABORTS
+from tracetap.demo.experts import route
 from tracetap.demo.sglang import ABORTED
+from tracetap.exporters import export
+from tracetap.proxy.runtime.settings import Settings
 from tracetap.storage import policy_spans
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -129,3 +136,51 @@ def test_an_abort_ending_without_ids_is_cut_as_an_upstream_failure(proxy, engine
     assert CONTENT.startswith(choice["text"])
     assert _metric(proxy, "ended_without_ids") == 1
     assert _metric(proxy, "continued") == 0
+
+
+# ---- routed experts: SGLang's sglext.routed_experts ------------------------------------------
+
+def _flat(token: int) -> list[list[int]]:
+    """One position's routing as stored from SGLang: one row of layers * top_k ids."""
+    return [[e for layer in route([token])[0] for e in layer]]
+
+
+def test_sglang_routed_experts_are_stored_and_exported_and_never_reach_the_agent(
+        loop_thread, engine, db_url, tmp_path):
+    settings = Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "d"),
+                        port=free_port(), upstream_flavor="sglang", routed_experts=True)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.episode_url("sg-moe"), api_key="x",
+                               max_retries=0)
+        with client:
+            whole = client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=64,
+                extra_body={"mock_content": "Experts one."})
+            seen = [whole.model_dump()]
+            with client.chat.completions.create(
+                    model="m", messages=MESSAGES, max_tokens=64, stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"mock_content": "Experts two."}) as chunks:
+                seen += [c.model_dump() for c in chunks]
+            done = client.completions.create(model="m", prompt="Once upon", max_tokens=16,
+                                             extra_body={"mock_content": "a time"})
+            seen.append(done.model_dump())
+            with client.completions.create(model="m", prompt="Once upon", max_tokens=16,
+                                           stream=True,
+                                           extra_body={"mock_content": "a time"}) as chunks:
+                seen += [c.model_dump() for c in chunks]
+        text = json.dumps(seen)
+        assert "routed_experts" not in text and "sglext" not in text  # none reach the agent
+        assert seen[-1]["choices"] or seen[-1]["usage"] is None  # no empty chunk left over
+        assert proxy.admin("POST", "/tracetap/episodes/sg-moe/finish", {"reward": 1.0})[0] == 200
+        proxy.flush()
+        export(settings.db, tmp_path / "out")
+    finally:
+        proxy.stop()
+    calls = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    assert len(calls) == 4
+    for call in calls:  # every completion token but the last (never fed back) is routed
+        ids = call["completion_ids"]
+        assert len(ids) > 2
+        assert call["routed_experts"] == [_flat(t) for t in ids[:-1]], call["endpoint"]

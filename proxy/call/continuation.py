@@ -338,6 +338,9 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int, top: int) ->
              "created": capture.created, "model": capture.model, "choices": []}
     for c in body.get("choices") or ():
         chunk["choices"].append(_chat_choice(c, top))
+    ext = body.get("sglext")
+    if isinstance(ext, dict) and ext.get("routed_experts"):  # SGLang's, the whole sequence's
+        chunk["sglext"] = {"routed_experts": ext["routed_experts"]}
     usage = body.get("usage")
     if usage:
         completion = (usage.get("completion_tokens") or 0) + partial
