@@ -302,3 +302,49 @@ def test_a_body_of_many_images_is_cut_into_a_bounded_number_of_blocks():
     assert len(pieces) <= 2 * MAX_PER_SEGMENT + 4
     assert len({h for (h, _), _ in pieces}) < 10  # one image: one block, however often
     assert join_text(unpack_block(pack_block(d)) for _, d in pieces) == body
+
+
+def _shots_episode(proxy, episode: str, shots: list[bytes]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="k", max_retries=0)
+    history: list[dict] = []
+    with client:
+        for i, shot in enumerate(shots):
+            history.append({"role": "user", "content": [
+                {"type": "text", "text": f"step {i}"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(shot)}}]})
+            reply = client.chat.completions.create(model="mock", max_tokens=8, messages=history)
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {})[0] == 200
+
+
+def test_incremental_runs_write_each_image_once_per_export_directory(proxy, tmp_path):
+    """Two incremental runs whose episodes share screenshots: the second writes only the
+    images the first did not (its manifest entry lists what each run wrote), and every
+    row of both runs finds its pixels in ``images/``."""
+    import hashlib
+
+    import pyarrow.dataset as ds
+
+    from tracetap.exporters import export
+    from tracetap.exporters.parquet import decode_manifest
+
+    shots = [screenshot(i, 3_000) for i in range(4)]
+    out = tmp_path / "out"
+    _shots_episode(proxy, "inc-a", shots[:3])
+    assert export(proxy.settings.db, out, incremental=True).episodes == 1
+    _shots_episode(proxy, "inc-b", shots[1:])  # two screenshots the first run wrote
+    assert export(proxy.settings.db, out, incremental=True).episodes == 1
+    images = ds.dataset(out / "images").to_table().to_pylist()
+    digest = [hashlib.sha256(s).hexdigest() for s in shots]
+    assert sorted(r["sha256"] for r in images) == sorted(digest)  # each once, across runs
+    assert {r["sha256"]: r["data"] for r in images} == dict(zip(digest, shots, strict=True))
+    manifest = decode_manifest((out / "_manifest.json").read_bytes(), "manifest")
+    assert [sorted(r.images) for r in manifest.runs] == [sorted(digest[:3]), [digest[3]]]
+    rows = ds.dataset(out / "trajectories").to_table().to_pylist()
+    named = {i["sha256"] for r in rows for i in r["images"]}
+    assert named == set(digest)  # every row's images are in images/
+    # A fresh (not incremental) export over it writes them all again, once.
+    export(proxy.settings.db, out, overwrite=True)
+    assert ds.dataset(out / "images").count_rows() == 4
