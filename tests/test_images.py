@@ -348,3 +348,43 @@ def test_incremental_runs_write_each_image_once_per_export_directory(proxy, tmp_
     # A fresh (not incremental) export over it writes them all again, once.
     export(proxy.settings.db, out, overwrite=True)
     assert ds.dataset(out / "images").count_rows() == 4
+
+
+def test_the_writers_cache_keeps_a_screenshot_conversation_at_about_its_text(db_url):
+    """The writer's cache (storage.dedup) keeps each conversation's last request prefix to
+    recognise the next call's resent part: its images by a keyed hash, not their base64,
+    so 30 turns of screenshots cost it about their text; a resent image that changed
+    (same length, other bytes) is not taken for the one it replaces, and every request
+    reads back byte for byte."""
+    shots = [screenshot(i, 20_000) for i in range(7)]
+    history: list[dict] = []
+    records = []
+    for i, shot in enumerate(shots[:6]):
+        history.append({"role": "user", "content": [
+            {"type": "text", "text": f"step {i}"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(shot)}}]})
+        records.append(json.dumps({"model": "m", "messages": history}))
+        history.append({"role": "assistant", "content": f"ok {i}"})
+    # The last call resends a history whose second screenshot was swapped in place.
+    swapped = json.loads(records[-1])
+    swapped["messages"][2]["content"][1]["image_url"]["url"] = (
+        "data:image/png;base64," + b64(shots[6]))
+    swapped["messages"].append({"role": "user", "content": "and now?"})
+    records.append(json.dumps(swapped))
+    assert len(records[-2]) > 150_000
+
+    async def step(engine):
+        cache = BlockCache()
+        sizes = []
+        for i, body in enumerate(records):
+            await insert_calls(engine, [CallRecord(
+                call_id=f"k{i}", episode_id="shots", seq=i, endpoint="chat.completions",
+                model="m", t_start=1000.0 + i, t_end=1001.0 + i, http_status=200,
+                request=body, response="{}", prompt_ids=[1, 2, 3 + i])], cache)
+            sizes.append(cache.get("shots").size)
+        return sizes, await queries.calls_of(engine, "shots"), await _image_blocks(engine)
+
+    sizes, stored, blocks = _run(db_url, step)
+    assert [c["request"] for c in stored] == records  # byte for byte
+    assert sorted(blocks) == sorted(len(s) for s in shots)  # the swapped-in one too
+    assert max(sizes) < 2_000  # the text, not 120,000 bytes of base64
