@@ -184,3 +184,31 @@ def test_sglang_routed_experts_are_stored_and_exported_and_never_reach_the_agent
         ids = call["completion_ids"]
         assert len(ids) > 2
         assert call["routed_experts"] == [_flat(t) for t in ids[:-1]], call["endpoint"]
+
+
+def test_sglang_routing_of_a_stream_continued_after_a_weight_sync_is_whole(
+        loop_thread, engine, db_url, tmp_path):
+    """Cut by SGLang's abort and continued on ``/v1/completions``: the continuation's
+    ``sglext.routed_experts`` covers the whole sequence, and is what is stored."""
+    settings = Settings(upstream=engine.url, db=db_url, data_dir=str(tmp_path / "d"),
+                        port=free_port(), upstream_flavor="sglang", routed_experts=True)
+    proxy = Proxy(loop_thread, settings).start()
+    try:
+        def weight_sync():
+            pause = {"mode": "abort", "timeout": 10}
+            assert proxy.admin("POST", "/tracetap/pause", pause)[0] == 200
+            assert proxy.admin("POST", "/tracetap/resume", {"policy_version": "v2"})[0] == 200
+
+        text, reasons, worker = _stream_with_sync(proxy, "sg-moe-sync", weight_sync)
+        worker.join(15)
+        assert text == CONTENT and "abort" not in reasons
+        assert _metric(proxy, "continued") == 1
+        assert proxy.admin("POST", "/tracetap/episodes/sg-moe-sync/finish", {})[0] == 200
+        proxy.flush()
+        export(settings.db, tmp_path / "out")
+    finally:
+        proxy.stop()
+    [call] = pq.read_table(tmp_path / "out" / "calls").to_pylist()
+    ids = call["completion_ids"]
+    assert ids == [*CONTENT.encode(), tok.EOS]
+    assert call["routed_experts"] == [_flat(t) for t in ids[:-1]]

@@ -49,6 +49,8 @@ class _Choice(msgspec.Struct):
 
 class _Ext(msgspec.Struct):
     routed_experts: str | None = None
+    input_ids: list[int] | None = None
+    output_ids: list[list[int]] | None = None
 
 
 class _Body(msgspec.Struct):
@@ -65,6 +67,7 @@ class CallExperts:
     def __init__(self) -> None:
         self._rows: dict[int, list[list[list[int]]]] = {}
         self._flat: str | None = None  # SGLang's, for the whole sequence
+        self._width: int | None = None  # its ids per position, once an sglext told it
         self.errors: list[str] = []
 
     def add(self, data: bytes) -> None:
@@ -79,8 +82,12 @@ class CallExperts:
         for choice in body.choices:
             if choice.routed_experts:
                 self._rows.setdefault(choice.index, []).extend(choice.routed_experts)
-        if body.sglext is not None and body.sglext.routed_experts:
-            self._flat = body.sglext.routed_experts
+        ext = body.sglext
+        if ext is not None and ext.routed_experts:
+            self._flat = ext.routed_experts
+            if ext.input_ids is not None and ext.output_ids and len(ext.output_ids) == 1:
+                self._width = _width(ext.routed_experts,
+                                     len(ext.input_ids) + len(ext.output_ids[0]) - 1)
 
     def stamp(self, choices: Sequence[ChoiceRecord], prompt_ids: Sequence[int] | None) -> None:
         if self._flat is not None:
@@ -109,7 +116,7 @@ class CallExperts:
             return
         positions = len(prompt_ids) + len(choice.completion_ids or ()) - 1
         width, rest = divmod(len(ids), positions) if positions > 0 else (0, 1)
-        if rest or not width:
+        if rest or not width or self._width not in (None, width):
             self.errors.append(f"routed_experts not stored: {len(ids)} ids for {positions} "
                                "positions")
             return
@@ -119,6 +126,14 @@ class CallExperts:
             choice.routed_experts = pack(rows) if rows else None
         except BadRouting as exc:  # an id beyond int16
             self.errors.append(f"routed_experts not stored: {exc}")
+
+
+def _width(text: str, positions: int) -> int | None:
+    """Ids per position of SGLang's routing whose positions its own ids give (the shape
+    no field says), from the base64's length; None when they do not divide."""
+    size = len(text) // 4 * 3 - text[-2:].count("=")
+    width, rest = divmod(size // 4, positions) if positions > 0 and size % 4 == 0 else (0, 1)
+    return width if width and not rest else None
 
 
 def _int32(text: str) -> array:
