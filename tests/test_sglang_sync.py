@@ -138,6 +138,19 @@ def test_an_abort_ending_without_ids_is_cut_as_an_upstream_failure(proxy, engine
     assert _metric(proxy, "continued") == 0
 
 
+def test_the_clients_own_usage_chunk_survives_the_ids_the_proxy_strips(proxy):
+    """The usage chunk the client asked for has ``choices: []`` like SGLang's ids chunk
+    the proxy drops: it is kept."""
+    client = openai.OpenAI(base_url=proxy.episode_url("sg-usage"), api_key="x", max_retries=0)
+    with client, client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=16, stream=True,
+            stream_options={"include_usage": True}) as chunks:
+        got = [c.model_dump() for c in chunks]
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["choices"] for c in got[:-1])
+    assert "sglext" not in json.dumps(got)
+
+
 # ---- routed experts: SGLang's sglext.routed_experts ------------------------------------------
 
 def _flat(token: int) -> list[list[int]]:
@@ -162,7 +175,9 @@ def test_sglang_routed_experts_are_stored_and_exported_and_never_reach_the_agent
                     model="m", messages=MESSAGES, max_tokens=64, stream=True,
                     stream_options={"include_usage": True},
                     extra_body={"mock_content": "Experts two."}) as chunks:
-                seen += [c.model_dump() for c in chunks]
+                streamed = [c.model_dump() for c in chunks]
+            seen += streamed
+            assert streamed[-1]["usage"]["completion_tokens"] > 0  # the client's, kept
             done = client.completions.create(model="m", prompt="Once upon", max_tokens=16,
                                              extra_body={"mock_content": "a time"})
             seen.append(done.model_dump())
@@ -172,7 +187,7 @@ def test_sglang_routed_experts_are_stored_and_exported_and_never_reach_the_agent
                 seen += [c.model_dump() for c in chunks]
         text = json.dumps(seen)
         assert "routed_experts" not in text and "sglext" not in text  # none reach the agent
-        assert seen[-1]["choices"] or seen[-1]["usage"] is None  # no empty chunk left over
+        assert all(c["choices"] or c["usage"] for c in seen if "choices" in c)  # none empty
         assert proxy.admin("POST", "/tracetap/episodes/sg-moe/finish", {"reward": 1.0})[0] == 200
         proxy.flush()
         export(settings.db, tmp_path / "out")
