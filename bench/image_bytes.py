@@ -17,6 +17,15 @@ screenshot is about 1,300 for Qwen2.5-VL) between start and end tokens.
 Printed per API and database: bytes the run added (as bench/storage_bytes.py measures
 them), bytes per unique token (unique: every turn's new prompt tokens, image pads
 included, and its completion) and per image byte (the distinct screenshots' bytes).
+
+    python bench/image_bytes.py --sessions 16 --api chat --db sqlite
+
+``--sessions N`` runs N such agents at once through one writer cache (storage.dedup.
+BlockCache, its default 64 MiB), their turns interleaved (a batch holds one call of each
+session) and generated as they are written, and prints also the writer's seconds, the
+calls whose conversation the cache had forgotten (each read back from the database and
+its resent messages scanned and hashed again: ``cache_misses``, out of ``calls`` less the
+first turns) and the cache's largest size.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pgtemp import create_database, drop_database
@@ -42,7 +52,10 @@ from storage_bytes import size, store  # noqa: E402
 
 from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.apis.messages.request import to_chat  # noqa: E402
+from tracetap.storage.dedup import BlockCache  # noqa: E402
+from tracetap.storage.engine import create_engine  # noqa: E402
 from tracetap.storage.records import CallRecord, ChoiceRecord  # noqa: E402
+from tracetap.storage.rows import insert_calls  # noqa: E402
 
 VOCAB, PAD, START, END = 151_000, 151_655, 151_652, 151_653  # Qwen2.5-VL's image tokens
 
@@ -63,13 +76,23 @@ def _user(api: str, turn: int, shot: bytes) -> dict:
 
 def records(api: str, args: argparse.Namespace) -> tuple[list[list[CallRecord]], int, int]:
     """One record per turn (each its own batch), the unique tokens, the image bytes."""
-    rnd = random.Random(0)
+    count = [0, 0]
+    batches = [[record] for record in session(api, args, 0, count)]
+    return batches, count[0], count[1]
+
+
+def session(api: str, args: argparse.Namespace, number: int,
+            count: list[int]) -> Iterator[CallRecord]:
+    """One agent's records, turn by turn; ``count`` gains its unique tokens and image
+    bytes."""
+    rnd = random.Random(number)
     messages: list[dict] = []
     ids: list[int] = []
-    batches, unique, image_bytes, now = [], 0, 0, time.time()
+    now = time.time()
+    episode = f"screens-{api}" + (f"-{number}" if number else "")
     for turn in range(args.turns):
         shot = b"\x89PNG\r\n\x1a\n" + os.urandom(args.image_kb * 1000 - 8)
-        image_bytes += len(shot)
+        count[1] += len(shot)
         messages.append(_user(api, turn, shot))
         new = [rnd.randrange(1000, VOCAB) for _ in range(12)]
         new += [START, *[PAD] * args.image_tokens, END]
@@ -81,8 +104,8 @@ def records(api: str, args: argparse.Namespace) -> tuple[list[list[CallRecord]],
         upstream = None
         if api == "messages":
             upstream = _encode({**to_chat(body), "logprobs": True, "return_token_ids": True})
-        batches.append([CallRecord(
-            call_id=f"{api}-{turn:04d}", episode_id=f"screens-{api}", seq=turn,
+        yield CallRecord(
+            call_id=f"{episode}-{turn:04d}", episode_id=episode, seq=turn,
             endpoint="chat.completions" if api == "chat" else "messages", model="vlm",
             request=_encode(body), upstream_request=upstream,
             response=_encode({"choices": [{"index": 0, "message": {
@@ -91,11 +114,65 @@ def records(api: str, args: argparse.Namespace) -> tuple[list[list[CallRecord]],
             prompt_tokens=len(ids), completion_tokens=len(out), prompt_ids=list(ids),
             choices=[ChoiceRecord(index=0, finish_reason="length", text=text,
                                   completion_ids=out, completion_logprobs=logprobs,
-                                  token_source="engine")])])
-        unique += len(new) + len(out)
+                                  token_source="engine")])
+        count[0] += len(new) + len(out)
         messages.append({"role": "assistant", "content": text})
         ids += out
-    return batches, unique, image_bytes
+
+
+class _Counting(BlockCache):
+    """The writer's cache, counting the conversations it had forgotten and its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.misses = 0
+        self.peak = 0
+
+    def get(self, episode_id: str):
+        last = super().get(episode_id)
+        self.misses += last is None
+        return last
+
+    def commit(self, plan) -> None:
+        super().commit(plan)
+        self.peak = max(self.peak, self._size)
+
+
+async def _store_sessions(url: str, api: str, args, count: list[int]) -> tuple[float, _Counting]:
+    engine = create_engine(url)
+    cache = _Counting()
+    agents = [session(api, args, n + 1, count) for n in range(args.sessions)]
+    spent = 0.0
+    try:
+        for _ in range(args.turns):
+            batch = [next(agent) for agent in agents]
+            started = time.perf_counter()
+            await insert_calls(engine, batch, cache)
+            spent += time.perf_counter() - started
+    finally:
+        await engine.dispose()
+    return spent, cache
+
+
+def measure_sessions(api: str, db: str, args, folder: Path) -> dict:
+    url = f"sqlite:///{folder / f'{api}-s.db'}" if db == "sqlite" else create_database()
+    count = [0, 0]
+    try:
+        upgrade(url)
+        empty = size(url)[0]
+        seconds, cache = asyncio.run(_store_sessions(url, api, args, count))
+        full = size(url)[0]
+    finally:
+        if db == "postgres":
+            drop_database(url)
+    calls = args.sessions * args.turns
+    return {"api": api, "db": db, "sessions": args.sessions, "turns": args.turns,
+            "image_kb": args.image_kb, "calls": calls,
+            "cache_misses": cache.misses - args.sessions,  # first turns have nothing to miss
+            "cache_peak_mb": round(cache.peak / 2**20, 1),
+            "writer_seconds": round(seconds, 2),
+            "bytes_per_unique_token": round((full - empty) / count[0], 2),
+            "bytes_per_image_byte": round((full - empty) / count[1], 3)}
 
 
 def measure(api: str, db: str, args, folder: Path) -> dict:
@@ -124,6 +201,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=int, default=60)
     p.add_argument("--api", choices=("chat", "messages", "both"), default="both")
     p.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="agents at once through one writer cache (see above)")
     return p
 
 
@@ -132,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tracetap-image-bytes-") as tmp:
         for api in ("chat", "messages") if args.api == "both" else (args.api,):
             for db in ("sqlite", "postgres") if args.db == "both" else (args.db,):
-                print(json.dumps(measure(api, db, args, Path(tmp))), flush=True)
+                run = measure_sessions if args.sessions > 1 else measure
+                print(json.dumps(run(api, db, args, Path(tmp))), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
   a stream's first chunk only), left out when not asked; every chunk has ``usage: null``;
   legacy logprobs have ``text_offset`` -1.
 - ``matched_stop``: the stop string, or the EOS id, that ended the text.
+- ``return_routed_experts``: ``sglext.routed_experts``, base64 of int32 expert ids, one
+  ``[layers][top_k]`` row per position but the last (prompt then output, the first
+  choice's), no shape (``managers/detokenizer_manager.py``, ``serving_chat.py``).
 - ``/abort_request {"rid"}`` or ``{"abort_all": true}``: a stream so aborted ends as a
   finished one with ``finish_reason: "abort"``, its ids so far still in ``sglext``.
 - ``/tokenize`` → ``{tokens, count, max_model_len}``; ``/detokenize`` → ``{text}`` (special
@@ -22,12 +25,15 @@
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from tracetap.demo import sending
+from tracetap.demo import experts, sending
 from tracetap.demo import tokenizer as tok
 from tracetap.demo.engine_common import CONFIG, ApiError
 from tracetap.demo.engine_common import json_response as _json
@@ -45,6 +51,11 @@ class Aborted:
         self.rids: set[str] = set()
         self.epoch = 0  # bumped by abort_all
         self.count = 0
+        # Faults a test sets: the status ``/abort_request`` answers (not 200: nothing is
+        # aborted), and an aborted stream's ending without its ids (SGLang leaves them out
+        # after an error abort).
+        self.answer = 200
+        self.drop_ids = False
 
     def watch(self, rid: str):
         epoch = self.epoch
@@ -74,8 +85,21 @@ def _head(shape: Shape, obj: str) -> dict[str, Any]:
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model}
 
 
+def routed(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+    """SGLang's ``sglext.routed_experts``: base64 of the int32 ``[seqlen - 1][layers]
+    [top_k]`` expert ids of every position that went through the model (the prompt, then
+    the output less its last token), no shape given (``detokenizer_manager``)."""
+    rows = experts.route([*prompt_ids, *output_ids][:-1])
+    flat = array("i", (e for row in rows for layer in row for e in layer))
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return base64.b64encode(flat.tobytes()).decode()
+
+
 def _ext(shape: Shape, prompt_ids: list[int], outputs: Sequence[list[int]]) -> dict | None:
     ext: dict[str, Any] = {}
+    if getattr(shape.req, "return_routed_experts", None) and outputs:
+        ext["routed_experts"] = routed(prompt_ids, outputs[0])  # the first choice's only
     if getattr(shape.req, "return_input_ids_in_sglext", None):
         ext["input_ids"] = prompt_ids
     if getattr(shape.req, "return_output_ids_in_sglext", None):
@@ -128,8 +152,9 @@ def _delta(c: Completion, event: Any) -> dict[str, Any]:
 
 
 def chat_chunks(shape: Shape, prompt_ids: list[int], completions: list[Completion],
-                aborted) -> Iterator[dict]:
-    """SGLang's stream; ``aborted()`` turning true ends every choice with ``abort``."""
+                aborted, drop_ids: bool = False) -> Iterator[dict]:
+    """SGLang's stream; ``aborted()`` turning true ends every choice with ``abort`` (and,
+    with ``drop_ids``, its ending without the ids)."""
     sent: list[list[int]] = [[] for _ in completions]
     for i in range(len(completions)):
         yield _chunk(shape, i, {"role": "assistant", "content": ""})
@@ -149,6 +174,8 @@ def chat_chunks(shape: Shape, prompt_ids: list[int], completions: list[Completio
         reason = finish.get(i, "abort")
         yield _chunk(shape, i, {}, finish=reason, matched=_matched(c, reason))
     ext = _ext(shape, prompt_ids, sent)
+    if ext and len(finish) < len(completions) and drop_ids:
+        ext = None  # an error abort: SGLang's ending leaves the ids out
     if ext:
         yield _head(shape, "chat.completion.chunk") | {"choices": [], "usage": None, "sglext": ext}
     if shape.include_usage:
@@ -185,8 +212,16 @@ def completion_body(shape: Shape, results: list[tuple[list[int], Completion]],
                     prompt_tokens: int) -> dict:
     choices = [_text_choice(shape, i, c, c.events, p) for i, (p, c) in enumerate(results)]
     out = sum(len(c.token_ids) for _, c in results)
-    return _head(shape, "text_completion") | {"choices": choices,
+    body = _head(shape, "text_completion") | {"choices": choices,
                                               "usage": _usage(prompt_tokens, out)}
+    return body | _completion_ext(shape, results)
+
+
+def _completion_ext(shape: Shape, results: list[tuple[list[int], Completion]]) -> dict:
+    if not getattr(shape.req, "return_routed_experts", None):
+        return {}
+    prompt, c = results[0]
+    return {"sglext": {"routed_experts": routed(prompt, c.token_ids)}}
 
 
 def completion_chunks(shape: Shape, results: list[tuple[list[int], Completion]],
@@ -197,6 +232,9 @@ def completion_chunks(shape: Shape, results: list[tuple[list[int], Completion]],
                 choice = _text_choice(shape, i, c, c.events[step:step + 1],
                                       p if step == 0 else None)
                 yield _head(shape, "text_completion") | {"choices": [choice], "usage": None}
+    ext = _completion_ext(shape, results)
+    if ext:
+        yield _head(shape, "text_completion") | {"choices": [], "usage": None} | ext
     if shape.include_usage:
         out = sum(len(c.token_ids) for _, c in results)
         yield _head(shape, "text_completion") | {"choices": [],
@@ -211,7 +249,9 @@ async def send_chat(request: web.Request, req: Any, shape: Shape, prompt_ids: li
         raise ApiError(400, "return_token_ids is not supported with streaming on "
                        "/v1/chat/completions. Please set stream=false when using "
                        "return_token_ids=true.")
-    chunks = chat_chunks(shape, prompt_ids, completions, request.app[ABORTED].watch(shape.id))
+    aborted = request.app[ABORTED]
+    chunks = chat_chunks(shape, prompt_ids, completions, aborted.watch(shape.id),
+                         aborted.drop_ids)
     return await sending.send_stream(request, req, chunks, request.app[CONFIG].chunk_delay_s)
 
 
@@ -267,6 +307,8 @@ async def abort_request(request: web.Request) -> web.Response:
     body = await object_body(request)
     aborted = request.app[ABORTED]
     aborted.count += 1
+    if aborted.answer != 200:
+        return _json(error(aborted.answer, "abort refused"), aborted.answer)
     if body.get("abort_all"):
         aborted.epoch += 1
     elif isinstance(body.get("rid"), str):

@@ -1,5 +1,6 @@
 """What a vision-language trainer needs to rebuild a prompt with its pixels: each image of
-a row with where its placeholder tokens are, and the images themselves, once per export.
+a row with where its placeholder tokens are, and the images themselves, once per export
+directory (an incremental run skips those its manifest says earlier runs wrote).
 
 An engine serving a VLM expands each image of the request into a run of one pad token
 (vLLM with Qwen2-VL .. Qwen3-VL: ``<|image_pad|>`` repeated once per vision embedding,
@@ -31,7 +32,7 @@ PAD_IDS = (151655, 262144, 261)
 IMAGE = pa.struct([("sha256", pa.string()), ("media_type", pa.string()),
                    ("url", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
 IMAGES_COLUMN = pa.list_(IMAGE)
-# The images/ dataset: each image's bytes once per export run, keyed by its SHA-256.
+# The images/ dataset: each image's bytes once per export directory, keyed by its SHA-256.
 IMAGE_ROWS = pa.schema([("sha256", pa.string()), ("media_type", pa.string()),
                     ("bytes", pa.int64()), ("data", pa.binary())])
 
@@ -73,11 +74,13 @@ def engine_body(request: str | None, upstream_request: str | None) -> str | None
 
 
 class ImageSink:
-    """The images of an export run: each one's bytes kept until written, once."""
+    """The images of an export run: each one's bytes kept until written, once per export
+    directory (``earlier``: the hashes its earlier runs wrote, from the manifest)."""
 
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
+    def __init__(self, earlier: Iterable[str] = ()) -> None:
+        self.seen: set[str] = set(earlier)
         self.pending: list[ImagePart] = []
+        self.written: list[str] = []  # this run's, for its manifest entry
 
     def images(self, body: str | None) -> list[ImagePart]:
         parts = image_parts(body)
@@ -93,6 +96,7 @@ class ImageSink:
         if not self.pending:
             return
         parts, self.pending = self.pending, []
+        self.written.extend(p.sha256 for p in parts if p.sha256 is not None)
         writer.add(pa.RecordBatch.from_pydict({
             "sha256": [p.sha256 for p in parts],
             "media_type": [p.media_type for p in parts],

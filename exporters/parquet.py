@@ -79,6 +79,9 @@ class RunRecord(msgspec.Struct, kw_only=True):
     files: list[str]
     # The run's ledger files: every call written to calls/, with its episode's finished_at.
     ledger: list[str] = []
+    # The SHA-256 of each image the run wrote to images/: a later incremental run of the
+    # same export writes only the others (exporters/images.py).
+    images: list[str] = []
 
 
 class Manifest(msgspec.Struct, kw_only=True):

@@ -231,6 +231,8 @@ class ExportRun:
         selection = self.selection
         previous = _previous(target.manifest, selection, self.incremental, self.overwrite)
         self.previous = previous
+        # Images earlier runs of this export wrote are not written again.
+        self.images = ImageSink(h for r in (previous.runs if previous else ()) for h in r.images)
         self.summary = ExportSummary(out=self.out, orphans_deleted=target.orphans_deleted)
         self.holds = await current_holds(self.reader)
         self.recent = Recent(previous.watermark if previous else None,
@@ -255,7 +257,8 @@ class ExportRun:
                         seconds=time.perf_counter() - self.clock,
                         episodes=summary.episodes, calls=summary.calls,
                         trajectories=summary.trajectories, tokens=summary.tokens,
-                        files=summary.files, ledger=self.ledger.finish() if self.ledger else [])
+                        files=summary.files, ledger=self.ledger.finish() if self.ledger else [],
+                        images=self.images.written)
         replaced = target.manifest if target.manifest is not previous else None
         target.commit(Manifest(
             schema_version=SCHEMA_VERSION, tracetap_version=__version__,

@@ -28,6 +28,7 @@ import msgspec
 
 from tracetap.storage import images
 from tracetap.storage.images import IMAGE, Base64Text
+from tracetap.storage.prefix import Piece, Prefix, merged, piece
 
 HASH_BYTES = 16
 _ENTRY = struct.Struct("<16sI")  # a reference: the block's hash, its length
@@ -194,8 +195,8 @@ def cut_ids(ids: bytes, parent: list[Ref] | None,
 
 
 # A body's messages as far as they go (everything but what follows the last message) and
-# their references: what the next call of the conversation resends first.
-Prefix = tuple[str, list[Ref]]
+# their references: what the next call of the conversation resends first (storage.prefix:
+# its text, its images by their hash).
 
 
 def cut_text(text: str, messages: str | None, previous: Prefix | None = None,
@@ -207,38 +208,45 @@ def cut_text(text: str, messages: str | None, previous: Prefix | None = None,
     reused as they are (bytes None) and only what follows is scanned and hashed."""
     if messages is None:
         return _named([text] if text else []), None
-    if previous is not None and len(text) > len(previous[0]) and text.startswith(previous[0]):
-        at = len(previous[0])
+    if previous is not None and previous.starts(text):
+        at = previous.length
         ends = _element_ends(_tokens(text, at), [], expect_object=False)
         if ends is not None:
-            groups = _grouped([text[a:b] for a, b in pairwise([at, *ends, len(text)])])
-            prefix = (text[:ends[-1]], previous[1] + _refs(groups[:-1])) if ends \
+            kept: list[list[Piece]] = []
+            groups = _grouped([text[a:b] for a, b in pairwise([at, *ends, len(text)])], kept)
+            prefix = previous.extended(_flat(kept[:-1]), _refs(groups[:-1])) if ends \
                 else previous
-            return [(r, None) for r in previous[1]] + _flat(groups), prefix
+            return [(r, None) for r in previous.refs] + _flat(groups), prefix
     cuts = _message_cuts(text, messages)
     if len(cuts) < 2:  # no message: one piece, nothing for the next call to reuse
         return _named(segments(text, messages)), None
-    groups = _grouped([text[a:b] for a, b in pairwise([0, *cuts, len(text)])])
-    return _flat(groups), (text[:cuts[-1]], _refs(groups[:-1]))
+    kept = []
+    groups = _grouped([text[a:b] for a, b in pairwise([0, *cuts, len(text)])], kept)
+    return _flat(groups), Prefix(merged(_flat(kept[:-1])), _refs(groups[:-1]))
 
 
 def _named(segments: list[str]) -> list[tuple[Ref, bytes]]:
     return _flat(_grouped(segments))
 
 
-def _grouped(segments: list[str]) -> list[list[tuple[Ref, bytes]]]:
+def _grouped(segments: list[str], kept: list[list[Piece]] | None = None,
+             ) -> list[list[tuple[Ref, bytes]]]:
     """Each segment's blocks: its text, with each image payload in it a block of its
-    own (storage.images), named by the image's bytes."""
+    own (storage.images), named by the image's bytes; into ``kept``, each segment's
+    pieces as a Prefix keeps them."""
     out = []
     for segment in segments:
         pieces = []
-        for part, raw in images.split(segment):
+        split = images.split(segment)
+        for part, raw in split:
             data = part.encode("utf-8", "surrogatepass")
             if raw is None:
                 pieces.append(((digest(TEXT, data), len(data)), data))
             else:
                 pieces.append(((digest(IMAGE, raw), len(data)), Base64Text(data, raw)))
         out.append(pieces)
+        if kept is not None:
+            kept.append([piece(part, raw is not None) for part, raw in split])
     return out
 
 

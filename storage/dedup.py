@@ -25,7 +25,6 @@ from tracetap.storage.blocks import (
     FLOATS,
     IDS,
     TEXT,
-    Prefix,
     Ref,
     cut_ids,
     cut_text,
@@ -37,6 +36,7 @@ from tracetap.storage.blocks import (
 from tracetap.storage.codec import pack_ids, pack_logprobs
 from tracetap.storage.conversation import Readers
 from tracetap.storage.experts import EXPERTS
+from tracetap.storage.prefix import Prefix
 from tracetap.storage.records import CallRecord
 
 # The bodies stored as references, by record field (and calls column "<field>_refs").
@@ -46,7 +46,7 @@ BODIES = ("request", "upstream_request", "response")
 class Last(msgspec.Struct, gc=False):
     """What the next call of a conversation reuses: its prompt's blocks, and every block
     hash the call referenced (known stored). Fresh from this process's own writes, also
-    the prompt's ids and its bodies' prefixes (storage.blocks.Prefix): the next call is
+    the prompt's ids and its bodies' prefixes (storage.prefix.Prefix): the next call is
     then compared with them byte for byte and only its new part is hashed; read back from
     the database, only the references (the next call hashes what it resends)."""
 
@@ -58,7 +58,7 @@ class Last(msgspec.Struct, gc=False):
     @property
     def size(self) -> int:
         """Bytes (about) of the content this entry keeps."""
-        return len(self.ids or b"") + sum(len(text) for text, _ in self.texts.values())
+        return len(self.ids or b"") + sum(prefix.size for prefix in self.texts.values())
 
 
 class Planned(msgspec.Struct, gc=False):
@@ -79,7 +79,8 @@ class Plan(msgspec.Struct, gc=False):
 class BlockCache:
     """The last committed call of each recent conversation, least recently used out past
     ``conversations`` or past ``content_bytes`` of kept prompts and bodies (about 11 bytes
-    per token of context of the conversations in flight)."""
+    per token of context of the conversations in flight; an image costs its entry, not
+    its base64: storage.prefix)."""
 
     def __init__(self, conversations: int = 2048, content_bytes: int = 64 << 20):
         self.conversations = conversations
@@ -178,7 +179,7 @@ def _next_last(prompt: list[Ref], ids: bytes | None, texts: dict[str, Prefix],
         used.update(h for h, _ in prompt)
     if last is not None:
         texts = {**last.texts, **texts}
-        used.update(h for _, refs in last.texts.values() for h, _ in refs)
+        used.update(h for prefix in last.texts.values() for h, _ in prefix.refs)
     return Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
 
 

@@ -1,7 +1,9 @@
 """The MoE experts each completion token was routed to: packed once, stored as a block.
 
 vLLM (``--enable-return-routed-experts``) answers a choice's routing as a
-``[tokens][layers][top_k]`` array of expert ids; SGLang with ``return_routed_experts``.
+``[tokens][layers][top_k]`` array of expert ids; SGLang with ``return_routed_experts``
+sends them flat, without the shape, and is stored as ``[tokens][1][layers * top_k]``
+(proxy.call.routed_experts).
 Storage keeps it as bytes: ``layers`` and ``top_k`` (uint16 each), then every id as int16
 little-endian, token by token, one compressed block per choice
 (``choices.routed_experts_refs``, revision 0009).

@@ -163,7 +163,7 @@ def test_a_body_is_cut_into_a_bounded_number_of_blocks():
     longer = json.dumps({"model": "m", "messages": [*messages, *messages], "max_tokens": 2})
     again, _ = cut_text(longer, "messages", previous=prefix)
     assert len(pieces) - 1 < len(again) <= len(pieces) - 1 + MAX_CUT_ELEMENTS + 2
-    assert join_text(data for _, data in again[len(pieces) - 1:]) == longer[len(prefix[0]):]
+    assert join_text(data for _, data in again[len(pieces) - 1:]) == longer[prefix.length:]
 
 
 # -- The shipped tool-arguments validator on the agent's schema ----------------------------

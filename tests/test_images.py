@@ -302,3 +302,89 @@ def test_a_body_of_many_images_is_cut_into_a_bounded_number_of_blocks():
     assert len(pieces) <= 2 * MAX_PER_SEGMENT + 4
     assert len({h for (h, _), _ in pieces}) < 10  # one image: one block, however often
     assert join_text(unpack_block(pack_block(d)) for _, d in pieces) == body
+
+
+def _shots_episode(proxy, episode: str, shots: list[bytes]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.episode_url(episode), api_key="k", max_retries=0)
+    history: list[dict] = []
+    with client:
+        for i, shot in enumerate(shots):
+            history.append({"role": "user", "content": [
+                {"type": "text", "text": f"step {i}"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(shot)}}]})
+            reply = client.chat.completions.create(model="mock", max_tokens=8, messages=history)
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert proxy.admin("POST", f"/tracetap/episodes/{episode}/finish", {})[0] == 200
+
+
+def test_incremental_runs_write_each_image_once_per_export_directory(proxy, tmp_path):
+    """Two incremental runs whose episodes share screenshots: the second writes only the
+    images the first did not (its manifest entry lists what each run wrote), and every
+    row of both runs finds its pixels in ``images/``."""
+    import hashlib
+
+    import pyarrow.dataset as ds
+
+    from tracetap.exporters import export
+    from tracetap.exporters.parquet import decode_manifest
+
+    shots = [screenshot(i, 3_000) for i in range(4)]
+    out = tmp_path / "out"
+    _shots_episode(proxy, "inc-a", shots[:3])
+    assert export(proxy.settings.db, out, incremental=True).episodes == 1
+    _shots_episode(proxy, "inc-b", shots[1:])  # two screenshots the first run wrote
+    assert export(proxy.settings.db, out, incremental=True).episodes == 1
+    images = ds.dataset(out / "images").to_table().to_pylist()
+    digest = [hashlib.sha256(s).hexdigest() for s in shots]
+    assert sorted(r["sha256"] for r in images) == sorted(digest)  # each once, across runs
+    assert {r["sha256"]: r["data"] for r in images} == dict(zip(digest, shots, strict=True))
+    manifest = decode_manifest((out / "_manifest.json").read_bytes(), "manifest")
+    assert [sorted(r.images) for r in manifest.runs] == [sorted(digest[:3]), [digest[3]]]
+    rows = ds.dataset(out / "trajectories").to_table().to_pylist()
+    named = {i["sha256"] for r in rows for i in r["images"]}
+    assert named == set(digest)  # every row's images are in images/
+    # A fresh (not incremental) export over it writes them all again, once.
+    export(proxy.settings.db, out, overwrite=True)
+    assert ds.dataset(out / "images").count_rows() == 4
+
+
+def test_the_writers_cache_keeps_a_screenshot_conversation_at_about_its_text(db_url):
+    """The writer's cache (storage.dedup) keeps each conversation's last request prefix to
+    recognise the next call's resent part: its images by a keyed hash, not their base64,
+    so 30 turns of screenshots cost it about their text; a resent image that changed
+    (same length, other bytes) is not taken for the one it replaces, and every request
+    reads back byte for byte."""
+    shots = [screenshot(i, 20_000) for i in range(7)]
+    history: list[dict] = []
+    records = []
+    for i, shot in enumerate(shots[:6]):
+        history.append({"role": "user", "content": [
+            {"type": "text", "text": f"step {i}"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(shot)}}]})
+        records.append(json.dumps({"model": "m", "messages": history}))
+        history.append({"role": "assistant", "content": f"ok {i}"})
+    # The last call resends a history whose second screenshot was swapped in place.
+    swapped = json.loads(records[-1])
+    swapped["messages"][2]["content"][1]["image_url"]["url"] = (
+        "data:image/png;base64," + b64(shots[6]))
+    swapped["messages"].append({"role": "user", "content": "and now?"})
+    records.append(json.dumps(swapped))
+    assert len(records[-2]) > 150_000
+
+    async def step(engine):
+        cache = BlockCache()
+        sizes = []
+        for i, body in enumerate(records):
+            await insert_calls(engine, [CallRecord(
+                call_id=f"k{i}", episode_id="shots", seq=i, endpoint="chat.completions",
+                model="m", t_start=1000.0 + i, t_end=1001.0 + i, http_status=200,
+                request=body, response="{}", prompt_ids=[1, 2, 3 + i])], cache)
+            sizes.append(cache.get("shots").size)
+        return sizes, await queries.calls_of(engine, "shots"), await _image_blocks(engine)
+
+    sizes, stored, blocks = _run(db_url, step)
+    assert [c["request"] for c in stored] == records  # byte for byte
+    assert sorted(blocks) == sorted(len(s) for s in shots)  # the swapped-in one too
+    assert max(sizes) < 2_000  # the text, not 120,000 bytes of base64

@@ -112,10 +112,14 @@ def aborter(pool: Any, call: ModelCall, headers: dict[str, str]):
             _, reply = await pool.send("POST", "/abort_request", headers, body,
                                        episode_id=call.episode_id, model=call.request.model)
             reply.close()
-            if reply.status != 200:  # not aborted: it ends on the old weights, as in a drain
-                log.warning("SGLang /abort_request answered %d", reply.status)
-        except ProxyError as exc:  # the stream then ends on the old weights, as in a drain
+            if reply.status == 200:
+                return
+            log.warning("SGLang /abort_request answered %d", reply.status)
+        except ProxyError as exc:
             log.warning("SGLang /abort_request failed: %s", exc)
+        # Not aborted: the stream ends on the old weights, as in a drain (still in flight,
+        # so the sync waits for it; its tokens that arrive while paused carry no version).
+        call.services.metrics.sync_cuts.labels(outcome="abort_refused").inc()
     return abort
 
 
@@ -150,7 +154,9 @@ async def stream(call: ModelCall, reply: Reply, pool: Any,
         if not cut.fired or call.done or (abort is not None and not cut.ended):
             return
         if not call.capture.continuable():  # SGLang's abort ended it without the ids
+            call.services.metrics.sync_cuts.labels(outcome="ended_without_ids").inc()
             raise UpstreamBroken("the engine's abort ended the stream without its token ids")
+        call.services.metrics.sync_cuts.labels(outcome="continued").inc()
         gate.cuts.discard(cut)
         if not await gate.hold():
             raise UpstreamBroken("cut for a weight sync that outlasted --pause-timeout")
@@ -332,6 +338,9 @@ def _chat_event(capture: Capture, data: bytes | None, partial: int, top: int) ->
              "created": capture.created, "model": capture.model, "choices": []}
     for c in body.get("choices") or ():
         chunk["choices"].append(_chat_choice(c, top))
+    ext = body.get("sglext")
+    if isinstance(ext, dict) and ext.get("routed_experts"):  # SGLang's, the whole sequence's
+        chunk["sglext"] = {"routed_experts": ext["routed_experts"]}
     usage = body.get("usage")
     if usage:
         completion = (usage.get("completion_tokens") or 0) + partial

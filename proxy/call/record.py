@@ -53,7 +53,7 @@ def call_record(call: ModelCall) -> CallRecord:
     if not other:
         call.versions.stamp(choices)  # per-token policy versions, for off-policy tokens
     if request.experts is not None:  # MoE routing per completion token, for replay
-        request.experts.stamp(choices)
+        request.experts.stamp(choices, capture.prompt_ids)
         capture.errors.extend(request.experts.errors)
     if capture.errors and call.error is None:
         call.error = "; ".join(capture.errors)

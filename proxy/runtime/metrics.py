@@ -131,6 +131,12 @@ class Metrics(WriterObserver):
             "Request fields kept from the engine (engine controls, anything off the API's "
             "allowlist), by route and field (a fixed set of names; others count as 'other')",
             ["route", "field"], registry=r)
+        self.sync_cuts = Counter("tracetap_weight_sync_cuts_total",
+                                 "Streams a pause in abort mode cut, by outcome: continued; "
+                                 "abort_refused (the engine's abort failed: finished on the "
+                                 "old weights, as in a drain); ended_without_ids (the abort "
+                                 "ended it without its ids: stored as upstream_error)",
+                                 ["outcome"], registry=r)
         self.unknown_events = Counter("tracetap_unknown_stream_events_total",
                                       "Stream events of a type capture does not know, relayed "
                                       "untouched", ["route"], registry=r)

@@ -118,9 +118,11 @@ def strip_chunk(data: bytes, injected: Injected) -> bytes | None:
         elif "choices" not in top or bytes(top["choices"]) == b"[]":
             return None  # the usage chunk the proxy asked for
     # Stream chunks omit unset fields, so here they are deleted.
+    had_ext = "sglext" in top
     _strip(top, injected, keep_null=False)
-    if injected.sglext and "sglext" not in top and bytes(top.get("choices", b"")) == b"[]":
-        return None  # SGLang's chunk of the ids the proxy asked for, and nothing else
+    if had_ext and "sglext" not in top and bytes(top.get("choices", b"")) == b"[]" \
+            and bytes(top.get("usage", b"null")) == b"null":
+        return None  # SGLang's chunk of the ids (or routing) asked for, and nothing else
     return _encode(top)
 
 
@@ -146,8 +148,8 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
         _drop(top, "prompt_token_ids", keep_null)
     if experts:
         top.pop("prompt_routed_experts", None)
-    if sglext and "sglext" in top:
-        _strip_sglext(top)
+    if (sglext or experts) and "sglext" in top:
+        _strip_sglext(top, sglext, experts)
     if "choices" not in top:
         return
     choices = _decode_choices(top["choices"])
@@ -168,13 +170,15 @@ def _strip(top: dict[str, msgspec.Raw], injected: Injected, keep_null: bool) -> 
 _decode_sglext = msgspec.json.Decoder(dict[str, msgspec.Raw] | None).decode
 
 
-def _strip_sglext(top: dict[str, msgspec.Raw]) -> None:
-    """SGLang's ``sglext`` less the ids the proxy asked for; gone when nothing is left
-    (SGLang itself omits an empty one)."""
+def _strip_sglext(top: dict[str, msgspec.Raw], ids: bool, experts: bool) -> None:
+    """SGLang's ``sglext`` less the ids and the routing the proxy asked for; gone when
+    nothing is left (SGLang itself omits an empty one)."""
     ext = _decode_sglext(top["sglext"])
     if ext is not None:
-        ext.pop("input_ids", None)
-        ext.pop("output_ids", None)
+        for key in ("input_ids", "output_ids") if ids else ():
+            ext.pop(key, None)
+        if experts:
+            ext.pop("routed_experts", None)
     if ext:
         top["sglext"] = msgspec.Raw(_encode(ext))
     else:
