@@ -68,13 +68,13 @@ def test_an_episode_given_a_call_while_pruned_keeps_its_annotations(db_url, monk
                       t_start=1.0, request="{}")
     real_forget = retention.forget
 
-    async def call_arrives_then_forget(conn, call_ids):
+    async def call_arrives_then_forget(conn, call_ids, *args):
         other = create_engine(db_url)
         try:
             await insert_calls(other, [late])
         finally:
             await other.dispose()
-        await real_forget(conn, call_ids)
+        await real_forget(conn, call_ids, *args)
 
     monkeypatch.setattr(retention, "forget", call_arrives_then_forget)
 
