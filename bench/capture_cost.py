@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tracetap.migrations import upgrade  # noqa: E402
 from tracetap.proxy.apis.fields import RequestFields  # noqa: E402
+from tracetap.proxy.apis.registry import readers  # noqa: E402
 from tracetap.proxy.apis.routing import Routing  # noqa: E402
 from tracetap.proxy.call.driver import ModelCall  # noqa: E402
 from tracetap.proxy.call.record import call_outcome, call_record  # noqa: E402
@@ -66,6 +67,7 @@ def _state() -> SimpleNamespace:
         prompt_prefixes=PromptPrefixes(),
         request_fields=RequestFields(),
         routed_experts=False,
+        readers=readers(),
         submit=lambda record: None,
     )  # journaling is a step of its own
 
