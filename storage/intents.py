@@ -2,11 +2,11 @@
 answered, without the request path waiting for the database.
 
 ``admit`` queues a small row (call id, episode, replica) and wakes a background task
-that gathers the intents of the calls in flight for up to 50 ms and writes them in one
-transaction. The call's answer waits for its row only if it has not landed by then
-(``wait``, which has it written at once; bounded: a call of a few milliseconds, or a
-database that is slow); past the bound, or while the database is down, the answer goes
-out and the call counts as ``late``. Each ``heartbeat`` seconds the replica's lease
+that writes it at once, beside the call's upstream request; the intents admitted while a
+write is in flight are the next write's batch. The call's answer waits for its row only
+if it has not landed by then (``wait``; bounded: a database that is slow); past the
+bound, or while the database is down, the answer goes out and the call counts as
+``late``. Each ``heartbeat`` seconds the replica's lease
 (``replicas`` row) is renewed: ``settled_at``, the time before which every call it
 admitted has its intent stored. Export holds back an episode that still has an intent
 without its call row, or that finished after an open replica's ``settled_at``
@@ -47,9 +47,6 @@ Write = Callable[[bytes], Awaitable[object]]
 OPEN, CLOSED, GONE = "open", "closed", "lost"  # a lease's states
 _BATCH = 5000  # intents per transaction
 _MAX_QUEUED = 200_000  # past this (a long outage) intents are not kept; the lease stays
-# Intents of calls in flight are gathered this long into one transaction; an answer
-# that reaches its end before then has its intent written at once.
-_GATHER_SECONDS = 0.05
 _CLEANUP_SECONDS = 5.0  # how often intents whose call row is stored are deleted
 _LOG_EVERY = 1000  # late answers: the first is logged, then one in this many
 _INTENT_COLUMNS = ("call_id", "episode_id", "replica", "incarnation", "admitted_at")
@@ -115,7 +112,6 @@ class Intents:
         self._unlanded: dict[str, asyncio.Future | None] = {}  # same order
         self._pinned: float | None = None  # the first admission whose intent was not kept
         self._wake = asyncio.Event()  # the first intent queued, or a heartbeat due
-        self._hurry = asyncio.Event()  # an answer waits for its intent
         self._task: asyncio.Task | None = None
         self._cleaned = 0.0
         self._renewed = -float("inf")  # monotonic time of the last renewal
@@ -160,7 +156,6 @@ class Intents:
         future = self._unlanded[call_id]
         if future is None:
             future = self._unlanded[call_id] = asyncio.get_running_loop().create_future()
-        self._hurry.set()  # an answer waits: write now, not at the end of the gathering
         try:
             await asyncio.wait_for(asyncio.shield(future), self.wait_seconds)
         except asyncio.TimeoutError:
@@ -214,10 +209,12 @@ class Intents:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat)
             self._wake.clear()
-            if self._queue and not self._hurry.is_set():  # calls in flight: gather theirs
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._hurry.wait(), _GATHER_SECONDS)
-            self._hurry.clear()
+            # Written at once, not gathered for a while: the write then runs beside the
+            # call's upstream request, and its answer finds the intent stored (a gather
+            # put the statement's round trip between the reply and the answer). Under load
+            # a batch still forms: what is admitted during a write is the next batch, and
+            # this yield lets the calls admitted in the same pass of the loop join.
+            await asyncio.sleep(0)
             try:
                 await self.flush()
             except asyncio.CancelledError:

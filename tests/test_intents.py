@@ -162,3 +162,36 @@ def test_an_intent_connection_the_database_cut_is_replaced(migrated_postgres):
         return sorted(stored)
 
     assert _run(migrated_postgres, work) == ["first", "second"]
+
+
+def test_an_intent_is_written_as_it_is_admitted_not_when_its_answer_asks(db_url, tmp_path):
+    """The intent's statement starts at admission, beside the call's upstream request,
+    so a short call's answer finds it stored: nothing waits for ``wait`` to hurry a
+    gathered batch (whose round trip then sat between the reply and the answer). Two
+    calls admitted in the same pass of the loop still go in one statement."""
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path, heartbeat=30.0)
+        intents.ready = True
+        renew, batches = intents._renew, []
+
+        async def recorded(*args, **kwargs):
+            batches.append([row["call_id"] for row in kwargs.get("batch", ())])
+            await renew(*args, **kwargs)
+
+        intents._renew = recorded
+        intents.start()
+        await asyncio.sleep(0.1)  # the first lease renewal (no intents) is done
+        batches.clear()
+        intents.admit("call-1", "ep")
+        intents.admit("call-2", "ep")
+        for _ in range(5):  # a few passes of the loop, no time: no one calls wait
+            await asyncio.sleep(0)
+        started = list(batches)  # the statements begun by then
+        await intents.wait("call-2")
+        landed = intents.landed("call-1") and intents.landed("call-2")
+        await intents.close(clean=True)
+        return started, landed
+
+    started, landed = _run(db_url, work)
+    assert started == [["call-1", "call-2"]], "no statement began before an answer asked"
+    assert landed
