@@ -18,7 +18,6 @@ its messages (storage.blocks) and the search indexes the turn a call adds
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -55,12 +54,20 @@ class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True, gc=False):
 
 
 class Image(msgspec.Struct, tag="image", kw_only=True, gc=False):
-    """An image by reference: its URL, or ``sha256:<hex>`` of its inline data (never the
-    data itself)."""
+    """An image: its URL when it is one, else the part as sent (the request's own dict,
+    not a copy). Its bytes are decoded only by whoever asks (``stored``: the viewer's
+    thumbnail), never by a reader on the request path (the lineage hash reads the start
+    of every call, and a computer-use agent's first message holds a screenshot)."""
 
-    ref: str
+    url: str | None = None
     block: str = "image"  # the API's name for the block (image_url, input_image, image)
-    stored: str | None = None  # the hex key of its bytes' block (storage.image_blocks)
+    part: Any = None
+
+    def stored(self) -> str | None:
+        """The hex key of the block that stores its bytes once (storage.image_blocks);
+        None when it holds no inline bytes that decode."""
+        found = image_of(self.part) if isinstance(self.part, dict) else None
+        return key(found.data) if found is not None and found.data is not None else None
 
 
 class Other(msgspec.Struct, tag="other", kw_only=True, gc=False):
@@ -177,23 +184,11 @@ def json_object(text: str | bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def image_ref(url: Any, data: Any = None) -> str:
-    """A URL as it is; an inline image (a ``data:`` URL, base64 data) as the sha256 of
-    its text as sent: the same image sent twice has one reference."""
-    if isinstance(url, str) and not url.startswith("data:"):
-        return url
-    blob = data if isinstance(data, str) else url if isinstance(url, str) else ""
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8", "replace")).hexdigest()
-
-
-def image(part: dict, block: str, ref: str) -> Image:
-    """An image part of any API (``ref``: its reader's reference) with, for inline bytes
-    that decode, ``sha256:<hex>`` of the bytes (the export's key) and the key of the block
-    that stores them once (the viewer's thumbnail)."""
-    found = image_of(part)
-    if found is None or found.data is None:
-        return Image(ref=ref, block=block)
-    return Image(ref=f"sha256:{found.sha256}", block=block, stored=key(found.data))
+def image(part: dict, block: str, url: Any) -> Image:
+    """An image part of any API; ``url``: where its API names one (a ``data:`` URL is
+    inline bytes, kept in ``part``)."""
+    return Image(url=url if isinstance(url, str) and not url.startswith("data:") else None,
+                 block=block, part=part)
 
 
 def text_of(parts: list[Part] | None, sep: str = "") -> str | None:

@@ -98,9 +98,8 @@ def _part_text(part: Part) -> str:
     if type(part) is Reasoning:
         return f"[reasoning]\n{part.text}\n[/reasoning]"
     if type(part) is Image:  # a stored one by its key: the page shows its thumbnail
-        if part.stored or not part.ref.startswith("sha256:"):
-            return f"[image {part.stored or part.ref}]"
-        return "[image]"  # inline data that does not decode: not stored apart, not shown
+        shown = part.url or part.stored()
+        return f"[image {shown}]" if shown else "[image]"  # [image]: bytes that do not decode
     if type(part) is ToolResult:
         return _text(part.parts)
     if type(part) is CalledTool:

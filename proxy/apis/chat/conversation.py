@@ -20,7 +20,6 @@ from tracetap.storage.conversation import (
     ToolCall,
     ToolResult,
     image,
-    image_ref,
 )
 
 # Where storage finds the conversation in a stored request (``storage.conversation.Shape``).
@@ -96,7 +95,7 @@ def _part(p: Any) -> Part:
     kind = str(p.get("type", ""))
     if kind in ("image_url", "input_image"):  # chat; Responses
         url = p.get("image_url")
-        return image(p, kind, image_ref(url.get("url") if isinstance(url, dict) else url))
+        return image(p, kind, url.get("url") if isinstance(url, dict) else url)
     return Other(value=p, block=kind)
 
 

@@ -21,7 +21,6 @@ from tracetap.storage.conversation import (
     ToolCall,
     ToolResult,
     image,
-    image_ref,
 )
 
 # Where storage finds the conversation in a stored request (``storage.conversation.Shape``).
@@ -87,7 +86,7 @@ def _block(block: Any) -> Part:
     if kind == "image":
         source = block.get("source")
         source = source if isinstance(source, dict) else {}
-        return image(block, kind, image_ref(source.get("url"), source.get("data")))
+        return image(block, kind, source.get("url"))
     return Other(value=block, block=kind)
 
 
