@@ -318,7 +318,7 @@ async def index_floor(url: str, unique: int) -> dict:
 
         async def parts() -> dict:
             sizes = await conn.fetchrow(
-                "SELECT pg_relation_size('ix_call_text_words') AS gin, "
+                "SELECT pg_relation_size('ix_call_text_word_keys') AS gin, "
                 "pg_total_relation_size('call_text') AS total")
             return {k: round(v / unique, 2) for k, v in sizes.items()}
         written = await parts()

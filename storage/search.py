@@ -50,14 +50,16 @@ from tracetap.storage.tables import Call, CallText, Episode
 # Postgres's index of a call's words (migration 0016): ``call_text.words``, its distinct
 # words, lower case, as the writer found them (storage.search_index.words: letters and
 # digits, as SQLite's unicode61 splits), space-separated; and a GIN index of
-# ``tracetap_word_keys(words)``, each word's hash bucket: a GIN keyed by the words
-# themselves took 14-20 bytes per unique token on rare words (an entry per distinct word).
+# ``word_keys``, generated from them by ``tracetap_word_keys``: each word's hash bucket (a
+# GIN keyed by the words themselves took 14-20 bytes per unique token on rare words: an
+# entry per distinct word).
 # A term reads the calls holding its words' buckets from the index, then keeps those whose
 # words hold each of its words as written: exact, whatever words share a bucket.
 # Postgres's own parser (to_tsvector) cost a millisecond and more per call in the
 # database and halved the writer's throughput (bench/writer_bench.py); it also reads
 # ``conftest.py`` as one word.
 PG_WORDS = "call_text.words"
+PG_KEYS = "call_text.word_keys"
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
@@ -107,18 +109,26 @@ def parse_terms(query: str) -> Terms | None:
     return Terms(tuple(wanted), tuple(unwanted)) if wanted else None
 
 
+def _pg_words(term: str) -> list[str]:
+    return list(dict.fromkeys(_WORD.findall(term.lower())))
+
+
+def _pg_keys(found: list[str]) -> str:
+    """Calls whose keys hold those of all of ``found`` (what the index answers)."""
+    return f"{PG_KEYS} @> tracetap_word_keys('{' '.join(found)}')"
+
+
 def _pg_condition(term: str) -> str:
     """One term as SQL over call_text: all of its words, by their buckets (the index),
     then each as a whole word of the call's words. SQL text, not parameters: a statement
     prepared with parameters is planned generically after five runs, for any word, and
     that plan read every call's words (a seq scan, 30-50 ms at 60,000 calls) where the
     index finds a rare word in 2. Safe: a word holds only letters and digits."""
-    found = [w.replace("'", "''") for w in dict.fromkeys(_WORD.findall(term.lower()))]
+    found = _pg_words(term)
     if not found:
         return "false"
     exact = " AND ".join(f"strpos(' ' || {PG_WORDS} || ' ', ' {w} ') > 0" for w in found)
-    return (f"(tracetap_word_keys({PG_WORDS}) @> tracetap_word_keys('{' '.join(found)}') "
-            f"AND {exact})")
+    return f"({_pg_keys(found)} AND {exact})"
 
 
 def _fts_query(term: str) -> str:
@@ -133,7 +143,9 @@ def matching_calls(dialect: str, term: str | list[str]):
     the term's words."""
     terms = [term] if isinstance(term, str) else term
     if dialect == "postgresql":
-        return select(CallText).where(text(" OR ".join(_pg_condition(t) for t in terms)))
+        # Parenthesised: a caller adds its own conditions, which must hold for every term.
+        return select(CallText).where(
+            text("(" + " OR ".join(_pg_condition(t) for t in terms) + ")"))
     fts = text("SELECT rowid FROM call_text_fts WHERE call_text_fts MATCH :search_q"
                ).bindparams(_unique(" OR ".join(_fts_query(t) for t in terms)))
     return select(CallText).where(CallText.id.in_(fts))
@@ -149,10 +161,12 @@ def _having(dialect: str, term: str):
 
 
 async def _estimate(conn, term: str) -> float:
-    """The planner's estimate of the calls holding ``term`` (from the column's statistics:
-    a millisecond, where reading a common word's 300,000 postings costs a hundred)."""
+    """The planner's estimate of the calls holding ``term``'s keys (from the column's
+    statistics: a millisecond, where reading a common word's 300,000 postings costs a
+    hundred). The keys only: the planner guesses a third for each word's exact test."""
+    found = _pg_words(term) or [""]
     plan = (await conn.execute(text(
-        f"EXPLAIN (FORMAT JSON) SELECT 1 FROM call_text WHERE {_pg_condition(term)}"))).scalar()
+        f"EXPLAIN (FORMAT JSON) SELECT 1 FROM call_text WHERE {_pg_keys(found)}"))).scalar()
     decoded = msgspec.json.decode(plan) if isinstance(plan, (str, bytes)) else plan
     return float(decoded[0]["Plan"]["Plan Rows"])
 

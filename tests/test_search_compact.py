@@ -92,7 +92,7 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
 
     compact = _run(url, _shape)
     assert compact["columns"] == sorted(["id", "call_id", "episode_id"] + (
-        ["words"] if kind == "postgres" else []))
+        ["word_keys", "words"] if kind == "postgres" else []))
     if kind == "sqlite":  # contentless, no positions, no triggers; ids never reused
         assert set(compact["index"]) >= {"call_text", "call_text_fts"}
         assert "content=''" in compact["index"]["call_text_fts"]
@@ -100,7 +100,7 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
         assert "AUTOINCREMENT" in compact["index"]["call_text"]
         assert not any(n.startswith("call_text_a") for n in compact["index"])  # triggers
     else:
-        assert "ix_call_text_words" in compact["index"]
+        assert "ix_call_text_word_keys" in compact["index"]
 
     async def found(engine):
         return [await matching(engine, w) for w in ("segfaultgremlin", "zebracorn", "quota",

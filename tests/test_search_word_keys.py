@@ -13,7 +13,7 @@ from sqlalchemy import text
 import tracetap.storage.rows as rows
 from tracetap.migrations import alembic_config, upgrade
 from tracetap.proxy.apis.registry import readers
-from tracetap.storage import search_index
+from tracetap.storage import search, search_index
 from tracetap.storage.engine import create_engine
 from tracetap.storage.rows import insert_calls
 from tracetap.storage.search_text import call_text
@@ -97,9 +97,23 @@ def test_a_word_sharing_a_bucket_finds_nothing(fresh_postgres):
         mate = await _bucket_mate(engine, "segfaultgremlin")
         async with engine.connect() as conn:  # the index alone would find it
             assert (await conn.execute(text(
-                "SELECT count(*) FROM call_text WHERE tracetap_word_keys(words) @> "
-                "tracetap_word_keys(:w)"), {"w": mate})).scalar_one() > 0
+                "SELECT count(*) FROM call_text WHERE word_keys @> tracetap_word_keys(:w)"),
+                {"w": mate})).scalar_one() > 0
         return [await matching(engine, s) for s in (
             mate, f"segfaultgremlin {mate}", f'"{mate} segfaultgremlin"', f"zebracorn -{mate}",
             "segfaultgremlin")]
     assert _run(url, work) == [[], [], [], ["ep-gremlin", "ep-quota"], ["ep-gremlin"]]
+
+
+def test_snippets_of_several_terms_keep_to_the_episodes_asked(fresh_postgres):
+    """The terms' conditions are one clause: the episodes asked for hold for every term
+    (an OR left bare would read the first term's calls in every episode)."""
+    url = fresh_postgres
+    upgrade(url)
+
+    async def work(engine):
+        await insert_calls(engine, CALLS, readers=READERS, search_index=True)
+        terms = search.parse_terms("zebracorn quota")
+        return {e: s.matches for e, s in (
+            await search.snippets(engine, terms, ["ep-quota"], READERS)).items()}
+    assert _run(url, work) == {"ep-quota": 2}
