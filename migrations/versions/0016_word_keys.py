@@ -22,9 +22,10 @@ expression: a search for a common word scans the table, and recomputing every ro
 there cost 8 µs a row where comparing stored keys costs nothing.
 
 The upgrade writes each row's words from its tsvector (the same words: the writer gave
-them), drops ``doc`` and its index and builds the new one, in one transaction. The old
-rows' space is reused as the table is written (``VACUUM FULL call_text`` gives it back
-at once). The downgrade rebuilds the tsvector from the words.
+them), drops ``doc`` and its index, adds the keys (which rewrites the table: the old rows'
+space is given back) and builds the index, in one transaction: 3.7 s for the agentic
+replay's 240 calls of ~2,800 new words each (19.1 MB of ``call_text`` before, 8.0 MB
+after), 18 s for 960. The downgrade rebuilds the tsvector from the words.
 """
 
 from alembic import op
