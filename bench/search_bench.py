@@ -141,11 +141,11 @@ async def fill_search(url: str, episodes: int) -> None:
             "UPDATE calls SET request = json_build_object('model', 'm', 'messages', "
             "json_build_array(json_build_object('role', 'user', 'content', t.body)))::text "
             "FROM bench_text t WHERE calls.call_id = t.call_id")
-        # The document the writer gives each row (storage.search_index.words); these
-        # texts are plain lower-case words, which to_tsvector('simple') splits the same way.
-        await conn.execute("INSERT INTO call_text (call_id, episode_id, doc) "
-                           "SELECT call_id, episode_id, to_tsvector('simple', body) "
-                           "FROM bench_text ORDER BY call_id")
+        # The words the writer gives each row (storage.search_index.words); these texts
+        # are plain lower-case words, which to_tsvector('simple') splits the same way.
+        await conn.execute("INSERT INTO call_text (call_id, episode_id, words) "
+                           "SELECT call_id, episode_id, array_to_string(tsvector_to_array("
+                           "to_tsvector('simple', body)), ' ') FROM bench_text ORDER BY call_id")
         await conn.execute("ANALYZE")
     finally:
         await conn.close()

@@ -311,13 +311,14 @@ async def index_floor(url: str, unique: int) -> dict:
 
     conn = await asyncpg.connect(url)
     try:
-        per_call = [r[0] for r in await conn.fetch("SELECT length(doc) FROM call_text")]
+        per_call = [r[0] for r in await conn.fetch(
+            "SELECT coalesce(array_length(string_to_array(words, ' '), 1), 0) FROM call_text")]
         distinct = await conn.fetchval(
-            "SELECT count(DISTINCT w) FROM call_text, unnest(tsvector_to_array(doc)) w")
+            "SELECT count(DISTINCT w) FROM call_text, unnest(string_to_array(words, ' ')) w")
 
         async def parts() -> dict:
             sizes = await conn.fetchrow(
-                "SELECT pg_relation_size('ix_call_text_document') AS gin, "
+                "SELECT pg_relation_size('ix_call_text_word_keys') AS gin, "
                 "pg_total_relation_size('call_text') AS total")
             return {k: round(v / unique, 2) for k, v in sizes.items()}
         written = await parts()

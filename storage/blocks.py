@@ -167,11 +167,15 @@ def whole(kind: bytes, data: bytes) -> tuple[Ref, bytes]:
 
 
 def cut_ids(ids: bytes, parent: list[Ref] | None,
-            parent_ids: bytes | None = None) -> list[tuple[Ref, bytes]]:
+            parent_ids: bytes | None = None,
+            answers: tuple[bytes, ...] = ()) -> list[tuple[Ref, bytes]]:
     """The blocks of a prompt (int32 bytes): the parent's boundaries as far as its blocks
     recur, then ``BLOCK_TOKENS`` at a time (``FIRST_BLOCK_TOKENS`` without a parent).
     Each block comes with its bytes. With the parent's ids at hand, a recurring block is
-    recognised by comparing bytes, not by hashing them again."""
+    recognised by comparing bytes, not by hashing them again. ``answers``: the parent's
+    completions (int32 bytes); one found whole where the parent's prompt ends (give or
+    take a chat template's few tokens) is a block of its own, the very block its choice
+    stored (``whole``), so the answer a conversation resends is stored once."""
     out: list[tuple[Ref, bytes]] = []
     at = 0
     for h, n in parent or ():
@@ -187,11 +191,41 @@ def cut_ids(ids: bytes, parent: list[Ref] | None,
         out.append(((h, n), piece))
         at = end
     step = 4 * (BLOCK_TOKENS if out else FIRST_BLOCK_TOKENS)
-    while at < len(ids):
-        piece = ids[at:at + step]
+    found = _answer_at(ids, at, answers) if out else None
+    if found is not None:
+        start, answer = found
+        _cut_new(ids, at, start, step, out)
+        out.append(whole(IDS, answer))
+        at = start + len(answer)
+    _cut_new(ids, at, len(ids), step, out)
+    return out
+
+
+ANSWER_SLACK = 64  # ids a chat template may put between a prompt's end and its answer
+MIN_ANSWER = 16  # ids: a shorter answer is not worth a block (a reference costs 20 bytes)
+
+
+def _answer_at(ids: bytes, at: int, answers: tuple[bytes, ...]) -> tuple[int, bytes] | None:
+    """(where, answer) for the first of ``answers`` that ``ids`` holds whole, starting
+    within ANSWER_SLACK ids of ``at``; None if none does."""
+    for answer in answers:
+        if len(answer) < 4 * MIN_ANSWER:
+            continue
+        limit = min(len(ids), at + 4 * ANSWER_SLACK + len(answer))
+        start = ids.find(answer, at, limit)
+        while start >= 0 and start % 4:  # a match must start at an id
+            start = ids.find(answer, start + 1, limit)
+        if start >= 0:
+            return start, answer
+    return None
+
+
+def _cut_new(ids: bytes, at: int, end: int, step: int,
+             out: list[tuple[Ref, bytes]]) -> None:
+    while at < end:
+        piece = ids[at:min(at + step, end)]
         out.append(((digest(IDS, piece), len(piece) // 4), piece))
         at += len(piece)
-    return out
 
 
 # A body's messages as far as they go (everything but what follows the last message) and

@@ -47,18 +47,22 @@ class Last(msgspec.Struct, gc=False):
     """What the next call of a conversation reuses: its prompt's blocks, and every block
     hash the call referenced (known stored). Fresh from this process's own writes, also
     the prompt's ids and its bodies' prefixes (storage.prefix.Prefix): the next call is
-    then compared with them byte for byte and only its new part is hashed; read back from
-    the database, only the references (the next call hashes what it resends)."""
+    then compared with them byte for byte and only its new part is hashed, and its
+    choices' completion ids (``answers``: the next prompt resends one, which is cut as the
+    block the choice stored, storage.blocks.cut_ids); read back from the database, only
+    the references (the next call hashes what it resends)."""
 
     prompt: list[Ref]
     known: frozenset[bytes]
     ids: bytes | None = None
     texts: dict[str, Prefix] = {}
+    answers: tuple[bytes, ...] = ()
 
     @property
     def size(self) -> int:
         """Bytes (about) of the content this entry keeps."""
-        return len(self.ids or b"") + sum(prefix.size for prefix in self.texts.values())
+        return (len(self.ids or b"") + sum(prefix.size for prefix in self.texts.values())
+                + sum(map(len, self.answers)))
 
 
 class Planned(msgspec.Struct, gc=False):
@@ -129,12 +133,14 @@ def plan(records: list[CallRecord], parents: dict[str, Last],
         refs: dict[str, bytes | None] = {
             "prompt_refs": None if ids is None else pack_refs(prompt)}
         texts = _cut_bodies(record, shapes, last, known, used, out.blocks, refs)
+        answers: list[bytes] = []
+        choices = _choices(record, out.blocks, answers)
         entry = None
         if record.episode_id is not None:
-            entry = _next_last(prompt, ids, texts, last, used)
+            used.update(whole(IDS, a)[0][0] for a in answers)  # stored with this call
+            entry = _next_last(prompt, ids, texts, last, used, tuple(answers))
             out.episodes[record.episode_id] = entry
-        out.calls[record.call_id] = Planned(refs=refs, choices=_choices(record, out.blocks),
-                                            last=entry)
+        out.calls[record.call_id] = Planned(refs=refs, choices=choices, last=entry)
     return out
 
 
@@ -143,7 +149,8 @@ def _cut_prompt(ids: bytes | None, last: Last | None, known: frozenset[bytes],
     """The prompt's blocks, continuing the boundaries of the conversation's last prompt."""
     if ids is None:
         return []
-    pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None)
+    pieces = cut_ids(ids, last.prompt if last else None, last.ids if last else None,
+                     last.answers if last else ())
     _add(blocks, pieces, known, used, IDS)
     return [ref for ref, _ in pieces]
 
@@ -172,15 +179,16 @@ def _cut_bodies(record: CallRecord, shapes: Readers, last: Last | None,
 
 
 def _next_last(prompt: list[Ref], ids: bytes | None, texts: dict[str, Prefix],
-               last: Last | None, used: set[bytes]) -> Last:
+               last: Last | None, used: set[bytes], answers: tuple[bytes, ...]) -> Last:
     """What the conversation's next call continues from after this one."""
     if ids is None and last is not None:  # a call without ids (an error): the next
         prompt, ids = last.prompt, last.ids  # one continues the last prompt seen
+        answers = answers or last.answers
         used.update(h for h, _ in prompt)
     if last is not None:
         texts = {**last.texts, **texts}
         used.update(h for prefix in last.texts.values() for h, _ in prefix.refs)
-    return Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts)
+    return Last(prompt=prompt, known=frozenset(used), ids=ids, texts=texts, answers=answers)
 
 
 def packed_prompt(record: CallRecord) -> bytes | None:
@@ -190,8 +198,10 @@ def packed_prompt(record: CallRecord) -> bytes | None:
     return pack_ids(record.prompt_ids)
 
 
-def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
-    """Each choice's text, ids and logprobs as one block each: compressed, not shared."""
+def _choices(record: CallRecord, blocks: dict[bytes, bytes],
+             answers: list[bytes]) -> dict[int, dict]:
+    """Each choice's text, ids and logprobs as one block each, compressed; into
+    ``answers``, each choice's completion ids (int32 bytes)."""
     out = {}
     for choice in record.choices:
         refs: dict[str, bytes | None] = {}
@@ -204,6 +214,8 @@ def _choices(record: CallRecord, blocks: dict[bytes, bytes]) -> dict[int, dict]:
             if data is None:
                 refs[column] = None
                 continue
+            if kind == IDS:
+                answers.append(data)
             ref, _ = whole(kind, data)
             if ref[0] not in blocks:
                 blocks[ref[0]] = pack_block(data, kind)

@@ -2,7 +2,8 @@
 
 Since revision 0007 prompt and completion ids live in blocks (storage.blocks) that calls
 reference; a block shared by many calls holds its ids once. Rows written before keep them
-inline (``length(prompt_ids) / 4``). ``stored_ids`` counts both, each block once.
+inline (``length(prompt_ids) / 4``). ``stored_ids`` counts both, each block once (a
+choice's completion resent in the next prompt is one block: storage.blocks.cut_ids).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ class StoredIds(msgspec.Struct, kw_only=True):
     prompt: int = 0  # prompt ids held (each block once)
     completion: int = 0  # completion ids held
     prompt_tokens: int = 0  # the calls' prompt_tokens summed: what inline storage would hold
+    shared: int = 0  # ids of blocks that are both (counted in each of the two above)
 
     @property
     def total(self) -> int:
-        return self.prompt + self.completion
+        return self.prompt + self.completion - self.shared
 
 
 async def stored_ids(engine: AsyncEngine) -> StoredIds:
     """Token ids held by the database at ``engine`` (reads every call's references)."""
     out = StoredIds()
+    held_blocks: dict[str, dict[bytes, int]] = {}
     async with engine.connect() as conn:
         for field, refs, inline in (("prompt", Call.prompt_refs, Call.prompt_ids),
                                     ("completion", Choice.completion_ids_refs,
@@ -40,6 +43,9 @@ async def stored_ids(engine: AsyncEngine) -> StoredIds:
                 if stored_refs is not None:
                     blocks.update(unpack_refs(stored_refs))
             setattr(out, field, held + sum(blocks.values()))
+            held_blocks[field] = blocks
+        out.shared = sum(n for h, n in held_blocks["prompt"].items()
+                         if h in held_blocks["completion"])
         out.prompt_tokens = int((await conn.execute(
             select(func.coalesce(func.sum(Call.prompt_tokens), 0)))).scalar())
     return out

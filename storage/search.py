@@ -1,12 +1,12 @@
 """Full-text search over what calls said: the viewer's query, and its snippets.
 
-The index (storage.search_index, migration 0012) holds each call's words, not its text:
-on Postgres a GIN index of a tsvector of them (``doc``; no stemming: tool output, code
-and error names are matched as written, case-insensitively), on SQLite a contentless
-FTS5 table (``unicode61``, ``detail=none``). Both read the same query syntax: words (all
-must occur, each in any call of the episode), ``"quoted phrases"`` (all of the phrase's
-words in one call: neither index keeps where a word is, so the words' order and
-adjacency are not checked) and ``-excluded`` words (in none of its calls). Every search
+The index (storage.search_index, migrations 0012, 0016) holds each call's words, not its
+text: on Postgres the words as text with a GIN index of their hash buckets (no stemming:
+tool output, code and error names are matched as written, case-insensitively), on SQLite
+a contentless FTS5 table (``unicode61``, ``detail=none``). Both read the same query
+syntax: words (all must occur, each in any call of the episode), ``"quoted phrases"`` (all
+of the phrase's words in one call: neither index keeps where a word is, so the words'
+order and adjacency are not checked) and ``-excluded`` words (in none of its calls). Every search
 goes through ``call_text``: a call pruned is found by nothing, whatever postings remain.
 A term given twice counts once, a word twice in a term once, and a search of more than
 MAX_WORDS different words or MAX_TERMS terms is refused (TooManyWords): each term costs a
@@ -47,12 +47,19 @@ from tracetap.storage.search_index import WORD as _WORD
 from tracetap.storage.search_recompute import texts_of
 from tracetap.storage.tables import Call, CallText, Episode
 
-# Postgres's document of a call's text (migrations 0011, 0012): its distinct words, lower
-# case, as the writer found them (storage.search_index.words: letters and digits, as
-# SQLite's unicode61 splits), made a tsvector by array_to_tsvector. Postgres's own parser
-# (to_tsvector) cost a millisecond and more per call in the database and halved the
-# writer's throughput (bench/writer_bench.py); it also reads ``conftest.py`` as one word.
-PG_DOCUMENT = "call_text.doc"
+# Postgres's index of a call's words (migration 0016): ``call_text.words``, its distinct
+# words, lower case, as the writer found them (storage.search_index.words: letters and
+# digits, as SQLite's unicode61 splits), space-separated; and a GIN index of
+# ``word_keys``, generated from them by ``tracetap_word_keys``: each word's hash bucket (a
+# GIN keyed by the words themselves took 14-20 bytes per unique token on rare words: an
+# entry per distinct word).
+# A term reads the calls holding its words' buckets from the index, then keeps those whose
+# words hold each of its words as written: exact, whatever words share a bucket.
+# Postgres's own parser (to_tsvector) cost a millisecond and more per call in the
+# database and halved the writer's throughput (bench/writer_bench.py); it also reads
+# ``conftest.py`` as one word.
+PG_WORDS = "call_text.words"
+PG_KEYS = "call_text.word_keys"
 SNIPPET = 160  # characters of context around the first match
 FEW = 10_000  # calls a term may match and still be looked up first (resolved_conditions)
 _TERMS = re.compile(r'(-?)"([^"]*)"|(-?)(\S+)')
@@ -102,10 +109,29 @@ def parse_terms(query: str) -> Terms | None:
     return Terms(tuple(wanted), tuple(unwanted)) if wanted else None
 
 
-def _pg_query(term: str) -> str:
-    """One term as a tsquery literal: all of its words (quoted, so any is a plain word)."""
-    return " & ".join("'" + w + "'" for w in dict.fromkeys(_WORD.findall(term.lower()))) \
-        or "''"
+def _pg_words(term: str) -> list[str]:
+    return list(dict.fromkeys(_WORD.findall(term.lower())))
+
+
+def _pg_keys(found: list[str]) -> str:
+    """Calls whose keys hold those of all of ``found`` (what the index answers)."""
+    return f"{PG_KEYS} @> tracetap_word_keys('{' '.join(found)}')"
+
+
+def _pg_condition(term: str) -> str:
+    """One term as SQL over call_text: all of its words, by their buckets (the index),
+    then each as a whole word of the call's words. SQL text, not parameters: a statement
+    prepared with parameters is planned generically after five runs, for any word, and
+    that plan read every call's words (a seq scan, 30-50 ms at 60,000 calls) where the
+    index finds a rare word in 2. Safe: a word holds only letters and digits."""
+    found = _pg_words(term)
+    if not found:
+        return "false"
+    # "<> 0", not "> 0": the planner guesses 0.995 of rows pass an unknown "<>" and a
+    # third an unknown ">", so the estimate stays the keys' (about the matches); a third
+    # per word made it plan a common word's episodes as if they were few.
+    exact = " AND ".join(f"strpos(' ' || {PG_WORDS} || ' ', ' {w} ') <> 0" for w in found)
+    return f"({_pg_keys(found)} AND {exact})"
 
 
 def _fts_query(term: str) -> str:
@@ -120,12 +146,9 @@ def matching_calls(dialect: str, term: str | list[str]):
     the term's words."""
     terms = [term] if isinstance(term, str) else term
     if dialect == "postgresql":
-        # A literal, not a parameter: a statement prepared with one is planned generically
-        # after five runs, for any word, and that plan read every call's document (a seq
-        # scan, 30-50 ms at 60,000 calls) where the index finds a rare word in 2. Safe:
-        # the literal holds only words (letters and digits), quotes (doubled), & and |.
-        query = " | ".join(f"({_pg_query(t)})" for t in terms).replace("'", "''")
-        return select(CallText).where(text(f"{PG_DOCUMENT} @@ CAST('{query}' AS tsquery)"))
+        # Parenthesised: a caller adds its own conditions, which must hold for every term.
+        return select(CallText).where(
+            text("(" + " OR ".join(_pg_condition(t) for t in terms) + ")"))
     fts = text("SELECT rowid FROM call_text_fts WHERE call_text_fts MATCH :search_q"
                ).bindparams(_unique(" OR ".join(_fts_query(t) for t in terms)))
     return select(CallText).where(CallText.id.in_(fts))
@@ -141,11 +164,12 @@ def _having(dialect: str, term: str):
 
 
 async def _estimate(conn, term: str) -> float:
-    """The planner's estimate of the calls holding ``term`` (from the column's statistics:
-    a millisecond, where reading a common word's 300,000 postings costs a hundred)."""
+    """The planner's estimate of the calls holding ``term``'s keys (from the column's
+    statistics: a millisecond, where reading a common word's 300,000 postings costs a
+    hundred). The keys only: the planner guesses a third for each word's exact test."""
+    found = _pg_words(term) or [""]
     plan = (await conn.execute(text(
-        f"EXPLAIN (FORMAT JSON) SELECT 1 FROM call_text WHERE {PG_DOCUMENT} @@ "
-        "CAST(:search_q AS tsquery)"), {"search_q": _pg_query(term)})).scalar()
+        f"EXPLAIN (FORMAT JSON) SELECT 1 FROM call_text WHERE {_pg_keys(found)}"))).scalar()
     decoded = msgspec.json.decode(plan) if isinstance(plan, (str, bytes)) else plan
     return float(decoded[0]["Plan"]["Plan Rows"])
 

@@ -6,8 +6,8 @@ not its text (migration 0012). Replaying a journal indexes once (the row is keye
 id; postings are added only for rows this batch added), and a refused batch indexes
 nothing.
 
-- Postgres: the row holds ``doc``, the text's distinct words (``words``) as a tsvector,
-  GIN-indexed.
+- Postgres: the row holds ``words``, the text's distinct words (``words()``) sorted and
+  space-separated; a GIN index keys them by hash bucket (migration 0016, storage.search).
 - SQLite: the row's ``id`` is the rowid of its postings in ``call_text_fts``, a
   contentless FTS5 table (``content=''``, ``detail=none``: which calls hold a word, not
   where). It keeps no text, so removing a call's postings takes the text they were made
@@ -39,11 +39,11 @@ from tracetap.storage.tables import CallText
 
 MAX_WORD = 200  # characters: a longer "word" (base64, a hash) is not looked up by anyone
 WORD = re.compile(r"[^\W_]+")  # letters and digits, as SQLite's unicode61 splits
-# The words go as one string, split by Postgres: a word holds no whitespace (words()),
-# and asyncpg encodes a text[] parameter element by element with two abc isinstance
-# checks each (~1 µs a word: ~3 ms for a call adding 2,800 words).
-_PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, doc) "
-              "VALUES ($1, $2, array_to_tsvector(string_to_array($3::text, ' '))) "
+# The words go as one string: a word holds no whitespace (words()), and asyncpg encodes
+# a text[] parameter element by element with two abc isinstance checks each (~1 µs a
+# word: ~3 ms for a call adding 2,800 words). Sorted, so neighbours share their start
+# and TOAST's compression finds it. The index's keys are computed by Postgres (0016).
+_PG_INSERT = ("INSERT INTO call_text (call_id, episode_id, words) VALUES ($1, $2, $3) "
               "ON CONFLICT (call_id) DO NOTHING")
 _SQLITE_ROWS = 256  # rows per INSERT ... RETURNING (two variables each)
 _FTS_INSERT = "INSERT INTO call_text_fts(rowid, body) VALUES (?, ?)"
@@ -79,7 +79,7 @@ def words(body: str) -> list[str]:
 
 def _word_rows(records: list[CallRecord],
                readers: Readers | None) -> list[tuple[str, str, str]]:
-    return [(c, e, " ".join(words(body))) for c, e, body in rows_for(records, readers)]
+    return [(c, e, " ".join(sorted(words(body)))) for c, e, body in rows_for(records, readers)]
 
 
 async def index_calls(raw, dialect: str, records: list[CallRecord],

@@ -159,8 +159,9 @@ class Block(Base):
 class CallText(Base):
     """A call the viewer's search can find (storage.search_index: the words of the turn
     it added, its answer, its error; not the text, since 0012). Full-text indexed: on
-    Postgres a GIN index of the tsvector column ``doc`` (storage.search.PG_DOCUMENT; not
-    modelled, SQLite has none), on SQLite the contentless FTS5 table ``call_text_fts``
+    Postgres the column ``words`` with a GIN index of its words' hash buckets (0016,
+    storage.search.PG_WORDS; not modelled, SQLite has none), on SQLite the contentless
+    FTS5 table ``call_text_fts``
     the writer fills beside it (``id`` is its rowid: AUTOINCREMENT, never reused, so a
     posting outlives no row it could be mistaken for)."""
 

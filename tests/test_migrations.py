@@ -12,14 +12,16 @@ from tracetap.storage.tables import metadata
 
 
 def _modelled(name, type_, parent) -> bool:
-    # call_text's full-text indexes (0011) have no model: SQLite's FTS5 table and its
-    # shadow tables, Postgres's GIN index of its generated column.
-    return not (name or "").startswith(("call_text_fts", "ix_call_text_document"))
+    # call_text's full-text indexes (0011, 0016) have no model: SQLite's FTS5 table and
+    # its shadow tables, Postgres's GIN index of its words' buckets.
+    return not (name or "").startswith(("call_text_fts", "ix_call_text_word_keys"))
 
 
 def _has_model(item, name, type_, reflected, compare_to) -> bool:
-    # Postgres's generated tsvector of call_text (0011): SQLite has none, the model neither.
-    return not (type_ == "column" and name == "doc" and item.table.name == "call_text")
+    # Postgres's words of call_text and their keys (0016): SQLite has none, the model
+    # neither.
+    return not (type_ == "column" and name in ("words", "word_keys")
+                and item.table.name == "call_text")
 
 
 def _diff(url: str) -> list:

@@ -92,7 +92,7 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
 
     compact = _run(url, _shape)
     assert compact["columns"] == sorted(["id", "call_id", "episode_id"] + (
-        ["doc"] if kind == "postgres" else []))
+        ["word_keys", "words"] if kind == "postgres" else []))
     if kind == "sqlite":  # contentless, no positions, no triggers; ids never reused
         assert set(compact["index"]) >= {"call_text", "call_text_fts"}
         assert "content=''" in compact["index"]["call_text_fts"]
@@ -100,7 +100,7 @@ def test_the_upgrade_keeps_words_only_and_the_downgrade_restores_0011(tmp_path, 
         assert "AUTOINCREMENT" in compact["index"]["call_text"]
         assert not any(n.startswith("call_text_a") for n in compact["index"])  # triggers
     else:
-        assert "ix_call_text_document" in compact["index"]
+        assert "ix_call_text_word_keys" in compact["index"]
 
     async def found(engine):
         return [await matching(engine, w) for w in ("segfaultgremlin", "zebracorn", "quota",
@@ -333,7 +333,7 @@ def test_words_are_indexed_lower_case_and_bounded():
 def test_postgres_stores_exactly_the_words_of_the_text(fresh_postgres):
     """The words travel to Postgres as one string that it splits: every word arrives
     whole (unicode, digits, a word at the length bound), none is made up of a separator,
-    and a text with no word at all stores an empty tsvector."""
+    and a text with no word at all stores none."""
     tricky = ("Grüße Ünïcode naïve 42 x2y\tTab\nnew\u00a0nbsp\u2003em_space a-b c.d "
               + "y" * 200 + " " + "z" * 201 + " \"quoted\" back\\slash 'tick' colon:1")
     calls = [chat("c-words", "ep-words", [{"role": "user", "content": tricky}], "Antwort"),
@@ -344,7 +344,7 @@ def test_postgres_stores_exactly_the_words_of_the_text(fresh_postgres):
         await insert_calls(engine, calls, search_index=True, readers=READERS)
         async with engine.connect() as conn:
             return dict((await conn.execute(text(
-                "SELECT call_id, tsvector_to_array(doc) FROM call_text"))).all())
+                "SELECT call_id, string_to_array(words, ' ') FROM call_text"))).all())
     stored = _run(fresh_postgres, work)
     expected = search_index.words(call_text(calls[0], READERS))
     assert "grüße" in expected and "nbsp" in expected and "y" * 200 in expected
