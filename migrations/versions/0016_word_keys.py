@@ -2,7 +2,7 @@
 
 Revision ID: 0016_word_keys
 Revises: 0015_annotations
-Create Date: 2027-04-20 00:00:00.000000
+Create Date: 2026-12-07 09:00:00.000000
 
 Postgres only (SQLite's FTS5 index is unchanged). Since 0011 ``call_text.doc`` held a
 call's words as a tsvector with a GIN index of every word: on text whose words are rare
