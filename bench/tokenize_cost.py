@@ -2,6 +2,7 @@
 
     python bench/tokenize_cost.py                 # contexts 500, 10k and 70k tokens, ~10 s
     python bench/tokenize_cost.py --contexts 70000
+    python bench/tokenize_cost.py --flavor-compare  # whole proxies: bench/flavor_compare.py
 
 An upstream that returns no token ids has them asked of its ``/tokenize`` by the writer
 (proxy.tokens.resolve): for each call, the prompt (the whole conversation sent, every
@@ -78,6 +79,10 @@ async def measure(tokens: int, rounds: int, per_round: int) -> float:
 
 
 def main() -> int:
+    if "--flavor-compare" in sys.argv:  # the rest of the arguments are flavor_compare's
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from flavor_compare import main as compare
+        return compare([a for a in sys.argv[1:] if a != "--flavor-compare"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[500, 10_000, 70_000])
     parser.add_argument("--rounds", type=int, default=5)
