@@ -151,3 +151,21 @@ def test_a_request_that_is_not_an_object_is_unsupported():
     record = call(turns(1)[0])
     record.request = "[1, 2]"
     assert run([record], TokenizeEngine("vllm"), PromptPrefixes()) == ["unsupported_request"]
+
+
+@pytest.mark.parametrize(("answer", "array"), [
+    (b'{"count":2,"max_model_len":9,"tokens":[1,2],"token_strs":null}', b"[1,2]"),  # cut
+    (b'{"tokens": [1, 2] }', b"[1, 2]"),
+    (b'{"a":{"tokens":[9]},"tokens":[1,2]}', b"[1,2]"),  # a nested one is not the member
+    (b'{"tokens":[1,2],"tokens":[3]}', b"[3]"),  # the last, as a decoder reads it
+    (b'{"tokens":[[1],2]}', b"[[1],2]"),  # not plain: read whole (and refused when decoded)
+])
+def test_the_answers_token_array_is_the_member_a_json_decoder_reads(answer, array):
+    assert engine_tokenizer._tokens_array(answer) == array
+
+
+@pytest.mark.parametrize("answer", [b'{"tokens":[1,2]', b'{"tokens":[1,2]} x',
+                                    b'[{"tokens":[1]}]', b'{"tokens":[1],"count":}'])
+def test_an_answer_that_is_not_a_json_object_fails(answer):
+    with pytest.raises(engine_tokenizer.TokenizeFailed):
+        engine_tokenizer._tokens_array(answer)

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from tracetap.proxy.apis.chat.prompt_cut import cut_member
 from tracetap.proxy.upstream.client import UpstreamClient
 
 # What a chat request may carry that changes how vLLM's /tokenize renders it.
@@ -70,6 +71,7 @@ class _TokensAnswer(msgspec.Struct):
 
 _read_render = msgspec.json.Decoder(_VllmChatRender).decode
 _read_tokens = msgspec.json.Decoder(_TokensAnswer).decode
+_read_object = msgspec.json.Decoder().decode
 
 
 class NoChatTemplate(Exception):
@@ -176,14 +178,7 @@ class Vllm(EngineTokenizer):
         status, raw = await self.client.post_raw(self.origin + "/tokenize", body)
         if status != 200 or not raw or not raw.strip():
             raise TokenizeFailed(f"POST /tokenize answered {status or 'nothing'}")
-        try:
-            tokens = _read_tokens(raw).tokens
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            raise TokenizeFailed("POST /tokenize answered 200") from None
-        array = b"" if tokens is msgspec.UNSET else bytes(tokens)
-        if not array.startswith(b"["):
-            raise TokenizeFailed("no token list in the answer")
-        return array
+        return _tokens_array(raw)
 
     async def prompt(self, text: str) -> list[int]:
         data = await self.post("/tokenize", {"prompt": text, "add_special_tokens": True})
@@ -251,6 +246,24 @@ async def detect(client: UpstreamClient, base_url: str,
         if status == 200 and isinstance(data, dict) and key in data:
             return kind(client, origin), True
     return None, reached
+
+
+def _tokens_array(answer: bytes) -> bytes:
+    """A /tokenize answer's ``tokens`` array, its bytes: cut out by a few byte searches
+    (proxy.apis.chat.prompt_cut; skipping 70k ids with a decoder costs ~0.65 ms), the rest
+    of the answer still read as JSON; any other shape is read whole."""
+    cut = cut_member(answer, b'"tokens"')
+    try:
+        # the rest must be an object, and name no other "tokens" (a decoder keeps the last)
+        if cut is not None and b'"tokens"' not in cut[0] and type(_read_object(cut[0])) is dict:
+            return cut[1]
+        tokens = _read_tokens(answer).tokens
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise TokenizeFailed("POST /tokenize answered 200") from None
+    array = b"" if tokens is msgspec.UNSET else bytes(tokens)
+    if not array.startswith(b"["):
+        raise TokenizeFailed("no token list in the answer")
+    return array
 
 
 def _id(value: Any) -> int:
