@@ -93,18 +93,25 @@ def test_a_chunked_answer_is_asked_through_aiohttp():
         async with Engine() as engine:
             lean = LeanPoster({})
             plain = await lean.post(engine.origin + "/chunked", b"{}", 5)
+            # that engine's answers are not plain: its next questions are not asked here
+            # (then again through aiohttp), whatever the path
+            after = await lean.post(engine.origin + "/echo", b"1", 5)
+            asked = len(engine.peers)
             client = UpstreamClient(timeout=5, connect_timeout=5, max_connections=4)
             await client.start()
             try:
-                return plain, await client.post_raw(engine.origin + "/chunked", b"{}"), \
-                    await client.post_json(engine.origin + "/chunked", {})
+                return plain, after, asked, \
+                    await client.post_raw(engine.origin + "/chunked", b"{}"), \
+                    await client.post_json(engine.origin + "/chunked", {}), \
+                    await client.post_raw(engine.origin + "/echo", b"2"), len(engine.peers)
             finally:
                 await client.close()
                 lean.close()
 
-    plain, raw, decoded = asyncio.run(run())
-    assert plain is None  # not read here
+    plain, after, asked, raw, decoded, echoed, asked_then = asyncio.run(run())
+    assert plain is None and after is None and asked == 0  # not read, nor asked, here
     assert raw == (200, b'{"a":1}') and decoded == (200, {"a": 1})
+    assert echoed == (200, b'{"got":2}') and asked_then == 1  # asked once, through aiohttp
 
 
 def test_a_connection_the_engine_closed_while_idle_is_not_used():

@@ -24,6 +24,11 @@ class _Unsupported(Exception):
     """The answer is not one this client reads: the caller asks through aiohttp."""
 
 
+class _Unframed(_Unsupported):
+    """The engine frames its answers otherwise (chunked, to the close, HTTP/2): every
+    question to it goes through aiohttp from now on, rather than being asked twice."""
+
+
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: one question at a time, its answer read whole."""
 
@@ -53,7 +58,9 @@ class _Connection(asyncio.Protocol):
                     raise _Unsupported("more bytes than the answer")
                 body = bytes(memoryview(self.buffer)[self.body_at:])
                 self.waiter.set_result((self.status, body))
-        except (_Unsupported, ValueError) as exc:
+        except _Unsupported as exc:
+            self.waiter.set_exception(exc)
+        except ValueError as exc:
             self.waiter.set_exception(_Unsupported(str(exc)))
 
     def _head(self) -> None:
@@ -65,10 +72,10 @@ class _Connection(asyncio.Protocol):
         lines = bytes(self.buffer[:end]).split(b"\r\n")
         version, _, rest = lines[0].partition(b" ")
         if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-            raise _Unsupported("not HTTP/1.x")
+            raise _Unframed("not HTTP/1.x")
         self.status = int(rest[:3])
         if self.status < 200:
-            raise _Unsupported("an interim answer")
+            raise _Unframed("an interim answer")
         self.reusable = version == b"HTTP/1.1"
         length = None
         for line in lines[1:]:
@@ -79,11 +86,11 @@ class _Connection(asyncio.Protocol):
                     raise _Unsupported("Content-Length")
                 length = int(value)
             elif name == b"transfer-encoding":
-                raise _Unsupported("Transfer-Encoding")
+                raise _Unframed("Transfer-Encoding")
             elif name == b"connection" and b"close" in value.lower():
                 self.reusable = False
         if length is None:
-            raise _Unsupported("no Content-Length")
+            raise _Unframed("no Content-Length")
         self.length, self.body_at = length, end + 4
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -104,6 +111,8 @@ class LeanPoster:
     def __init__(self, headers: dict[str, str]):
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._unframed: set[tuple[str, int]] = set()  # engines asked through aiohttp only
+        self._closed = False
 
     async def post(self, url: str, body: bytes, timeout: float,
                    ) -> tuple[int, bytes | None] | None:
@@ -115,6 +124,8 @@ class LeanPoster:
         except ValueError:
             return None
         key = (parts.hostname, port)
+        if key in self._unframed:
+            return None
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n").encode()
@@ -131,8 +142,10 @@ class LeanPoster:
         timer = loop.call_later(timeout, _expire, waiter)
         try:
             status, answer = await waiter
-        except _Unsupported:
+        except _Unsupported as exc:
             conn.close()
+            if isinstance(exc, _Unframed):
+                self._unframed.add(key)
             return None
         except asyncio.TimeoutError:
             conn.close()
@@ -156,7 +169,7 @@ class LeanPoster:
 
     def _keep(self, key: tuple[str, int], conn: _Connection) -> None:
         idle = self._idle.setdefault(key, [])
-        if conn.lost or not conn.reusable or len(idle) >= IDLE_PER_ORIGIN:
+        if self._closed or conn.lost or not conn.reusable or len(idle) >= IDLE_PER_ORIGIN:
             conn.close()
             return
         conn.buffer.clear()
@@ -164,6 +177,7 @@ class LeanPoster:
         idle.append(conn)
 
     def close(self) -> None:
+        self._closed = True  # a question still out closes its connection when answered
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
