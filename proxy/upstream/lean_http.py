@@ -116,18 +116,11 @@ class LeanPoster:
 
     async def post(self, url: str, body: bytes, timeout: float,
                    ) -> tuple[int, bytes | None] | None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or parts.username or parts.password or not parts.hostname:
+        target = _target(url)
+        if target is None or target[0] in self._unframed:
             return None
-        try:
-            port = parts.port or 80
-        except ValueError:
-            return None
-        key = (parts.hostname, port)
-        if key in self._unframed:
-            return None
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        key, path, netloc = target
+        head = (f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n").encode()
         loop = asyncio.get_running_loop()
         conn = self._take(key)
@@ -182,6 +175,19 @@ class LeanPoster:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _target(url: str) -> tuple[tuple[str, int], str, str] | None:
+    """((host, port), path and query, netloc) of a plain ``http://`` URL, else None."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.username or parts.password or not parts.hostname:
+        return None
+    try:
+        port = parts.port or 80
+    except ValueError:
+        return None
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.hostname, port), path, parts.netloc
 
 
 def _expire(waiter: asyncio.Future) -> None:
