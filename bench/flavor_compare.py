@@ -2,6 +2,7 @@
 
     python bench/flavor_compare.py                        # 500, 10k, 60k contexts; SQLite, Postgres
     python bench/flavor_compare.py --contexts 60000 --dbs sqlite --rounds 3
+    python bench/flavor_compare.py --stream               # the client streams
     python bench/tokenize_cost.py --flavor-compare        # the same
 
 One mock engine (``tracetap mock-engine``, vLLM flavour: it has ``/tokenize``) behind
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sqlite3
 import sys
@@ -75,9 +77,9 @@ def words(rng: random.Random, tokens: int) -> str:
 class Session:
     """One agent's episode: a system prompt of the context, then tool turns."""
 
-    def __init__(self, context: int, index: int, tool: int, out: int):
+    def __init__(self, context: int, index: int, tool: int, out: int, stream: bool):
         self.rng = random.Random(context * 1000 + index)
-        self.tool, self.out = tool, out
+        self.tool, self.out, self.stream = tool, out, stream
         self.messages: list[dict] = [{"role": "system", "content": words(self.rng, context)},
                                      {"role": "user", "content": "Fix the failing test."}]
         self.episode = f"ctx{context}-s{index}"
@@ -85,11 +87,10 @@ class Session:
     def body(self) -> dict:
         return {"model": "mock-model", "messages": self.messages, "max_tokens": self.out,
                 "mock_completion_tokens": self.out, "mock_tool_rounds": 0,
-                "seed": len(self.messages)}
+                "seed": len(self.messages), "stream": self.stream}
 
-    def answered(self, reply: dict) -> None:
-        message = reply["choices"][0]["message"]
-        self.messages.append({"role": "assistant", "content": message.get("content") or ""})
+    def answered(self, content: str) -> None:
+        self.messages.append({"role": "assistant", "content": content})
         self.messages.append({"role": "user", "content": words(self.rng, self.tool)})
 
 
@@ -112,10 +113,9 @@ async def block(http: aiohttp.ClientSession, proxy: Proxy, sessions: list[Sessio
         url = f"{proxy.origin}/episodes/{session.episode}/v1/chat/completions"
         for _ in range(turns):
             async with http.post(url, json=session.body()) as resp:
-                reply = await resp.json()
                 if resp.status != 200:
-                    raise RuntimeError(f"{proxy.name}: {resp.status} {reply}")
-            session.answered(reply)
+                    raise RuntimeError(f"{proxy.name}: {resp.status} {await resp.text()}")
+                session.answered(await _content(resp, session.stream))
 
     pid = proxy.process.pid
     before = cpu_ns([pid])
@@ -127,6 +127,18 @@ async def block(http: aiohttp.ClientSession, proxy: Proxy, sessions: list[Sessio
             raise RuntimeError(f"{proxy.name}: calls not stored after 120 s")
         await asyncio.sleep(0.05)
     return (cpu_ns([pid]) - before) / 1e9 / (turns * len(sessions))
+
+
+async def _content(resp: aiohttp.ClientResponse, stream: bool) -> str:
+    """The reply's text: the message's, or a stream's deltas joined."""
+    if not stream:
+        return (await resp.json())["choices"][0]["message"].get("content") or ""
+    parts = []
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            delta = json.loads(line[6:])["choices"][0].get("delta") or {}
+            parts.append(delta.get("content") or "")
+    return "".join(parts)
 
 
 async def same_ids(proxies: list[Proxy], episodes: list[str]) -> tuple[int, int]:
@@ -157,7 +169,7 @@ async def bench(proxies: list[Proxy], args: argparse.Namespace) -> None:
     async with aiohttp.ClientSession(timeout=timeout) as http:
         episodes = []
         for context in args.contexts:
-            sessions = {p.name: [Session(context, i, args.tool, args.out)
+            sessions = {p.name: [Session(context, i, args.tool, args.out, args.stream)
                                  for i in range(args.concurrency)] for p in proxies}
             episodes += [s.episode for s in sessions[proxies[0].name]]
             for p in proxies:  # warm-up: the sessions' first turn (whole prompt decoded)
@@ -176,7 +188,7 @@ async def bench(proxies: list[Proxy], args: argparse.Namespace) -> None:
 
 def report(proxies: list[Proxy], args: argparse.Namespace) -> None:
     print(f"\nproxy CPU per call (µs), min over {args.rounds} rounds, c={args.concurrency}, "
-          f"+{args.tool} tokens a turn, {args.out} out")
+          f"+{args.tool} tokens a turn, {args.out} out{', streamed' if args.stream else ''}")
     print(f"{'context':>8} {'db':>7} {'vllm':>8} {'openai':>8} {'openai-vllm':>12}")
     for context in args.contexts:
         for db_kind in args.dbs:
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=3, help="turns a session makes a block")
     parser.add_argument("--tool", type=int, default=300, help="tokens a turn adds")
     parser.add_argument("--out", type=int, default=100, help="completion tokens a turn")
+    parser.add_argument("--stream", action="store_true", help="the client streams")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
 
