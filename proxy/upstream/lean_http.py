@@ -131,7 +131,11 @@ class LeanPoster:
             except (OSError, asyncio.TimeoutError):
                 return None  # aiohttp's path says how it failed
         conn.waiter = waiter = loop.create_future()
-        conn.transport.write(b"".join((head, self._headers, b"\r\n", body)))
+        try:
+            conn.transport.write(b"".join((head, self._headers, b"\r\n", body)))
+        except (OSError, RuntimeError):  # closed under us
+            conn.close()
+            return None
         timer = loop.call_later(timeout, _expire, waiter)
         try:
             status, answer = await waiter
