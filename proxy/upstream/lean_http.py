@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 MAX_HEAD = 64 << 10  # an answer's head longer than this is not a tokenizer's
 IDLE_PER_ORIGIN = 8  # connections kept for the next questions; more are closed
+MAX_URLS = 256  # URLs whose reading is kept
 
 
 class _Unsupported(Exception):
@@ -112,11 +113,17 @@ class LeanPoster:
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._unframed: set[tuple[str, int]] = set()  # engines asked through aiohttp only
+        # Each URL read once (a few per engine: its tokenize endpoints), not per question.
+        self._targets: dict[str, tuple[tuple[str, int], str, str] | None] = {}
         self._closed = False
 
     async def post(self, url: str, body: bytes, timeout: float,
                    ) -> tuple[int, bytes | None] | None:
-        target = _target(url)
+        target = self._targets.get(url, False)
+        if target is False:
+            if len(self._targets) >= MAX_URLS:
+                self._targets.clear()
+            target = self._targets[url] = _target(url)
         if target is None or target[0] in self._unframed:
             return None
         key, path, netloc = target
