@@ -86,6 +86,7 @@ def test_an_answer_is_the_engines_bytes_and_the_connection_is_kept():
     assert engine.peers[0] == engine.peers[1]  # one connection for both
     assert engine.headers[0]["Authorization"] == "Bearer k"
     assert engine.headers[0]["Content-Type"] == "application/json"
+    assert engine.headers[0]["Accept"] == "*/*"  # what aiohttp sends
 
 
 def test_a_chunked_answer_is_asked_through_aiohttp():

@@ -127,7 +127,7 @@ class LeanPoster:
         if target is None or target[0] in self._unframed:
             return None
         key, path, netloc = target
-        head = (f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nAccept: */*\r\n"  # as aiohttp
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n").encode()
         loop = asyncio.get_running_loop()
         conn = self._take(key)
