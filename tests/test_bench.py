@@ -238,3 +238,13 @@ def test_the_screenshot_replay_stores_each_image_once_through_either_api():
     assert [line["api"] for line in lines] == ["chat", "messages"]
     for line in lines:  # each screenshot once, not once per turn or per JSON shape
         assert 0.9 < line["bytes_per_image_byte"] < 1.5, line
+
+
+def test_flavor_compare_prints_both_flavours_whose_stored_ids_agree(postgres):
+    out = run("flavor_compare.py", "--contexts", "300", "2000", "--rounds", "1",
+              "--turns", "1", "--concurrency", "2", timeout=180)
+    rows = re.findall(r"^\s+(\d+)\s+(sqlite|pg)\s+(\d+)\s+(\d+)\s+[+-]\d+ \(", out, re.MULTILINE)
+    assert [(r[0], r[1]) for r in rows] == [("300", "sqlite"), ("300", "pg"),
+                                            ("2000", "sqlite"), ("2000", "pg")], out
+    # every call of the openai flavour stored with the ids the vLLM flavour's engine gave
+    assert "ids: 16 calls compared between the flavours, 0 differ" in out, out

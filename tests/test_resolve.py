@@ -17,7 +17,7 @@ from helpers.tokenize_engine import BOS, TokenizeEngine, ids_of, render
 from tracetap.proxy.tokens.engine_tokenizer import TokenizeFailed
 from tracetap.proxy.tokens.resolve import REMEDIES, TokenResolver
 from tracetap.proxy.upstream.traffic import Traffic
-from tracetap.storage.records import CallRecord, ChoiceRecord
+from tracetap.storage.records import CallRecord, ChoiceRecord, prompt_ids_of
 
 UPSTREAM = "http://engine:8000/v1"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -53,7 +53,7 @@ def test_engine_ids_are_filled_in_and_marked_with_their_source():
     record = chat(strs=("o", "k", "!"))
     back, counted = resolve([record], TokenizeEngine("vllm"))
     assert back == [] and counted == []
-    assert record.prompt_ids == PROMPT and record.prompt_source == "engine_tokenize"
+    assert prompt_ids_of(record) == PROMPT and record.prompt_source == "engine_tokenize"
     [choice] = record.choices
     assert choice.completion_ids == ids_of("ok!")
     assert choice.token_source == "verified_retokenized"
@@ -67,7 +67,7 @@ def test_each_family_gives_the_completion_ids_that_reproduce_the_engines_strings
                   prompt_tokens=len(ids_of("say ok", bos=True)))
     back, counted = resolve([record], TokenizeEngine(family))
     assert back == [] and counted == []
-    assert record.prompt_ids == ids_of("say ok", bos=True)
+    assert prompt_ids_of(record) == ids_of("say ok", bos=True)
     assert record.choices[0].completion_ids == ids_of("ok!")
     assert record.choices[0].token_source == "verified_retokenized"
 
@@ -83,7 +83,7 @@ def test_only_finished_calls_with_choices_that_lack_ids_are_resolved():
     back, counted = resolve([failed, refused, empty, complete, text_only], engine)
     assert back == [] and counted == ["no_token_strings"]
     assert [r.ids_missing for r in (failed, refused, empty, complete)] == [None] * 4
-    assert [r.prompt_ids for r in (failed, refused, empty)] == [None] * 3
+    assert [prompt_ids_of(r) for r in (failed, refused, empty)] == [None] * 3
     assert text_only.ids_missing == "no_token_strings"
     assert engine.asked  # the text-only call was taken up
     engine = TokenizeEngine("llama-cpp-python")
@@ -111,7 +111,7 @@ def test_only_finished_calls_with_choices_that_lack_ids_are_resolved():
 def test_a_prompt_without_ids_says_why_and_comes_first(engine, record, reason):
     back, counted = resolve([record], engine)
     assert back == []
-    assert record.prompt_ids is None and record.prompt_source is None
+    assert prompt_ids_of(record) is None and record.prompt_source is None
     assert record.ids_missing == reason
     assert counted == [reason]  # one choice with content: counted once, the prompt's reason
 
@@ -167,7 +167,7 @@ def test_the_upstream_request_is_what_the_engine_tokenized():
                   endpoint="responses:chat", prompt_tokens=None)
     record.prompt_tokens = None  # no count reported: the engine's render is kept as it is
     _back, counted = resolve([record], TokenizeEngine("vllm"))
-    assert counted == [] and record.prompt_ids == ids_of(render(translated["messages"]),
+    assert counted == [] and prompt_ids_of(record) == ids_of(render(translated["messages"]),
                                                          bos=True)
 
 
@@ -213,7 +213,7 @@ def test_an_engine_that_never_cuts_streams_is_asked_while_calls_run():
         return await task
 
     back, record = asyncio.run(main())
-    assert back == [] and record.prompt_ids == PROMPT and traffic.inflight == 1
+    assert back == [] and prompt_ids_of(record) == PROMPT and traffic.inflight == 1
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang", "llamacpp"])
@@ -229,7 +229,7 @@ def test_a_patient_engine_kind_is_asked_at_once_and_never_probed_at_start(flavor
         return probes, await resolver([record := chat()]), record
 
     probes, back, record = asyncio.run(run())
-    assert probes == [] and back == [] and record.prompt_ids == PROMPT
+    assert probes == [] and back == [] and prompt_ids_of(record) == PROMPT
 
 
 def test_identify_probes_each_upstream_once_unless_told_its_kind():
@@ -346,7 +346,7 @@ def test_the_local_tokenizer_does_both_and_the_engine_is_never_asked():
                     prompt_tokens=3)]
     back, counted = resolve(records, engine, local=Local())
     assert back == [] and counted == [] and engine.asked == []
-    assert [r.prompt_ids for r in records] == [PROMPT, [BOS, ord("g") + 10, ord("o") + 10]]
+    assert [prompt_ids_of(r) for r in records] == [PROMPT, [BOS, ord("g") + 10, ord("o") + 10]]
     assert {r.prompt_source for r in records} == {"local_tokenizer"}
     assert {r.choices[0].token_source for r in records} == {"local_tokenizer"}
     assert [r.choices[0].completion_ids for r in records] == [ids_of("ok")] * 2
@@ -362,7 +362,7 @@ def test_the_local_tokenizer_does_both_and_the_engine_is_never_asked():
 ])
 def test_the_local_tokenizers_prompt_says_why_it_is_missing(record, local, reason):
     _back, counted = resolve([record], TokenizeEngine("vllm"), local=local)
-    assert counted == [reason] and record.prompt_ids is None and record.ids_missing == reason
+    assert counted == [reason] and prompt_ids_of(record) is None and record.ids_missing == reason
     assert record.choices[0].completion_ids == ids_of("ok!")  # the completion still is
 
 
@@ -370,11 +370,11 @@ def test_a_chat_prompt_rendered_locally_needs_the_engines_count():
     record = chat()
     record.prompt_tokens = None
     _back, counted = resolve([record], TokenizeEngine("vllm"), local=Local())
-    assert counted == ["no_prompt_count"] and record.prompt_ids is None
+    assert counted == ["no_prompt_count"] and prompt_ids_of(record) is None
     completions = chat({"model": "m", "prompt": "go"}, endpoint="completions")
     completions.prompt_tokens = None  # a completions prompt needs no template: kept
     resolve([completions], TokenizeEngine("vllm"), local=Local())
-    assert completions.prompt_ids == ids_of("go", bos=True)
+    assert prompt_ids_of(completions) == ids_of("go", bos=True)
 
 
 @pytest.mark.parametrize(("strs", "reason"), [((), "no_token_strings"),
@@ -424,7 +424,7 @@ def test_the_local_tokenizer_never_replaces_the_engines_own_completion_ids():
     record = chat(strs=("o", "k"))
     record.choices[0].completion_ids, record.choices[0].token_source = [99, 98], "engine"
     _, counted = resolve([record], TokenizeEngine("vllm"), local=Local())
-    assert counted == [] and record.prompt_ids == PROMPT
+    assert counted == [] and prompt_ids_of(record) == PROMPT
     assert record.choices[0].completion_ids == [99, 98]
     assert record.choices[0].token_source == "engine"
 

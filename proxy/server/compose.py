@@ -65,11 +65,13 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
     # Token ids an engine did not return are asked of its tokenizer as records are written
     # (or of the local one --tokenizer names, loaded once here).
     local = await asyncio.to_thread(settings.local_tokenizer)  # a GGUF's: seconds
+    prefixes = PromptPrefixes()  # the relay's and the resolver's: one bound, one forget
     resolver = TokenResolver(
         client, metrics.ids_missing, local=local, processes=worker.count if worker else 1,
         traffic=pool.traffic,  # llama-cpp-python cuts streams when asked meanwhile
         flavor=upstream_kind,
-        address=pool.address)  # records name an upstream with its credentials masked
+        address=pool.address,  # records name an upstream with its credentials masked
+        prefixes=prefixes)
     gate = Gate(settings.pause_timeout)
     instance = instance_id()
     # Replicas share a Postgres: each call's intent is stored before its answer ends
@@ -114,7 +116,7 @@ async def compose_state(settings: Settings, overlays: Mapping[str, Any],
         instance=instance,
         upstream_kind=upstream_kind,
         arrivals=Arrivals(),
-        prompt_prefixes=PromptPrefixes(),
+        prompt_prefixes=prefixes,
         gate=gate,
         controls=Controls(engine, gate, instance, on_pause=metrics.set_paused),
         readers=apis,

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from tracetap.proxy.apis.chat.prompt_cut import cut_member
 from tracetap.proxy.upstream.client import UpstreamClient
 
 # What a chat request may carry that changes how vLLM's /tokenize renders it.
@@ -38,6 +39,39 @@ PIECE_CACHE = 262_144  # ids; a vocabulary's worth
 
 class TokenizeFailed(Exception):
     """The endpoint answered with an error, or not at all."""
+
+
+class UnreadableRequest(Exception):
+    """The recorded request is not a JSON object: there is nothing to render."""
+
+
+class _VllmChatRender(msgspec.Struct, omit_defaults=True):
+    """The members of a chat request that change how vLLM's /tokenize renders it, each
+    kept as its bytes (``_VLLM_CHAT_KEYS``, in that order): a 70k-token conversation is
+    passed on without being decoded into objects and encoded again."""
+
+    model: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    messages: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    tools: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    add_generation_prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    continue_final_message: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    add_special_tokens: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    chat_template: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    chat_template_kwargs: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    documents: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    mm_processor_kwargs: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class _TokensAnswer(msgspec.Struct):
+    """A /tokenize answer, its ids left as the engine's bytes (read in their new ids only
+    by proxy.tokens.prompt_prefix)."""
+
+    tokens: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_read_render = msgspec.json.Decoder(_VllmChatRender).decode
+_read_tokens = msgspec.json.Decoder(_TokensAnswer).decode
+_read_object = msgspec.json.Decoder().decode
 
 
 class NoChatTemplate(Exception):
@@ -65,6 +99,13 @@ class EngineTokenizer:
     async def chat_prompt(self, request: dict) -> list[int]:
         """The prompt ids of a chat-completions request, rendered by the engine."""
         raise NoChatTemplate
+
+    async def chat_prompt_array(self, request: str) -> bytes | None:
+        """The prompt ids of a chat request (its JSON text) as the engine's JSON array,
+        unchecked (the caller decodes it); None where the family has no such answer
+        (``chat_prompt`` then). Raises UnreadableRequest for a request that is not an
+        object."""
+        return None
 
     async def prompt(self, text: str) -> list[int]:
         """The ids of a completions prompt, as the engine tokenizes it (BOS and all)."""
@@ -128,6 +169,16 @@ class Vllm(EngineTokenizer):
     async def chat_prompt(self, request: dict) -> list[int]:
         body = {k: request[k] for k in _VLLM_CHAT_KEYS if k in request}
         return _ids((await self.post("/tokenize", body)).get("tokens"))
+
+    async def chat_prompt_array(self, request: str) -> bytes | None:
+        try:
+            body = msgspec.json.encode(_read_render(request))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise UnreadableRequest from None
+        status, raw = await self.client.post_raw(self.origin + "/tokenize", body)
+        if status != 200 or not raw or not raw.strip():
+            raise TokenizeFailed(f"POST /tokenize answered {status or 'nothing'}")
+        return _tokens_array(raw)
 
     async def prompt(self, text: str) -> list[int]:
         data = await self.post("/tokenize", {"prompt": text, "add_special_tokens": True})
@@ -195,6 +246,24 @@ async def detect(client: UpstreamClient, base_url: str,
         if status == 200 and isinstance(data, dict) and key in data:
             return kind(client, origin), True
     return None, reached
+
+
+def _tokens_array(answer: bytes) -> bytes:
+    """A /tokenize answer's ``tokens`` array, its bytes: cut out by a few byte searches
+    (proxy.apis.chat.prompt_cut; skipping 70k ids with a decoder costs ~0.65 ms), the rest
+    of the answer still read as JSON; any other shape is read whole."""
+    cut = cut_member(answer, b'"tokens"')
+    try:
+        # the rest must be an object, and name no other "tokens" (a decoder keeps the last)
+        if cut is not None and b'"tokens"' not in cut[0] and type(_read_object(cut[0])) is dict:
+            return cut[1]
+        tokens = _read_tokens(answer).tokens
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise TokenizeFailed("POST /tokenize answered 200") from None
+    array = b"" if tokens is msgspec.UNSET else bytes(tokens)
+    if not array.startswith(b"["):
+        raise TokenizeFailed("no token list in the answer")
+    return array
 
 
 def _id(value: Any) -> int:

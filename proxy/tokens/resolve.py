@@ -45,9 +45,11 @@ from tracetap.proxy.tokens.engine_tokenizer import (
     EngineTokenizer,
     NoChatTemplate,
     TokenizeFailed,
+    UnreadableRequest,
     detect,
 )
 from tracetap.proxy.tokens.local_tokenizer import LocalTokenizer
+from tracetap.proxy.tokens.prompt_prefix import PromptPrefixes
 from tracetap.proxy.upstream.client import UpstreamClient
 from tracetap.proxy.upstream.traffic import Traffic
 from tracetap.storage.records import CallRecord, ChoiceRecord, has_prompt_ids
@@ -97,8 +99,13 @@ class TokenResolver:
                  local: LocalTokenizer | None = None, processes: int = 1,
                  traffic: Callable[[str], Traffic | None] = lambda upstream: None,
                  flavor: Callable[[], str] = lambda: "openai",
-                 address: Callable[[str], str] = lambda shown: shown):
+                 address: Callable[[str], str] = lambda shown: shown,
+                 prefixes: PromptPrefixes | None = None):
         self.client = client
+        # Each episode's last prompt ids: an agent's next prompt extends them, and its
+        # answer is decoded in its new ids only (the relay's, shared: one bound, and
+        # forgotten with the episode).
+        self.prefixes = prefixes if prefixes is not None else PromptPrefixes()
         self.on_missing = missing
         self.local = local
         self.processes = processes  # serve --workers: each knows only its own calls
@@ -212,6 +219,16 @@ class TokenResolver:
     async def _prompt(self, record: CallRecord, tokenizer: EngineTokenizer | None) -> str | None:
         if tokenizer is None:
             return "no_tokenizer"
+        if _is_chat(record.endpoint):
+            try:
+                array = await tokenizer.chat_prompt_array(
+                    record.upstream_request or record.request or "")
+            except UnreadableRequest:
+                return "unsupported_request"
+            except TokenizeFailed:
+                return "tokenize_failed"
+            if array is not None:
+                return self._keep_array(record, array)
         request = _request(record)
         if request is None:
             return "unsupported_request"
@@ -227,6 +244,20 @@ class TokenResolver:
         except TokenizeFailed:
             return "tokenize_failed"
         return _keep_prompt(record, ids, "engine_tokenize")
+
+    def _keep_array(self, record: CallRecord, array: bytes) -> str | None:
+        """The engine's JSON array of prompt ids, decoded in the ids that extend the
+        episode's last prompt only; kept packed when the count is the engine's."""
+        try:
+            ids, packed = self.prefixes.decode_packed(record.episode_id, array)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "tokenize_failed"  # not a list of ints (a bool, a float, a string)
+        count = len(ids) if ids is not None else len(packed or b"") // 4
+        if record.prompt_tokens is not None and count != record.prompt_tokens:
+            return "count_mismatch"
+        record.prompt_ids, record.prompt_ids_packed = ids, packed
+        record.prompt_source = "engine_tokenize"
+        return None
 
     def _missing(self, record: CallRecord, reason: str) -> None:
         record.ids_missing = record.ids_missing or reason

@@ -1,7 +1,8 @@
 """An engine's tokenize endpoints in-process, for proxy/tokens/engine_tokenizer.py and
 proxy/tokens/resolve.py.
 
-``TokenizeEngine`` stands where ``UpstreamClient`` does (its ``post_json``) and answers
+``TokenizeEngine`` stands where ``UpstreamClient`` does (its ``post_json``, and
+``post_raw`` through it: a test that replaces ``post_json`` sees every question) and answers
 the endpoints of one family as that engine does, with a tokenizer of one id per
 character (``ord + 10``; BOS is 1): small enough that a test knows every id it expects.
 It records every question (``asked``), and can be made to fail a path (``fail``), to be
@@ -11,6 +12,8 @@ down (status 0) or to have no tokenize endpoint at all.
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
 
 BOS = 1
 FAMILIES = ("llama-server", "vllm", "llama-cpp-python", "none", "down")
@@ -45,6 +48,11 @@ class TokenizeEngine:
             return 500, {"error": "failed"}
         answer = getattr(self, "_" + self.family.replace("-", "_"))(path, body)
         return (404, None) if answer is None else (200, answer)
+
+    async def post_raw(self, url: str, body: bytes, timeout: float = 10.0,
+                       ) -> tuple[int, bytes | None]:
+        status, answer = await self.post_json(url, msgspec.json.decode(body), timeout)
+        return status, None if status == 0 else msgspec.json.encode(answer)
 
     def _piece(self, token_id: int) -> Any:
         return self.pieces.get(token_id, chr(token_id - 10))

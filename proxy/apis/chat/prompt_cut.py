@@ -30,17 +30,23 @@ decode_ids = msgspec.json.Decoder(list[int]).decode
 def cut_prompt_ids(data: bytes) -> tuple[bytes, bytes] | None:
     """``(data without its top-level prompt_token_ids member, the member's array)``, or
     None when the member is absent or not in the plain shape."""
-    key = data.find(KEY)
+    return cut_member(data, KEY)
+
+
+def cut_member(data: bytes, name: bytes) -> tuple[bytes, bytes] | None:
+    """``cut_prompt_ids`` for the member spelled ``name`` (its quotes included), e.g. a
+    /tokenize answer's ``"tokens"``."""
+    key = data.find(name)
     while key >= 0:
-        cut = _cut_at(data, key)
+        cut = _cut_at(data, key, len(name))
         if cut is not None:
             return cut
-        key = data.find(KEY, key + len(KEY))  # that one was nested: a later one may not be
+        key = data.find(name, key + len(name))  # that one was nested: a later one may not be
     return None
 
 
-def _cut_at(data: bytes, key: int) -> tuple[bytes, bytes] | None:
-    at = _skip(data, key + len(KEY))
+def _cut_at(data: bytes, key: int, size: int) -> tuple[bytes, bytes] | None:
+    at = _skip(data, key + size)
     if data[at : at + 1] != b":":
         return None
     start = _skip(data, at + 1)
