@@ -1,6 +1,7 @@
-"""The byte-range strip (proxy.apis.chat.strip_fast) gives exactly ``strip_chunk``'s bytes,
-or its exception, on every chunk: the engines' shapes, adversarial text in the content
-and the logprob tokens, other shapes it must leave to the exact path, and mutated bytes."""
+"""The byte-range cut (proxy.apis.chat.strip_fast, stream_step) gives exactly
+``strip_chunk``'s bytes, or its exception, and exactly ``Capture.add``'s capture, on every
+chunk: the engines' shapes, adversarial text in the content and the logprob tokens, other
+shapes it must leave to the exact path, and mutated bytes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import msgspec
 import pytest
 
 from tracetap.proxy.apis import Injected
-from tracetap.proxy.apis.chat import strip_fast
+from tracetap.proxy.apis.chat import CHAT, stream_step
+from tracetap.proxy.apis.chat.capture import Capture
 from tracetap.proxy.apis.chat.inject import strip_chunk
-from tracetap.proxy.apis.chat.strip_fast import ChunkStripper, learn
+from tracetap.proxy.apis.chat.stream_step import ChatStreamStep
+from tracetap.proxy.apis.chat.strip_fast import ChunkCutter, learn
+from tracetap.proxy.http.sse import Event, encode_event
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
         "model": "m"}
@@ -108,73 +112,95 @@ def _exact(data: bytes, injected: Injected) -> bytes | type[Exception] | None:
         return type(exc)
 
 
-def _fast(stripper: ChunkStripper, data: bytes) -> bytes | type[Exception] | None:
+def _step(step: ChatStreamStep, data: bytes) -> bytes | type[Exception]:
     try:
-        return stripper.strip(data)
+        return step(data, Event(encode_event(data), data))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return type(exc)
 
 
+def _state(capture: Capture) -> tuple:
+    return (capture.model, capture.response_id, capture.created, capture.usage,
+            capture.errors, capture.token_counts(), capture.choices(),
+            capture.reassembled(with_logprobs=True), capture.prompt_ids)
+
+
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_fast_strip_is_strip_chunk_on_random_adversarial_streams(seed):
+def test_the_step_is_capture_add_and_strip_chunk_on_random_adversarial_streams(seed):
     rng = random.Random(seed)
     cut = 0
     for injected in INJECTIONS:
-        stripper = ChunkStripper(injected)
+        step, fused = ChatStreamStep(Capture(CHAT), injected), None
+        fused = step._capture
+        reference = Capture(CHAT)
         for n in range(250):
             data = json.dumps(_chunk(rng), separators=(",", ":"),
                               ensure_ascii=rng.random() < 0.5).encode()
             if n > 20 and rng.random() < 0.3:
                 data = _mutate(rng, data)
-            before = stripper._head
-            assert _fast(stripper, data) == _exact(data, injected), data
-            cut += before is not None and stripper._cut(data, len(before)) is not None
+            cut += step._cutter.cut(data) is not None
+            expected = _exact(data, injected)
+            reference.add(data)
+            if isinstance(expected, bytes):
+                expected = encode_event(expected)
+            assert _step(step, data) == (b"" if expected is None else expected), data
+            if n % 50 == 0:
+                assert _state(fused) == _state(reference)
+        assert _state(fused) == _state(reference)
     assert cut > 300  # the byte ranges did the work, not the exact path behind them
 
 
-def test_the_usual_chunk_is_cut_without_decoding(monkeypatch):
+def test_the_usual_chunk_is_cut_without_the_exact_path(monkeypatch):
     injected = Injected(logprobs=True, usage=True, token_ids=True)
-    stripper = ChunkStripper(injected)
+    capture = Capture(CHAT)
+    step = ChatStreamStep(capture, injected)
     first = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
              b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
              b'"finish_reason":null}],"prompt_token_ids":[1,2]}')
-    assert stripper.strip(first) == strip_chunk(first, injected)
+    assert step(first, Event(b"", first)) == encode_event(strip_chunk(first, injected))
     token = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
-             b'[{"index":0,"delta":{"content":"\\",\\"logprobs\\":{}}]}"},"logprobs":'
+             b'[{"index":0,"delta":{"content":"\\\",\\\"logprobs\\\":{}}]}"},"logprobs":'
              b'{"content":[{"token":"\\\\","logprob":-0.5,"bytes":[92],"top_logprobs":[]}]},'
              b'"finish_reason":null,"token_ids":[7]}]}')
     expected = strip_chunk(token, injected)
-    monkeypatch.setattr(strip_fast, "strip_chunk", None)  # the exact path is not taken
-    assert stripper.strip(token) == expected
+    monkeypatch.setattr(stream_step, "strip_chunk", None)  # the exact path is not taken
+    monkeypatch.setattr(capture, "add", None)
+    assert step(token, Event(b"", token)) == encode_event(expected)
     assert expected.endswith(b'"logprobs":null,"finish_reason":null}]}')
+    assert capture.token_counts() == {0: 1}
+    [choice] = capture.choices()
+    assert choice.text == '","logprobs":{}}]}' and choice.completion_ids == [7]
+    assert choice.completion_logprobs == [-0.5]
 
 
 @pytest.mark.parametrize("data", [
     # whitespace between members: strip_chunk writes the level compactly
-    b'{"id":"c","choices":[{"index":0,"delta":{} ,"logprobs":null,"finish_reason":null}]}',
+    b'{"id":"c","choices":[{"index":0,"delta":{} ,"logprobs":{},"finish_reason":null}]}',
+    b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":{},"finish_reason":null,'
+    b'"token_ids":[1] }]}',
     # a member between the logprobs and the finish reason
     b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":{},"x":1,'
     b'"finish_reason":null}]}',
     # the logprobs key twice: the last one wins
-    b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":1,"logprobs":{},'
+    b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":{},"logprobs":{},'
     b'"finish_reason":null}]}',
     # a logprobs key inside the delta, none in the choice
     b'{"id":"c","choices":[{"index":0,"delta":{"a":{},"logprobs":{}},"x":{},'
     b'"finish_reason":null}]}',
-    # the usage chunk
-    b'{"id":"c","choices":[],"usage":{"prompt_tokens":1}}',
+    # two choices, the second with the finish reason
+    b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":{}},{"index":1,"delta":{},'
+    b'"logprobs":{},"finish_reason":null}]}',
 ])
 def test_shapes_outside_the_cut_take_the_exact_path(data):
-    injected = Injected(logprobs=True, usage=True, token_ids=True)
-    stripper = ChunkStripper(injected)
-    stripper._head = b'{"id":"c","choices":[{"index":0,"delta":'
-    assert _fast(stripper, data) == _exact(data, injected)
-    assert stripper._cut(data, len(stripper._head)) is None
+    cutter = ChunkCutter(Injected(logprobs=True, usage=True, token_ids=True))
+    cutter.learn(b'{"id":"c","choices":[{"index":0,"delta":{},"logprobs":null}]}')
+    assert cutter.head is not None and data.startswith(cutter.head.raw)
+    assert cutter.cut(data) is None
 
 
 def test_a_head_is_learned_only_where_strip_chunk_writes_it_as_it_came():
     tail = b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null}]}'
-    assert learn(b'{"id":"c",' + tail) == b'{"id":"c","choices":[{"index":0,"delta":'
+    assert learn(b'{"id":"c",' + tail) == b'{"id":"c","choices":[{"index":0,"delta":{'
     assert learn(b'{"id": "c",' + tail) is None  # a space
     assert learn(b'{"id":"c","id":"c",' + tail) is None  # a key twice
     assert learn(b'{"\\u0069d":"c",' + tail) is None  # an escaped key

@@ -16,8 +16,12 @@ from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
 from tracetap.proxy.apis.chat.prompt_cut import decode_ids
+from tracetap.proxy.apis.chat.stream_step import ChatStreamStep
 from tracetap.proxy.apis.chat.wire import (
+    ChatBody,
     ChatChoice,
+    ChatLogprobs,
+    CompletionBody,
     CompletionChoice,
     Message,
     SglExt,
@@ -57,6 +61,13 @@ class OpenAIApi:
         assert event.data is not None
         chunk = strip_chunk(event.data, injected)
         return b"" if chunk is None else encode_event(chunk)
+
+    def event_step(self, capture: Any, injected: Injected) -> ChatStreamStep | None:
+        """One chat stream's ``capture.add`` and ``strip_event`` together, where its
+        chunks can be cut by byte ranges (proxy.apis.chat.stream_step)."""
+        if self.endpoint != CHAT or not isinstance(capture, Capture) or injected.experts:
+            return None
+        return ChatStreamStep(capture, injected)
 
     def is_end(self, data: bytes) -> bool:
         return data == DONE
@@ -152,17 +163,16 @@ class Capture:
         self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
         self._prompt_packed = None
 
-    def add(self, data: bytes) -> None:
-        """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
+    def add(self, data: bytes) -> bool:
+        """One non-stream body or one stream chunk; bad JSON is noted, never raised
+        (returns whether it was read)."""
         try:
             body = self._decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             if len(self.errors) < 5:
                 self.errors.append(f"unparseable upstream data: {exc}")
-            return
-        self.model = body.model or self.model
-        self.response_id = body.id or self.response_id
-        self.created = body.created or self.created
+            return False
+        self.add_head(body)
         if body.usage is not None:
             self.usage = body.usage
         if getattr(body, "prompt_token_ids", None) is not None:
@@ -178,6 +188,22 @@ class Capture:
         ext = getattr(body, "sglext", None)
         if ext is not None:
             self._add_sglext(ext)
+        return True
+
+    def add_head(self, body: ChatBody | CompletionBody) -> None:
+        """What a body or chunk says of the whole reply (its id, model, creation)."""
+        self.model = body.model or self.model
+        self.response_id = body.id or self.response_id
+        self.created = body.created or self.created
+
+    def add_delta(self, index: int, message: Message | None, logprobs: ChatLogprobs | None,
+                  token_ids: list[int] | None, finish: str | None) -> None:
+        """One chat choice's piece, already decoded (proxy.apis.chat.stream_step): what
+        ``add`` reads of a chunk whose choice has nothing else (no stop, no prompt ids)."""
+        acc = self._choices.get(index)
+        if acc is None:
+            acc = self._choices[index] = _Choice()
+        self._add_delta(acc, message, logprobs, token_ids, finish)
 
     def _add_sglext(self, ext: SglExt) -> None:
         """SGLang's whole ids of the prompt and of each choice (they replace any others)."""
@@ -190,17 +216,6 @@ class Capture:
             acc.engine_ids = list(ids)
 
     def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
-        message = choice.message or choice.delta
-        if message is not None:
-            _add_message(acc, message)
-        if choice.logprobs is not None and choice.logprobs.content:
-            for entry in choice.logprobs.content:
-                acc.logprobs.append(entry.logprob)
-                acc.tokens.append(entry.token)
-                acc.ids.append(entry.id)
-                if self.keep_top:
-                    acc.tops.append([{"token": t.token, "logprob": t.logprob}
-                                     for t in entry.top_logprobs or ()])
         if choice.prompt_token_ids is not None:
             self.prompt_ids = choice.prompt_token_ids
         if choice.stop_reason is not None:
@@ -208,7 +223,22 @@ class Capture:
         elif choice.matched_stop is not None:
             acc.stop = {"matched_stop": choice.matched_stop}
         ids = choice.token_ids if choice.token_ids is not None else choice.response_token_ids
-        self._add_common(acc, ids, choice.finish_reason)
+        self._add_delta(acc, choice.message or choice.delta, choice.logprobs, ids,
+                        choice.finish_reason)
+
+    def _add_delta(self, acc: _Choice, message: Message | None, logprobs: ChatLogprobs | None,
+                   token_ids: list[int] | None, finish: str | None) -> None:
+        if message is not None:
+            _add_message(acc, message)
+        if logprobs is not None and logprobs.content:
+            for entry in logprobs.content:
+                acc.logprobs.append(entry.logprob)
+                acc.tokens.append(entry.token)
+                acc.ids.append(entry.id)
+                if self.keep_top:
+                    acc.tops.append([{"token": t.token, "logprob": t.logprob}
+                                     for t in entry.top_logprobs or ()])
+        self._add_common(acc, token_ids, finish)
 
     def _add_completion(self, acc: _Choice, choice: CompletionChoice) -> None:
         if choice.text:

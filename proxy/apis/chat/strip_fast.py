@@ -1,134 +1,166 @@
-"""A stream chunk stripped by byte ranges: ``strip_chunk``'s bytes, without its decode
-and re-encode, for the one shape engines stream token after token.
+"""A stream chunk cut by byte ranges: ``strip_chunk``'s bytes, without its decode and
+re-encode, and what capture reads of it, in one msgspec call, for the one shape engines
+stream token after token.
 
 ``strip_chunk`` decodes a chunk's top level and its choices and encodes both again, so
 what the client gets is the upstream's bytes with the proxy's fields taken out and those
 two levels written compactly. For a chunk already written compactly that is a cut of the
 upstream's bytes, which is what this module makes, when it can prove the chunk is
 
-    HEAD D ,"logprobs": L FINISH [STOP] [,"token_ids": IDS] }] [,"usage":null] }
+    HEAD D },"logprobs":{ L FINISH [STOP] [,"token_ids": IDS] }] [,"usage":null] }
 
-where HEAD (``{"id":…,"choices":[{"index":0,"delta":``) is the stream's own head, checked
-against ``strip_chunk``'s decode once (``learn``) and then matched as bytes, and D, L
-and IDS are each one JSON value with nothing around them (one msgspec call checks the
-three). The model's text is in D and L only, as JSON strings: it can write
-``,"logprobs":`` only escaped (``\\"``), so the last plain ``,"logprobs":`` before
-FINISH is a key, and checking D and L as whole values proves it is the choice's.
+where HEAD (``{"id":…,"choices":[{"index":0,"delta":{``) is the stream's own head,
+checked against ``strip_chunk``'s decode once (``learn``) and then matched as bytes, and
+``{D}``, ``{L}`` and IDS are each one JSON value: one msgspec call decodes the three as
+capture's own Structs (``Message``, ``ChatLogprobs``, ``list[int]``), which both proves
+it and gives capture the chunk. The model's text is in D and L only, as JSON strings: it
+can write ``},"logprobs":{`` only escaped (``\\"``), so the last plain one before FINISH
+is a key, and decoding ``{D}`` and ``{L}`` as whole values proves it is the choice's.
 
 Anything else (several choices, other keys or order, whitespace between members, the
 usage or ``sglext`` chunk, MoE routing asked for, a head not yet checked) goes through
-``strip_chunk``: this is only ever a faster way to the same bytes.
+``strip_chunk`` and ``Capture.add``: this is only ever a faster way to the same bytes and
+the same capture.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import msgspec
 
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat.inject import strip_chunk
+from tracetap.proxy.apis.chat.wire import ChatBody, ChatLogprobs, Message
 
 # The choice's members after its logprobs, as engines write them (vLLM, SGLang, the proxy's
-# own continuation chunks); a finish reason outside this list takes the exact path.
-_FINISH = (b',"finish_reason":null', b',"finish_reason":"length"', b',"finish_reason":"stop"',
-           b',"finish_reason":"tool_calls"')
+# own continuation chunks), with the finish reason each one means; any other ending takes
+# the exact path.
+_FINISH_NULL = b'},"finish_reason":null'  # from the logprobs' closing brace
+_FINISH = ((_FINISH_NULL, None), (b'},"finish_reason":"length"', "length"),
+           (b'},"finish_reason":"stop"', "stop"), (b'},"finish_reason":"tool_calls"', "tool_calls"))
 _STOP = (b',"stop_reason":null', b',"matched_stop":null')
-_LOGPROBS = b',"logprobs":'
+_LOGPROBS = b'},"logprobs":{'
 _IDS = b',"token_ids":['
 _USAGE_NULL = b',"usage":null}'
-_HEAD_TRIES = 3  # chunks the head is looked for in before the stream keeps the exact path
+_USAGE_AT = len(_USAGE_NULL) + 2  # from the end: where "}]" is, before the usage member
 # Top-level keys a head may hold: none of them is one strip_chunk takes out.
 _HEAD_KEYS = frozenset(("id", "object", "created", "model", "system_fingerprint",
                         "service_tier"))
 
-_values2 = msgspec.json.Decoder(tuple[msgspec.Raw, msgspec.Raw]).decode
-_values3 = msgspec.json.Decoder(tuple[msgspec.Raw, msgspec.Raw, msgspec.Raw]).decode
+_with_ids = msgspec.json.Decoder(tuple[Message, ChatLogprobs, list[int]]).decode
+_without_ids = msgspec.json.Decoder(tuple[Message, ChatLogprobs]).decode
 _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]]).decode
 
 
-class ChunkStripper:
-    """One stream's chunks without what the proxy added (``strip``); learns the stream's
-    head from the first chunks that take the exact path."""
+class Cut(NamedTuple):
+    """One chunk cut: the client's SSE event, and the choice's parts capture reads."""
 
-    __slots__ = ("_drop_ids", "_head", "_injected", "_null_logprobs", "_tries", "_usage")
+    event: bytes  # b"data: " + the stripped chunk + b"\n\n"
+    delta: Message
+    logprobs: ChatLogprobs
+    ids: list[int] | None
+    finish: str | None
+
+
+class Head(NamedTuple):
+    """A stream's head as bytes, and what capture reads of it."""
+
+    raw: bytes
+    body: ChatBody  # the chunk it was learned from (id, model, created, the choice's index)
+
+
+class ChunkCutter:
+    """One stream's chunks of the usual shape, cut (``cut``) once its head is known."""
+
+    __slots__ = ("_drop_ids", "_null_logprobs", "_usage", "head")
 
     def __init__(self, injected: Injected):
-        self._injected = injected
         self._null_logprobs = injected.logprobs
         self._drop_ids = injected.token_ids or injected.sglext
         self._usage = injected.usage
-        self._head: bytes | None = None
-        # Routing asked for is in other keys than the shape's: every chunk is exact.
-        self._tries = 0 if injected.experts else _HEAD_TRIES
+        self.head: Head | None = None
 
-    def strip(self, data: bytes) -> bytes | None:
-        """``strip_chunk(data, injected)``: the same bytes, or the same exception."""
-        head = self._head
-        if head is not None and data.startswith(head):
-            out = self._cut(data, len(head))
-            if out is not None:
-                return out
-        out = strip_chunk(data, self._injected)
-        if self._tries and head is None:
-            self._tries -= 1
-            self._head = learn(data)
-        return out
-
-    def _cut(self, data: bytes, at: int) -> bytes | None:
-        """The stripped chunk, or None where ``data`` is not of the shape (module doc)."""
-        end = len(data) - 1  # the top level's closing brace
+    def cut(self, data: bytes) -> Cut | None:
+        """``data`` stripped and decoded, or None where it is not of the shape (module
+        doc). Each step is one C call: on the usual chunk, the Python between them is
+        the cost."""
+        head = self.head
+        if head is None or not data.startswith(head.raw):
+            return None
+        at = len(head.raw)
         usage = data.endswith(_USAGE_NULL)
-        if usage:
-            end -= len(_USAGE_NULL) - 1
-        if not data.startswith(b"}]", end - 2):
+        end = len(data) - (_USAGE_AT if usage else 3)  # just past the choice's last member
+        if not data.startswith(b"}]", end):
             return None
-        end -= 2  # just past the choice's last member
-        ids = data.rfind(_IDS, at, end) if data[end - 1] == 0x5D else -1  # "]"
-        stop = ids if ids >= 0 else end
-        for tail in _STOP:
-            if data.endswith(tail, at, stop):
-                stop -= len(tail)
-                break
-        for finish in _FINISH:
-            if data.endswith(finish, at, stop):
-                lp_end = stop - len(finish)
-                break
+        ids = data.rfind(_IDS, at, end)
+        if ids >= 0 and data[end - 1] != 0x5D:  # "]": no space after the ids
+            return None
+        stop = end if ids < 0 else ids
+        if data.endswith(_FINISH_NULL, at, stop):
+            lp_end, finish = stop - len(_FINISH_NULL) + 1, None
         else:
-            return None
-        lp = data.rfind(_LOGPROBS, at, lp_end)
+            lp_end, finish = _finish_start(data, at, stop)
+        lp = data.rfind(_LOGPROBS, at, lp_end) if lp_end > 0 else -1
         if lp < 0:
             return None
-        delta, logprobs = data[at:lp], data[lp + len(_LOGPROBS):lp_end]
-        if not _single_values(delta, logprobs, data[ids + len(_IDS) - 1:end] if ids >= 0 else None):
+        value_at = lp + len(_LOGPROBS) - 1
+        logprobs = data[value_at:lp_end]
+        try:  # each piece one JSON value, capture's Structs; nothing around them (each
+            # starts and ends with its bracket: the literals above hold them)
+            if ids < 0:
+                delta, found, token_ids = *_without_ids(
+                    b"".join((b"[", data[at - 1:lp + 1], b",", logprobs, b"]"))), None
+            else:
+                delta, found, token_ids = _with_ids(b"".join(
+                    (b"[", data[at - 1:lp + 1], b",", logprobs, b",", data[ids + len(_IDS) - 1:end],
+                     b"]")))
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        pieces = [data[:lp + len(_LOGPROBS)], b"null" if self._null_logprobs else logprobs,
-                  data[lp_end:ids if ids >= 0 else end]]
-        if ids >= 0 and not self._drop_ids:
-            pieces.append(data[ids:end])
-        pieces.append(b"}]}" if usage and self._usage else data[end:])
-        return b"".join(pieces)
+        event = b"".join((b"data: ", data[:value_at], b"null" if self._null_logprobs else logprobs,
+                          data[lp_end:ids if ids >= 0 and self._drop_ids else end],
+                          b"}]}" if usage and self._usage else data[end:], b"\n\n"))
+        return Cut(event, delta, found, token_ids, finish)
+
+    def learn(self, data: bytes) -> None:
+        """Take ``data``'s head as the stream's where ``strip_chunk`` writes it as it came
+        and capture read it whole (the caller says so by calling)."""
+        raw = learn(data)
+        if raw is not None:
+            try:
+                body = msgspec.json.decode(data, type=ChatBody)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return
+            self.head = Head(raw, body)
 
 
-def _single_values(delta: bytes, logprobs: bytes, ids: bytes | None) -> bool:
-    """Whether each piece is exactly one JSON value, nothing before or after it (one
-    msgspec call: a piece holding a comma at its top would make the array longer)."""
-    try:
-        if ids is None:
-            found = _values2(b"[" + delta + b"," + logprobs + b"]")
-            return len(found[0]) + len(found[1]) == len(delta) + len(logprobs)
-        found = _values3(b"[" + delta + b"," + logprobs + b"," + ids + b"]")
-        return (len(found[0]) + len(found[1]) + len(found[2])
-                == len(delta) + len(logprobs) + len(ids))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
+def _finish_start(data: bytes, at: int, stop: int) -> tuple[int, str | None]:
+    """Where the choice's logprobs end, and its finish reason, on the chunks that end a
+    choice (SGLang's or vLLM's stop may follow the reason); -1 for any other ending."""
+    for tail in _STOP:
+        if data.endswith(tail, at, stop):
+            stop -= len(tail)
+            break
+    for literal, reason in _FINISH:
+        if data.endswith(literal, at, stop):
+            return stop - len(literal) + 1, reason
+    return -1, None
+
+
+def strip(cutter: ChunkCutter, data: bytes, injected: Injected) -> bytes | None:
+    """``strip_chunk(data, injected)``, by ``cutter`` where it can (tests compare them)."""
+    found = cutter.cut(data)
+    if found is not None:
+        return found.event[6:-2]
+    return strip_chunk(data, injected)
 
 
 def learn(data: bytes) -> bytes | None:
-    """The head of ``data`` (up to its first choice's ``"delta":``) where its bytes are
-    exactly what ``strip_chunk`` would write for it: plain keys, no whitespace, no key
-    twice, the choice's ``index`` first and ``delta`` next; else None."""
-    at = data.find(b'"choices":[{"index":')
-    if at < 0:
+    """The head of ``data`` (up to its first choice's ``"delta":{``) where its bytes are
+    exactly what ``strip_chunk`` would write for it: known plain keys, no whitespace, no
+    key twice, the choice's ``index`` first and an object ``delta`` next; else None."""
+    if data.find(b'"choices":[{"index":') < 0:
         return None
     try:
         top = _decode_top(data)
@@ -144,6 +176,6 @@ def learn(data: bytes) -> bytes | None:
         if key not in _HEAD_KEYS:
             return None
         pieces += (b'"', key.encode(), b'":', bytes(value), b",")
-    pieces += (b'"choices":[{"index":', bytes(choices[0]["index"]), b',"delta":')
+    pieces += (b'"choices":[{"index":', bytes(choices[0]["index"]), b',"delta":{')
     head = b"".join(pieces)
     return head if data.startswith(head) else None
