@@ -7,6 +7,7 @@ entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -196,14 +197,14 @@ class Capture:
         self.response_id = body.id or self.response_id
         self.created = body.created or self.created
 
-    def add_delta(self, index: int, message: Message | None, logprobs: ChatLogprobs | None,
-                  token_ids: list[int] | None, finish: str | None) -> None:
-        """One chat choice's piece, already decoded (proxy.apis.chat.stream_step): what
+    def delta_adder(self, index: int) -> Callable[[Message | None, ChatLogprobs | None,
+                                                     list[int] | None, str | None], None]:
+        """Choice ``index``'s pieces, already decoded (proxy.apis.chat.stream_step): what
         ``add`` reads of a chunk whose choice has nothing else (no stop, no prompt ids)."""
         acc = self._choices.get(index)
         if acc is None:
             acc = self._choices[index] = _Choice()
-        self._add_delta(acc, message, logprobs, token_ids, finish)
+        return functools.partial(self._add_delta, acc)
 
     def _add_sglext(self, ext: SglExt) -> None:
         """SGLang's whole ids of the prompt and of each choice (they replace any others)."""

@@ -10,6 +10,7 @@ cutter the head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tracetap.proxy.apis import Injected
@@ -26,12 +27,12 @@ _HEAD_TRIES = 3  # exact chunks the head is looked for in before the stream keep
 class ChatStreamStep:
     """``capture.add(data)`` then the event's bytes for the client (``strip_event``)."""
 
-    __slots__ = ("_capture", "_cutter", "_head_read", "_index", "_injected", "_tries")
+    __slots__ = ("_add", "_capture", "_cutter", "_head_read", "_injected", "_tries")
 
     def __init__(self, capture: Capture, injected: Injected):
         self._capture, self._injected = capture, injected
         self._cutter = ChunkCutter(injected)
-        self._index = 0  # the choice the head opens
+        self._add: Callable[..., None] | None = None  # to the choice the head opens
         self._tries = _HEAD_TRIES
         # Whether the capture's id, model and creation are the head's (what ``add``
         # would set again from a cut chunk): not after another chunk set them.
@@ -49,7 +50,7 @@ class ChatStreamStep:
                     assert head is not None
                     capture.add_head(head.body)
                     self._head_read = True
-                capture.add_delta(self._index, cut.delta, cut.logprobs, cut.ids, cut.finish)
+                self._add(cut.delta, cut.logprobs, cut.ids, cut.finish)
                 return cut.event
         read = capture.add(data)
         self._head_read = False
@@ -59,5 +60,6 @@ class ChatStreamStep:
             self._cutter.learn(data)
             head = self._cutter.head
             if head is not None:
-                self._index, self._head_read = head.body.choices[0].index, True
+                self._add = capture.delta_adder(head.body.choices[0].index)
+                self._head_read = True
         return b"" if chunk is None else encode_event(chunk)

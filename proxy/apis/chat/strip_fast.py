@@ -42,6 +42,8 @@ _FINISH = ((_FINISH_NULL, None), (b'},"finish_reason":"length"', "length"),
 _STOP = (b',"stop_reason":null', b',"matched_stop":null')
 _LOGPROBS = b'},"logprobs":{'
 _IDS = b',"token_ids":['
+_VLLM_TAIL = _FINISH_NULL + _IDS
+_VLLM_IDS_AT = len(_FINISH_NULL)  # where in _VLLM_TAIL the ids member starts
 _USAGE_NULL = b',"usage":null}'
 _USAGE_AT = len(_USAGE_NULL) + 2  # from the end: where "}]" is, before the usage member
 # Top-level keys a head may hold: none of them is one strip_chunk takes out.
@@ -74,34 +76,35 @@ class Head(NamedTuple):
 class ChunkCutter:
     """One stream's chunks of the usual shape, cut (``cut``) once its head is known."""
 
-    __slots__ = ("_drop_ids", "_null_logprobs", "_usage", "head")
+    __slots__ = ("_at", "_drop_ids", "_null_logprobs", "_raw", "_usage", "head")
 
     def __init__(self, injected: Injected):
         self._null_logprobs = injected.logprobs
         self._drop_ids = injected.token_ids or injected.sglext
         self._usage = injected.usage
         self.head: Head | None = None
+        self._raw, self._at = b"\0", 0  # the head's bytes (none starts so), their length
 
     def cut(self, data: bytes) -> Cut | None:
         """``data`` stripped and decoded, or None where it is not of the shape (module
         doc). Each step is one C call: on the usual chunk, the Python between them is
         the cost."""
-        head = self.head
-        if head is None or not data.startswith(head.raw):
+        if not data.startswith(self._raw):
             return None
-        at = len(head.raw)
-        usage = data.endswith(_USAGE_NULL)
-        end = len(data) - (_USAGE_AT if usage else 3)  # just past the choice's last member
-        if not data.startswith(b"}]", end):
-            return None
-        ids = data.rfind(_IDS, at, end)
-        if ids >= 0 and data[end - 1] != 0x5D:  # "]": no space after the ids
-            return None
-        stop = end if ids < 0 else ids
-        if data.endswith(_FINISH_NULL, at, stop):
-            lp_end, finish = stop - len(_FINISH_NULL) + 1, None
+        at = self._at
+        usage = False
+        tail = data.rfind(_VLLM_TAIL, at) if data.endswith(b"]}]}") else -1
+        if tail >= 0:  # vLLM's token chunk: one search finds the ids and the logprobs' end
+            lp_end, finish, ids, end = tail + 1, None, tail + _VLLM_IDS_AT, len(data) - 3
         else:
-            lp_end, finish = _finish_start(data, at, stop)
+            usage = data.endswith(_USAGE_NULL)
+            end = len(data) - (_USAGE_AT if usage else 3)  # just past the choice's last member
+            if not data.startswith(b"}]", end):
+                return None
+            ids = data.rfind(_IDS, at, end)
+            if ids >= 0 and data[end - 1] != 0x5D:  # "]": no space after the ids
+                return None
+            lp_end, finish = _finish_start(data, at, end if ids < 0 else ids)
         lp = data.rfind(_LOGPROBS, at, lp_end) if lp_end > 0 else -1
         if lp < 0:
             return None
@@ -133,6 +136,7 @@ class ChunkCutter:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return
             self.head = Head(raw, body)
+            self._raw, self._at = raw, len(raw)
 
 
 def _finish_start(data: bytes, at: int, stop: int) -> tuple[int, str | None]:
