@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from types import SimpleNamespace
 
 from capture_cost import CHAT, ModelCall, _request, _state
 from upstream import BODIES, STREAMS
@@ -62,6 +63,7 @@ def _step() -> None:
 def _relay(state, request: bytes, reads: list[bytes] = READS) -> None:
     call = ModelCall(state, CHAT, "x")
     call.parse_request(request)
+    call.versions.admit()  # as every call the gate lets through: its tokens' versions followed
     call.replied("http://bench", 200)
     relay = call.start_relay()
     for data in reads:
@@ -78,6 +80,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=50, help="runs of a step per round")
     args = parser.parse_args()
     state, request = _state(), _request(True)
+    state.controls = SimpleNamespace(policy_version="v1", serial=0)  # policy.versions reads
+    state.gate = SimpleNamespace(paused=False)
     steps = {
         "SSE parse (65 reads)": _parse,
         "capture (65 events)": _capture,

@@ -82,8 +82,10 @@ class CallVersions:
             return
         self._observed = True
         version = self.now()
+        seen = self._counts
         for index, count in counts.items():
-            self._extend(index, count, version)
+            if count > seen.get(index, 0):  # (a read with no new token changes nothing)
+                self._extend(index, count, version)
 
     def _extend(self, index: int, count: int, version: str | None) -> None:
         before = self._counts.get(index, 0)
