@@ -10,7 +10,6 @@ cutter the head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tracetap.proxy.apis import Injected
@@ -27,12 +26,11 @@ _HEAD_TRIES = 3  # exact chunks the head is looked for in before the stream keep
 class ChatStreamStep:
     """``capture.add(data)`` then the event's bytes for the client (``strip_event``)."""
 
-    __slots__ = ("_add", "_capture", "_cutter", "_head_read", "_injected", "_tries")
+    __slots__ = ("_capture", "_cutter", "_head_read", "_injected", "_tries")
 
     def __init__(self, capture: Capture, injected: Injected):
         self._capture, self._injected = capture, injected
         self._cutter = ChunkCutter(injected)
-        self._add: Callable[..., None] | None = None  # to the choice the head opens
         self._tries = _HEAD_TRIES
         # Whether the capture's id, model and creation are the head's (what ``add``
         # would set again from a cut chunk): not after another chunk set them.
@@ -43,15 +41,12 @@ class ChatStreamStep:
         ids); raises what ``strip_chunk`` raises (the caller relays ``event.raw``)."""
         capture = self._capture
         if data is event.data:
-            cut = self._cutter.cut(data)
+            cut = self._cutter.cut(data)  # its choice's parts went to the capture
             if cut is not None:
-                if not self._head_read:
-                    head = self._cutter.head
-                    assert head is not None
-                    capture.add_head(head.body)
+                if not self._head_read:  # and what its head says, as ``add`` would set it
+                    capture.add_head(self._cutter.head.body)  # type: ignore[union-attr]
                     self._head_read = True
-                self._add(cut.delta, cut.logprobs, cut.ids, cut.finish)
-                return cut.event
+                return cut
         read = capture.add(data)
         self._head_read = False
         chunk = strip_chunk(event.data or b"", self._injected)
@@ -60,6 +55,6 @@ class ChatStreamStep:
             self._cutter.learn(data)
             head = self._cutter.head
             if head is not None:
-                self._add = capture.delta_adder(head.body.choices[0].index)
+                self._cutter.add = capture.delta_adder(head.body.choices[0].index)
                 self._head_read = True
         return b"" if chunk is None else encode_event(chunk)

@@ -25,6 +25,7 @@ the same capture.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
@@ -56,14 +57,13 @@ _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]]).decode
 
 
-class Cut(NamedTuple):
-    """One chunk cut: the client's SSE event, and the choice's parts capture reads."""
+# Where a cut chunk's choice parts go: (delta, logprobs, token ids, finish reason).
+Add = Callable[[Message, ChatLogprobs, "list[int] | None", "str | None"], None]
 
-    event: bytes  # b"data: " + the stripped chunk + b"\n\n"
-    delta: Message
-    logprobs: ChatLogprobs
-    ids: list[int] | None
-    finish: str | None
+
+def _nowhere(delta: Message, logprobs: ChatLogprobs, ids: list[int] | None,
+             finish: str | None) -> None:
+    """No capture to give the parts to (``strip`` compares bytes only)."""
 
 
 class Head(NamedTuple):
@@ -76,19 +76,20 @@ class Head(NamedTuple):
 class ChunkCutter:
     """One stream's chunks of the usual shape, cut (``cut``) once its head is known."""
 
-    __slots__ = ("_at", "_drop_ids", "_null_logprobs", "_raw", "_usage", "head")
+    __slots__ = ("_at", "_drop_ids", "_null_logprobs", "_raw", "_usage", "add", "head")
 
-    def __init__(self, injected: Injected):
+    def __init__(self, injected: Injected, add: Add = _nowhere):
+        self.add = add  # given each cut chunk's choice parts (Capture.delta_adder)
         self._null_logprobs = injected.logprobs
         self._drop_ids = injected.token_ids or injected.sglext
         self._usage = injected.usage
         self.head: Head | None = None
         self._raw, self._at = b"\0", 0  # the head's bytes (none starts so), their length
 
-    def cut(self, data: bytes) -> Cut | None:
-        """``data`` stripped and decoded, or None where it is not of the shape (module
-        doc). Each step is one C call: on the usual chunk, the Python between them is
-        the cost."""
+    def cut(self, data: bytes) -> bytes | None:
+        """``data`` stripped, as the client's SSE event, its choice's parts given to
+        ``add``; or None where it is not of the shape (module doc), nothing given. Each
+        step is one C call: on the usual chunk, the Python between them is the cost."""
         if not data.startswith(self._raw):
             return None
         at = self._at
@@ -121,10 +122,10 @@ class ChunkCutter:
                      b"]")))
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        event = b"".join((b"data: ", data[:value_at], b"null" if self._null_logprobs else logprobs,
-                          data[lp_end:ids if ids >= 0 and self._drop_ids else end],
-                          b"}]}" if usage and self._usage else data[end:], b"\n\n"))
-        return Cut(event, delta, found, token_ids, finish)
+        self.add(delta, found, token_ids, finish)
+        return b"".join((b"data: ", data[:value_at], b"null" if self._null_logprobs else logprobs,
+                         data[lp_end:ids if ids >= 0 and self._drop_ids else end],
+                         b"}]}" if usage and self._usage else data[end:], b"\n\n"))
 
     def learn(self, data: bytes) -> None:
         """Take ``data``'s head as the stream's where ``strip_chunk`` writes it as it came
@@ -154,9 +155,9 @@ def _finish_start(data: bytes, at: int, stop: int) -> tuple[int, str | None]:
 
 def strip(cutter: ChunkCutter, data: bytes, injected: Injected) -> bytes | None:
     """``strip_chunk(data, injected)``, by ``cutter`` where it can (tests compare them)."""
-    found = cutter.cut(data)
-    if found is not None:
-        return found.event[6:-2]
+    event = cutter.cut(data)
+    if event is not None:
+        return event[6:-2]
     return strip_chunk(data, injected)
 
 
