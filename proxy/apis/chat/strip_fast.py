@@ -44,7 +44,9 @@ _STOP = (b',"stop_reason":null', b',"matched_stop":null')
 _LOGPROBS = b'},"logprobs":{'
 _IDS = b',"token_ids":['
 _VLLM_TAIL = _FINISH_NULL + _IDS
-_VLLM_IDS_AT = len(_FINISH_NULL)  # where in _VLLM_TAIL the ids member starts
+_VALUE_AT = len(_LOGPROBS) - 1  # from a _LOGPROBS found: where the logprobs' "{" is
+_IDS_AT = len(_IDS) - 1  # from an _IDS found: where the ids' "[" is
+_VLLM_IDS = len(_VLLM_TAIL) - 1  # from a _VLLM_TAIL found: where the ids' "[" is
 _USAGE_NULL = b',"usage":null}'
 _USAGE_AT = len(_USAGE_NULL) + 2  # from the end: where "}]" is, before the usage member
 # Top-level keys a head may hold: none of them is one strip_chunk takes out.
@@ -76,13 +78,16 @@ class Head(NamedTuple):
 class ChunkCutter:
     """One stream's chunks of the usual shape, cut (``cut``) once its head is known."""
 
-    __slots__ = ("_at", "_drop_ids", "_null_logprobs", "_raw", "_usage", "add", "head")
+    __slots__ = ("_at", "_drop_ids", "_null_logprobs", "_raw", "_usage", "_vllm_rest", "add",
+                 "head")
 
     def __init__(self, injected: Injected, add: Add = _nowhere):
         self.add = add  # given each cut chunk's choice parts (Capture.delta_adder)
         self._null_logprobs = injected.logprobs
         self._drop_ids = injected.token_ids or injected.sglext
         self._usage = injected.usage
+        # What follows vLLM's logprobs when its ids go: the finish reason alone.
+        self._vllm_rest = _FINISH_NULL[1:] if self._drop_ids else b""
         self.head: Head | None = None
         self._raw, self._at = b"\0", 0  # the head's bytes (none starts so), their length
 
@@ -93,32 +98,49 @@ class ChunkCutter:
         if not data.startswith(self._raw):
             return None
         at = self._at
-        usage = False
         tail = data.rfind(_VLLM_TAIL, at) if data.endswith(b"]}]}") else -1
-        if tail >= 0:  # vLLM's token chunk: one search finds the ids and the logprobs' end
-            lp_end, finish, ids, end = tail + 1, None, tail + _VLLM_IDS_AT, len(data) - 3
-        else:
-            usage = data.endswith(_USAGE_NULL)
-            end = len(data) - (_USAGE_AT if usage else 3)  # just past the choice's last member
-            if not data.startswith(b"}]", end):
-                return None
-            ids = data.rfind(_IDS, at, end)
-            if ids >= 0 and data[end - 1] != 0x5D:  # "]": no space after the ids
-                return None
-            lp_end, finish = _finish_start(data, at, end if ids < 0 else ids)
+        if tail < 0:
+            return self._cut_other(data, at)
+        # vLLM's token chunk, HEAD D},"logprobs":{L},"finish_reason":null,"token_ids":[IDS]}]}
+        # (tail: at L's closing brace): one search found the ids and the logprobs' end.
+        lp = data.rfind(_LOGPROBS, at, tail)
+        if lp < 0:
+            return None
+        value_at = lp + _VALUE_AT
+        logprobs = data[value_at:tail + 1]
+        try:  # each piece one JSON value, capture's Structs; nothing around them (each
+            # starts and ends with its bracket: the literals hold them)
+            delta, found, ids = _with_ids(b"".join((b"[", data[at - 1:lp + 1], b",", logprobs,
+                                                    b",", data[tail + _VLLM_IDS:-3], b"]")))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        self.add(delta, found, ids, None)
+        return b"".join((b"data: ", data[:value_at], b"null" if self._null_logprobs else logprobs,
+                         self._vllm_rest or data[tail + 1:-3], b"}]}\n\n"))
+
+    def _cut_other(self, data: bytes, at: int) -> bytes | None:
+        """``cut`` for the shape's other endings: a finish reason, a stop member, no ids
+        (SGLang), the usage member (module doc)."""
+        usage = data.endswith(_USAGE_NULL)
+        end = len(data) - (_USAGE_AT if usage else 3)  # just past the choice's last member
+        if not data.startswith(b"}]", end):
+            return None
+        ids = data.rfind(_IDS, at, end)
+        if ids >= 0 and data[end - 1] != 0x5D:  # "]": no space after the ids
+            return None
+        lp_end, finish = _finish_start(data, at, end if ids < 0 else ids)
         lp = data.rfind(_LOGPROBS, at, lp_end) if lp_end > 0 else -1
         if lp < 0:
             return None
-        value_at = lp + len(_LOGPROBS) - 1
+        value_at = lp + _VALUE_AT
         logprobs = data[value_at:lp_end]
-        try:  # each piece one JSON value, capture's Structs; nothing around them (each
-            # starts and ends with its bracket: the literals above hold them)
+        try:
             if ids < 0:
                 delta, found, token_ids = *_without_ids(
                     b"".join((b"[", data[at - 1:lp + 1], b",", logprobs, b"]"))), None
             else:
                 delta, found, token_ids = _with_ids(b"".join(
-                    (b"[", data[at - 1:lp + 1], b",", logprobs, b",", data[ids + len(_IDS) - 1:end],
+                    (b"[", data[at - 1:lp + 1], b",", logprobs, b",", data[ids + _IDS_AT:end],
                      b"]")))
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
