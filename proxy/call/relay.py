@@ -213,38 +213,42 @@ class Relay:
         per piece the read is given out in: its tokens arrived at one instant)."""
         self.versions.observe(self.token_counts())
 
+    def _cut_prompt(self, event: Event, data: bytes) -> tuple[bytes, Event]:
+        """The prompt's ids (vLLM's first chunk) cut out of ``data`` as bytes, given to
+        capture: what capture reads of the chunk then, and what strip reads."""
+        cut = cut_prompt_ids(data)
+        if cut is None:
+            return data, event
+        data, prompt_ids = cut
+        call = self.call
+        self.capture.add_prompt_ids(prompt_ids, functools.partial(
+            call.services.prompt_prefixes.decode_packed, call.episode_id))
+        return data, Event(event.raw, data) if self.injected.token_ids else event
+
     def event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
         data = event.data
-        translator = self.translator
         if data is None:
-            return event.raw if translator is None else b""
+            return event.raw if self.translator is None else b""
         if self.api.is_end(data):
             self.done = True
             self.timings.upstream_done()
-            if translator is not None:
-                return b"".join(translator.finish())
+            if self.translator is not None:
+                return b"".join(self.translator.finish())
             if data == b"[DONE]":
                 return event.raw
         elif self.timings.perf_first_content is None:
             self.timings.first_content()
-        capture, injected = self.capture, self.injected
         stripped = event  # what strip_event reads: without the ids the proxy asked for
         if len(data) > _CUT_ABOVE and KEY in data and self.api.cuts_prompt_ids:
-            cut = cut_prompt_ids(data)  # the prompt's ids (vLLM's first chunk), as bytes
-            if cut is not None:
-                data, prompt_ids = cut
-                call = self.call
-                capture.add_prompt_ids(prompt_ids, functools.partial(
-                    call.services.prompt_prefixes.decode_packed, call.episode_id))
-                if injected.token_ids:
-                    stripped = Event(event.raw, data)
+            data, stripped = self._cut_prompt(event, data)
         step = self.step
         if step is not None:  # what follows, for a chat stream (a chat capture never ends)
             try:
                 return step(data, stripped)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return event.raw  # relayed as is; capture noted the bad chunk
+        capture, injected, translator = self.capture, self.injected, self.translator
         capture.add(data)
         if self.experts is not None:  # the tokens' routing (their version: ``_observe``)
             self.experts.add(data)
