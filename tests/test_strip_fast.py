@@ -130,9 +130,10 @@ def test_the_step_is_capture_add_and_strip_chunk_on_random_adversarial_streams(s
     rng = random.Random(seed)
     cut = 0
     for injected in INJECTIONS:
-        step, fused = ChatStreamStep(Capture(CHAT), injected), None
-        fused = step._capture
-        reference = Capture(CHAT)
+        keep_top = rng.random() < 0.5  # the client asked for top logprobs itself
+        fused, reference = (Capture(CHAT, keep_top_logprobs=keep_top),
+                            Capture(CHAT, keep_top_logprobs=keep_top))
+        step = ChatStreamStep(fused, injected)
         for n in range(250):
             data = json.dumps(_chunk(rng), separators=(",", ":"),
                               ensure_ascii=rng.random() < 0.5).encode()
