@@ -36,7 +36,7 @@ class SSEParser:
             # parsed without a copy (the read is the event's raw bytes).
             if chunk.endswith(b"\n\n") and chunk.startswith(b"data: ") \
                     and chunk.count(b"\n") == 2:
-                return [Event(chunk, chunk[6:-2])]
+                return [_event((chunk, chunk[6:-2]))]
             return self._feed_lf(chunk)
         start = max(0, len(buffer) - 2)  # a boundary may straddle two reads
         buffer += chunk
