@@ -31,7 +31,6 @@ from typing import NamedTuple
 import msgspec
 
 from tracetap.proxy.apis import Injected
-from tracetap.proxy.apis.chat.inject import strip_chunk
 from tracetap.proxy.apis.chat.wire import ChatBody, ChatLogprobs, Message
 
 # The choice's members after its logprobs, as engines write them (vLLM, SGLang, the proxy's
@@ -65,7 +64,7 @@ Add = Callable[[Message, ChatLogprobs, "list[int] | None", "str | None"], None]
 
 def _nowhere(delta: Message, logprobs: ChatLogprobs, ids: list[int] | None,
              finish: str | None) -> None:
-    """No capture to give the parts to (``strip`` compares bytes only)."""
+    """No capture to give the parts to (a cutter that only cuts)."""
 
 
 class Head(NamedTuple):
@@ -173,14 +172,6 @@ def _finish_start(data: bytes, at: int, stop: int) -> tuple[int, str | None]:
         if data.endswith(literal, at, stop):
             return stop - len(literal) + 1, reason
     return -1, None
-
-
-def strip(cutter: ChunkCutter, data: bytes, injected: Injected) -> bytes | None:
-    """``strip_chunk(data, injected)``, by ``cutter`` where it can (tests compare them)."""
-    event = cutter.cut(data)
-    if event is not None:
-        return event[6:-2]
-    return strip_chunk(data, injected)
 
 
 def learn(data: bytes) -> bytes | None:
