@@ -77,7 +77,8 @@ class CallVersions:
         return self._controls.policy_version
 
     def observe(self, counts: Mapping[int, int] | None) -> None:
-        """Tokens arrived: ``counts`` is how many each choice has now (a stream event)."""
+        """Tokens arrived: ``counts`` is how many each choice has now (once per stream
+        read: its tokens arrived at one instant)."""
         if self._serial is None or counts is None:
             return
         self._observed = True
