@@ -138,6 +138,10 @@ MODULES = {
     # Chat and completions captured: ids in order of trust, streams reassembled.
     "proxy/apis/chat/capture.py": ["tests/test_assemble.py", "tests/test_parser_fuzz.py",
                                    "tests/test_prompt_cut.py", "tests/test_capture.py"],
+    "proxy/apis/chat/pieces.py": ["tests/test_assemble.py", "tests/test_capture.py"],
+    # A stream's usual chunk cut by byte ranges: strip_chunk's bytes, Capture.add's capture.
+    "proxy/apis/chat/strip_fast.py": ["tests/test_strip_fast.py", "tests/test_relay.py"],
+    "proxy/apis/chat/stream_step.py": ["tests/test_strip_fast.py", "tests/test_relay.py"],
     # Capture and translation of the Messages and Responses APIs.
     # The chat reply read for both translations; _FAST_PATH and _REPLIES read chunks from
     # their bytes and odd whole replies, as the relay and the whole-reply path do.

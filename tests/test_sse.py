@@ -75,3 +75,24 @@ def test_reads_of_one_event_each_give_the_same_events():
     reads = [part + b"\n\n" for part in stream.split(b"\n\n")[:-1]]
     assert _parse(reads) == _parse([stream])
     assert [e.data for e in _parse(reads)][-4:] == [b"x", b"", b'{"d": 4}', b'{"e": 5}']
+
+
+_USUAL = st.lists(st.binary(max_size=24).map(
+    lambda b: b"data: " + b.replace(b"\n", b"").replace(b"\r", b"") + b"\n\n"), min_size=1,
+    max_size=8)
+_ODD = st.sampled_from([b"", b"data: x", b": ping\n\n", b"\n\n", b"data: a\ndata: b\n\n", b"\n",
+                        b"data:x\n\n", b"event: e\ndata: 1\n\n", b"data: y\n\n\n"])
+
+
+@given(_USUAL, _ODD, st.lists(st.integers(0, 1 << 10), max_size=6))
+def test_a_read_of_whole_one_line_events_gives_the_events_of_any_split(usual, odd, cuts):
+    """A read of whole one-line data events (an engine ahead of the proxy) is split on
+    its line ends at once; anything else in the read takes the event-by-event split.
+    Either way, the events of the same bytes cut anywhere (the regex path)."""
+    stream = b"".join(usual) + odd
+    cuts = sorted({c % (len(stream) + 1) for c in cuts})
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    whole = _parse([stream])
+    assert whole == _parse(pieces)
+    assert b"".join(e.raw for e in whole) == stream
+    assert [e.data for e in whole[:len(usual)]] == [e[6:-2] for e in usual]

@@ -12,9 +12,10 @@ one place each event is. Three ways out, one code path:
   (``Hold.held``) from the first tool call on, until the overlay has judged the reply.
 
 Seams: a feature that acts per upstream read (stopping or continuing a stream when the
-weights change) belongs in ``Relay.chunk``; one that notes something per event or token
-(which policy version produced it) in ``Relay.event``, beside ``capture.add``; what it
-stores goes into the record in one place, ``proxy.call.record.call_record``.
+weights change; which policy version produced the tokens that arrived, ``_observe``: a
+read's tokens arrived at one instant) belongs in ``Relay.chunk``; one that notes
+something per event (the experts' routing) in ``Relay.event``, beside ``capture.add``;
+what it stores goes into the record in one place, ``proxy.call.record.call_record``.
 
 The relay is given the call's parts it works on (the reassembly, the timings, the
 version spans, the experts' routing) and never calls back into the call per read or per
@@ -78,7 +79,7 @@ class Relay:
     """One call's event stream: its parser, its client-side translator, what is held."""
 
     __slots__ = ("api", "call", "capture", "done", "experts", "first_out", "held", "hold",
-                 "injected", "parser", "rewrite", "strip", "timings", "token_counts",
+                 "injected", "parser", "rewrite", "step", "strip", "timings", "token_counts",
                  "translator", "versions")
 
     def __init__(self, call: ModelCall, rewrite: bool, hold: Hold | None = None) -> None:
@@ -100,6 +101,11 @@ class Relay:
             translation.StreamTranslator(call.request.client_payload)
             if translation is not None and call.request.stream else None
         )
+        # Capture and strip as one step, where the API has one for this stream (chat).
+        make_step = getattr(self.api, "event_step", None)
+        self.step = (make_step(self.capture, self.injected)
+                     if make_step is not None and self.strip and self.translator is None
+                     and self.experts is None else None)
         self.done = False  # the upstream sent its end-of-stream marker
         self.first_out = False  # a read after the stream's first token: one piece
 
@@ -153,6 +159,7 @@ class Relay:
             return b""
         if not self.rewrite:
             self.event(tail)  # its bytes went out as they came
+            self._observe()
             return b""
         return b"".join(self._events((tail,)))
 
@@ -164,6 +171,7 @@ class Relay:
             yield data
             for event in parser.feed(data):
                 self.event(event)
+            self._observe()
             return
         # This read ends the stream.
         cut = max(data.find(b"data: [DONE]"), 0)
@@ -171,6 +179,7 @@ class Relay:
             yield data[:cut]
         for event in parser.feed(data):
             self.event(event)
+        self._observe()
         if self.done:
             self.call.end_reached()
         yield data[cut:]
@@ -179,52 +188,69 @@ class Relay:
         """Events rewritten to drop what the proxy added (or translated), or held: the
         pieces to give out now (one, or none). When the end is seen on a stream that is
         not held, the call is journaled before anything is returned."""
-        hold, out = self.hold, []
+        hold, out, rewritten = self.hold, [], self.event
         for event in events:
             if hold is None:
-                out.append(self.event(event))
+                out.append(rewritten(event))
                 if self.done:
+                    self._observe()
                     self.call.end_reached()  # as the end is seen: later events are not the call's
                 continue
             held = hold.held(event, self.translator)
-            piece = self.event(event)
+            piece = rewritten(event)
             if held or self.done:
                 self.held += piece
             else:
                 hold.sent(event)
                 out.append(piece)
+        self._observe()
+        if len(out) == 1:  # the usual read: one event
+            return out if out[0] else []
         return [b"".join(out)] if any(out) else []
+
+    def _observe(self) -> None:
+        """The tokens captured so far arrived now: their policy version (once per read, or
+        per piece the read is given out in: its tokens arrived at one instant)."""
+        self.versions.observe(self.token_counts())
+
+    def _cut_prompt(self, event: Event, data: bytes) -> tuple[bytes, Event]:
+        """The prompt's ids (vLLM's first chunk) cut out of ``data`` as bytes, given to
+        capture: what capture reads of the chunk then, and what strip reads."""
+        cut = cut_prompt_ids(data)
+        if cut is None:
+            return data, event
+        data, prompt_ids = cut
+        call = self.call
+        self.capture.add_prompt_ids(prompt_ids, functools.partial(
+            call.services.prompt_prefixes.decode_packed, call.episode_id))
+        return data, Event(event.raw, data) if self.injected.token_ids else event
 
     def event(self, event: Event) -> bytes:
         """One SSE event: capture it; return the bytes the client should get for it."""
         data = event.data
-        translator = self.translator
         if data is None:
-            return event.raw if translator is None else b""
+            return event.raw if self.translator is None else b""
         if self.api.is_end(data):
             self.done = True
             self.timings.upstream_done()
-            if translator is not None:
-                return b"".join(translator.finish())
+            if self.translator is not None:
+                return b"".join(self.translator.finish())
             if data == b"[DONE]":
                 return event.raw
         elif self.timings.perf_first_content is None:
             self.timings.first_content()
-        capture, injected = self.capture, self.injected
         stripped = event  # what strip_event reads: without the ids the proxy asked for
         if len(data) > _CUT_ABOVE and KEY in data and self.api.cuts_prompt_ids:
-            cut = cut_prompt_ids(data)  # the prompt's ids (vLLM's first chunk), as bytes
-            if cut is not None:
-                data, prompt_ids = cut
-                call = self.call
-                capture.add_prompt_ids(prompt_ids, functools.partial(
-                    call.services.prompt_prefixes.decode_packed, call.episode_id))
-                if injected.token_ids:
-                    stripped = Event(event.raw, data)
+            data, stripped = self._cut_prompt(event, data)
+        step = self.step
+        if step is not None:  # what follows, for a chat stream (a chat capture never ends)
+            try:
+                return step(data, stripped)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return event.raw  # relayed as is; capture noted the bad chunk
+        capture, injected, translator = self.capture, self.injected, self.translator
         capture.add(data)
-        # The tokens arrived now: their policy version, their routing.
-        self.versions.observe(self.token_counts())
-        if self.experts is not None:
+        if self.experts is not None:  # the tokens' routing (their version: ``_observe``)
             self.experts.add(data)
         if capture.ended and not self.done:  # a terminal event that carries data
             self.done = True

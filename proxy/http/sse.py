@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from itertools import repeat
 from typing import NamedTuple
 
 # No optional first character: the regex engine can then scan for "\n" quickly.
@@ -12,6 +14,11 @@ _BOUNDARY = re.compile(rb"\n\r?\n")
 class Event(NamedTuple):
     raw: bytes  # the event exactly as received, boundary included
     data: bytes | None  # joined ``data:`` lines; None for comments and non-data events
+
+
+# ``Event((raw, data))`` without the NamedTuple's Python-level ``__new__``: the parser
+# makes one per streamed token.
+_event = functools.partial(tuple.__new__, Event)
 
 
 class SSEParser:
@@ -29,7 +36,7 @@ class SSEParser:
             # parsed without a copy (the read is the event's raw bytes).
             if chunk.endswith(b"\n\n") and chunk.startswith(b"data: ") \
                     and chunk.count(b"\n") == 2:
-                return [Event(chunk, chunk[6:-2])]
+                return [_event((chunk, chunk[6:-2]))]
             return self._feed_lf(chunk)
         start = max(0, len(buffer) - 2)  # a boundary may straddle two reads
         buffer += chunk
@@ -52,6 +59,11 @@ class SSEParser:
     def _feed_lf(self, chunk: bytes) -> list[Event]:
         """The usual read: nothing buffered, LF line ends (what engines send). Splitting on
         the boundary finds the same events as the regex, without copying the buffer."""
+        lines = chunk.split(b"\n")  # one byte: a faster split than on the two
+        if len(lines) % 2 and not lines[-1] and not any(lines[1::2]):
+            data_lines = lines[0:-1:2]  # each line followed by one blank line: whole events
+            if all(map(bytes.startswith, data_lines, repeat(b"data: "))):
+                return [_event((line + b"\n\n", line[6:])) for line in data_lines]
         *whole, rest = chunk.split(b"\n\n")
         events = []
         for part in whole:

@@ -77,13 +77,16 @@ class CallVersions:
         return self._controls.policy_version
 
     def observe(self, counts: Mapping[int, int] | None) -> None:
-        """Tokens arrived: ``counts`` is how many each choice has now (a stream event)."""
+        """Tokens arrived: ``counts`` is how many each choice has now (once per stream
+        read: its tokens arrived at one instant)."""
         if self._serial is None or counts is None:
             return
         self._observed = True
         version = self.now()
+        seen = self._counts
         for index, count in counts.items():
-            self._extend(index, count, version)
+            if count > seen.get(index, 0):  # (a read with no new token changes nothing)
+                self._extend(index, count, version)
 
     def _extend(self, index: int, count: int, version: str | None) -> None:
         before = self._counts.get(index, 0)

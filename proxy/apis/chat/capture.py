@@ -7,6 +7,7 @@ entries (vLLM's ``"token_id:N"`` strings, llama.cpp's ``id``), else none.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +16,19 @@ import msgspec
 from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat import CHAT, COMPLETIONS
 from tracetap.proxy.apis.chat.inject import prepare, strip_body, strip_chunk
+from tracetap.proxy.apis.chat.pieces import (
+    Pieces,
+    add_tool_calls,
+    completion_ids,
+    logprobs_view,
+)
 from tracetap.proxy.apis.chat.prompt_cut import decode_ids
+from tracetap.proxy.apis.chat.stream_step import ChatStreamStep
 from tracetap.proxy.apis.chat.wire import (
+    ChatBody,
     ChatChoice,
+    ChatLogprobs,
+    CompletionBody,
     CompletionChoice,
     Message,
     SglExt,
@@ -29,7 +40,6 @@ from tracetap.proxy.http.sse import Event, encode_event
 from tracetap.storage.codec import unpack_ids
 from tracetap.storage.records import ChoiceRecord
 
-_TOKEN_ID_PREFIX = "token_id:"
 DONE = b"[DONE]"
 
 
@@ -58,32 +68,18 @@ class OpenAIApi:
         chunk = strip_chunk(event.data, injected)
         return b"" if chunk is None else encode_event(chunk)
 
+    def event_step(self, capture: Any, injected: Injected) -> ChatStreamStep | None:
+        """One chat stream's ``capture.add`` and ``strip_event`` together, where its
+        chunks can be cut by byte ranges (proxy.apis.chat.stream_step)."""
+        if self.endpoint != CHAT or not isinstance(capture, Capture) or injected.experts:
+            return None
+        return ChatStreamStep(capture, injected)
+
     def is_end(self, data: bytes) -> bool:
         return data == DONE
 
     def capture(self, injected: Injected) -> Capture:
         return Capture(self.endpoint, keep_top_logprobs=injected.client_top_logprobs > 0)
-
-
-class _Choice:
-    """One choice's pieces as they arrive."""
-
-    __slots__ = ("engine_ids", "finish_reason", "ids", "logprobs", "reasoning", "role", "stop",
-                 "text", "tokens", "tools", "tops")
-
-    def __init__(self) -> None:
-        self.role: str | None = None
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.tools: dict[int, dict[str, Any]] = {}
-        self.engine_ids: list[int] | None = None
-        self.logprobs: list[float | None] = []
-        self.tokens: list[str | None] = []
-        self.ids: list[int | None] = []
-        self.tops: list[Any] = []
-        self.finish_reason: str | None = None
-        self.stop: dict[str, Any] = {}  # the engine's stop_reason / matched_stop, once set
-
 
 
 _PromptDecoder = Callable[[bytes], tuple[list[int] | None, bytes | None]]
@@ -99,7 +95,7 @@ class Capture:
         self.endpoint = endpoint
         self.keep_top = keep_top_logprobs
         self._decode = decode_chat if endpoint == CHAT else decode_completion
-        self._choices: dict[int, _Choice] = {}
+        self._choices: dict[int, Pieces] = {}
         self.model: str | None = None
         self.response_id: str | None = None
         self.created: int | None = None
@@ -152,17 +148,16 @@ class Capture:
         self._prompt_ids, self._prompt_raw, self._prompt_decode = None, raw, decode
         self._prompt_packed = None
 
-    def add(self, data: bytes) -> None:
-        """One non-stream body or one stream chunk; bad JSON is noted, never raised."""
+    def add(self, data: bytes) -> bool:
+        """One non-stream body or one stream chunk; bad JSON is noted, never raised
+        (returns whether it was read)."""
         try:
             body = self._decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             if len(self.errors) < 5:
                 self.errors.append(f"unparseable upstream data: {exc}")
-            return
-        self.model = body.model or self.model
-        self.response_id = body.id or self.response_id
-        self.created = body.created or self.created
+            return False
+        self.add_head(body)
         if body.usage is not None:
             self.usage = body.usage
         if getattr(body, "prompt_token_ids", None) is not None:
@@ -170,7 +165,7 @@ class Capture:
         for choice in body.choices:
             acc = self._choices.get(choice.index)
             if acc is None:
-                acc = self._choices[choice.index] = _Choice()
+                acc = self._choices[choice.index] = Pieces()
             if isinstance(choice, ChatChoice):
                 self._add_chat(acc, choice)
             else:
@@ -178,6 +173,22 @@ class Capture:
         ext = getattr(body, "sglext", None)
         if ext is not None:
             self._add_sglext(ext)
+        return True
+
+    def add_head(self, body: ChatBody | CompletionBody) -> None:
+        """What a body or chunk says of the whole reply (its id, model, creation)."""
+        self.model = body.model or self.model
+        self.response_id = body.id or self.response_id
+        self.created = body.created or self.created
+
+    def delta_adder(self, index: int) -> Callable[[Message | None, ChatLogprobs | None,
+                                                     list[int] | None, str | None], None]:
+        """Choice ``index``'s pieces, already decoded (proxy.apis.chat.stream_step): what
+        ``add`` reads of a chunk whose choice has nothing else (no stop, no prompt ids)."""
+        acc = self._choices.get(index)
+        if acc is None:
+            acc = self._choices[index] = Pieces()
+        return functools.partial(self._add_delta, acc)
 
     def _add_sglext(self, ext: SglExt) -> None:
         """SGLang's whole ids of the prompt and of each choice (they replace any others)."""
@@ -186,21 +197,10 @@ class Capture:
         for index, ids in enumerate(ext.output_ids or ()):
             acc = self._choices.get(index)
             if acc is None:
-                acc = self._choices[index] = _Choice()
+                acc = self._choices[index] = Pieces()
             acc.engine_ids = list(ids)
 
-    def _add_chat(self, acc: _Choice, choice: ChatChoice) -> None:
-        message = choice.message or choice.delta
-        if message is not None:
-            _add_message(acc, message)
-        if choice.logprobs is not None and choice.logprobs.content:
-            for entry in choice.logprobs.content:
-                acc.logprobs.append(entry.logprob)
-                acc.tokens.append(entry.token)
-                acc.ids.append(entry.id)
-                if self.keep_top:
-                    acc.tops.append([{"token": t.token, "logprob": t.logprob}
-                                     for t in entry.top_logprobs or ()])
+    def _add_chat(self, acc: Pieces, choice: ChatChoice) -> None:
         if choice.prompt_token_ids is not None:
             self.prompt_ids = choice.prompt_token_ids
         if choice.stop_reason is not None:
@@ -208,9 +208,38 @@ class Capture:
         elif choice.matched_stop is not None:
             acc.stop = {"matched_stop": choice.matched_stop}
         ids = choice.token_ids if choice.token_ids is not None else choice.response_token_ids
-        self._add_common(acc, ids, choice.finish_reason)
+        self._add_delta(acc, choice.message or choice.delta, choice.logprobs, ids,
+                        choice.finish_reason)
 
-    def _add_completion(self, acc: _Choice, choice: CompletionChoice) -> None:
+    def _add_delta(self, acc: Pieces, message: Message | None, logprobs: ChatLogprobs | None,
+                   token_ids: list[int] | None, finish: str | None) -> None:
+        """A reply's message or a chunk's delta (its text, reasoning and tool-call pieces),
+        its logprob entries, ids and finish (run once per streamed token: inline)."""
+        if message is not None:
+            acc.role = message.role or acc.role
+            if message.content:
+                acc.text.append(message.content)
+            reasoning = message.reasoning_content or message.reasoning  # reasoning_text
+            if reasoning:
+                acc.reasoning.append(reasoning)
+            if message.tool_calls:
+                add_tool_calls(acc, message.tool_calls)
+        if logprobs is not None and logprobs.content:
+            for entry in logprobs.content:
+                acc.logprobs.append(entry.logprob)
+                acc.tokens.append(entry.token)
+                acc.ids.append(entry.id)
+                if self.keep_top:
+                    acc.tops.append([{"token": t.token, "logprob": t.logprob}
+                                     for t in entry.top_logprobs or ()])
+        if token_ids is not None:
+            if acc.engine_ids is None:
+                acc.engine_ids = []
+            acc.engine_ids.extend(token_ids)
+        if finish is not None:
+            acc.finish_reason = finish
+
+    def _add_completion(self, acc: Pieces, choice: CompletionChoice) -> None:
         if choice.text:
             acc.text.append(choice.text)
         if choice.prompt_token_ids is not None:
@@ -227,7 +256,7 @@ class Capture:
         self._add_common(acc, choice.token_ids, choice.finish_reason)
 
     @staticmethod
-    def _add_common(acc: _Choice, token_ids: list[int] | None, finish: str | None) -> None:
+    def _add_common(acc: Pieces, token_ids: list[int] | None, finish: str | None) -> None:
         if token_ids is not None:
             if acc.engine_ids is None:
                 acc.engine_ids = []
@@ -264,7 +293,7 @@ class Capture:
         self.choice_count = len(self._choices)
         for index in sorted(self._choices):
             acc = self._choices[index]
-            ids, source = _completion_ids(acc)
+            ids, source = completion_ids(acc)
             logprobs = None
             if acc.logprobs and all(v is not None for v in acc.logprobs):
                 logprobs = acc.logprobs
@@ -308,7 +337,7 @@ class Capture:
                 out["message"] = message
             else:
                 out["text"] = text or ""
-            out["logprobs"] = _logprobs_view(acc, chat) if with_logprobs else None
+            out["logprobs"] = logprobs_view(acc, chat) if with_logprobs else None
             out["finish_reason"] = acc.finish_reason
             out |= acc.stop  # what ended it: a stop string's token is in no text (drift)
             choices.append(out)
@@ -322,45 +351,6 @@ class Capture:
         if self.usage is not None:
             body["usage"] = msgspec.to_builtins(self.usage)
         return body
-
-
-def _add_message(acc: _Choice, message: Message) -> None:
-    """A reply's message or a chunk's delta: its text, reasoning and tool-call pieces."""
-    acc.role = message.role or acc.role
-    if message.content:
-        acc.text.append(message.content)
-    reasoning = message.reasoning_text
-    if reasoning:
-        acc.reasoning.append(reasoning)
-    for position, call in enumerate(message.tool_calls or ()):
-        index = call.index if call.index is not None else position
-        tool = acc.tools.setdefault(index, {"id": None, "type": None, "name": None,
-                                            "arguments": []})
-        tool["id"] = call.id or tool["id"]
-        tool["type"] = call.type or tool["type"]
-        if call.function is not None:
-            tool["name"] = call.function.name or tool["name"]
-            if call.function.arguments:
-                tool["arguments"].append(call.function.arguments)
-
-
-def _completion_ids(acc: _Choice) -> tuple[list[int] | None, str]:
-    if acc.engine_ids is not None:
-        return acc.engine_ids, "engine"
-    if acc.tokens and all(t is not None and t.startswith(_TOKEN_ID_PREFIX) for t in acc.tokens):
-        try:
-            return [int(t[len(_TOKEN_ID_PREFIX):]) for t in acc.tokens], "logprobs"
-        except ValueError:
-            pass
-    if acc.ids and all(i is not None for i in acc.ids):
-        return list(acc.ids), "logprobs"
-    return None, "none"
-
-
-def _logprobs_view(acc: _Choice, chat: bool) -> dict[str, Any]:
-    if chat:
-        return {"content": [{"token": t, "logprob": lp} for t, lp in zip(acc.tokens, acc.logprobs)]}
-    return {"tokens": acc.tokens, "token_logprobs": acc.logprobs}
 
 
 CHAT_API = OpenAIApi(CHAT, "chat_completions", "/v1/chat/completions")
