@@ -9,9 +9,11 @@ listening (``Notices.run``), and a notice wakes the follower of its topic at onc
 followers still read the tables now and then (``Notices.wait``'s slow interval), so a
 notice lost with the listening connection costs seconds, not correctness; while nothing
 listens (the connection is down, or SQLite, which has no notices) they read at their
-fast interval, as before; on SQLite a fast tick reads the tables only when the database
-file or its WAL changed since the follower last read them (any commit, by any process,
-writes there: an idle process reads them once per slow interval). Listening counts only
+fast interval, as before. On SQLite one watcher (``Notices.run``) wakes every follower
+when the database file, its WAL or the WAL index changed (any commit, by any process,
+writes there): on Linux when the kernel says a file of its directory was written
+(inotify, storage.file_watch), so an idle process sleeps; elsewhere it looks every
+SQLITE_TICK_SECONDS; an idle process reads the tables once per slow interval. Listening counts only
 once a notice of its own came back: behind a connection pooler in transaction mode
 (PgBouncer's default) LISTEN is accepted but no notice ever arrives, and the followers
 keep their fast interval.
@@ -27,16 +29,22 @@ import os
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from tracetap.storage import file_watch
+
 log = logging.getLogger("tracetap")
 
 CHANNEL = "tracetap_changes"
 CONTROLS = "controls"
 EPISODES = "episodes"
 FINISHED = "finished"  # an episode finished: its key takes no more calls anywhere
-TOPICS = (CONTROLS, EPISODES, FINISHED)
+PATCHES = "patches"  # an overlay patch was installed
+TOPICS = (CONTROLS, EPISODES, FINISHED, PATCHES)
 RETRY_SECONDS = 2.0  # between attempts to listen again after the connection is lost
 CHECK_SECONDS = 60.0  # how often a quiet listening connection is asked whether it is alive
 PROBE_SECONDS = 5.0  # how long a notice of its own may take to come back
+SQLITE_TICK_SECONDS = 0.2  # how often SQLite's files are looked at without inotify
+SETTLE_SECONDS = 0.05  # a second look after a change (``_watch``)
+_SHM_HEADER = 48  # bytes of SQLite's WAL index header (wal.c: WalIndexHdr)
 _NOTIFY = text("SELECT pg_notify(:channel, :topic)")
 _UNSEEN = object()  # a follower's first wait: it reads the tables at its first tick
 
@@ -61,12 +69,22 @@ class Notices:
         self._probe_arrived = False
         self._files = _sqlite_files(engine)  # what a commit changes, on SQLite
         self._seen: dict[str, object] = {}  # the files as each topic's follower read
+        self._watching = False  # SQLite: ``_watch`` runs, the followers only wait
 
     async def wait(self, topic: str, fast: float, slow: float) -> None:
         """Until a notice of ``topic`` arrives, or ``slow`` seconds pass (``fast`` while
         nothing listens). Returns with the event cleared, so a notice that arrives while
         the caller reads the table wakes its next wait at once."""
         event = self._events[topic]
+        if self._watching:  # SQLite: the watcher sets the event when the database changed
+            if not event.is_set():
+                timer = asyncio.get_running_loop().call_later(slow, event.set)
+                try:
+                    await event.wait()
+                finally:
+                    timer.cancel()
+            event.clear()
+            return
         if not event.is_set():
             loop = asyncio.get_running_loop()
             deadline = loop.time() + slow
@@ -85,13 +103,64 @@ class Notices:
         if self._files is not None:
             self._seen[topic] = self._stamp()
 
-    def _stamp(self) -> tuple | None:
-        """The SQLite files' identity, size and modification time."""
+    async def _watch(self) -> None:
+        """SQLite: one watcher for every follower (each ticked at its own fast interval
+        and looked at the files itself: nine wake-ups a second of an idle process). On
+        Linux the kernel says when a file of the database's directory is written
+        (storage.file_watch), so an idle process does not wake at all; elsewhere it looks
+        every SQLITE_TICK_SECONDS. A change wakes every follower; so does the first look
+        (what was committed between a follower's first read and this task's start)."""
+        loop = asyncio.get_running_loop()
+        changes = file_watch.watch(os.path.dirname(os.path.abspath(self._files[0])))
+        changed = asyncio.Event()
+        if changes is not None:
+            changes.start(loop, changed.set)
+            changed.set()  # the first look, at once
+        self._watching = True
         try:
-            return tuple((st.st_ino, st.st_size, st.st_mtime_ns)
-                         for st in map(os.stat, self._files))
+            last: object = _UNSEEN
+            settle = False
+            while True:
+                if changes is None:
+                    await asyncio.sleep(SQLITE_TICK_SECONDS)
+                else:
+                    # A commit writes its WAL frames, then the WAL index in the -shm file,
+                    # which readers take their snapshot from and which is mapped memory (no
+                    # event): a look just after a change comes again SETTLE_SECONDS later,
+                    # for a writer stopped between the two.
+                    timer = loop.call_later(SETTLE_SECONDS, changed.set) if settle else None
+                    try:
+                        await changed.wait()
+                    finally:
+                        if timer is not None:
+                            timer.cancel()
+                    changed.clear()
+                stamp = self._stamp()
+                settle = stamp != last
+                if settle:
+                    last = stamp
+                    self._wake_all()
+        finally:
+            self._watching = False
+            if changes is not None:
+                changes.close()
+
+    def _stamp(self) -> tuple | None:
+        """The SQLite files' identity, size and modification time, and the WAL index's
+        header."""
+        try:
+            files = tuple((st.st_ino, st.st_size, st.st_mtime_ns)
+                          for st in map(os.stat, self._files))
         except OSError:
             return None  # a WAL not there (yet): compared as such
+        try:  # the WAL index's header: it changes with every commit
+            fd = os.open(self._files[0] + "-shm", os.O_RDONLY)
+        except OSError:
+            return files
+        try:
+            return files, os.pread(fd, _SHM_HEADER, 0)
+        finally:
+            os.close(fd)
 
     def _wake_all(self) -> None:
         """A change of ``live``: followers read the tables now (what changed while nobody
@@ -107,7 +176,10 @@ class Notices:
             event.set()
 
     async def run(self) -> None:
-        """Listen until cancelled, again after a lost connection (Postgres only)."""
+        """Listen until cancelled, again after a lost connection (Postgres); on SQLite,
+        watch the database's files for every follower."""
+        if self._files is not None:
+            await self._watch()
         if self.engine.dialect.name != "postgresql":
             return
         while True:

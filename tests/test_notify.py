@@ -8,9 +8,13 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from tracetap.storage import notify
 from tracetap.storage.engine import create_engine
 from tracetap.storage.notify import CONTROLS, EPISODES, Notices, send
+
+SETTLE = notify.SETTLE_SECONDS + 0.05
 
 
 async def _listening(notices: Notices, seconds: float = 10.0) -> asyncio.Task:
@@ -81,14 +85,69 @@ def test_sqlite_has_no_notices_and_its_followers_poll(tmp_path):
     async def run():
         engine = create_engine(f"sqlite:///{tmp_path / 't.db'}")
         notices = Notices(engine)
-        await notices.run()  # returns at once: nothing to listen to
+        watching = asyncio.create_task(notices.run())  # no listening: a watcher of files
         started = time.monotonic()
-        await notices.wait(CONTROLS, 0.05, 30)
+        await notices.wait(CONTROLS, 0.05, 30)  # its first look wakes every follower
+        await _stop(watching)
         await engine.dispose()
         return notices.live, time.monotonic() - started
 
     live, waited = asyncio.run(run())
     assert live is False and waited < 1.0
+
+
+@pytest.mark.parametrize("inotify", [True, False], ids=["inotify", "timer"])
+def test_an_idle_sqlite_process_wakes_for_a_commit_and_not_before(tmp_path, monkeypatch,
+                                                                    inotify):
+    """One watcher follows the database's files for every follower (Notices.run): a
+    commit by another process wakes the followers within a tick; with nothing committed
+    they sleep until their slow interval. With inotify (Linux) the watcher itself does
+    not wake while nothing is written; without it (the fallback), it looks each tick."""
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    if not inotify:
+        monkeypatch.setattr(notify.file_watch, "watch", lambda directory: None)
+    looks = []
+
+    async def run():
+        from sqlalchemy import text
+
+        engine, other = create_engine(url), create_engine(url)
+        async with other.begin() as conn:
+            await conn.execute(text("CREATE TABLE t (x INTEGER)"))
+        notices = Notices(engine)
+        stamp = notices._stamp
+        monkeypatch.setattr(notices, "_stamp", lambda: looks.append(1) or stamp())
+        watching = asyncio.create_task(notices.run())
+        await asyncio.sleep(notify.SQLITE_TICK_SECONDS + SETTLE)  # its first looks
+        for topic in (CONTROLS, EPISODES):  # the first look woke every follower
+            await notices.wait(topic, 0.02, 30)
+        looks.clear()
+        started = time.monotonic()
+        await notices.wait(CONTROLS, 0.02, 0.6)  # nothing committed: the slow interval
+        idle, idle_looks = time.monotonic() - started, len(looks)
+
+        async def commit_soon():
+            await asyncio.sleep(0.2)
+            began = time.monotonic()
+            async with other.begin() as conn:
+                await conn.execute(text("INSERT INTO t VALUES (1)"))
+            return began
+
+        committing = asyncio.create_task(commit_soon())
+        await notices.wait(EPISODES, 0.02, 30)  # every topic's follower wakes
+        woke = time.monotonic() - await committing
+        await _stop(watching)
+        await engine.dispose()
+        await other.dispose()
+        return idle, idle_looks, woke
+
+    idle, idle_looks, woke = asyncio.run(run())
+    assert idle >= 0.55  # nothing woke it before its slow interval
+    if inotify:
+        assert idle_looks == 0  # the watcher slept too
+    else:
+        assert idle_looks >= 2  # a look each tick
+    assert 0 <= woke < 1.0
 
 
 def test_sqlite_followers_read_at_the_fast_tick_only_after_a_commit(tmp_path):

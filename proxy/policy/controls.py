@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.policy.gate import Gate
 from tracetap.storage import controls as table
+from tracetap.storage.engine import one_statement
 from tracetap.storage.notify import CONTROLS, Notices
 
 log = logging.getLogger("tracetap")
@@ -88,17 +89,23 @@ class Controls:
             self.on_pause(False)
 
     async def refresh(self) -> None:
-        found = await table.read(self.engine, (POLICY, PAUSED))
-        for name in (POLICY, PAUSED):  # the version first: calls a resume releases get it
-            if name in found:
-                self._apply(name, *found[name])
-        now = time.monotonic()
-        if self.gate.paused or now - self._beat_at >= HEARTBEAT_SECONDS:
-            self._beat_at = now
-            beat = Heartbeat(
-                self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
-            )
-            await table.beat(self.engine, self.instance, msgspec.json.encode(beat).decode())
+        async with contextlib.AsyncExitStack() as stack:
+            # Postgres: the read and the heartbeat on one autocommit connection. SQLite
+            # gives each its own transaction (a read one turned writer fails while another
+            # process writes).
+            target = self.engine if self.engine.dialect.name != "postgresql" else \
+                await stack.enter_async_context(one_statement(self.engine))
+            found = await table.read(target, (POLICY, PAUSED))
+            for name in (POLICY, PAUSED):  # the version first: calls a resume releases get it
+                if name in found:
+                    self._apply(name, *found[name])
+            now = time.monotonic()
+            if self.gate.paused or now - self._beat_at >= HEARTBEAT_SECONDS:
+                self._beat_at = now
+                beat = Heartbeat(
+                    self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
+                )
+                await table.beat(target, self.instance, msgspec.json.encode(beat).decode())
 
     async def set_policy(self, version: str) -> None:
         self._apply(POLICY, version, await table.store(self.engine, POLICY, version))
