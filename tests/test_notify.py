@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from tracetap.proxy.overlays.patches import Patches
 from tracetap.storage import notify
+from tracetap.storage import patches as stored_patches
 from tracetap.storage.engine import create_engine
-from tracetap.storage.notify import CONTROLS, EPISODES, Notices, send
+from tracetap.storage.notify import CONTROLS, EPISODES, PATCHES, Notices, send
 
 SETTLE = notify.SETTLE_SECONDS + 0.05
 
@@ -55,6 +57,34 @@ def test_a_notice_wakes_the_follower_of_its_topic_only(migrated_postgres):
     woke, slept = asyncio.run(run())
     assert woke < 1.0
     assert slept >= 0.29
+
+
+def test_an_installed_patch_wakes_the_processes_that_know_of_none(migrated_postgres):
+    """A process with no patch yet follows installs by their notice (its slow look is for
+    a lost notice only): the install elsewhere is seen at once."""
+    async def run():
+        engine = create_engine(migrated_postgres)
+        notices = Notices(engine)
+        patches = Patches(engine, None, frozenset())  # no worker is started here
+        task = await _listening(notices)
+        following = asyncio.create_task(patches.follow(
+            lambda: notices.wait(PATCHES, 30, 30)))
+        try:
+            await asyncio.sleep(0.2)  # the wake of going live consumed: waiting on its notice
+            assert not patches.any and not following.done()
+            started = time.monotonic()
+            await stored_patches.add(engine, name="p", sha256="0" * 64, source="X = 1",
+                                     hooks=["before_model"], after_model_sees="last")
+            await asyncio.wait_for(following, 10)  # it returns once a patch is known
+            woke = time.monotonic() - started
+        finally:
+            following.cancel()
+            await _stop(task)
+            await engine.dispose()
+        return woke, patches.any
+
+    woke, known = asyncio.run(run())
+    assert known and woke < 1.0
 
 
 def test_notices_that_never_come_back_leave_the_followers_polling(migrated_postgres,
