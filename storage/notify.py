@@ -9,11 +9,13 @@ listening (``Notices.run``), and a notice wakes the follower of its topic at onc
 followers still read the tables now and then (``Notices.wait``'s slow interval), so a
 notice lost with the listening connection costs seconds, not correctness; while nothing
 listens (the connection is down, or SQLite, which has no notices) they read at their
-fast interval, as before. On SQLite one watcher (``Notices.run``) wakes every follower
+fast interval, as before. On SQLite a notice is a serial per topic (a ``controls``
+row the sending transaction raises), and one watcher (``Notices.run``) reads the serials
 when the database file, its WAL or the WAL index changed (any commit, by any process,
-writes there): on Linux when the kernel says a file of its directory was written
-(inotify, storage.file_watch), so an idle process sleeps; elsewhere it looks every
-SQLITE_TICK_SECONDS; an idle process reads the tables once per slow interval. Listening counts only
+writes there) and wakes the followers of the topics that moved: on Linux when the kernel
+says a file of its directory was written (inotify, storage.file_watch), so an idle
+process sleeps; elsewhere it looks every SQLITE_TICK_SECONDS. The processes'
+heartbeats move no serial, so they wake no follower. Listening counts only
 once a notice of its own came back: behind a connection pooler in transaction mode
 (PgBouncer's default) LISTEN is accepted but no notice ever arrives, and the followers
 keep their fast interval.
@@ -25,11 +27,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tracetap.storage import file_watch
+from tracetap.storage.engine import one_statement
 
 log = logging.getLogger("tracetap")
 
@@ -46,14 +50,24 @@ SQLITE_TICK_SECONDS = 0.2  # how often SQLite's files are looked at without inot
 SETTLE_SECONDS = 0.05  # a second look after a change (``_watch``)
 _SHM_HEADER = 48  # bytes of SQLite's WAL index header (wal.c: WalIndexHdr)
 _NOTIFY = text("SELECT pg_notify(:channel, :topic)")
+# SQLite: one row per topic; a commit that is only a heartbeat (any process's) leaves them
+# as they were, so it wakes no follower.
+_SERIAL = "notice:"
+_RAISE = text("INSERT INTO controls (name, value, serial, updated_at) VALUES (:name, NULL, 1, "
+              ":now) ON CONFLICT (name) DO UPDATE SET serial = serial + 1, updated_at = :now")
+_SERIALS = text("SELECT name, serial FROM controls WHERE name IN ("
+                + ", ".join(f"'{_SERIAL}{topic}'" for topic in TOPICS) + ")")
 _UNSEEN = object()  # a follower's first wait: it reads the tables at its first tick
 
 
 async def send(conn: AsyncConnection, topic: str) -> None:
-    """Notify every listening process of ``topic``, at the commit of ``conn``'s transaction
-    (Postgres; nothing on SQLite, whose followers poll)."""
+    """Notify every process of ``topic``, at the commit of ``conn``'s transaction: on
+    Postgres a notice; on SQLite the topic's serial (a ``controls`` row) goes up, which
+    the watcher of each process reads when the database's files change."""
     if conn.dialect.name == "postgresql":
         await conn.execute(_NOTIFY, {"channel": CHANNEL, "topic": topic})
+    else:
+        await conn.execute(_RAISE, {"name": _SERIAL + topic, "now": time.time()})
 
 
 class Notices:
@@ -108,8 +122,10 @@ class Notices:
         and looked at the files itself: nine wake-ups a second of an idle process). On
         Linux the kernel says when a file of the database's directory is written
         (storage.file_watch), so an idle process does not wake at all; elsewhere it looks
-        every SQLITE_TICK_SECONDS. A change wakes every follower; so does the first look
-        (what was committed between a follower's first read and this task's start)."""
+        every SQLITE_TICK_SECONDS. A change wakes the followers of the topics whose serial
+        it raised (``send``): a heartbeat wakes none. The first look, and a look that
+        cannot read the serials, wake every follower (the first: what was committed
+        between a follower's first read and this task's start)."""
         loop = asyncio.get_running_loop()
         changes = file_watch.watch(os.path.dirname(os.path.abspath(self._files[0])))
         changed = asyncio.Event()
@@ -119,6 +135,7 @@ class Notices:
         self._watching = True
         try:
             last: object = _UNSEEN
+            seen: dict[str, int] | None = None  # the topics' serials at the last look
             settle = False
             while True:
                 if changes is None:
@@ -139,11 +156,27 @@ class Notices:
                 settle = stamp != last
                 if settle:
                     last = stamp
-                    self._wake_all()
+                    serials = await self._serials()
+                    for topic, event in self._events.items():
+                        if serials is None or seen is None or \
+                                serials.get(topic) != seen.get(topic):
+                            event.set()
+                    seen = serials
         finally:
             self._watching = False
             if changes is not None:
                 changes.close()
+
+    async def _serials(self) -> dict[str, int] | None:
+        """SQLite: each topic's serial (``send``); None when they cannot be read (every
+        follower then reads for itself)."""
+        try:
+            async with one_statement(self.engine) as conn:
+                rows = (await conn.execute(_SERIALS)).all()
+        except Exception as exc:  # locked past the busy timeout, or not migrated
+            log.debug("cannot read the change serials: %s", exc)
+            return None
+        return {name.removeprefix(_SERIAL): serial for name, serial in rows}
 
     def _stamp(self) -> tuple | None:
         """The SQLite files' identity, size and modification time, and the WAL index's

@@ -54,8 +54,9 @@ def test_an_idle_replica_uses_under_a_fifth_of_a_percent_of_a_core(engine, migra
 
 def test_an_idle_sqlite_proxy_uses_under_a_fifth_of_a_percent_of_a_core(engine, run_proxy,
                                                                         tmp_path):
-    # SQLite has no notices: one watcher wakes its followers when the database's files
-    # change (inotify; storage/notify.py), and they read the tables only then.
+    # SQLite's notices are serials in the database: one watcher reads them when the
+    # database's files change (inotify; storage/notify.py) and wakes only the followers
+    # whose topic moved (a heartbeat moves none).
     proxy = run_proxy(engine.url, f"sqlite:///{tmp_path / 'idle.db'}", "--admin-token", TOKEN)
     assert _idle_share(proxy) <= IDLE_BOUND
 

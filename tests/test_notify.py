@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from tracetap.migrations import upgrade
 from tracetap.proxy.overlays.patches import Patches
 from tracetap.storage import notify
 from tracetap.storage import patches as stored_patches
+from tracetap.storage.controls import beat
 from tracetap.storage.engine import create_engine
 from tracetap.storage.notify import CONTROLS, EPISODES, PATCHES, Notices, send
 
@@ -127,23 +129,22 @@ def test_sqlite_has_no_notices_and_its_followers_poll(tmp_path):
 
 
 @pytest.mark.parametrize("inotify", [True, False], ids=["inotify", "timer"])
-def test_an_idle_sqlite_process_wakes_for_a_commit_and_not_before(tmp_path, monkeypatch,
-                                                                    inotify):
-    """One watcher follows the database's files for every follower (Notices.run): a
-    commit by another process wakes the followers within a tick; with nothing committed
-    they sleep until their slow interval. With inotify (Linux) the watcher itself does
-    not wake while nothing is written; without it (the fallback), it looks each tick."""
+def test_an_idle_sqlite_process_wakes_for_its_topics_notice_only(tmp_path, monkeypatch,
+                                                                 inotify):
+    """One watcher follows the database's files for every follower (Notices.run). A
+    commit that sends a topic's notice (its serial, on SQLite) wakes that topic's
+    follower within a tick; one that sends none (another process's heartbeat) wakes no
+    follower; with nothing committed they sleep until their slow interval. With inotify
+    (Linux) the watcher itself does not wake while nothing is written; without it (the
+    fallback) it looks each tick."""
     url = f"sqlite:///{tmp_path / 't.db'}"
+    upgrade(url)
     if not inotify:
         monkeypatch.setattr(notify.file_watch, "watch", lambda directory: None)
     looks = []
 
     async def run():
-        from sqlalchemy import text
-
         engine, other = create_engine(url), create_engine(url)
-        async with other.begin() as conn:
-            await conn.execute(text("CREATE TABLE t (x INTEGER)"))
         notices = Notices(engine)
         stamp = notices._stamp
         monkeypatch.setattr(notices, "_stamp", lambda: looks.append(1) or stamp())
@@ -156,27 +157,36 @@ def test_an_idle_sqlite_process_wakes_for_a_commit_and_not_before(tmp_path, monk
         await notices.wait(CONTROLS, 0.02, 0.6)  # nothing committed: the slow interval
         idle, idle_looks = time.monotonic() - started, len(looks)
 
-        async def commit_soon():
+        async def commit_soon(topic: str | None):
             await asyncio.sleep(0.2)
             began = time.monotonic()
-            async with other.begin() as conn:
-                await conn.execute(text("INSERT INTO t VALUES (1)"))
+            if topic is None:
+                await beat(other, "elsewhere", "{}")
+            else:
+                async with other.begin() as conn:
+                    await send(conn, topic)
             return began
 
-        committing = asyncio.create_task(commit_soon())
-        await notices.wait(EPISODES, 0.02, 30)  # every topic's follower wakes
+        committing = asyncio.create_task(commit_soon(None))
+        started = time.monotonic()
+        await notices.wait(EPISODES, 0.02, 0.8)  # a heartbeat: the slow interval
+        await committing
+        beaten = time.monotonic() - started
+        committing = asyncio.create_task(commit_soon(EPISODES))
+        await notices.wait(EPISODES, 0.02, 30)  # its notice wakes it
         woke = time.monotonic() - await committing
         await _stop(watching)
         await engine.dispose()
         await other.dispose()
-        return idle, idle_looks, woke
+        return idle, idle_looks, beaten, woke
 
-    idle, idle_looks, woke = asyncio.run(run())
+    idle, idle_looks, beaten, woke = asyncio.run(run())
     assert idle >= 0.55  # nothing woke it before its slow interval
     if inotify:
         assert idle_looks == 0  # the watcher slept too
     else:
         assert idle_looks >= 2  # a look each tick
+    assert beaten >= 0.75
     assert 0 <= woke < 1.0
 
 
