@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -60,6 +61,25 @@ async def beat(target: AsyncEngine | AsyncConnection, instance: str, value: str)
                                                 set_={"value": value, "updated_at": now})
     async with _on(target) as conn:
         await conn.execute(statement)
+
+
+# The same two statements for a driver connection kept open (the listening one,
+# storage.notify): prepared once, no pool or SQLAlchemy around them.
+_READ_SQL = f"SELECT name, value, serial FROM {Control.__tablename__} WHERE name = ANY($1)"
+_BEAT_SQL = (f"INSERT INTO {Control.__tablename__} (name, value, serial, updated_at) "
+             "VALUES ($1, $2, 1, $3) ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value, "
+             "updated_at = EXCLUDED.updated_at")
+
+
+async def read_on(driver: Any, names: tuple[str, ...]) -> dict[str, tuple[str | None, int]]:
+    """``read`` on an asyncpg connection."""
+    rows = await driver.fetch(_READ_SQL, list(names))
+    return {row["name"]: (row["value"], row["serial"]) for row in rows}
+
+
+async def beat_on(driver: Any, instance: str, value: str) -> None:
+    """``beat`` on an asyncpg connection."""
+    await driver.execute(_BEAT_SQL, HEARTBEAT + instance, value, time.time())
 
 
 async def read(target: AsyncEngine | AsyncConnection,

@@ -28,6 +28,8 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -84,6 +86,8 @@ class Notices:
         self._files = _sqlite_files(engine)  # what a commit changes, on SQLite
         self._seen: dict[str, object] = {}  # the files as each topic's follower read
         self._watching = False  # SQLite: ``_watch`` runs, the followers only wait
+        self._listener: Any = None  # Postgres: the listening driver connection, while live
+        self._using = asyncio.Lock()  # one statement at a time on it
 
     async def wait(self, topic: str, fast: float, slow: float) -> None:
         """Until a notice of ``topic`` arrives, or ``slow`` seconds pass (``fast`` while
@@ -243,6 +247,7 @@ class Notices:
                     log.info("listening for change notices again")
                 self._failing = False
                 self.live = await self._notices_arrive()
+                self._listener = raw if self.live else None
                 self._wake_all()
                 while True:
                     timer = loop.call_later(CHECK_SECONDS, wake.set)
@@ -254,11 +259,26 @@ class Notices:
                     if raw.is_closed():
                         await conn.invalidate()  # not handed back to the pool
                         return
-                    await raw.execute("SELECT 1")  # a dead peer shows only when asked
+                    async with self._using:
+                        await raw.execute("SELECT 1")  # a dead peer shows only when asked
             finally:
+                self._listener = None
                 if not raw.is_closed():
                     with contextlib.suppress(Exception):
                         await raw.remove_listener(CHANNEL, self._notice)
+
+    @contextlib.asynccontextmanager
+    async def listening(self) -> AsyncIterator[Any]:
+        """The listening connection's driver (asyncpg) for a follower's own statements
+        while notices arrive, one user at a time; None otherwise (use the pool). It is
+        held anyway: the controls' read and heartbeat on it cost no checkout and no ping
+        (most of an idle replica's CPU after its lease)."""
+        raw = self._listener
+        if raw is None or raw.is_closed():
+            yield None
+            return
+        async with self._using:
+            yield raw
 
     async def _notices_arrive(self) -> bool:
         """Send a notice of its own and wait for it to come back."""

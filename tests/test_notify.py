@@ -89,6 +89,43 @@ def test_an_installed_patch_wakes_the_processes_that_know_of_none(migrated_postg
     assert known and woke < 1.0
 
 
+def test_a_listening_process_follows_the_controls_on_the_listening_connection(
+        migrated_postgres, monkeypatch):
+    """While notices arrive, the controls' read and this process's heartbeat run on the
+    listening connection (held anyway): the pool is not asked. Once nothing listens,
+    they go through the pool again."""
+    from tracetap.proxy.policy.controls import Controls
+    from tracetap.proxy.policy.gate import Gate
+    from tracetap.storage import controls as table
+
+    async def run():
+        engine = create_engine(migrated_postgres)
+        notices = Notices(engine)
+        task = await _listening(notices)
+        controls = Controls(engine, Gate(5.0), "listener", notices=notices)
+        await table.store(engine, "policy_version", "v7")
+        pooled = []
+        read, beat = table.read, table.beat
+        monkeypatch.setattr(table, "read", lambda *a: pooled.append("read") or read(*a))
+        monkeypatch.setattr(table, "beat", lambda *a: pooled.append("beat") or beat(*a))
+        try:
+            await controls.refresh()
+            on_listener = (controls.policy_version, list(pooled))
+            beats = await table.peers(engine, 0.0, "someone else")
+            await _stop(task)  # nothing listens now
+            await table.store(engine, "policy_version", "v8")
+            controls._beat_at = 0.0
+            await controls.refresh()
+        finally:
+            await engine.dispose()
+        return on_listener, beats, controls.policy_version, pooled
+
+    on_listener, beats, version, pooled = asyncio.run(run())
+    assert on_listener == ("v7", [])
+    assert beats == ['{"paused":null,"inflight":0}']
+    assert version == "v8" and pooled == ["read", "beat"]
+
+
 def test_notices_that_never_come_back_leave_the_followers_polling(migrated_postgres,
                                                                   monkeypatch, caplog):
     monkeypatch.setattr(notify, "PROBE_SECONDS", 0.3)
