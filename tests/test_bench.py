@@ -238,3 +238,10 @@ def test_the_screenshot_replay_stores_each_image_once_through_either_api():
     assert [line["api"] for line in lines] == ["chat", "messages"]
     for line in lines:  # each screenshot once, not once per turn or per JSON shape
         assert 0.9 < line["bytes_per_image_byte"] < 1.5, line
+
+
+def test_idle_serve_reads_each_idle_proxys_cpu():
+    out = run("idle_serve.py", "--arm", f"here:{BENCH.parent}:sqlite", "--seconds", "0.5",
+              "--reps", "1", "--settle", "0.2", timeout=120)
+    [line] = [row for row in out.splitlines() if row.startswith("here ")]
+    assert float(line.split()[2]) >= 0  # min ms/s, a number
