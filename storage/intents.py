@@ -22,7 +22,6 @@ does not move (``ready``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -208,8 +207,12 @@ class Intents:
             # Asleep only while nothing is queued: intents queued during a flush are the
             # next batch's at once (admit wakes the writer only when the queue was empty).
             if not self._queue:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat)
+                # A timer sets the event at the heartbeat (not wait_for: no task a second).
+                timer = asyncio.get_running_loop().call_later(self.heartbeat, self._wake.set)
+                try:
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
             self._wake.clear()
             # Written at once, not gathered for a while: the write then runs beside the
             # call's upstream request, and its answer finds the intent stored (a gather
