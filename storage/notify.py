@@ -48,8 +48,8 @@ TOPICS = (CONTROLS, EPISODES, FINISHED, PATCHES)
 RETRY_SECONDS = 2.0  # between attempts to listen again after the connection is lost
 CHECK_SECONDS = 60.0  # how often a quiet listening connection is asked whether it is alive
 PROBE_SECONDS = 5.0  # how long a notice of its own may take to come back
-SQLITE_TICK_SECONDS = 0.2  # how often SQLite's files are looked at without inotify
-SETTLE_SECONDS = 0.05  # a second look after a change (``_watch``)
+SQLITE_TICK_SECONDS = 0.2  # SQLite: the files looked at every tick without inotify, at
+# most once a tick with it (``_next_change``)
 _SHM_HEADER = 48  # bytes of SQLite's WAL index header (wal.c: WalIndexHdr)
 _NOTIFY = text("SELECT pg_notify(:channel, :topic)")
 # SQLite: one row per topic; a commit that is only a heartbeat (any process's) leaves them
@@ -94,25 +94,15 @@ class Notices:
         nothing listens). Returns with the event cleared, so a notice that arrives while
         the caller reads the table wakes its next wait at once."""
         event = self._events[topic]
-        if self._watching:  # SQLite: the watcher sets the event when the database changed
-            if not event.is_set():
-                timer = asyncio.get_running_loop().call_later(slow, event.set)
-                try:
-                    await event.wait()
-                finally:
-                    timer.cancel()
+        if self._watching:  # SQLite: the watcher sets the event when its serial moved
+            await _until_set(event, slow)
             event.clear()
             return
         if not event.is_set():
             loop = asyncio.get_running_loop()
             deadline = loop.time() + slow
             while True:
-                # The timeout sets the event too (a timer, not wait_for: no task per wait).
-                timer = loop.call_later(slow if self.live else fast, event.set)
-                try:
-                    await event.wait()
-                finally:
-                    timer.cancel()
+                await _until_set(event, slow if self.live else fast)
                 if (self.live or self._files is None or loop.time() >= deadline
                         or self._stamp() != self._seen.get(topic, _UNSEEN)):
                     break
@@ -145,17 +135,7 @@ class Notices:
                 if changes is None:
                     await asyncio.sleep(SQLITE_TICK_SECONDS)
                 else:
-                    # A commit writes its WAL frames, then the WAL index in the -shm file,
-                    # which readers take their snapshot from and which is mapped memory (no
-                    # event): a look just after a change comes again SETTLE_SECONDS later,
-                    # for a writer stopped between the two.
-                    timer = loop.call_later(SETTLE_SECONDS, changed.set) if settle else None
-                    try:
-                        await changed.wait()
-                    finally:
-                        if timer is not None:
-                            timer.cancel()
-                    changed.clear()
+                    await _next_change(changed, settle)
                 stamp = self._stamp()
                 settle = stamp != last
                 if settle:
@@ -295,6 +275,37 @@ class Notices:
             log.warning("change notices do not arrive (LISTEN through a connection pooler "
                         "in transaction mode?); following the shared tables by polling")
         return self._probe_arrived
+
+
+async def _until_set(event: asyncio.Event, seconds: float) -> None:
+    """Until ``event`` is set, or ``seconds`` pass: a timer sets it then (not wait_for: no
+    task per wait)."""
+    if event.is_set():
+        return
+    timer = asyncio.get_running_loop().call_later(seconds, event.set)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
+
+
+async def _next_change(changed: asyncio.Event, settle: bool) -> None:
+    """Until the kernel says a file changed, then at least SQLITE_TICK_SECONDS after the
+    last look (a busy writer's commits are looked at once a tick, not each). After a look
+    that saw a change, a tick later besides: a commit writes its WAL frames, then the WAL
+    index in the -shm file, which readers take their snapshot from and which is mapped
+    memory (no event), so a writer stopped between the two is looked at again."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    timer = loop.call_later(SQLITE_TICK_SECONDS, changed.set) if settle else None
+    try:
+        await changed.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if settle and (rest := began + SQLITE_TICK_SECONDS - loop.time()) > 0:
+        await asyncio.sleep(rest)  # the events meanwhile are this look's
+    changed.clear()
 
 
 def _sqlite_files(engine: AsyncEngine) -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from tracetap.storage.controls import beat
 from tracetap.storage.engine import create_engine
 from tracetap.storage.notify import CONTROLS, EPISODES, PATCHES, Notices, send
 
-SETTLE = notify.SETTLE_SECONDS + 0.05
+SETTLE = notify.SQLITE_TICK_SECONDS + 0.05
 
 
 async def _listening(notices: Notices, seconds: float = 10.0) -> asyncio.Task:
