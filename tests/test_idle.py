@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 TOKEN = "i" * 40
 # The bound is the target, 0.2% of a core (2 ms of CPU a second). Idle proxies measure
-# 0.09-0.16% on the 2-core test machine at a load average of 4 (they measured 0.27-0.35%
+# 0.05-0.16% on the 2-core test machine at load averages of 2-4 (they measured 0.27-0.35%
 # before their lease, followers and SQLite ticks were made cheap or woken by events).
 # A window over the bound is measured once more (another process's burst can evict the
 # caches an idle proxy's few wake-ups then miss); the smaller share counts.
