@@ -22,7 +22,6 @@ does not move (``ready``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tracetap.storage.engine import create_engine, one_statement
 from tracetap.storage.held_insert import HeldInsert
 from tracetap.storage.journal import ADOPTED_FILE, REPLICA_FILE
+from tracetap.storage.lease_sql import CLEANUP, RENEW_NOT_READY, RENEW_READY, lease_args
 from tracetap.storage.records import CallRecord
 from tracetap.storage.rows import dialect_insert, insert_ignoring_duplicates
 from tracetap.storage.tables import Call, CallIntent, Replica
@@ -114,6 +114,7 @@ class Intents:
         self._wake = asyncio.Event()  # the first intent queued, or a heartbeat due
         self._task: asyncio.Task | None = None
         self._cleaned = 0.0
+        self._uncleaned = 0  # cleanups still due (``flush``)
         self._renewed = -float("inf")  # monotonic time of the last renewal
         self._started = time.time()
         self._insert = insert_ignoring_duplicates(engine.dialect.name, CallIntent.__table__)
@@ -206,8 +207,12 @@ class Intents:
             # Asleep only while nothing is queued: intents queued during a flush are the
             # next batch's at once (admit wakes the writer only when the queue was empty).
             if not self._queue:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat)
+                # A timer sets the event at the heartbeat (not wait_for: no task a second).
+                timer = asyncio.get_running_loop().call_later(self.heartbeat, self._wake.set)
+                try:
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
             self._wake.clear()
             # Written at once, not gathered for a while: the write then runs beside the
             # call's upstream request, and its answer finds the intent stored (a gather
@@ -241,9 +246,16 @@ class Intents:
             future = self._unlanded.pop(row["call_id"], None)
             if future is not None and not future.done():
                 future.set_result(None)
-        if time.monotonic() - self._cleaned > _CLEANUP_SECONDS:
+        if batch:
+            # This interval's cleanup and the next (the call rows of intents stored just
+            # before a cleanup are written after it); an idle replica then stops asking.
+            # An intent whose row comes later still is gone at the next call's cleanup
+            # or at a clean close, and holds nothing meanwhile (its row is stored).
+            self._uncleaned = 2
+        if self._uncleaned and time.monotonic() - self._cleaned > _CLEANUP_SECONDS:
             self._cleaned = time.monotonic()
             await self._cleanup()
+            self._uncleaned -= 1
 
     async def _renew(self, batch: list[dict] = (), state: str = OPEN,
                      lease: bool = True) -> None:
@@ -267,23 +279,31 @@ class Intents:
             batch = ()
         if not batch and not lease:
             return
-        async with one_statement(self.engine) as conn:
-            if batch:
-                await conn.execute(self._insert, list(batch))
-            if lease:
-                upsert = dialect_insert(dialect, Replica.__table__).values(
-                    replica=self.replica, started_at=self._started, settled_at=settled,
-                    **values)
-                # A restarted replica's lease stays where its previous life left it until
-                # that life's intents are resolved (``ready``).
-                changes = {**values, **({"settled_at": settled} if self.ready else {})}
-                await conn.execute(upsert.on_conflict_do_update(index_elements=["replica"],
-                                                                set_=changes))
+        if self._held is not None:  # Postgres: the lease on the kept connection
+            await self._held.execute(
+                RENEW_READY if self.ready else RENEW_NOT_READY,
+                *lease_args(self.replica, self._started, settled, **values))
+        else:
+            async with one_statement(self.engine) as conn:
+                if batch:
+                    await conn.execute(self._insert, list(batch))
+                if lease:
+                    upsert = dialect_insert(dialect, Replica.__table__).values(
+                        replica=self.replica, started_at=self._started,
+                        settled_at=settled, **values)
+                    # A restarted replica's lease stays where its previous life left it
+                    # until that life's intents are resolved (``ready``).
+                    changes = {**values, **({"settled_at": settled} if self.ready else {})}
+                    await conn.execute(upsert.on_conflict_do_update(
+                        index_elements=["replica"], set_=changes))
         if lease:
             self._renewed = started
 
     async def _cleanup(self) -> None:
         """Delete this replica's intents whose call row is stored."""
+        if self._held is not None:
+            await self._held.execute(CLEANUP, self.replica)
+            return
         stored = exists().where(Call.call_id == CallIntent.call_id)
         async with one_statement(self.engine) as conn:
             await conn.execute(delete(CallIntent).where(

@@ -14,6 +14,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.storage.engine import one_statement
+from tracetap.storage.notify import PATCHES, send
 from tracetap.storage.rows import dialect_insert
 from tracetap.storage.tables import OverlayPatch
 
@@ -64,6 +65,7 @@ async def add(
     )
     async with engine.begin() as conn:
         await conn.execute(insert)
+        await send(conn, PATCHES)  # the processes that know of no patch look now
         row = (
             await conn.execute(
                 select(*_COLUMNS, OverlayPatch.source).where(OverlayPatch.name == name)

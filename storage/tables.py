@@ -176,7 +176,8 @@ class CallText(Base):
 
 class Control(Base):
     """What every proxy process on one database shares: the pause state, the policy
-    version, and one heartbeat row per running process (``worker:<instance>``)."""
+    version, one heartbeat row per running process (``worker:<instance>``), and on SQLite
+    each change topic's serial (``notice:<topic>``, storage.notify)."""
 
     __tablename__ = "controls"
 

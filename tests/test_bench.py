@@ -248,3 +248,10 @@ def test_flavor_compare_prints_both_flavours_whose_stored_ids_agree(postgres):
                                             ("2000", "sqlite"), ("2000", "pg")], out
     # every call of the openai flavour stored with the ids the vLLM flavour's engine gave
     assert "ids: 16 calls compared between the flavours, 0 differ" in out, out
+
+
+def test_idle_serve_reads_each_idle_proxys_cpu():
+    out = run("idle_serve.py", "--arm", f"here:{BENCH.parent}:sqlite", "--seconds", "0.5",
+              "--reps", "1", "--settle", "0.2", timeout=120)
+    [line] = [row for row in out.splitlines() if row.startswith("here ")]
+    assert float(line.split()[2]) >= 0  # min ms/s, a number

@@ -1,15 +1,16 @@
 """An idle replica costs almost nothing, and still follows the others at once.
 
 Nothing wakes an idle proxy on a timer it does not need: the writer sleeps until a record
-comes (storage/writer.py), and the shared controls and registrations are read when their
-change notice arrives (storage/notify.py), with a slow poll besides. The CPU is the
-process's own (utime + stime from /proc), not wall time, so a loaded machine does not
-make it fail.
+comes (storage/writer.py), the shared controls, registrations and patches are read when
+their change notice arrives (storage/notify.py; on SQLite when the kernel says the
+database's files changed), with a slow poll besides, and the replica's lease is one
+prepared statement a second (storage/lease_sql.py). The CPU is the process's own
+(schedstat from /proc), not wall time, so a loaded machine does not make it fail.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -25,27 +26,37 @@ from tracetap.proxy.runtime.settings import Settings
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 TOKEN = "i" * 40
-# The bound: 0.2% of a core is the target (docs/scaling.md); idle proxies measure 0.5-1.0%
-# on the 2-core test machine (the clock counts 10 ms ticks: 0.1% over 10 s), so this
-# leaves room for a slow machine while staying below the ~2% a replica polling every
-# 50-200 ms spent.
-IDLE_BOUND = 0.015
+# The bound is the target, 0.2% of a core (2 ms of CPU a second). Idle proxies measure
+# 0.05-0.16% on the 2-core test machine at load averages of 2-4 (they measured 0.27-0.35%
+# before their lease, followers and SQLite ticks were made cheap or woken by events).
+# A window over the bound is measured once more (another process's burst can evict the
+# caches an idle proxy's few wake-ups then miss); the smaller share counts.
+IDLE_BOUND = 0.002
 MEASURE_SECONDS = 10.0
+WINDOWS = 2
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU of every thread of ``pid`` so far, from schedstat (nanoseconds: /proc/<pid>/stat
+    counts 10 ms ticks, 0.1% of a core over 10 s)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
-def test_an_idle_replica_uses_under_a_percent_of_a_core(engine, migrated_postgres, run_proxy):
+def test_an_idle_replica_uses_under_a_fifth_of_a_percent_of_a_core(engine, migrated_postgres,
+                                                                   run_proxy):
     proxy = run_proxy(engine.url, migrated_postgres, "--admin-token", TOKEN)
     assert _idle_share(proxy) <= IDLE_BOUND
 
 
-def test_an_idle_sqlite_proxy_uses_under_a_percent_of_a_core(engine, run_proxy, tmp_path):
-    # SQLite has no notices: its followers tick every 0.2-0.5 s, and read the tables only
-    # when the database changed (storage/notify.py), not at every tick (~1.5% of a core).
+def test_an_idle_sqlite_proxy_uses_under_a_fifth_of_a_percent_of_a_core(engine, run_proxy,
+                                                                        tmp_path):
+    # SQLite's notices are serials in the database: one watcher reads them when the
+    # database's files change (inotify; storage/notify.py) and wakes only the followers
+    # whose topic moved (a heartbeat moves none).
     proxy = run_proxy(engine.url, f"sqlite:///{tmp_path / 'idle.db'}", "--admin-token", TOKEN)
     assert _idle_share(proxy) <= IDLE_BOUND
 
@@ -57,11 +68,13 @@ def _idle_share(proxy) -> float:
                        max_retries=0))
     time.sleep(1.0)  # the record written, start-up work done
     pid = proxy.process.pid
-    before, started = _cpu_seconds(pid), time.monotonic()
-    time.sleep(MEASURE_SECONDS)
-    share = (_cpu_seconds(pid) - before) / (time.monotonic() - started)
-    print(f"idle proxy used {share:.2%} of a core")
-    return share
+    shares = []
+    while len(shares) < WINDOWS and (not shares or shares[-1] > IDLE_BOUND):
+        before, started = _cpu_seconds(pid), time.monotonic()
+        time.sleep(MEASURE_SECONDS)
+        shares.append((_cpu_seconds(pid) - before) / (time.monotonic() - started))
+    print("idle proxy used " + ", ".join(f"{share:.2%}" for share in shares) + " of a core")
+    return min(shares)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 from sqlalchemy import select, text
 
+from tracetap.storage import intents as intents_module
 from tracetap.storage.engine import create_engine
 from tracetap.storage.intents import CLOSED, OPEN, Intents, replica_id
 from tracetap.storage.journal import adopt
@@ -195,3 +196,73 @@ def test_an_intent_is_written_as_it_is_admitted_not_when_its_answer_asks(db_url,
     started, landed = _run(db_url, work)
     assert started == [["call-1", "call-2"]], "no statement began before an answer asked"
     assert landed
+
+
+def test_a_lease_moves_only_once_ready_and_its_heartbeat_always(db_url, tmp_path):
+    """A restarted replica's lease keeps the ``settled_at`` its previous life left until
+    that life's intents are resolved (``ready``); its heartbeat moves from the start (on
+    Postgres both go through the kept connection's prepared statement)."""
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path, heartbeat=30.0)
+        await intents.flush()  # the first lease
+        read = select(Replica.settled_at, Replica.heartbeat_at, Replica.state)
+        async with engine.connect() as conn:
+            first = (await conn.execute(read)).one()
+        await asyncio.sleep(0.05)
+        await intents._renew()
+        async with engine.connect() as conn:
+            not_ready = (await conn.execute(read)).one()
+        intents.ready = True
+        await asyncio.sleep(0.05)
+        await intents._renew()
+        async with engine.connect() as conn:
+            ready = (await conn.execute(read)).one()
+        await intents.close(clean=True)
+        return first, not_ready, ready
+
+    first, not_ready, ready = _run(db_url, work)
+    assert not_ready.settled_at == first.settled_at
+    assert not_ready.heartbeat_at > first.heartbeat_at and not_ready.state == OPEN
+    assert ready.settled_at > first.settled_at and ready.heartbeat_at > not_ready.heartbeat_at
+
+
+def test_stored_intents_are_cleaned_up_and_an_idle_replica_stops_asking(db_url, tmp_path,
+                                                                        monkeypatch):
+    """Intents whose call row is stored are deleted at the next cleanup; once nothing has
+    been admitted for two cleanups, an idle replica renews its lease without them."""
+    monkeypatch.setattr(intents_module, "_CLEANUP_SECONDS", 0.0)
+
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path, heartbeat=0.0)
+        intents.ready = True
+        cleanups = []
+        cleanup = intents._cleanup
+
+        async def counted():
+            cleanups.append(1)
+            await cleanup()
+
+        intents._cleanup = counted
+        intents.admit("stored-call", "ep")
+        await intents.flush()  # the intent, and a cleanup (its row is not stored yet)
+        await _store_call(engine, "stored-call")
+        await intents.flush()  # the second cleanup: the row is stored, the intent goes
+        async with engine.connect() as conn:
+            left = (await conn.execute(select(CallIntent.call_id))).scalars().all()
+        for _ in range(3):
+            await intents.flush()  # idle: the lease alone
+        await intents.close(clean=False)
+        return len(cleanups), left
+
+    cleanups, left = _run(db_url, work)
+    assert left == []
+    assert cleanups == 2
+
+
+async def _store_call(engine, call_id: str) -> None:
+    from tracetap.storage.records import CallRecord
+    from tracetap.storage.refusal import write_batch
+
+    await write_batch(engine, [CallRecord(call_id=call_id, episode_id="ep", instance="r",
+                                          endpoint="chat_completions", status="ok",
+                                          t_start=time.time())])

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 from helpers.http import metrics_text
@@ -234,3 +235,27 @@ def test_a_killed_worker_is_restarted_and_its_completed_calls_stored_once(
     assert "worker 1 serves again" in proxy.log.read_text()
     proxy.signal(signal.SIGTERM)
     assert proxy.wait(60) == 0
+
+
+def test_workers_stop_by_themselves_when_their_supervisor_is_killed(
+    engine, fresh_postgres, run_proxy
+):
+    """A supervisor killed outright cannot stop its workers: the kernel tells each one
+    (Linux: the parent-death signal, no timer in an idle worker) and it stops gracefully,
+    saying why."""
+    upgrade(fresh_postgres)
+    proxy = run_proxy(engine.url, fresh_postgres, "--workers", "2")
+    pids = {int(w.split(":")[1]) for w in _until_both(proxy, "orphan")}
+    proxy.signal(signal.SIGKILL)
+
+    def stopped(pid: int) -> bool:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            state = status.split("State:")[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return True
+        return state == "Z"  # exited; a container's init may not reap it
+
+    wait_until(lambda: all(stopped(pid) for pid in pids), "the workers to stop",
+               timeout=30)
+    assert proxy.log.read_text().count("is gone; stopping") == 2

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,7 +27,11 @@ log = logging.getLogger("tracetap.overlays")
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_SOURCE = 256 * 1024  # characters of patch source
-FOLLOW_SECONDS = 5.0  # how often a process with no patch yet looks for one in the database
+# A process with no patch yet looks for one when an install's notice comes (Postgres) or
+# the database changed (SQLite), storage.notify; every IDLE_FOLLOW_SECONDS besides (a lost
+# notice), and every FOLLOW_SECONDS while notices do not arrive.
+FOLLOW_SECONDS = 5.0
+IDLE_FOLLOW_SECONDS = 30.0
 
 
 class PatchFailed(Exception):
@@ -261,10 +266,14 @@ class Patches:
         except Exception as exc:  # the database is down: follow() looks again later
             log.debug("cannot look for overlay patches: %s", exc)
 
-    async def follow(self) -> None:
-        """Until a patch is known: look for one now and then."""
+    async def follow(self, wait: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Until a patch is known: look for one when ``wait`` returns (an install's
+        notice, storage.notify), or every FOLLOW_SECONDS."""
         while not self.any:
-            await asyncio.sleep(FOLLOW_SECONDS)
+            if wait is None:
+                await asyncio.sleep(FOLLOW_SECONDS)
+            else:
+                await wait()
             await self.refresh()
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tracetap.proxy.policy.gate import Gate
 from tracetap.storage import controls as table
+from tracetap.storage.engine import one_statement
 from tracetap.storage.notify import CONTROLS, Notices
 
 log = logging.getLogger("tracetap")
@@ -88,17 +90,36 @@ class Controls:
             self.on_pause(False)
 
     async def refresh(self) -> None:
-        found = await table.read(self.engine, (POLICY, PAUSED))
+        async with self.notices.listening() as driver:
+            if driver is not None:  # Postgres, notices arriving: on their connection
+                try:
+                    await self._follow(functools.partial(table.read_on, driver),
+                                       functools.partial(table.beat_on, driver))
+                    return
+                except Exception as exc:  # it broke: the listener reconnects; the pool now
+                    log.debug("controls on the listening connection failed: %s", exc)
+        async with contextlib.AsyncExitStack() as stack:
+            # Postgres: the read and the heartbeat on one autocommit connection. SQLite
+            # gives each its own transaction (a read one turned writer fails while another
+            # process writes).
+            target = self.engine if self.engine.dialect.name != "postgresql" else \
+                await stack.enter_async_context(one_statement(self.engine))
+            await self._follow(functools.partial(table.read, target),
+                               functools.partial(table.beat, target))
+
+    async def _follow(self, read, beat) -> None:
+        """Apply what the table says; then this process's heartbeat, when due."""
+        found = await read((POLICY, PAUSED))
         for name in (POLICY, PAUSED):  # the version first: calls a resume releases get it
             if name in found:
                 self._apply(name, *found[name])
         now = time.monotonic()
         if self.gate.paused or now - self._beat_at >= HEARTBEAT_SECONDS:
-            self._beat_at = now
-            beat = Heartbeat(
+            heartbeat = Heartbeat(
                 self._applied[PAUSED] if self.gate.paused else None, self.gate.inflight
             )
-            await table.beat(self.engine, self.instance, msgspec.json.encode(beat).decode())
+            await beat(self.instance, msgspec.json.encode(heartbeat).decode())
+            self._beat_at = now  # a beat that failed is due again at the next read
 
     async def set_policy(self, version: str) -> None:
         self._apply(POLICY, version, await table.store(self.engine, POLICY, version))

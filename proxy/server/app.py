@@ -16,6 +16,7 @@ from tracetap.proxy.admin import overlays as admin_overlays
 from tracetap.proxy.admin.ui import mount_viewer
 from tracetap.proxy.call import handlers
 from tracetap.proxy.episodes import tagging
+from tracetap.proxy.overlays import patches
 from tracetap.proxy.overlays.loader import load_overlays
 from tracetap.proxy.runtime.keys import STATE
 from tracetap.proxy.runtime.settings import Settings, Worker
@@ -23,7 +24,7 @@ from tracetap.proxy.runtime.state import ProxyState
 from tracetap.proxy.server.compose import compose_state
 from tracetap.proxy.upstream import flavor
 from tracetap.storage import queries
-from tracetap.storage.notify import EPISODES, FINISHED
+from tracetap.storage.notify import EPISODES, FINISHED, PATCHES
 
 log = logging.getLogger("tracetap")
 SETTINGS = web.AppKey("settings", Settings)
@@ -129,7 +130,8 @@ async def _background(state: ProxyState, is_worker: bool) -> list[asyncio.Task]:
                             wait=follow_wait)),
         asyncio.create_task(state.tagger.follow_finished(
             functools.partial(queries.finished_since, state.engine), wait=finished_wait)),
-        asyncio.create_task(state.overlays.patches.follow())]  # patches installed elsewhere
+        asyncio.create_task(state.overlays.patches.follow(functools.partial(  # elsewhere
+            notices.wait, PATCHES, patches.FOLLOW_SECONDS, patches.IDLE_FOLLOW_SECONDS)))]
     if is_worker:
         # Gauges mirrored from a worker's state are read from files by whichever worker is
         # scraped, so each worker keeps its own current.

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from tracetap.proxy.runtime.settings import Settings, Worker
+from tracetap.proxy.server.parent_death import notify_on_parent_death
 
 log = logging.getLogger("tracetap")
 
@@ -278,8 +279,22 @@ def run_worker(settings: Settings, worker: Worker, log_level: str, ready: Connec
 
 
 async def _stop_when_orphaned(supervisor: int) -> None:
-    """A supervisor killed outright cannot stop its workers: they stop themselves."""
-    while os.getppid() == supervisor:
-        await asyncio.sleep(ORPHAN_CHECK_SECONDS)
+    """A supervisor killed outright cannot stop its workers: they stop themselves. On
+    Linux the kernel signals the worker (SIGHUP, handled here: a graceful stop); the
+    check below then only covers a supervisor gone before it asked. Elsewhere the worker
+    asks every ORPHAN_CHECK_SECONDS."""
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, gone.set)
+    try:
+        if notify_on_parent_death(signal.SIGHUP):
+            if os.getppid() == supervisor:
+                await gone.wait()
+        else:
+            while os.getppid() == supervisor and not gone.is_set():
+                await asyncio.sleep(ORPHAN_CHECK_SECONDS)
+    finally:  # stopping anyway (or cancelled at cleanup): a later death is no signal
+        notify_on_parent_death(0)
+        loop.remove_signal_handler(signal.SIGHUP)
     log.warning("the supervisor (pid %d) is gone; stopping", supervisor)
     os.kill(os.getpid(), signal.SIGTERM)
