@@ -206,8 +206,12 @@ class Intents:
             # Asleep only while nothing is queued: intents queued during a flush are the
             # next batch's at once (admit wakes the writer only when the queue was empty).
             if not self._queue:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat)
+                # Woken in one pass of the loop after admit's set (wait_for's wrapper task
+                # took three: passes in which the call's request went upstream and its
+                # intent did not, so the intent's round trip ended after the reply's).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.heartbeat):
+                        await self._wake.wait()
             self._wake.clear()
             # Written at once, not gathered for a while: the write then runs beside the
             # call's upstream request, and its answer finds the intent stored (a gather
