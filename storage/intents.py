@@ -157,8 +157,11 @@ class Intents:
         if future is None:
             future = self._unlanded[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.wait_seconds)
-        except asyncio.TimeoutError:
+            # Resumed a pass of the loop sooner than through wait_for's wrapper; shielded,
+            # the bound never cancels the future the writer will resolve.
+            async with asyncio.timeout(self.wait_seconds):
+                await asyncio.shield(future)
+        except TimeoutError:
             self.late += 1
             if self.late % _LOG_EVERY == 1:
                 log.warning("call %s answered before its intent was stored (%.1f s; %d so "
