@@ -22,6 +22,7 @@ does not move (``ready``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -158,8 +159,11 @@ class Intents:
         if future is None:
             future = self._unlanded[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.wait_seconds)
-        except asyncio.TimeoutError:
+            # Resumed a pass of the loop sooner than through wait_for's wrapper; shielded,
+            # the bound never cancels the future the writer will resolve.
+            async with asyncio.timeout(self.wait_seconds):
+                await asyncio.shield(future)
+        except TimeoutError:
             self.late += 1
             if self.late % _LOG_EVERY == 1:
                 log.warning("call %s answered before its intent was stored (%.1f s; %d so "
@@ -207,12 +211,12 @@ class Intents:
             # Asleep only while nothing is queued: intents queued during a flush are the
             # next batch's at once (admit wakes the writer only when the queue was empty).
             if not self._queue:
-                # A timer sets the event at the heartbeat (not wait_for: no task a second).
-                timer = asyncio.get_running_loop().call_later(self.heartbeat, self._wake.set)
-                try:
-                    await self._wake.wait()
-                finally:
-                    timer.cancel()
+                # Woken in one pass of the loop after admit's set (wait_for's wrapper task
+                # took three: passes in which the call's request went upstream and its
+                # intent did not, so the intent's round trip ended after the reply's).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.heartbeat):
+                        await self._wake.wait()
             self._wake.clear()
             # Written at once, not gathered for a while: the write then runs beside the
             # call's upstream request, and its answer finds the intent stored (a gather

@@ -266,3 +266,33 @@ async def _store_call(engine, call_id: str) -> None:
     await write_batch(engine, [CallRecord(call_id=call_id, episode_id="ep", instance="r",
                                           endpoint="chat_completions", status="ok",
                                           t_start=time.time())])
+
+
+def test_a_woken_writer_begins_its_statement_within_two_passes_of_the_loop(db_url, tmp_path):
+    """The idle writer, woken by an admission, begins the intent's statement in the second
+    pass of the loop after the call yields (its first: the call's upstream request goes out
+    first): the statement's round trip runs beside the upstream's. Each pass later is one
+    more chance for a short call's reply to come back before its intent, and its answer to
+    wait for it."""
+    async def work(engine):
+        intents = Intents(engine, replica_id(tmp_path), directory=tmp_path, heartbeat=30.0)
+        intents.ready = True
+        renew, batches = intents._renew, []
+
+        async def recorded(*args, **kwargs):
+            batches.append([row["call_id"] for row in kwargs.get("batch", ())])
+            await renew(*args, **kwargs)
+
+        intents._renew = recorded
+        intents.start()
+        await asyncio.sleep(0.1)  # the first lease renewal (no intents) is done
+        batches.clear()
+        intents.admit("call-1", "ep")
+        await asyncio.sleep(0)  # the call yields (its upstream request is sent)
+        await asyncio.sleep(0)
+        begun = list(batches)
+        await intents.wait("call-1")
+        await intents.close(clean=True)
+        return begun
+
+    assert _run(db_url, work) == [["call-1"]], "the statement had not begun in two passes"

@@ -224,19 +224,22 @@ async def cuttable(call: ModelCall, send: Callable[[], Awaitable[Any]]) -> Any:
     if call.request.stream:
         return await send()
     gate = call.services.gate
+    # The call's own task is cancelled, not a task of its own made for each send (two more
+    # passes of the loop per call). The cut's cancel is taken back (uncancel); any other
+    # one (the deadline, the proxy stopping) still stands, and goes on up.
+    task = asyncio.current_task()
     while True:
-        task = asyncio.ensure_future(send())
         fired = []
 
-        def cut(task=task, fired=fired) -> None:
+        def cut(fired=fired) -> None:
             fired.append(True)
             task.cancel()
 
         gate.cuts.add(cut)
         try:
-            return await task
+            return await send()
         except asyncio.CancelledError:
-            if not fired:
+            if not fired or task.uncancel() > 0:
                 raise
         finally:
             gate.cuts.discard(cut)
