@@ -31,6 +31,7 @@ from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.journal_record import decode as _decode
 from tracetap.storage.journal_record import encode as _encode
+from tracetap.storage.journal_record import pieces as _pieces
 from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
@@ -163,11 +164,12 @@ class Writer:
         if self.journal.append(_encode(stone), slack=slack(self.journal.max_bytes)):
             self._accepted(stone)
 
-    def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes]:
-        """The record and its journal encoding; a value msgpack cannot hold (an int over
-        64 bits, a lone surrogate) is replaced and the record says so (storage.storable)."""
+    def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes | list[bytes]]:
+        """The record and its journal encoding (in pieces: storage.journal_record); a
+        value msgpack cannot hold (an int over 64 bits, a lone surrogate) is replaced and
+        the record says so (storage.storable)."""
         try:
-            return record, _encode(record)
+            return record, _pieces(record)
         except (ValueError, TypeError, OverflowError) as exc:
             fixed, notes = storable(record, "journal")
             log.warning("call %s of episode %s cannot be journaled as captured (%s): %s",
