@@ -44,16 +44,18 @@ def encode(record: CallRecord) -> bytes:
     return _encode(record)
 
 
-def pieces(record: CallRecord) -> list[bytes]:
+def pieces(record: CallRecord, request_utf8: bytes | None = None) -> list[bytes]:
     """``encode(record)`` in pieces whose join is the very same bytes (raises what
-    ``encode`` raises)."""
+    ``encode`` raises). ``request_utf8``: ``record.request`` encoded in UTF-8, when the
+    caller holds it (the client's body the request was decoded from, no byte replaced):
+    written as it is, no copy made."""
     if record.prompt_ids_packed is not None and record.prompt_ids is not None:
         record = msgspec.structs.replace(record, prompt_ids=None)
     request, packed = record.request, record.prompt_ids_packed
     text = None
     if request is not None and len(request) >= _APART:
         try:
-            text = request.encode("utf-8")
+            text = request.encode("utf-8") if request_utf8 is None else request_utf8
         except UnicodeEncodeError:  # a lone surrogate: the encoder says so, as before
             return [_encode(record)]
     ids = packed if packed is not None and len(packed) >= _APART else None

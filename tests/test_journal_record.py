@@ -112,3 +112,24 @@ def test_pieces_are_journaled_as_one_record(tmp_path):
     from tracetap.storage.journal import read_segment
     first, second = read_segment(segment)
     assert first == second == journal_record.encode(record)
+
+
+def test_the_clients_bytes_are_written_in_place_of_the_request():
+    """The client's body handed in with the record (its request decoded from it, no byte
+    replaced) is written as it is: the same bytes as encoding the text."""
+    from tracetap.proxy.call.record import client_text, request_utf8
+    body = ('{"messages":[{"role":"user","content":"' + "héllo " * 20000 + '"}]}').encode()
+    record = _long(client_text(body), list(range(20000)))
+    utf8 = request_utf8(record, body)
+    assert utf8 is body
+    parts = journal_record.pieces(record, utf8)
+    assert any(part is body for part in parts)
+    assert b"".join(parts) == journal_record.encode(record)
+
+
+def test_a_body_that_is_not_utf8_is_not_written_in_place():
+    from tracetap.proxy.call.record import client_text, request_utf8
+    body = b'{"messages":"' + b"\xff" * 70000 + b'"}'
+    record = _long(client_text(body), [1, 2])
+    assert request_utf8(record, body) is None
+    assert b"".join(journal_record.pieces(record)) == journal_record.encode(record)

@@ -361,9 +361,9 @@ def test_the_record_is_submitted_before_the_write_that_carries_done(
     writer = proxy_to_spaced.state.writer
     submit = writer.submit
 
-    def spied_submit(record):
+    def spied_submit(record, *rest):  # rest: the request's bytes (Writer.submit)
         order.append(f"submit {record.episode_id}")
-        return submit(record)
+        return submit(record, *rest)
 
     write = web.StreamResponse.write
 
@@ -422,7 +422,8 @@ def test_events_before_done_in_its_read_go_out_before_the_journal(
     writer = proxy.state.writer
     submit = writer.submit
     monkeypatch.setattr(writer, "submit",
-                        lambda record: (order.append(("submit", b"")), submit(record))[1])
+                        lambda record, *rest: (order.append(("submit", b"")),
+                                                   submit(record, *rest))[1])
     write = web.StreamResponse.write
 
     async def spied_write(self, data):
