@@ -74,17 +74,22 @@ class Journal:
         """Segments that were on disk when the journal opened (to replay)."""
         return list(self._sealed)
 
-    def append(self, payload: bytes, slack: int = 0) -> bool:
-        """Append one record; False when the journal is full (the caller counts a drop).
-        ``slack``: bytes it may go past its bound (tombstones, storage.tombstones)."""
-        size = _HEADER.size + len(payload)
+    def append(self, payload: bytes | list[bytes], slack: int = 0) -> bool:
+        """Append one record (its bytes, or pieces of them: storage.journal_record.pieces);
+        False when the journal is full (the caller counts a drop). ``slack``: bytes it
+        may go past its bound (tombstones, storage.tombstones)."""
+        parts = [payload] if isinstance(payload, bytes) else payload
+        length = sum(map(len, parts))
+        size = _HEADER.size + length
         if self.bytes + size > self.max_bytes + slack:
             return False
         if self._fd is None:
             self._open_active()
+        crc = self._seed
+        for part in parts:
+            crc = zlib.crc32(part, crc)
         # One write(2) per record: the page cache keeps it across a SIGKILL.
-        os.writev(self._fd, (_HEADER.pack(len(payload), zlib.crc32(payload, self._seed)),
-                             payload))
+        os.writev(self._fd, (_HEADER.pack(length, crc), *parts))
         self._active_bytes += size
         self._active_records += 1
         return True

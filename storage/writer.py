@@ -31,6 +31,7 @@ from tracetap.storage.dedup import BlockCache
 from tracetap.storage.journal import Journal, read_segment
 from tracetap.storage.journal_record import decode as _decode
 from tracetap.storage.journal_record import encode as _encode
+from tracetap.storage.journal_record import pieces as _pieces
 from tracetap.storage.quarantine import Quarantine
 from tracetap.storage.records import CallRecord
 from tracetap.storage.refusal import Outcome, write_batch
@@ -124,9 +125,11 @@ class Writer:
         """Records accepted but not yet committed (this process's view)."""
         return self._pending_count
 
-    def submit(self, record: CallRecord) -> bool:
-        """Journal a finished record; False (and counted) if the journal is full."""
-        record, payload = self._journalable(record)
+    def submit(self, record: CallRecord, request_utf8: bytes | None = None) -> bool:
+        """Journal a finished record; False (and counted) if the journal is full.
+        ``request_utf8``: ``record.request`` as UTF-8, when the caller holds those bytes
+        (written as they are: storage.journal_record.pieces)."""
+        record, payload = self._journalable(record, request_utf8)
         if not self.journal.append(payload):
             self.dropped += 1
             self.observer.records("dropped", 1)
@@ -163,11 +166,13 @@ class Writer:
         if self.journal.append(_encode(stone), slack=slack(self.journal.max_bytes)):
             self._accepted(stone)
 
-    def _journalable(self, record: CallRecord) -> tuple[CallRecord, bytes]:
-        """The record and its journal encoding; a value msgpack cannot hold (an int over
-        64 bits, a lone surrogate) is replaced and the record says so (storage.storable)."""
+    def _journalable(self, record: CallRecord, request_utf8: bytes | None = None,
+                     ) -> tuple[CallRecord, bytes | list[bytes]]:
+        """The record and its journal encoding (in pieces: storage.journal_record); a
+        value msgpack cannot hold (an int over 64 bits, a lone surrogate) is replaced and
+        the record says so (storage.storable)."""
         try:
-            return record, _encode(record)
+            return record, _pieces(record, request_utf8)
         except (ValueError, TypeError, OverflowError) as exc:
             fixed, notes = storable(record, "journal")
             log.warning("call %s of episode %s cannot be journaled as captured (%s): %s",

@@ -69,9 +69,9 @@ def test_a_held_stream_is_journaled_before_its_end_reaches_the_client(proxy, mon
     writer = proxy.state.writer
     submit = writer.submit
 
-    def spied_submit(record):
+    def spied_submit(record, *rest):  # rest: the request's bytes (Writer.submit)
         order.append(f"submit {record.status}")
-        return submit(record)
+        return submit(record, *rest)
 
     write = web.StreamResponse.write
 

@@ -66,3 +66,70 @@ def test_a_journal_written_before_packed_ids_replays_beside_a_new_one(db_url, tm
     assert left == 0
     assert [c["prompt_ids"] for c in calls] == prompts
     assert [c["choices"][0]["completion_ids"] for c in calls] == [[7, 8]] * 4
+
+
+def _long(request: str, ids: list[int], **fields) -> CallRecord:
+    return msgspec.structs.replace(_record(5, ids, packed=True), request=request, **fields)
+
+
+def test_pieces_join_to_the_records_encoding():
+    """The request and the packed ids written apart (journal_record.pieces) make the
+    same bytes as one encode, on either side of the size they are written apart from."""
+    texts = ["x" * 65535, "x" * 65536, '{"m":"' + "é" * 70000 + '"}', "{}"]
+    prompts = [list(range(16383)), list(range(16384)), [1, 2]]
+    for text in texts:
+        for ids in prompts:
+            record = _long(text, ids, response="r" * 3000)
+            parts = journal_record.pieces(record)
+            assert b"".join(parts) == journal_record.encode(record)
+            assert journal_record.decode(b"".join(parts)) == msgspec.structs.replace(
+                record, prompt_ids=None)
+    assert len(journal_record.pieces(_long("x" * 65536, list(range(16384))))) == 7  # both apart
+
+
+def test_a_record_that_holds_a_stand_in_is_encoded_whole():
+    record = _long("x" * 70000, [1, 2], response=journal_record._REQUEST)
+    assert journal_record.pieces(record) == [journal_record.encode(record)]
+
+
+def test_a_lone_surrogate_raises_as_the_encoder_does():
+    record = _long("\ud800" * 70000, [1, 2])
+    for encode in (journal_record.encode, journal_record.pieces):
+        try:
+            encode(record)
+        except (ValueError, TypeError) as exc:
+            assert "surrogate" in str(exc) or isinstance(exc, UnicodeEncodeError)
+        else:
+            raise AssertionError("encoded a lone surrogate")
+
+
+def test_pieces_are_journaled_as_one_record(tmp_path):
+    record = _long("y" * 80000, list(range(20000)))
+    journal = Journal(tmp_path / "j", max_bytes=1 << 22)
+    assert journal.append(journal_record.pieces(record))
+    assert journal.append(journal_record.encode(record))
+    segment = journal.seal()
+    from tracetap.storage.journal import read_segment
+    first, second = read_segment(segment)
+    assert first == second == journal_record.encode(record)
+
+
+def test_the_clients_bytes_are_written_in_place_of_the_request():
+    """The client's body handed in with the record (its request decoded from it, no byte
+    replaced) is written as it is: the same bytes as encoding the text."""
+    from tracetap.proxy.call.record import client_text, request_utf8
+    body = ('{"messages":[{"role":"user","content":"' + "héllo " * 20000 + '"}]}').encode()
+    record = _long(client_text(body), list(range(20000)))
+    utf8 = request_utf8(record, body)
+    assert utf8 is body
+    parts = journal_record.pieces(record, utf8)
+    assert any(part is body for part in parts)
+    assert b"".join(parts) == journal_record.encode(record)
+
+
+def test_a_body_that_is_not_utf8_is_not_written_in_place():
+    from tracetap.proxy.call.record import client_text, request_utf8
+    body = b'{"messages":"' + b"\xff" * 70000 + b'"}'
+    record = _long(client_text(body), [1, 2])
+    assert request_utf8(record, body) is None
+    assert b"".join(journal_record.pieces(record)) == journal_record.encode(record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import msgspec
 import openai
@@ -98,6 +99,7 @@ class SpacedUpstream:
         self.hold = hold
         self.joined_end = joined_end
         self.received: list[dict] = []
+        self.raw: list[bytes] = []  # the request bodies as they arrived
         self.released = asyncio.Event()  # created outside the loop: bound on first wait
 
     def app(self) -> web.Application:
@@ -106,6 +108,7 @@ class SpacedUpstream:
         return app
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.raw.append(await request.read())
         asked = await request.json()
         self.received.append(asked)
         if not asked.get("stream"):
@@ -281,6 +284,47 @@ def test_a_stream_loses_only_what_the_proxy_asked_for(proxy_to_spaced, spaced, a
     assert call["prompt_ids"] == PROMPT_IDS
 
 
+# The client's own spelling: spaces, an escaped character, a member after the messages.
+SPELLED = (b'{"model": "spaced-model",  "messages": [{"role": "user", "content": '
+           b'"Say hi.\\u00e9"}], "stream": true, "temperature": 0.5}\n')
+
+
+def _post(base_url: str, body: bytes) -> bytes:
+    request = urllib.request.Request(base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
+def test_capture_s_members_are_appended_to_the_client_s_own_bytes(proxy_to_spaced, spaced):
+    """Only capture's additions changed: the upstream gets the client's bytes up to their
+    closing brace and then those members (proxy.call.appended), stored as sent."""
+    _post(proxy_to_spaced.episode_url("spelled"), SPELLED)
+    sent = spaced.raw[-1]
+    assert sent.startswith(SPELLED.rstrip()[:-1] + b",")
+    added = json.loads(sent)
+    assert {k: added.pop(k) for k in ("logprobs", "top_logprobs", "stream_options",
+                                      "return_token_ids")} == {
+        "logprobs": True, "top_logprobs": 0, "stream_options": {"include_usage": True},
+        "return_token_ids": True}
+    assert added == json.loads(SPELLED)
+    [call] = proxy_to_spaced.calls("spelled")
+    assert call["request"].encode() == SPELLED and call["upstream_request"] is None
+    assert call["choices"][0]["completion_ids"] == IDS
+
+
+def test_a_client_member_the_proxy_sets_again_is_encoded_whole(proxy_to_spaced, spaced):
+    """The client's ``"logprobs": false`` is set to true: appending would repeat the key,
+    so the payload is encoded as before (msgspec's spelling)."""
+    body = SPELLED.replace(b'"stream": true', b'"stream": true, "logprobs": false')
+    _post(proxy_to_spaced.episode_url("respelled"), body)
+    sent = spaced.raw[-1]
+    assert sent == msgspec.json.encode(json.loads(sent)) and b'"logprobs":true' in sent
+    assert sent.count(b'"logprobs"') == 1
+    [call] = proxy_to_spaced.calls("respelled")
+    assert call["request"].encode() == body and call["upstream_request"] is None
+
+
 @pytest.mark.parametrize("asks", [{}, EVERYTHING_STREAMED], ids=["rewritten", "relayed"])
 def test_a_stream_is_journaled_before_the_client_sees_done(proxy_to_held, held, asks):
     """The upstream keeps its connection open after [DONE]: the call must be on disk
@@ -317,9 +361,9 @@ def test_the_record_is_submitted_before_the_write_that_carries_done(
     writer = proxy_to_spaced.state.writer
     submit = writer.submit
 
-    def spied_submit(record):
+    def spied_submit(record, *rest):  # rest: the request's bytes (Writer.submit)
         order.append(f"submit {record.episode_id}")
-        return submit(record)
+        return submit(record, *rest)
 
     write = web.StreamResponse.write
 
@@ -378,7 +422,8 @@ def test_events_before_done_in_its_read_go_out_before_the_journal(
     writer = proxy.state.writer
     submit = writer.submit
     monkeypatch.setattr(writer, "submit",
-                        lambda record: (order.append(("submit", b"")), submit(record))[1])
+                        lambda record, *rest: (order.append(("submit", b"")),
+                                                   submit(record, *rest))[1])
     write = web.StreamResponse.write
 
     async def spied_write(self, data):
@@ -412,6 +457,7 @@ class AheadUpstream(SpacedUpstream):
         self.together = together
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.raw.append(await request.read())
         asked = await request.json()
         self.received.append(asked)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

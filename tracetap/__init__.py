@@ -7,5 +7,5 @@ demo/, analysis/) are installed under this one import name: `tracetap.proxy`,
 shadows nothing.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 __all__ = ["__version__"]

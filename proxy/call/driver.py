@@ -37,7 +37,7 @@ from aiohttp import web
 
 from tracetap.proxy.apis.routing import Route
 from tracetap.proxy.call import continuation, deadline
-from tracetap.proxy.call.record import call_outcome, call_record
+from tracetap.proxy.call.record import call_outcome, journaled
 from tracetap.proxy.call.relay import Hold, Relay, broken_error, whole_reply
 from tracetap.proxy.call.request import CallRequest
 from tracetap.proxy.call.review import CallReview
@@ -381,7 +381,7 @@ class ModelCall(CallReview):
         """Journal the record, exactly once."""
         if not self._journaled:
             self._journaled = True
-            self.services.submit(call_record(self))
+            self.services.submit(*journaled(self))
             ok = self.status == "ok" and self.http_status == 200
             self.services.repair.remember(self.episode_id, self.api.speaks_chat, ok, self.capture)
 

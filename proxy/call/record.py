@@ -119,6 +119,23 @@ def client_text(body: bytes | None) -> str | None:
     return None if body is None else body.decode("utf-8", "replace")
 
 
+def journaled(call: ModelCall) -> tuple[CallRecord, bytes | None]:
+    """What the driver submits to storage: the record, and the client's body when the
+    journal may write it in place of the record's request (``request_utf8``)."""
+    record = call_record(call)
+    return record, request_utf8(record, call.request.body)
+
+
+def request_utf8(record: CallRecord, body: bytes | None) -> bytes | None:
+    """``body`` when the record's request is its very text (``client_text`` replaced no
+    byte: a U+FFFD in the text may be one it put there), for the journal to write as it is
+    (storage.journal_record.pieces); else None (the journal encodes the text)."""
+    text = record.request
+    if body is None or text is None or "\ufffd" in text:
+        return None
+    return body
+
+
 def _client_view(request: CallRequest) -> dict[str, Any]:
     """The request as the harness sent it, for what the record derives from the client's
     side (its conversation): an overlay's additions are the model's view, not the

@@ -17,6 +17,7 @@ from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.call import routed_experts as experts
+from tracetap.proxy.call.appended import appended
 from tracetap.proxy.http.errors import bad_request
 
 if TYPE_CHECKING:
@@ -115,11 +116,15 @@ class CallRequest:
         self.payload = payload
         model = payload.get("model")
         self.model = model if isinstance(model, str) else None
+        changed = rewritten or self.repaired or bool(self.fields_dropped)
+        # The client's members as they are before capture's additions: when those are all
+        # that changes, the body is the client's bytes with them appended (no re-encode).
+        before = None if changed or body is None else dict(payload)
         self.injected = route.api.prepare(payload, services.flavor)
         self.experts = experts.ask(self, route.api, services.routed_experts)
-        changed = rewritten or self.repaired or bool(self.fields_dropped)
         if self.injected.any or changed:
-            body = encode(payload)
+            spliced = None if before is None else appended(body, before, payload)
+            body = encode(payload) if spliced is None else spliced
         if translation is not None or self.repaired or self.fields_dropped:
             self.upstream_request = body  # stored beside the client's request
         return body

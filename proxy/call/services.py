@@ -51,8 +51,10 @@ class CallServices(Protocol):
     routed_experts: bool  # --routed-experts: ask the engine for each token's MoE routing
     readers: Readers  # each wire API's conversation reader
 
-    def submit(self, record: CallRecord) -> None:
-        """Hand a finished record to storage (journal first); never raises."""
+    def submit(self, record: CallRecord, request_utf8: bytes | None = None) -> None:
+        """Hand a finished record to storage (journal first); never raises.
+        ``request_utf8``: the record's request as UTF-8, when the caller has it
+        (proxy.call.record.request_utf8)."""
 
 
 class CallFront(CallServices, Protocol):

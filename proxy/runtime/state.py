@@ -83,10 +83,10 @@ class ProxyState:
         """The upstream's kind now (detection may find it after the start)."""
         return self.upstream_kind.name
 
-    def submit(self, record: CallRecord) -> None:
+    def submit(self, record: CallRecord, request_utf8: bytes | None = None) -> None:
         """Hand a finished record to storage; never raises into a request."""
         try:
-            self.writer.submit(record)
+            self.writer.submit(record, request_utf8)
         except Exception:
             self.metrics.records("dropped", 1)
             log.exception("could not journal call %s; DROPPED", record.call_id)
