@@ -52,3 +52,25 @@ def test_the_tokens_of_a_read_after_a_sync_are_unknown_together():
     expected = b"".join(b"data: " + strip_chunk(_event(n)[6:-2], INJECTED) + b"\n\n"
                         for n in range(1, 7))
     assert b"".join(pieces) == expected
+
+
+def test_a_stream_read_event_by_event_is_the_stream_read_whole():
+    """A read of one token chunk takes the relay's short path (``Relay._one``); a read of
+    several, the exact one: the client's bytes, the capture and the spans agree, the end
+    marker and a chunk that does not decode included."""
+    bad = b'data: {"id":"c","choices":[{"index":0,"delta":\n\n'
+    events = [_event(n) for n in range(1, 6)] + [bad, _event(6), b"data: [DONE]\n\n"]
+    one, _, one_versions = _relay()
+    pieces = [piece for data in events for piece in one.chunk(data)]
+    whole, _, whole_versions = _relay()
+    expected = [*whole.chunk(b"".join(events))]
+    assert b"".join(pieces) == b"".join(expected)
+    assert bad in b"".join(pieces) and b"".join(pieces).endswith(b"data: [DONE]\n\n")
+    assert one.done and whole.done
+    [a], [b] = one.capture.choices(), whole.capture.choices()
+    one_versions.stamp([a])
+    whole_versions.stamp([b])
+    assert a.completion_ids == b.completion_ids == [1, 2, 3, 4, 5, 6]
+    assert a.completion_logprobs == b.completion_logprobs
+    assert a.policy_spans == b.policy_spans is None
+    assert one.capture.errors == whole.capture.errors and one.capture.errors

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from tracetap.proxy.apis.chat.capture import DONE
 from tracetap.proxy.apis.chat.prompt_cut import KEY, cut_prompt_ids
 from tracetap.proxy.apis.chat.reply import read_chunk_bytes
 from tracetap.proxy.apis.chat.wire import decode_object, encode
@@ -79,8 +80,8 @@ class Relay:
     """One call's event stream: its parser, its client-side translator, what is held."""
 
     __slots__ = ("api", "call", "capture", "done", "experts", "first_out", "held", "hold",
-                 "injected", "parser", "rewrite", "step", "strip", "timings", "token_counts",
-                 "translator", "versions")
+                 "injected", "one_step", "parser", "rewrite", "step", "strip", "timings",
+                 "token_counts", "translator", "versions")
 
     def __init__(self, call: ModelCall, rewrite: bool, hold: Hold | None = None) -> None:
         self.call = call
@@ -106,6 +107,9 @@ class Relay:
         self.step = (make_step(self.capture, self.injected)
                      if make_step is not None and self.strip and self.translator is None
                      and self.experts is None else None)
+        # A read of one token chunk of such a stream, given out as it comes (the usual
+        # read of a paced engine's stream) goes through ``_one``: one call, not three.
+        self.one_step = self.step is not None and hold is None
         self.done = False  # the upstream sent its end-of-stream marker
         self.first_out = False  # a read after the stream's first token: one piece
 
@@ -126,10 +130,29 @@ class Relay:
             self.timings.first_byte()
         if self.rewrite:  # one piece per read; journaled before it is returned if it ends
             events = self.parser.feed(data)
+            if self.one_step and len(events) == 1:
+                out = self._one(events[0])
+                if out is not None:
+                    return out
             if not self.first_out and len(events) > 1:
                 return self._first_alone(events)
             return self._events(events)
         return self._as_received(data)
+
+    def _one(self, event: Event) -> list[bytes] | None:
+        """``_events((event,))`` for a stream whose step captures and strips, where
+        ``event`` is a chunk after the first content and neither the end nor a chunk long
+        enough to carry prompt ids; None (the exact path then) where it is not."""
+        data = event.data
+        if (data is None or data == DONE or len(data) > _CUT_ABOVE
+                or self.timings.perf_first_content is None):
+            return None
+        try:
+            piece = self.step(data, event)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            piece = event.raw  # relayed as is; capture noted the bad chunk
+        self._observe()
+        return [piece] if piece else []
 
     def _first_alone(self, events: list[Event]) -> Iterator[bytes]:
         """A read of several events before the stream's first token has gone out (an

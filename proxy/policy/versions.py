@@ -78,24 +78,28 @@ class CallVersions:
 
     def observe(self, counts: Mapping[int, int] | None) -> None:
         """Tokens arrived: ``counts`` is how many each choice has now (once per stream
-        read: its tokens arrived at one instant)."""
+        read: its tokens arrived at one instant). ``now`` and the span's extension are
+        written out here: this runs once a read of every stream."""
         if self._serial is None or counts is None:
             return
         self._observed = True
-        version = self.now()
-        seen = self._counts
+        controls = self._controls
+        serial = controls.serial
+        if serial != self._serial or self._gate.paused:  # as ``now``: unknown
+            self._serial = serial
+            version = None
+        else:
+            version = controls.policy_version
+        seen, spans_of = self._counts, self._spans
         for index, count in counts.items():
-            if count > seen.get(index, 0):  # (a read with no new token changes nothing)
-                self._extend(index, count, version)
-
-    def _extend(self, index: int, count: int, version: str | None) -> None:
-        before = self._counts.get(index, 0)
-        if count <= before:
-            return
-        self._counts[index] = count
-        spans = self._spans.setdefault(index, [])
-        if not spans or spans[-1][1] != version:
-            spans.append((before, version))
+            before = seen.get(index, 0)
+            if count > before:  # (a read with no new token changes nothing)
+                seen[index] = count
+                spans = spans_of.get(index)
+                if spans is None:
+                    spans_of[index] = [(before, version)]
+                elif spans[-1][1] != version:
+                    spans.append((before, version))
 
     def stamp(self, choices: Iterable[ChoiceRecord]) -> None:
         """Set each choice's ``policy_spans`` (None when all its tokens are from the

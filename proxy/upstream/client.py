@@ -16,6 +16,7 @@ from yarl import URL
 
 from tracetap.proxy.http.errors import ProxyError, upstream_timeout, upstream_unreachable
 from tracetap.proxy.upstream.lean_http import LeanPoster
+from tracetap.proxy.upstream.stall import StallWatch
 
 log = logging.getLogger("tracetap.upstream")
 
@@ -28,8 +29,9 @@ class Reply:
     """An upstream response whose body the caller reads: reading it to the end (or to a
     failure) closes it; a caller that stops before must close it."""
 
-    def __init__(self, response: aiohttp.ClientResponse):
+    def __init__(self, response: aiohttp.ClientResponse, stall_seconds: float | None = None):
         self._response = response
+        self.stall_seconds = stall_seconds  # sock_read, watched per stream (proxy.upstream.stall)
         self.status = response.status
         self.headers = response.headers
         self.content_type = response.content_type
@@ -45,13 +47,18 @@ class Reply:
             self.close()
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """Bytes as they arrive; raises UpstreamBroken if the upstream dies mid-body."""
+        """Bytes as they arrive; raises UpstreamBroken if the upstream dies mid-body (or
+        sends nothing for ``stall_seconds``: watched a few times a timeout, not re-armed
+        per read)."""
+        watch = StallWatch(self._response, self.stall_seconds) if self.stall_seconds else None
         try:
             async for data in self._response.content.iter_any():
                 yield data
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise UpstreamBroken(_describe(exc)) from exc
         finally:
+            if watch is not None:
+                watch.stop()
             self.close()
 
     def close(self) -> None:
@@ -116,7 +123,7 @@ class UpstreamClient:
             raise ConnectFailed(error.status, error.message, error.type, error.code) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise upstream_unreachable(_describe(exc)) from exc
-        return Reply(response)
+        return Reply(response, self.timeout)
 
     async def status(self, url: str, timeout: float = 2.0) -> int | None:
         """The HTTP status a small GET gets (health probes); None when nothing answers."""
