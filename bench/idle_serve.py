@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from agentic import wait_ready
 from agentic_load import cpu_ns, tree
 from pgtemp import create_database, drop_database
 from proxy_bench import free_port
@@ -45,21 +46,6 @@ def _python(checkout: Path) -> str:
     """The checkout's own interpreter (its .venv maps ``tracetap`` to it), else this one."""
     own = checkout / ".venv/bin/python"
     return str(own) if own.exists() else sys.executable
-
-
-def _ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited early:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)  # polling a process that is starting
-    raise RuntimeError(f"{url} not ready:\n{log.read_text()[-3000:]}")
 
 
 def _call(origin: str) -> None:
@@ -126,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                       work / "engine.log")
     arms: list[Arm] = []
     try:
-        _ready(engine + "/v1/models", upstream, work / "engine.log")
+        wait_ready(engine + "/v1/models", upstream, work / "engine.log")
         arms = [Arm(spec, engine, work) for spec in args.arm]
         for arm in arms:
-            _ready(arm.origin + "/healthz", arm.proc, arm.log)
+            wait_ready(arm.origin + "/healthz", arm.proc, arm.log)
             for _ in range(4):  # --workers: most likely both workers served one
                 _call(arm.origin)
         time.sleep(args.settle)
