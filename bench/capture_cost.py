@@ -68,7 +68,7 @@ def _state() -> SimpleNamespace:
         request_fields=RequestFields(),
         routed_experts=False,
         readers=readers(),
-        submit=lambda record: None,
+        submit=lambda record, *rest: None,
     )  # journaling is a step of its own
 
 

@@ -161,7 +161,7 @@ def test_agentic_steps_prints_every_step_and_its_profile():
     out = run("agentic_steps.py", "--turns", "1", "--rounds", "1", "--tool", "40",
               "--out", "12", "--system", "20", "--profile")
     assert "other events" in out and "context " in out
-    assert "relay.py" in out and "(event)" in out  # cProfile's table of the events
+    assert "relay.py" in out and "(chunk)" in out  # cProfile's table: the relay's reads
 
 
 def _assert_steps(out: str, *steps: str) -> None:
