@@ -399,16 +399,16 @@ def test_a_bug_before_the_reply_is_a_500_in_the_clients_shape_and_stored(proxy, 
 def test_a_bug_mid_stream_cuts_the_clients_stream_and_is_stored_as_an_error(proxy, monkeypatch):
     """Once the client's stream has begun its reply cannot become an error: the stream
     is cut, and the record says why (status error, the bug's message)."""
-    event = Relay.event
+    read = Relay.chunk  # every upstream read of a stream passes here
     seen = []
 
-    def breaks_on_the_fourth(self, e):
-        seen.append(e)
+    def breaks_on_the_fourth(self, data):
+        seen.append(data)
         if len(seen) == 4:
             raise RuntimeError("a bug mid-stream")
-        return event(self, e)
+        return read(self, data)
 
-    monkeypatch.setattr(Relay, "event", breaks_on_the_fourth)
+    monkeypatch.setattr(Relay, "chunk", breaks_on_the_fourth)
     chunks = []
     gc.collect()
     gc.disable()  # what the bug left behind must go as the call ends, not when collected
