@@ -37,14 +37,17 @@ def tree(pid: int) -> list[int]:
 def cpu_ns(pids: list[int]) -> int:
     """Nanoseconds on CPU of every thread of ``pids`` and their descendants (schedstat:
     nanosecond resolution, where /proc/<pid>/stat counts 10 ms ticks)."""
+    return sum(own_ns(pid) for root in pids for pid in tree(root))
+
+
+def own_ns(pid: int) -> int:
+    """Nanoseconds on CPU of ``pid``'s own threads (not its descendants)."""
     total = 0
-    for root in pids:
-        for pid in tree(root):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                try:
-                    total += int((task / "schedstat").read_text().split()[0])
-                except (FileNotFoundError, ProcessLookupError):
-                    pass
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
     return total
 
 

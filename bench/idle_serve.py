@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from agentic import wait_ready
-from agentic_load import cpu_ns, tree
+from agentic_load import cpu_ns, own_ns, tree
 from pgtemp import create_database, drop_database
 from proxy_bench import free_port
 
@@ -55,17 +55,6 @@ def _call(origin: str) -> None:
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as resp:
         resp.read()
-
-
-def _own_ns(pid: int) -> int:
-    """``pid``'s own threads' CPU (cpu_ns counts its descendants too)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total
 
 
 class Arm:
@@ -123,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         own: dict[str, dict[int, float]] = {}
         for rep in range(args.reps):
             start = {arm.label: cpu_ns([arm.proc.pid]) for arm in arms}
-            each = {arm.label: {p: _own_ns(p) for p in tree(arm.proc.pid)} for arm in arms}
+            each = {arm.label: {p: own_ns(p) for p in tree(arm.proc.pid)} for arm in arms}
             began = time.perf_counter()
             time.sleep(args.seconds)
             wall = time.perf_counter() - began
             for arm in arms:
                 shares[arm.label].append((cpu_ns([arm.proc.pid]) - start[arm.label]) / 1e6 / wall)
-                own[arm.label] = {p: (_own_ns(p) - v) / 1e6 / wall
+                own[arm.label] = {p: (own_ns(p) - v) / 1e6 / wall
                                   for p, v in each[arm.label].items()}
             print(f"window {rep}: " + "  ".join(f"{label}={values[-1]:.2f}"
                                                for label, values in shares.items()), flush=True)
