@@ -157,6 +157,14 @@ def test_storage_bytes_prints_the_search_index_beside_its_floor(postgres):
         < floor["index_bytes_per_unique_token_written"]["total"]
 
 
+def test_data_floor_compresses_what_every_turn_must_keep():
+    floor = json.loads(run("data_floor.py", *_SMALL_AGENTIC).splitlines()[-1])
+    parts = floor["xz_bytes_per_unique_token"]
+    # Random ids carry ~17 bits each, and their text the same digits again.
+    assert 2.0 < parts["ids"] < 4.0 and 2.0 < parts["text"] < 7.31
+    assert 0 < parts["logprobs"] and parts["all"] <= parts["text"] + parts["ids"] + parts["logprobs"]
+
+
 def test_agentic_steps_prints_every_step_and_its_profile():
     out = run("agentic_steps.py", "--turns", "1", "--rounds", "1", "--tool", "40",
               "--out", "12", "--system", "20", "--profile")
