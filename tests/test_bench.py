@@ -162,7 +162,8 @@ def test_data_floor_compresses_what_every_turn_must_keep():
     parts = floor["xz_bytes_per_unique_token"]
     # Random ids carry ~17 bits each, and their text the same digits again.
     assert 2.0 < parts["ids"] < 4.0 and 2.0 < parts["text"] < 7.31
-    assert 0 < parts["logprobs"] and parts["all"] <= parts["text"] + parts["ids"] + parts["logprobs"]
+    assert parts["logprobs"] > 0
+    assert parts["all"] <= parts["text"] + parts["ids"] + parts["logprobs"]
 
 
 def test_agentic_steps_prints_every_step_and_its_profile():

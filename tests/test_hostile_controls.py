@@ -167,9 +167,10 @@ def test_the_operator_lets_a_field_through_by_name(start, bodies):
         k: 1 for k in NAMED if k not in ("priority", "other")}
 
 
-def test_a_plain_request_is_forwarded_byte_for_byte_when_nothing_is_dropped(start, bodies):
-    """The allowlist check costs no re-encoding when the agent sent only allowed fields
-    and asked for what capture needs itself."""
+def test_a_plain_request_reaches_the_engine_whole_and_is_not_stored_apart(start, bodies):
+    """An agent that sent only allowed fields and asked for what capture needs itself:
+    the engine gets every member as sent, and no upstream body is stored beside the
+    client's (nothing was dropped or rewritten)."""
     proxy = start()
     body = {"model": "mock-model", "messages": MESSAGES, "max_tokens": 2, "logprobs": True,
             "top_logprobs": 1, "return_token_ids": True}

@@ -296,12 +296,12 @@ def _post(base_url: str, body: bytes) -> bytes:
         return response.read()
 
 
-def test_capture_s_members_are_appended_to_the_client_s_own_bytes(proxy_to_spaced, spaced):
-    """Only capture's additions changed: the upstream gets the client's bytes up to their
-    closing brace and then those members (proxy.call.appended), stored as sent."""
+def test_capture_s_members_are_added_and_the_payload_encoded_again(proxy_to_spaced, spaced):
+    """The upstream gets the payload tracetap read, with capture's members, encoded again
+    (msgspec's spelling, not the client's); the client's request is stored as sent."""
     _post(proxy_to_spaced.episode_url("spelled"), SPELLED)
     sent = spaced.raw[-1]
-    assert sent.startswith(SPELLED.rstrip()[:-1] + b",")
+    assert sent == msgspec.json.encode(json.loads(sent))
     added = json.loads(sent)
     assert {k: added.pop(k) for k in ("logprobs", "top_logprobs", "stream_options",
                                       "return_token_ids")} == {
@@ -314,8 +314,8 @@ def test_capture_s_members_are_appended_to_the_client_s_own_bytes(proxy_to_space
 
 
 def test_a_client_member_the_proxy_sets_again_is_encoded_whole(proxy_to_spaced, spaced):
-    """The client's ``"logprobs": false`` is set to true: appending would repeat the key,
-    so the payload is encoded as before (msgspec's spelling)."""
+    """The client's ``"logprobs": false`` is set to true: the key goes upstream once, with
+    the value capture needs."""
     body = SPELLED.replace(b'"stream": true', b'"stream": true, "logprobs": false')
     _post(proxy_to_spaced.episode_url("respelled"), body)
     sent = spaced.raw[-1]

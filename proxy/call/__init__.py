@@ -1,9 +1,9 @@
 """One model call's life: the handlers, the driver (`ModelCall`, the one owner of a call's
-state), its request (its upstream body: the client's bytes plus capture's members when
-that is all that changed), relay, timings, record, review API for overlays, the
+state), its request (its upstream body: the payload as read and checked, encoded again),
+relay, timings, record, review API for overlays, the
 continuation of a call cut by a weight sync, and the routed experts it asks for.
 
-Owns: `handlers`, `driver`, `request`, `appended`, `relay`, `timings`, `record`, `review`,
+Owns: `handlers`, `driver`, `request`, `relay`, `timings`, `record`, `review`,
 `services`, `continuation`, `routed_experts`, `deadline`.
 May import: `http`, `upstream`, `apis`, `tokens`, `episodes`, `policy`,
 `overlays`, `runtime`.

@@ -17,7 +17,6 @@ from tracetap.proxy.apis import Injected
 from tracetap.proxy.apis.chat.wire import decode_object, encode
 from tracetap.proxy.apis.dropped import Dropped
 from tracetap.proxy.call import routed_experts as experts
-from tracetap.proxy.call.appended import appended
 from tracetap.proxy.http.errors import bad_request
 
 if TYPE_CHECKING:
@@ -94,8 +93,7 @@ class CallRequest:
                 episode_id: str | None) -> bytes:
         """The body to send upstream on ``route`` (raises a 400 ProxyError when the
         request cannot be translated)."""
-        body = self.body
-        rewritten = services.model_map.apply(payload)
+        services.model_map.apply(payload)
         translation = route.translation
         fields = services.request_fields
         if translation is not None:
@@ -108,7 +106,6 @@ class CallRequest:
                                               flavor=services.flavor)
             except translation.Untranslatable as exc:
                 raise translation.untranslatable(exc) from exc
-            rewritten = True
         self.repaired = services.repair.apply(episode_id, route.api.speaks_chat, payload)
         # Before capture's additions: what the agent sent that is not a sampling field.
         for name, n in fields.drop(route.api.endpoint, payload).items():
@@ -116,15 +113,14 @@ class CallRequest:
         self.payload = payload
         model = payload.get("model")
         self.model = model if isinstance(model, str) else None
-        changed = rewritten or self.repaired or bool(self.fields_dropped)
-        # The client's members as they are before capture's additions: when those are all
-        # that changes, the body is the client's bytes with them appended (no re-encode).
-        before = None if changed or body is None else dict(payload)
         self.injected = route.api.prepare(payload, services.flavor)
         self.experts = experts.ask(self, route.api, services.routed_experts)
-        if self.injected.any or changed:
-            spliced = None if before is None else appended(body, before, payload)
-            body = encode(payload) if spliced is None else spliced
+        # What goes upstream is the payload as tracetap read and checked it, encoded again,
+        # never the client's bytes: a member written twice (at any depth) or spelled with
+        # escapes reaches the engine once, as tracetap saw it, whichever of the values the
+        # engine's parser would keep (vLLM's keeps the last, a simdjson-based one the
+        # first). ~0.15 ms at 72k tokens of context.
+        body = encode(payload)
         if translation is not None or self.repaired or self.fields_dropped:
             self.upstream_request = body  # stored beside the client's request
         return body
