@@ -23,7 +23,7 @@ import json
 import lzma
 import struct
 
-from storage_bytes import records
+from storage_bytes import add_shape_arguments, records
 
 _XZ = 9 | lzma.PRESET_EXTREME
 
@@ -50,11 +50,7 @@ def data_floor(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=30)
-    parser.add_argument("--tool", type=int, default=2000)
-    parser.add_argument("--out", type=int, default=400)
-    parser.add_argument("--system", type=int, default=1000)
+    add_shape_arguments(parser)
     print(json.dumps(data_floor(parser.parse_args())))
 
 

@@ -334,13 +334,16 @@ async def index_floor(url: str, unique: int) -> dict:
             "rebuilt": rebuilt, "floor_bytes_per_unique_token": round(bits / 8 / unique, 2)}
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's shape, as ``records`` reads it (bench/data_floor.py takes the same)."""
+    for name, default in (("sessions", 8), ("turns", 30), ("tool", 2000), ("out", 400),
+                          ("system", 1000)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=30)
-    parser.add_argument("--tool", type=int, default=2000)
-    parser.add_argument("--out", type=int, default=400)
-    parser.add_argument("--system", type=int, default=1000)
+    add_shape_arguments(parser)
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--layout", choices=("blocks", "inline"), default="blocks",
                         help="blocks: as stored now; inline: as before revision 0007")
