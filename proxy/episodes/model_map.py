@@ -16,13 +16,12 @@ class ModelMap:
                 raise ValueError(f"--model-map {rule!r}: use PATTERN=MODEL, e.g. 'claude-*=qwen3'")
             self.rules.append((pattern.strip(), target.strip()))
 
-    def apply(self, payload: dict[str, Any]) -> bool:
-        """Rewrite ``payload["model"]`` in place; returns whether it changed."""
+    def apply(self, payload: dict[str, Any]) -> None:
+        """Rewrite ``payload["model"]`` in place (the first rule that matches)."""
         model = payload.get("model")
         if not self.rules or not isinstance(model, str):
-            return False
+            return
         for pattern, target in self.rules:
             if fnmatch.fnmatchcase(model, pattern):
                 payload["model"] = target
-                return model != target
-        return False
+                return
